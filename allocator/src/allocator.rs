@@ -1,0 +1,941 @@
+//! The allocator: the policy that ties pool, lifetimes, stats and trace together.
+//!
+//! One [`Allocator`] serves one device. Its state sits behind one mutex; the fast path
+//! (a ready block of the caller's stream) takes the lock once and makes no backend call.
+//!
+//! # Allocation policy, in order
+//! 1. a ready block of the caller's stream (best fit) — no event, no wait;
+//! 2. blocks whose events completed: a batched completion pass, only once enough events are
+//!    in flight (`event_batch`), or always under the PyTorch policy;
+//! 3. (`stream_wait` policy) the best-fitting block of the caller's pending list or of any
+//!    other stream: the caller's stream waits for it on the device;
+//! 4. grow the pool by a new segment, within the memory limit;
+//! 5. synchronise, return every cached segment to the device, and grow again;
+//! 6. a typed out-of-memory error with a fragmentation report.
+
+use crate::backend::Backend;
+use crate::config::{Config, ReusePolicy};
+use crate::error::{AllocError, BackendError, OutOfMemory};
+use crate::lifetime::{EventKey, EventTable, StreamTable};
+use crate::pool::arena::{Arena, BlockKey, StreamSlot};
+use crate::pool::size::{pool_of, round_size, segment_size_for, should_split, MAX_REQUEST};
+use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
+use crate::stats::Stats;
+use crate::trace::{TraceAction, TraceEntry, TraceRing};
+use crate::types::{Allocation, DevicePtr, PoolKind, StreamId};
+use crate::util::BuildAddrHasher;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+
+/// Requests at least `max_split_size` may use a cached block at most this much larger
+/// (PyTorch's `kLargeBuffer`), so oversize blocks are not wasted on much smaller requests.
+const OVERSIZE_SLACK: u64 = 20 << 20;
+
+/// A caching allocator for one device over backend `B`. `Send + Sync` when `B` is; every
+/// method may be called from any thread.
+#[derive(Debug)]
+pub struct Allocator<B: Backend> {
+    backend: B,
+    config: Config,
+    state: Mutex<State>,
+}
+
+/// Everything behind the lock.
+#[derive(Debug)]
+struct State {
+    /// Segments and blocks.
+    arena: Arena,
+    /// Per-stream free lists and in-flight events.
+    streams: StreamTable,
+    /// Recorded events and the idle event pool.
+    events: EventTable,
+    /// Address → block, for blocks handed out.
+    allocated: HashMap<u64, BlockKey, BuildAddrHasher>,
+    /// Counters.
+    stats: Stats,
+    /// Recent events.
+    trace: TraceRing,
+    /// Reserved bytes never exceeded (from `memory_limit`, `memory_fraction` or
+    /// [`Allocator::set_memory_limit`]).
+    limit: Option<u64>,
+}
+
+impl<B: Backend> Allocator<B> {
+    /// An allocator over `backend`. `memory_fraction` is resolved against the backend's
+    /// total memory here; the stricter of it and `memory_limit` applies.
+    pub fn new(backend: B, config: Config) -> Result<Self, AllocError> {
+        let mut limit = config.memory_limit;
+        if let Some(fraction) = config.memory_fraction {
+            let total = backend.total_memory()?;
+            let by_fraction = (total as f64 * fraction) as u64;
+            limit = Some(limit.map_or(by_fraction, |l| l.min(by_fraction)));
+        }
+        let state = State {
+            arena: Arena::default(),
+            streams: StreamTable::default(),
+            events: EventTable::default(),
+            allocated: HashMap::default(),
+            stats: Stats::default(),
+            trace: TraceRing::new(config.trace_capacity),
+            limit,
+        };
+        Ok(Self {
+            backend,
+            config,
+            state: Mutex::new(state),
+        })
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Allocates at least `size` bytes for use on `stream`.
+    pub fn malloc(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
+        if size == 0 || size > MAX_REQUEST {
+            return Err(AllocError::InvalidSize(size));
+        }
+        self.state
+            .lock()
+            .malloc(&self.backend, &self.config, size, stream)
+    }
+
+    /// Returns a block. Streams recorded with [`Allocator::record_use`] get one event each;
+    /// the block is reusable at once by its own stream.
+    pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        self.state.lock().free(&self.backend, ptr)
+    }
+
+    /// Notes that `stream` uses the block at `ptr` (PyTorch's `record_stream`): when the
+    /// block is freed, its reuse will be ordered after the work `stream` has by then.
+    pub fn record_use(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+        self.state.lock().record_use(ptr, stream)
+    }
+
+    /// Synchronises the device and returns every wholly free segment to it. Idle event
+    /// objects are destroyed too. Returns the bytes released.
+    pub fn empty_cache(&self) -> Result<u64, AllocError> {
+        Ok(self.state.lock().release_cached(&self.backend)?)
+    }
+
+    /// Sets (or, with `None`, lifts) the reserved-bytes limit. If more is reserved than the
+    /// new limit, cached memory is released; allocated memory is never taken back.
+    pub fn set_memory_limit(&self, limit: Option<u64>) -> Result<(), AllocError> {
+        let mut state = self.state.lock();
+        state.limit = limit;
+        if let Some(limit) = limit {
+            if state.stats.reserved_bytes.current > limit {
+                state.release_cached(&self.backend)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The limit in force.
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.state.lock().limit
+    }
+
+    /// A copy of the counters.
+    pub fn stats(&self) -> Stats {
+        self.state.lock().stats
+    }
+
+    /// Sets every peak to its current value.
+    pub fn reset_peak_stats(&self) {
+        let mut state = self.state.lock();
+        let stats = &mut state.stats;
+        stats.allocated_bytes.reset_peak();
+        stats.requested_bytes.reset_peak();
+        stats.reserved_bytes.reset_peak();
+        stats.active_bytes.reset_peak();
+        stats.pending_free_bytes.reset_peak();
+    }
+
+    /// Appends an event to the trace ring on behalf of a component built on the allocator
+    /// (the staging pool records its acquire/release this way).
+    pub fn trace_event(&self, action: TraceAction, addr: DevicePtr, size: u64, stream: StreamId) {
+        let mut state = self.state.lock();
+        let slot = state.streams.slot(stream);
+        state.note(&self.backend, action, addr.0, size, slot);
+    }
+
+    /// Segments, blocks, trace, stats and configuration at this instant.
+    pub fn snapshot(&self) -> Snapshot {
+        let state = self.state.lock();
+        state.snapshot(&self.backend, &self.config)
+    }
+
+    /// Walks every structure and checks the engine's invariants: segments tiled by blocks,
+    /// each free block in exactly the list its state calls for, the allocated map matching
+    /// the allocated blocks, counters equal to the sums they summarise, event references
+    /// balanced. Costs a full walk: for tests and debugging.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.state.lock().check_invariants()
+    }
+}
+
+impl State {
+    // ---- Allocation -------------------------------------------------------------------
+
+    #[inline]
+    fn malloc<B: Backend>(
+        &mut self,
+        backend: &B,
+        config: &Config,
+        requested: u64,
+        stream: StreamId,
+    ) -> Result<Allocation, AllocError> {
+        let size = round_size(requested);
+        let pool = pool_of(size);
+        let max_size = max_block_for(size, config);
+        let slot = self.streams.slot(stream);
+        // 1. A ready block of the stream: stream order makes reuse safe, no event needed.
+        if let Some((_, _, key)) =
+            self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)
+        {
+            self.unlist(key);
+            return Ok(self.hand_out(backend, key, slot, size, requested));
+        }
+        self.malloc_slow(backend, config, requested, size, pool, max_size, slot)
+    }
+
+    #[cold]
+    #[inline(never)]
+    #[allow(clippy::too_many_arguments)]
+    fn malloc_slow<B: Backend>(
+        &mut self,
+        backend: &B,
+        config: &Config,
+        requested: u64,
+        size: u64,
+        pool: PoolKind,
+        max_size: u64,
+        slot: StreamSlot,
+    ) -> Result<Allocation, AllocError> {
+        let stream = self.streams.id(slot);
+        // A capturing stream may not query events, wait on events recorded outside the
+        // capture, or synchronise: it only gets ready blocks of its own or fresh segments.
+        let capturing = backend.is_capturing(stream)?;
+        if !capturing {
+            // 2. Blocks whose events completed, found by one batched pass.
+            let due = config.reuse_policy == ReusePolicy::Pytorch
+                || self.events.outstanding() >= config.event_batch;
+            if due && self.collect_completed(backend)? {
+                if let Some((_, _, key)) =
+                    self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)
+                {
+                    self.unlist(key);
+                    return Ok(self.hand_out(backend, key, slot, size, requested));
+                }
+            }
+            // 3. Any other free block, reused after a device-side wait.
+            if config.reuse_policy == ReusePolicy::StreamWait {
+                if let Some(key) = self.best_waitable(slot, pool, size, max_size) {
+                    self.unlist(key);
+                    self.wait_for_block(backend, key, slot)?;
+                    return Ok(self.hand_out(backend, key, slot, size, requested));
+                }
+            }
+        }
+        // 4. Grow.
+        if let Some(key) = self.grow(backend, size, pool, slot)? {
+            return Ok(self.hand_out(backend, key, slot, size, requested));
+        }
+        // 5. Return cached memory to the device and grow again.
+        if !capturing && self.stats.reserved_bytes.current > self.stats.allocated_bytes.current {
+            self.release_cached(backend)?;
+            if let Some(key) = self.grow(backend, size, pool, slot)? {
+                self.stats.retries += 1;
+                return Ok(self.hand_out(backend, key, slot, size, requested));
+            }
+        }
+        // 6. Out of memory.
+        Err(AllocError::OutOfMemory(
+            self.out_of_memory(backend, requested, slot),
+        ))
+    }
+
+    /// The best-fitting block of `pool` that `slot` can take after device-side waits: its
+    /// own pending blocks, and every free block of other streams.
+    fn best_waitable(
+        &self,
+        slot: StreamSlot,
+        pool: PoolKind,
+        size: u64,
+        max_size: u64,
+    ) -> Option<BlockKey> {
+        let mut best: Option<(u64, u64, BlockKey)> = None;
+        for (index, state) in self.streams.states.iter().enumerate() {
+            let own = index as StreamSlot == slot;
+            let lists = [
+                Some(&state.pending[pool as usize]),
+                (!own).then_some(&state.ready[pool as usize]),
+            ];
+            for list in lists.into_iter().flatten() {
+                if let Some(found) = list.best_fit(size, max_size) {
+                    if best.is_none_or(|b| (found.0, found.1) < (b.0, b.1)) {
+                        best = Some(found);
+                    }
+                }
+            }
+        }
+        best.map(|(_, _, key)| key)
+    }
+
+    /// Makes `slot`'s stream wait on the device for everything that may still use the
+    /// (unlisted) block `key`: its pending events and, if it belongs to another stream, the
+    /// work queued on that stream so far.
+    fn wait_for_block<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        slot: StreamSlot,
+    ) -> Result<(), BackendError> {
+        let stream = self.streams.id(slot);
+        let owner = self.arena.blocks[key].stream;
+        let mut waited = false;
+        for &event in &self.arena.blocks[key].pending {
+            if !self.events.is_complete(event) && self.events.stream(event) != slot {
+                backend.stream_wait_event(stream, self.events.handle(event))?;
+                self.stats.cross_stream_waits += 1;
+                waited = true;
+            }
+        }
+        if owner != slot {
+            // One-shot event: once the wait is enqueued it has captured what it needs, so
+            // the object goes straight back to the pool.
+            let handle = self.events.acquire_handle(backend, &mut self.stats)?;
+            let recorded = backend
+                .record_event(handle, self.streams.id(owner))
+                .and_then(|()| backend.stream_wait_event(stream, handle));
+            self.events.recycle_handle(handle);
+            recorded?;
+            self.stats.events_recorded += 1;
+            self.stats.cross_stream_waits += 1;
+            waited = true;
+        }
+        if waited {
+            let (addr, size) = (self.arena.blocks[key].addr, self.arena.blocks[key].size);
+            self.note(backend, TraceAction::CrossStreamWait, addr, size, slot);
+        }
+        Ok(())
+    }
+
+    /// A new segment for a rounded `size`, unlisted and owned by `slot`; `None` if the limit
+    /// or the device refuses.
+    fn grow<B: Backend>(
+        &mut self,
+        backend: &B,
+        size: u64,
+        pool: PoolKind,
+        slot: StreamSlot,
+    ) -> Result<Option<BlockKey>, AllocError> {
+        let segment_size = segment_size_for(size);
+        if let Some(limit) = self.limit {
+            if self.stats.reserved_bytes.current + segment_size > limit {
+                return Ok(None);
+            }
+        }
+        let ptr = match backend.alloc_segment(segment_size) {
+            Ok(ptr) => ptr,
+            Err(err) if err.out_of_memory => return Ok(None),
+            Err(err) => return Err(err.into()),
+        };
+        self.stats.reserved_bytes.add(segment_size);
+        self.stats.segment_allocs += 1;
+        self.note(
+            backend,
+            TraceAction::SegmentAlloc,
+            ptr.0,
+            segment_size,
+            slot,
+        );
+        tracing::debug!(ptr = ?ptr, size = segment_size, "segment allocated");
+        Ok(Some(self.arena.add_segment(
+            ptr.0,
+            segment_size,
+            pool,
+            slot,
+        )))
+    }
+
+    /// Gives the unlisted free block `key` (synchronisation already done) to `slot`,
+    /// splitting off what it does not need.
+    #[inline]
+    fn hand_out<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        slot: StreamSlot,
+        size: u64,
+        requested: u64,
+    ) -> Allocation {
+        let pool = self.arena.segments[self.arena.blocks[key].segment].pool;
+        if should_split(self.arena.blocks[key].size, size, pool) {
+            let right = self.arena.split(key, size);
+            // The remainder is still free and still needs what the whole block needed.
+            let pending = self.arena.blocks[key].pending.clone();
+            for &event in &pending {
+                self.events.retain(event);
+            }
+            self.arena.blocks[right].pending = pending;
+            self.insert_free(backend, right);
+        }
+        let pending = std::mem::take(&mut self.arena.blocks[key].pending);
+        for event in pending {
+            self.events.release(event, &mut self.stats);
+        }
+        let block = &mut self.arena.blocks[key];
+        block.allocated = true;
+        block.stream = slot;
+        block.requested = requested;
+        let (addr, size) = (block.addr, block.size);
+        self.allocated.insert(addr, key);
+        let stats = &mut self.stats;
+        stats.allocated_bytes.add(size);
+        stats.requested_bytes.add(requested);
+        stats.active_bytes.add(size);
+        stats.allocs += 1;
+        self.note(backend, TraceAction::Alloc, addr, size, slot);
+        Allocation {
+            ptr: DevicePtr(addr),
+            requested,
+            size,
+            stream: self.streams.id(slot),
+        }
+    }
+
+    // ---- Free -------------------------------------------------------------------------
+
+    #[inline]
+    fn free<B: Backend>(&mut self, backend: &B, ptr: DevicePtr) -> Result<(), AllocError> {
+        let Some(key) = self.allocated.remove(&ptr.0) else {
+            self.stats.invalid_frees += 1;
+            return Err(AllocError::UnknownPointer(ptr));
+        };
+        let block = &mut self.arena.blocks[key];
+        let (size, requested, owner) = (block.size, block.requested, block.stream);
+        let uses = std::mem::take(&mut block.uses);
+        block.allocated = false;
+        block.requested = 0;
+        let stats = &mut self.stats;
+        stats.allocated_bytes.sub(size);
+        stats.requested_bytes.sub(requested);
+        stats.active_bytes.sub(size);
+        stats.frees += 1;
+        self.note(backend, TraceAction::FreeRequested, ptr.0, size, owner);
+        let recorded = if uses.is_empty() {
+            Ok(())
+        } else {
+            self.record_uses(backend, key, &uses)
+        };
+        if let Err(err) = recorded {
+            // Without the events the block's reuse cannot be ordered: keep it out of
+            // circulation (leaked until empty_cache synchronises) rather than risk a race.
+            tracing::error!(%err, ?ptr, "recording a use event failed; block quarantined until empty_cache");
+            self.arena.blocks[key].pending.clear();
+            self.list_quarantined(key);
+            return Err(err.into());
+        }
+        if self.arena.blocks[key].pending.is_empty() {
+            self.note(backend, TraceAction::FreeCompleted, ptr.0, size, owner);
+        }
+        self.insert_free(backend, key);
+        Ok(())
+    }
+
+    /// One event on each use stream, now; the block and the stream's in-flight queue each
+    /// hold a reference.
+    fn record_uses<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        uses: &[StreamSlot],
+    ) -> Result<(), BackendError> {
+        for &use_slot in uses {
+            let event = self.events.record(
+                backend,
+                use_slot,
+                self.streams.id(use_slot),
+                &mut self.stats,
+            )?;
+            self.events.retain(event);
+            self.streams.get_mut(use_slot).in_flight.push_back(event);
+            self.arena.blocks[key].pending.push(event);
+        }
+        Ok(())
+    }
+
+    fn record_use(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+        let key = *self
+            .allocated
+            .get(&ptr.0)
+            .ok_or(AllocError::UnknownPointer(ptr))?;
+        let slot = self.streams.slot(stream);
+        let block = &mut self.arena.blocks[key];
+        if slot != block.stream && !block.uses.contains(&slot) {
+            block.uses.push(slot);
+        }
+        Ok(())
+    }
+
+    // ---- Free lists -------------------------------------------------------------------
+
+    /// Two free blocks may merge if the result needs no more synchronisation than either:
+    /// same owner, and both ready or both pending.
+    fn mergeable(&self, a: BlockKey, b: BlockKey) -> bool {
+        let (a, b) = (&self.arena.blocks[a], &self.arena.blocks[b]);
+        !a.allocated
+            && !b.allocated
+            && a.stream == b.stream
+            && a.pending.is_empty() == b.pending.is_empty()
+    }
+
+    /// Puts the unlisted free block `key` in its owner's list, merging it with mergeable
+    /// neighbours first.
+    fn insert_free<B: Backend>(&mut self, _backend: &B, key: BlockKey) {
+        let mut key = key;
+        if let Some(prev) = self.arena.blocks[key].prev {
+            if self.mergeable(prev, key) {
+                self.unlist(prev);
+                self.merge_into(prev, key);
+                key = prev;
+            }
+        }
+        if let Some(next) = self.arena.blocks[key].next {
+            if self.mergeable(key, next) {
+                self.unlist(next);
+                self.merge_into(key, next);
+            }
+        }
+        self.list(key);
+    }
+
+    /// Merges unlisted `right` into `left`, uniting their pending events.
+    fn merge_into(&mut self, left: BlockKey, right: BlockKey) {
+        for event in self.arena.merge(left, right) {
+            if self.arena.blocks[left].pending.contains(&event) {
+                self.events.release(event, &mut self.stats);
+            } else {
+                self.arena.blocks[left].pending.push(event);
+            }
+        }
+    }
+
+    /// Adds a free block to the list its owner and pending state call for.
+    #[inline]
+    fn list(&mut self, key: BlockKey) {
+        let block = &self.arena.blocks[key];
+        let pool = self.arena.segments[block.segment].pool;
+        let pending = !block.pending.is_empty();
+        let (size, addr) = (block.size, block.addr);
+        self.streams
+            .get_mut(block.stream)
+            .list(pool, pending)
+            .insert(size, addr, key);
+        if pending {
+            self.stats.pending_free_bytes.add(size);
+            self.stats.active_bytes.add(size);
+        }
+    }
+
+    /// Removes a free block from its list.
+    #[inline]
+    fn unlist(&mut self, key: BlockKey) {
+        let block = &self.arena.blocks[key];
+        let pool = self.arena.segments[block.segment].pool;
+        let pending = !block.pending.is_empty();
+        let (size, addr) = (block.size, block.addr);
+        self.streams
+            .get_mut(block.stream)
+            .list(pool, pending)
+            .remove(size, addr, key);
+        if pending {
+            self.stats.pending_free_bytes.sub(size);
+            self.stats.active_bytes.sub(size);
+        }
+    }
+
+    /// Marks a block that could not be ordered as allocated to nobody: it stays out of the
+    /// free lists and the allocated map until `release_cached` synchronises the device,
+    /// which finds it as an allocated block absent from the allocated map.
+    fn list_quarantined(&mut self, key: BlockKey) {
+        let block = &mut self.arena.blocks[key];
+        block.allocated = true;
+        block.requested = 0;
+        self.stats.allocated_bytes.add(block.size);
+        self.stats.active_bytes.add(block.size);
+    }
+
+    // ---- Event completion ---------------------------------------------------------------
+
+    /// One batched pass: on each stream, queries in-flight events oldest first up to the
+    /// first incomplete one, then returns every pending block whose events all completed to
+    /// its owner's ready list. Returns true if any block became ready.
+    fn collect_completed<B: Backend>(&mut self, backend: &B) -> Result<bool, BackendError> {
+        let mut completed_any = false;
+        for index in 0..self.streams.len() {
+            while let Some(&event) = self.streams.states[index].in_flight.front() {
+                if !self.events.is_complete(event) {
+                    self.stats.event_queries += 1;
+                    if !backend.query_event(self.events.handle(event))? {
+                        break;
+                    }
+                    self.events.mark_complete(event);
+                    completed_any = true;
+                }
+                self.streams.states[index].in_flight.pop_front();
+                self.events.release(event, &mut self.stats);
+            }
+        }
+        if completed_any {
+            Ok(self.promote_completed(backend) > 0)
+        } else {
+            Ok(false)
+        }
+    }
+
+    /// Moves pending blocks whose events are all complete to the ready lists.
+    fn promote_completed<B: Backend>(&mut self, backend: &B) -> usize {
+        let mut ready = Vec::new();
+        for state in &self.streams.states {
+            for list in &state.pending {
+                ready.extend(list.keys().filter(|key| {
+                    self.arena.blocks[*key]
+                        .pending
+                        .iter()
+                        .all(|event| self.events.is_complete(*event))
+                }));
+            }
+        }
+        for &key in &ready {
+            self.unlist(key);
+            for event in std::mem::take(&mut self.arena.blocks[key].pending) {
+                self.events.release(event, &mut self.stats);
+            }
+            let block = &self.arena.blocks[key];
+            let (addr, size, owner) = (block.addr, block.size, block.stream);
+            self.note(backend, TraceAction::FreeCompleted, addr, size, owner);
+            self.insert_free(backend, key);
+        }
+        ready.len()
+    }
+
+    // ---- Releasing memory ---------------------------------------------------------------
+
+    /// Synchronises the device, settles every event, coalesces free blocks across streams
+    /// (after a device-wide sync any free byte is safe for any stream) and returns wholly
+    /// free segments and idle events to the backend. Returns the bytes released.
+    fn release_cached<B: Backend>(&mut self, backend: &B) -> Result<u64, BackendError> {
+        backend.synchronize_device()?;
+        self.events.mark_all_complete();
+        for index in 0..self.streams.len() {
+            while let Some(event) = self.streams.states[index].in_flight.pop_front() {
+                self.events.release(event, &mut self.stats);
+            }
+        }
+        self.promote_completed(backend);
+        self.release_quarantined(backend);
+        self.coalesce_across_streams();
+        let free_segments: Vec<_> = self
+            .arena
+            .segments
+            .iter()
+            .filter(|(segment, _)| self.arena.segment_is_free(*segment))
+            .map(|(segment, seg)| (segment, seg.head, seg.stream))
+            .collect();
+        let mut released = 0;
+        for (segment, head, stream) in free_segments {
+            let (addr, size) = (
+                self.arena.segments[segment].addr,
+                self.arena.segments[segment].size,
+            );
+            backend.free_segment(DevicePtr(addr), size)?;
+            self.unlist(head);
+            self.arena.remove_segment(segment);
+            self.stats.reserved_bytes.sub(size);
+            self.stats.segment_frees += 1;
+            self.note(backend, TraceAction::SegmentFree, addr, size, stream);
+            released += size;
+        }
+        self.events.destroy_idle(backend, &mut self.stats)?;
+        self.note(backend, TraceAction::EmptyCache, 0, released, 0);
+        tracing::debug!(released, "cached memory released");
+        Ok(released)
+    }
+
+    /// Frees quarantined blocks (allocated to nobody) now that the device is idle.
+    fn release_quarantined<B: Backend>(&mut self, backend: &B) {
+        let quarantined: Vec<BlockKey> = self
+            .arena
+            .blocks
+            .iter()
+            .filter(|(key, block)| block.allocated && self.allocated.get(&block.addr) != Some(key))
+            .map(|(key, _)| key)
+            .collect();
+        for key in quarantined {
+            let block = &mut self.arena.blocks[key];
+            block.allocated = false;
+            let size = block.size;
+            self.stats.allocated_bytes.sub(size);
+            self.stats.active_bytes.sub(size);
+            self.insert_free(backend, key);
+        }
+    }
+
+    /// Merges every run of adjacent free blocks regardless of owner; the run takes its
+    /// first block's owner. Only valid right after a device-wide synchronisation.
+    fn coalesce_across_streams(&mut self) {
+        let heads: Vec<BlockKey> = self
+            .arena
+            .segments
+            .iter()
+            .map(|(_, seg)| seg.head)
+            .collect();
+        for head in heads {
+            let mut cursor = Some(head);
+            while let Some(key) = cursor {
+                if self.arena.blocks[key].allocated {
+                    cursor = self.arena.blocks[key].next;
+                    continue;
+                }
+                let mut unlisted = false;
+                while let Some(next) = self.arena.blocks[key].next {
+                    if self.arena.blocks[next].allocated {
+                        break;
+                    }
+                    if !unlisted {
+                        self.unlist(key);
+                        unlisted = true;
+                    }
+                    self.unlist(next);
+                    self.merge_into(key, next);
+                }
+                if unlisted {
+                    self.list(key);
+                }
+                cursor = self.arena.blocks[key].next;
+            }
+        }
+    }
+
+    // ---- Reporting ----------------------------------------------------------------------
+
+    #[cold]
+    fn out_of_memory<B: Backend>(
+        &mut self,
+        backend: &B,
+        requested: u64,
+        slot: StreamSlot,
+    ) -> OutOfMemory {
+        let (mut free_cached, mut largest) = (0, 0);
+        for state in &self.streams.states {
+            for list in state.ready.iter().chain(state.pending.iter()) {
+                free_cached += list.bytes();
+                largest = largest.max(list.largest());
+            }
+        }
+        self.stats.ooms += 1;
+        self.note(backend, TraceAction::Oom, 0, requested, slot);
+        let report = OutOfMemory {
+            requested,
+            stream: self.streams.id(slot),
+            free_cached,
+            largest_free_block: largest,
+            reserved: self.stats.reserved_bytes.current,
+            allocated: self.stats.allocated_bytes.current,
+            limit: self.limit,
+        };
+        tracing::warn!(%report, "allocation failed");
+        report
+    }
+
+    #[inline]
+    fn note<B: Backend>(
+        &mut self,
+        backend: &B,
+        action: TraceAction,
+        addr: u64,
+        size: u64,
+        slot: StreamSlot,
+    ) {
+        if self.trace.enabled() {
+            let stream = if (slot as usize) < self.streams.len() {
+                self.streams.id(slot)
+            } else {
+                StreamId(0)
+            };
+            self.trace.push(TraceEntry {
+                action,
+                addr: DevicePtr(addr),
+                size,
+                stream,
+                time_ns: backend.now_ns(),
+            });
+        }
+    }
+
+    fn snapshot<B: Backend>(&self, backend: &B, config: &Config) -> Snapshot {
+        let mut segments: Vec<SegmentInfo> = self
+            .arena
+            .segments
+            .iter()
+            .map(|(segment, seg)| SegmentInfo {
+                addr: DevicePtr(seg.addr),
+                size: seg.size,
+                pool: seg.pool,
+                stream: self.streams.id(seg.stream),
+                blocks: self
+                    .arena
+                    .segment_blocks(segment)
+                    .map(|(_, block)| BlockInfo {
+                        addr: DevicePtr(block.addr),
+                        size: block.size,
+                        requested: block.requested,
+                        state: if block.allocated {
+                            BlockState::ActiveAllocated
+                        } else if block.pending.is_empty() {
+                            BlockState::Inactive
+                        } else {
+                            BlockState::ActivePendingFree
+                        },
+                        stream: self.streams.id(block.stream),
+                        pending_events: block.pending.len() as u32,
+                    })
+                    .collect(),
+            })
+            .collect();
+        segments.sort_by_key(|s| s.addr);
+        Snapshot {
+            config: config.clone(),
+            stats: self.stats,
+            segments,
+            trace: self.trace.entries().copied().collect(),
+            trace_dropped: self.trace.dropped(),
+            time_ns: backend.now_ns(),
+        }
+    }
+
+    fn check_invariants(&self) -> Result<(), String> {
+        self.arena.validate()?;
+        let (mut allocated, mut requested, mut pending_bytes, mut listed) =
+            (0u64, 0u64, 0u64, 0usize);
+        let mut event_refs: HashMap<EventKey, u32> = HashMap::new();
+        for (key, block) in &self.arena.blocks {
+            let pool = self.arena.segments[block.segment].pool;
+            if block.allocated {
+                if self.allocated.get(&block.addr) == Some(&key) {
+                    requested += block.requested;
+                }
+                allocated += block.size;
+                if !block.pending.is_empty() {
+                    return Err(format!("allocated block {key} carries pending events"));
+                }
+                continue;
+            }
+            if !block.uses.is_empty() {
+                return Err(format!("free block {key} has uses"));
+            }
+            let pending = !block.pending.is_empty();
+            let state = self.streams.get(block.stream);
+            let list = if pending {
+                &state.pending[pool as usize]
+            } else {
+                &state.ready[pool as usize]
+            };
+            if !list.contains(block.size, block.addr, key) {
+                return Err(format!("free block {key} is not in its list"));
+            }
+            listed += 1;
+            if pending {
+                pending_bytes += block.size;
+            }
+            for event in &block.pending {
+                *event_refs.entry(*event).or_default() += 1;
+            }
+        }
+        let total_listed: usize = self
+            .streams
+            .states
+            .iter()
+            .map(|s| {
+                s.ready
+                    .iter()
+                    .chain(s.pending.iter())
+                    .map(|l| l.len())
+                    .sum::<usize>()
+            })
+            .sum();
+        if total_listed != listed {
+            return Err(format!(
+                "{total_listed} blocks listed, {listed} free blocks exist"
+            ));
+        }
+        for state in &self.streams.states {
+            for event in &state.in_flight {
+                *event_refs.entry(*event).or_default() += 1;
+            }
+        }
+        if event_refs.len() != self.events.outstanding() {
+            return Err(format!(
+                "{} events referenced, {} outstanding",
+                event_refs.len(),
+                self.events.outstanding()
+            ));
+        }
+        let stats = &self.stats;
+        let reserved: u64 = self.arena.segments.iter().map(|(_, s)| s.size).sum();
+        let checks = [
+            ("allocated_bytes", stats.allocated_bytes.current, allocated),
+            ("requested_bytes", stats.requested_bytes.current, requested),
+            ("reserved_bytes", stats.reserved_bytes.current, reserved),
+            (
+                "pending_free_bytes",
+                stats.pending_free_bytes.current,
+                pending_bytes,
+            ),
+            (
+                "active_bytes",
+                stats.active_bytes.current,
+                allocated + pending_bytes,
+            ),
+            (
+                "events_outstanding",
+                stats.events_outstanding,
+                self.events.outstanding() as u64,
+            ),
+            (
+                "event objects",
+                stats.events_created - stats.events_destroyed,
+                (self.events.outstanding() + self.events.idle()) as u64,
+            ),
+        ];
+        for (name, counted, summed) in checks {
+            if counted != summed {
+                return Err(format!(
+                    "{name} is {counted} but the blocks add up to {summed}"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The largest cached block a request of rounded `size` may take (PyTorch's
+/// `max_split_size` rule): small requests never take oversize blocks, and oversize
+/// requests take one at most [`OVERSIZE_SLACK`] larger.
+#[inline]
+fn max_block_for(size: u64, config: &Config) -> u64 {
+    match config.max_split_size {
+        None => u64::MAX,
+        Some(max_split) if size < max_split => max_split - 1,
+        Some(_) => size + OVERSIZE_SLACK,
+    }
+}

@@ -1,0 +1,514 @@
+//! A deterministic simulated GPU with a race detector: the backend of every CI test.
+//!
+//! # The model
+//! - **Memory**: a finite capacity; segments get fresh, never-reused address ranges, so a
+//!   touch of freed memory is always caught.
+//! - **Streams**: queues of operations with durations. An operation starts when its stream
+//!   is free, the host has enqueued it, and every event its stream waits on has fired; its
+//!   completion time is fixed when it is enqueued (nothing later can delay it).
+//! - **Host**: runs ahead of the device. Its clock moves only when a test advances it or
+//!   when it synchronises (an event, a stream, the device, or a segment free, which the
+//!   driver's `cuMemFree` implies). An event query answers whether the event's time has
+//!   come on the host clock.
+//! - **Happens-before**: a vector clock per stream and one for the host. Recording an event
+//!   captures its stream's clock; a stream wait merges it; a host synchronisation, or a
+//!   query that answers "complete", merges it into the host clock, which every operation
+//!   enqueued afterwards inherits.
+//!
+//! # The race detector
+//! Every operation names the byte ranges it reads and writes ([`Access`]). Each access is
+//! checked against the shadow memory: an earlier write (for reads and writes) or read (for
+//! writes) by another stream that does not happen-before it is a [`Race`] naming both
+//! operations. Touching memory outside any live segment is reported the same way. A
+//! correct allocator over race-free programs produces none; property tests assert so.
+//!
+//! The simulator also checks CUDA-graph capture rules: while a stream captures, device
+//! synchronisation, event queries and waits on the capturing stream are reported.
+
+mod clock;
+mod shadow;
+
+use self::clock::VectorClock;
+use self::shadow::{OpRef, Shadow};
+use super::{Backend, BackendResult};
+use crate::error::BackendError;
+use crate::types::{DevicePtr, EventHandle, StreamId};
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::sync::Arc;
+
+/// Where simulated segments start (an address that looks like a real device pointer).
+const BASE_ADDRESS: u64 = 0x7f00_0000_0000;
+/// Gap left after every segment so that segments are never adjacent.
+const SEGMENT_GUARD: u64 = 2 << 20;
+
+/// One byte range an operation touches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Access {
+    /// First byte.
+    pub ptr: DevicePtr,
+    /// Bytes.
+    pub len: u64,
+    /// True for a write, false for a read.
+    pub write: bool,
+}
+
+impl Access {
+    /// A read of `[ptr, ptr + len)`.
+    pub fn read(ptr: DevicePtr, len: u64) -> Self {
+        Self {
+            ptr,
+            len,
+            write: false,
+        }
+    }
+
+    /// A write of `[ptr, ptr + len)`.
+    pub fn write(ptr: DevicePtr, len: u64) -> Self {
+        Self {
+            ptr,
+            len,
+            write: true,
+        }
+    }
+}
+
+/// A violation found by the simulator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Race {
+    /// The earlier operation ("-" when the violation involves only one).
+    pub earlier: String,
+    /// The later operation.
+    pub later: String,
+    /// The bytes concerned.
+    pub range: (u64, u64),
+    /// What rule was broken.
+    pub kind: RaceKind,
+}
+
+/// The rule a [`Race`] broke.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RaceKind {
+    /// Two conflicting accesses on different streams with no happens-before between them.
+    Unordered,
+    /// An access to memory outside every live segment.
+    OutOfBounds,
+    /// A call forbidden while a stream is capturing a graph.
+    Capture,
+}
+
+impl fmt::Display for Race {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            RaceKind::Unordered => write!(
+                f,
+                "race on bytes [{:#x}, {:#x}): `{}` does not happen-before `{}`",
+                self.range.0, self.range.1, self.earlier, self.later
+            ),
+            RaceKind::OutOfBounds => write!(
+                f,
+                "`{}` touches [{:#x}, {:#x}), outside every live segment",
+                self.later, self.range.0, self.range.1
+            ),
+            RaceKind::Capture => write!(f, "during graph capture: {}", self.later),
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct SimStream {
+    /// Device time at which the last enqueued operation completes.
+    tail_time: u64,
+    /// What has happened before the stream's next operation.
+    clock: VectorClock,
+    /// Operations enqueued.
+    ops: u64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct SimEvent {
+    /// Device time at which the captured work completes, and the captured clock; `None`
+    /// until recorded (an unrecorded event counts as complete, as in CUDA).
+    recorded: Option<(u64, VectorClock)>,
+    /// Stream it was recorded on, for capture checks.
+    stream: Option<usize>,
+}
+
+#[derive(Debug, Default)]
+struct SimState {
+    capacity: u64,
+    reserved: u64,
+    next_address: u64,
+    /// Live segments: start → size.
+    segments: BTreeMap<u64, u64>,
+    streams: Vec<SimStream>,
+    stream_index: HashMap<StreamId, usize>,
+    host_time: u64,
+    host_clock: VectorClock,
+    events: HashMap<u64, SimEvent>,
+    next_event: u64,
+    shadow: Shadow,
+    /// Labels of every operation, for race messages.
+    log: Vec<String>,
+    races: Vec<Race>,
+    capturing: HashSet<usize>,
+    /// Backend calls made, by name, for tests that count driver traffic.
+    calls: BTreeMap<&'static str, u64>,
+    /// Fail the next `alloc_segment` calls with a non-OOM error (failure injection).
+    fail_next_allocs: u32,
+}
+
+/// The simulated device. Cloning shares the device (it is an `Arc` inside).
+#[derive(Clone, Debug, Default)]
+pub struct SimBackend {
+    state: Arc<Mutex<SimState>>,
+}
+
+impl SimBackend {
+    /// A device with `capacity` bytes of memory.
+    pub fn new(capacity: u64) -> Self {
+        let state = SimState {
+            capacity,
+            next_address: BASE_ADDRESS,
+            next_event: 1,
+            ..SimState::default()
+        };
+        Self {
+            state: Arc::new(Mutex::new(state)),
+        }
+    }
+
+    /// A new stream.
+    pub fn create_stream(&self) -> StreamId {
+        let mut state = self.state.lock();
+        let id = StreamId(0x5000 + state.streams.len() as u64);
+        state.stream_of(id);
+        id
+    }
+
+    /// Enqueues an operation of `duration_ns` on `stream` that performs `accesses`, checking
+    /// each against every earlier access. `label` names it in race reports.
+    pub fn launch(&self, stream: StreamId, accesses: &[Access], duration_ns: u64, label: &str) {
+        self.state
+            .lock()
+            .launch(stream, accesses, duration_ns, label);
+    }
+
+    /// Moves the host clock forward (the host doing other work).
+    pub fn advance_host(&self, ns: u64) {
+        self.state.lock().host_time += ns;
+    }
+
+    /// Blocks the host until `stream`'s work is done.
+    pub fn synchronize_stream(&self, stream: StreamId) {
+        let mut state = self.state.lock();
+        let index = state.stream_of(stream);
+        let (time, clock) = (
+            state.streams[index].tail_time,
+            state.streams[index].clock.clone(),
+        );
+        state.host_time = state.host_time.max(time);
+        state.host_clock.merge(&clock);
+    }
+
+    /// Starts or ends graph capture on `stream`.
+    pub fn set_capturing(&self, stream: StreamId, capturing: bool) {
+        let mut state = self.state.lock();
+        let index = state.stream_of(stream);
+        if capturing {
+            state.capturing.insert(index);
+        } else {
+            state.capturing.remove(&index);
+        }
+    }
+
+    /// Makes the next `count` segment allocations fail with a driver error that is not an
+    /// out-of-memory (failure injection for tests).
+    pub fn fail_next_segment_allocs(&self, count: u32) {
+        self.state.lock().fail_next_allocs = count;
+    }
+
+    /// Every violation found so far.
+    pub fn races(&self) -> Vec<Race> {
+        self.state.lock().races.clone()
+    }
+
+    /// Bytes currently obtained by segments.
+    pub fn reserved(&self) -> u64 {
+        self.state.lock().reserved
+    }
+
+    /// Live segments.
+    pub fn live_segments(&self) -> usize {
+        self.state.lock().segments.len()
+    }
+
+    /// Event objects created and not destroyed.
+    pub fn live_events(&self) -> usize {
+        self.state.lock().events.len()
+    }
+
+    /// The host clock, nanoseconds.
+    pub fn host_time(&self) -> u64 {
+        self.state.lock().host_time
+    }
+
+    /// Device time at which everything enqueued so far completes.
+    pub fn device_time(&self) -> u64 {
+        let state = self.state.lock();
+        state
+            .streams
+            .iter()
+            .map(|s| s.tail_time)
+            .max()
+            .unwrap_or(0)
+            .max(state.host_time)
+    }
+
+    /// How many times the backend call `name` (e.g. `"stream_wait_event"`) was made.
+    pub fn calls(&self, name: &str) -> u64 {
+        self.state.lock().calls.get(name).copied().unwrap_or(0)
+    }
+
+    fn call(&self, name: &'static str) -> parking_lot::MutexGuard<'_, SimState> {
+        let mut state = self.state.lock();
+        *state.calls.entry(name).or_default() += 1;
+        state
+    }
+}
+
+impl SimState {
+    fn stream_of(&mut self, id: StreamId) -> usize {
+        if let Some(index) = self.stream_index.get(&id) {
+            return *index;
+        }
+        let index = self.streams.len();
+        self.streams.push(SimStream::default());
+        self.stream_index.insert(id, index);
+        index
+    }
+
+    fn launch(&mut self, stream: StreamId, accesses: &[Access], duration_ns: u64, label: &str) {
+        let index = self.stream_of(stream);
+        let host_clock = self.host_clock.clone();
+        let host_time = self.host_time;
+        let sim_stream = &mut self.streams[index];
+        sim_stream.clock.merge(&host_clock);
+        let epoch = sim_stream.clock.tick(index);
+        sim_stream.ops += 1;
+        let start = sim_stream.tail_time.max(host_time);
+        sim_stream.tail_time = start + duration_ns;
+        let op = OpRef {
+            op: self.log.len(),
+            stream: index,
+            epoch,
+        };
+        self.log
+            .push(format!("{label} (stream {index}, op {epoch})"));
+        let clock = self.streams[index].clock.clone();
+        for access in accesses {
+            let (start, end) = (access.ptr.0, access.ptr.0 + access.len);
+            let inside = self
+                .segments
+                .range(..=start)
+                .next_back()
+                .is_some_and(|(seg, size)| end <= seg + size);
+            if !inside {
+                self.races.push(Race {
+                    earlier: "-".into(),
+                    later: self.log[op.op].clone(),
+                    range: (start, end),
+                    kind: RaceKind::OutOfBounds,
+                });
+                continue;
+            }
+            let conflicts = self.shadow.access(start, end, op, access.write, |prior| {
+                clock.covers(prior.stream, prior.epoch)
+            });
+            for (prior, from, to) in conflicts {
+                self.races.push(Race {
+                    earlier: self.log[prior.op].clone(),
+                    later: self.log[op.op].clone(),
+                    range: (from.max(start), to.min(end)),
+                    kind: RaceKind::Unordered,
+                });
+            }
+        }
+    }
+
+    fn sync_host_to_device(&mut self) {
+        for sim_stream in &self.streams {
+            self.host_time = self.host_time.max(sim_stream.tail_time);
+            self.host_clock.merge(&sim_stream.clock);
+        }
+    }
+
+    fn capture_violation(&mut self, what: String) {
+        self.races.push(Race {
+            earlier: "-".into(),
+            later: what,
+            range: (0, 0),
+            kind: RaceKind::Capture,
+        });
+    }
+}
+
+fn unknown_event(operation: &'static str, event: EventHandle) -> BackendError {
+    BackendError::new(operation, format!("invalid resource handle {event:?}"))
+}
+
+impl Backend for SimBackend {
+    fn total_memory(&self) -> BackendResult<u64> {
+        Ok(self.state.lock().capacity)
+    }
+
+    fn alloc_segment(&self, size: u64) -> BackendResult<DevicePtr> {
+        let mut state = self.call("alloc_segment");
+        if state.fail_next_allocs > 0 {
+            state.fail_next_allocs -= 1;
+            return Err(BackendError::new("cuMemAlloc", "injected failure"));
+        }
+        if state.reserved + size > state.capacity {
+            return Err(BackendError::out_of_memory(
+                "cuMemAlloc",
+                format!(
+                    "{size} bytes requested, {} of {} in use",
+                    state.reserved, state.capacity
+                ),
+            ));
+        }
+        let addr = state.next_address;
+        state.next_address += size.div_ceil(SEGMENT_GUARD) * SEGMENT_GUARD + SEGMENT_GUARD;
+        state.reserved += size;
+        state.segments.insert(addr, size);
+        Ok(DevicePtr(addr))
+    }
+
+    fn free_segment(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        let mut state = self.call("free_segment");
+        if state.segments.get(&ptr.0) != Some(&size) {
+            return Err(BackendError::new(
+                "cuMemFree",
+                format!("{ptr:?} ({size} bytes) is not a live segment"),
+            ));
+        }
+        // cuMemFree synchronises the device before releasing.
+        if !state.capturing.is_empty() {
+            state.capture_violation(format!("segment free of {ptr:?} synchronises the device"));
+        }
+        state.sync_host_to_device();
+        state.segments.remove(&ptr.0);
+        state.reserved -= size;
+        state.shadow.forget(ptr.0, ptr.0 + size);
+        Ok(())
+    }
+
+    fn create_event(&self) -> BackendResult<EventHandle> {
+        let mut state = self.call("create_event");
+        let id = state.next_event;
+        state.next_event += 1;
+        state.events.insert(id, SimEvent::default());
+        Ok(EventHandle(id))
+    }
+
+    fn destroy_event(&self, event: EventHandle) -> BackendResult<()> {
+        let mut state = self.call("destroy_event");
+        state
+            .events
+            .remove(&event.0)
+            .map(|_| ())
+            .ok_or_else(|| unknown_event("cuEventDestroy", event))
+    }
+
+    fn record_event(&self, event: EventHandle, stream: StreamId) -> BackendResult<()> {
+        let mut state = self.call("record_event");
+        let index = state.stream_of(stream);
+        let time = state.streams[index].tail_time.max(state.host_time);
+        let mut clock = state.streams[index].clock.clone();
+        clock.merge(&state.host_clock.clone());
+        let record = state
+            .events
+            .get_mut(&event.0)
+            .ok_or_else(|| unknown_event("cuEventRecord", event))?;
+        record.recorded = Some((time, clock));
+        record.stream = Some(index);
+        Ok(())
+    }
+
+    fn query_event(&self, event: EventHandle) -> BackendResult<bool> {
+        let mut state = self.call("query_event");
+        if !state.capturing.is_empty() {
+            state.capture_violation(format!("query of {event:?}"));
+        }
+        let record = state
+            .events
+            .get(&event.0)
+            .cloned()
+            .ok_or_else(|| unknown_event("cuEventQuery", event))?;
+        match record.recorded {
+            None => Ok(true),
+            Some((time, clock)) if time <= state.host_time => {
+                state.host_clock.merge(&clock);
+                Ok(true)
+            }
+            Some(_) => Ok(false),
+        }
+    }
+
+    fn synchronize_event(&self, event: EventHandle) -> BackendResult<()> {
+        let mut state = self.call("synchronize_event");
+        let record = state
+            .events
+            .get(&event.0)
+            .cloned()
+            .ok_or_else(|| unknown_event("cuEventSynchronize", event))?;
+        if let Some((time, clock)) = record.recorded {
+            state.host_time = state.host_time.max(time);
+            state.host_clock.merge(&clock);
+        }
+        Ok(())
+    }
+
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> BackendResult<()> {
+        let mut state = self.call("stream_wait_event");
+        let index = state.stream_of(stream);
+        let record = state
+            .events
+            .get(&event.0)
+            .cloned()
+            .ok_or_else(|| unknown_event("cuStreamWaitEvent", event))?;
+        if state.capturing.contains(&index)
+            && record.stream.is_some_and(|s| !state.capturing.contains(&s))
+        {
+            state.capture_violation(format!(
+                "capturing stream {index} waits on {event:?} recorded outside the capture"
+            ));
+        }
+        if let Some((time, clock)) = record.recorded {
+            let sim_stream = &mut state.streams[index];
+            sim_stream.tail_time = sim_stream.tail_time.max(time);
+            sim_stream.clock.merge(&clock);
+        }
+        Ok(())
+    }
+
+    fn synchronize_device(&self) -> BackendResult<()> {
+        let mut state = self.call("synchronize_device");
+        if !state.capturing.is_empty() {
+            state.capture_violation("device synchronisation".into());
+        }
+        state.sync_host_to_device();
+        Ok(())
+    }
+
+    fn is_capturing(&self, stream: StreamId) -> BackendResult<bool> {
+        let mut state = self.state.lock();
+        let index = state.stream_of(stream);
+        Ok(state.capturing.contains(&index))
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.state.lock().host_time
+    }
+}

@@ -1,0 +1,287 @@
+//! The allocator's configuration, parsed once from `STREAMALLOC_CONF`.
+//!
+//! The string has PyTorch's `PYTORCH_CUDA_ALLOC_CONF` shape: `key:value` pairs separated by
+//! commas, e.g. `reuse_policy:pytorch,memory_limit:8GiB`. This module is the only code that
+//! reads the environment; everything else receives a typed [`Config`]. An unknown key or a
+//! bad value is an error naming the key and what it accepts, never silently ignored.
+//!
+//! | key | values | default |
+//! | --- | --- | --- |
+//! | `reuse_policy` | `stream_wait` (device-side waits) or `pytorch` (hold blocks until the host sees their events complete) | `stream_wait` |
+//! | `memory_limit` | bytes, with an optional `KiB`/`MiB`/`GiB`/`TiB` (or `KB`/`MB`/`GB`) suffix; `0` or `none` for no limit | none |
+//! | `memory_fraction` | a fraction of device memory in (0, 1] | none |
+//! | `max_split_size` | bytes: larger cached blocks are never split for smaller requests | none |
+//! | `trace_capacity` | entries kept in the trace ring; `0` turns tracing off | 65536 |
+//! | `event_batch` | outstanding events that trigger a batched completion query | 64 |
+
+use crate::error::ConfigError;
+use serde::{Deserialize, Serialize};
+
+/// The environment variable read by [`Config::from_env`].
+pub const ENV_VAR: &str = "STREAMALLOC_CONF";
+
+const KNOWN_KEYS: &str =
+    "reuse_policy, memory_limit, memory_fraction, max_split_size, trace_capacity, event_batch";
+
+/// How a freed block that other streams still use comes back into circulation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReusePolicy {
+    /// streamalloc's policy: the block returns to its stream's free list at once, carrying
+    /// its pending events; the next stream to take it waits on them on the device.
+    StreamWait,
+    /// PyTorch's policy, kept to measure against: the block is held out of circulation
+    /// until the host observes its events complete, and blocks never move between streams.
+    Pytorch,
+}
+
+/// Typed configuration. Build it with [`Config::parse`] / [`Config::from_env`], or start from
+/// [`Config::default`] and set fields.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    /// See [`ReusePolicy`].
+    pub reuse_policy: ReusePolicy,
+    /// Reserved bytes the allocator never grows beyond.
+    pub memory_limit: Option<u64>,
+    /// A limit as a fraction of device memory, resolved when the allocator is created.
+    pub memory_fraction: Option<f64>,
+    /// Cached blocks larger than this are not split to serve smaller requests.
+    pub max_split_size: Option<u64>,
+    /// Trace ring capacity in entries (0: tracing off).
+    pub trace_capacity: usize,
+    /// Outstanding events that trigger a batched completion query.
+    pub event_batch: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            reuse_policy: ReusePolicy::StreamWait,
+            memory_limit: None,
+            memory_fraction: None,
+            max_split_size: None,
+            trace_capacity: 65_536,
+            event_batch: 64,
+        }
+    }
+}
+
+impl Config {
+    /// Reads `STREAMALLOC_CONF`; unset or empty gives the defaults.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        match std::env::var(ENV_VAR) {
+            Ok(text) => Self::parse(&text),
+            Err(_) => Ok(Self::default()),
+        }
+    }
+
+    /// Parses `key:value,key:value`. Whitespace around keys and values is ignored.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let mut config = Self::default();
+        for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let (key, value) = entry
+                .split_once(':')
+                .ok_or_else(|| ConfigError::Malformed(entry.to_string()))?;
+            config.set(key.trim(), value.trim())?;
+        }
+        Ok(config)
+    }
+
+    /// Sets one key from its textual value.
+    pub fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+        match key {
+            "reuse_policy" => {
+                self.reuse_policy = match value {
+                    "stream_wait" => ReusePolicy::StreamWait,
+                    "pytorch" => ReusePolicy::Pytorch,
+                    _ => return Err(bad("reuse_policy", value, "`stream_wait` or `pytorch`")),
+                }
+            }
+            "memory_limit" => {
+                self.memory_limit = match value {
+                    "none" | "0" => None,
+                    _ => Some(parse_bytes(value).ok_or_else(|| {
+                        bad(
+                            "memory_limit",
+                            value,
+                            "a byte count such as 8GiB, 512MiB or 0",
+                        )
+                    })?),
+                }
+            }
+            "memory_fraction" => {
+                let fraction: f64 = value
+                    .parse()
+                    .ok()
+                    .filter(|f: &f64| *f > 0.0 && *f <= 1.0)
+                    .ok_or_else(|| bad("memory_fraction", value, "a number in (0, 1]"))?;
+                self.memory_fraction = Some(fraction);
+            }
+            "max_split_size" => {
+                self.max_split_size = match value {
+                    "none" => None,
+                    _ => Some(parse_bytes(value).filter(|b| *b > 0).ok_or_else(|| {
+                        bad(
+                            "max_split_size",
+                            value,
+                            "a byte count such as 64MiB, or none",
+                        )
+                    })?),
+                }
+            }
+            "trace_capacity" => {
+                self.trace_capacity = value.parse().map_err(|_| {
+                    bad(
+                        "trace_capacity",
+                        value,
+                        "a number of entries (0 turns tracing off)",
+                    )
+                })?
+            }
+            "event_batch" => {
+                self.event_batch = value
+                    .parse()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| bad("event_batch", value, "a positive number of events"))?
+            }
+            _ => {
+                return Err(ConfigError::UnknownKey {
+                    key: key.to_string(),
+                    known: KNOWN_KEYS,
+                })
+            }
+        }
+        Ok(())
+    }
+
+    /// The configuration written back in `STREAMALLOC_CONF` form.
+    pub fn to_conf_string(&self) -> String {
+        let mut parts = vec![format!(
+            "reuse_policy:{}",
+            match self.reuse_policy {
+                ReusePolicy::StreamWait => "stream_wait",
+                ReusePolicy::Pytorch => "pytorch",
+            }
+        )];
+        if let Some(limit) = self.memory_limit {
+            parts.push(format!("memory_limit:{limit}"));
+        }
+        if let Some(fraction) = self.memory_fraction {
+            parts.push(format!("memory_fraction:{fraction}"));
+        }
+        if let Some(split) = self.max_split_size {
+            parts.push(format!("max_split_size:{split}"));
+        }
+        parts.push(format!("trace_capacity:{}", self.trace_capacity));
+        parts.push(format!("event_batch:{}", self.event_batch));
+        parts.join(",")
+    }
+}
+
+fn bad(key: &'static str, value: &str, expected: &'static str) -> ConfigError {
+    ConfigError::BadValue {
+        key,
+        value: value.to_string(),
+        expected,
+    }
+}
+
+/// Parses `123`, `4KiB`, `8GiB`, `512MB` (decimal suffixes are taken as binary, as
+/// PyTorch's `_mb` keys do). Returns `None` on anything else or on overflow.
+pub fn parse_bytes(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, suffix) = text.split_at(split);
+    let number: u64 = digits.parse().ok()?;
+    let shift = match suffix.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return None,
+    };
+    number.checked_mul(1u64 << shift)
+}
+
+/// Formats a byte count for humans: `1.50 GiB`, `512 B`.
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_key() {
+        let config = Config::parse(
+            "reuse_policy:pytorch, memory_limit:8GiB,memory_fraction:0.5,max_split_size:64MiB,trace_capacity:0,event_batch:8",
+        )
+        .unwrap();
+        assert_eq!(config.reuse_policy, ReusePolicy::Pytorch);
+        assert_eq!(config.memory_limit, Some(8 << 30));
+        assert_eq!(config.memory_fraction, Some(0.5));
+        assert_eq!(config.max_split_size, Some(64 << 20));
+        assert_eq!(config.trace_capacity, 0);
+        assert_eq!(config.event_batch, 8);
+        assert_eq!(Config::parse(&config.to_conf_string()).unwrap(), config);
+    }
+
+    #[test]
+    fn empty_string_gives_defaults() {
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn unknown_key_names_the_key_and_the_known_ones() {
+        let err = Config::parse("reuse_polcy:pytorch")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`reuse_polcy`"), "{err}");
+        assert!(err.contains("reuse_policy"), "{err}");
+    }
+
+    #[test]
+    fn bad_value_names_the_key_and_the_accepted_values() {
+        let err = Config::parse("reuse_policy:eager").unwrap_err().to_string();
+        assert!(
+            err.contains("`eager`") && err.contains("stream_wait"),
+            "{err}"
+        );
+        let err = Config::parse("memory_limit:lots").unwrap_err().to_string();
+        assert!(err.contains("memory_limit") && err.contains("GiB"), "{err}");
+        assert!(Config::parse("memory_fraction:1.5").is_err());
+        assert!(Config::parse("event_batch:0").is_err());
+        assert!(matches!(
+            Config::parse("novalue"),
+            Err(ConfigError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn byte_suffixes() {
+        assert_eq!(parse_bytes("512"), Some(512));
+        assert_eq!(parse_bytes("4KiB"), Some(4096));
+        assert_eq!(parse_bytes("2mb"), Some(2 << 20));
+        assert_eq!(parse_bytes("1T"), Some(1 << 40));
+        assert_eq!(parse_bytes("99999999999999TiB"), None);
+        assert_eq!(parse_bytes("x"), None);
+        assert_eq!(format_bytes(512), "512 B");
+        assert_eq!(format_bytes(3 << 29), "1.50 GiB");
+    }
+}

@@ -1,0 +1,128 @@
+//! Every way the engine can fail, as typed errors (`thiserror`).
+//!
+//! The C ABI turns these into a null pointer plus `streamalloc_last_error()`, so each
+//! message is written to be read by a user who only sees that string.
+
+use crate::types::{DevicePtr, StreamId};
+
+/// A failure reported by a [`crate::Backend`] (the CUDA driver or the simulator).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{operation} failed: {message}")]
+pub struct BackendError {
+    /// The backend call that failed, e.g. `cuMemAlloc`.
+    pub operation: &'static str,
+    /// What the backend said.
+    pub message: String,
+    /// True when the failure is the device being out of memory, which the allocator
+    /// answers by freeing cached memory and retrying.
+    pub out_of_memory: bool,
+}
+
+impl BackendError {
+    /// A failure that is not an out-of-memory condition.
+    pub fn new(operation: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            operation,
+            message: message.into(),
+            out_of_memory: false,
+        }
+    }
+
+    /// The device had no memory left for `operation`.
+    pub fn out_of_memory(operation: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            operation,
+            message: message.into(),
+            out_of_memory: true,
+        }
+    }
+}
+
+/// What the allocator knew when it gave up on a request: enough to tell fragmentation
+/// (much cached, small largest block) from a real shortage (little cached).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OutOfMemory {
+    /// Bytes the caller asked for.
+    pub requested: u64,
+    /// The stream that asked.
+    pub stream: StreamId,
+    /// Bytes cached in free blocks, all streams together.
+    pub free_cached: u64,
+    /// The largest single free block.
+    pub largest_free_block: u64,
+    /// Bytes obtained from the device and not yet returned.
+    pub reserved: u64,
+    /// Bytes handed out to callers.
+    pub allocated: u64,
+    /// The configured limit, if any.
+    pub limit: Option<u64>,
+}
+
+impl std::fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use crate::config::format_bytes as b;
+        write!(
+            f,
+            "out of memory: tried to allocate {} on {}; {} free in cache (largest free block {}), \
+             {} reserved, {} allocated, limit {}",
+            b(self.requested),
+            self.stream,
+            b(self.free_cached),
+            b(self.largest_free_block),
+            b(self.reserved),
+            b(self.allocated),
+            self.limit.map_or_else(|| "none".to_string(), b),
+        )
+    }
+}
+
+/// An error from the allocator's public API.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum AllocError {
+    /// The request cannot be served even after freeing every cached block.
+    #[error("{0}")]
+    OutOfMemory(OutOfMemory),
+    /// `free` or `record_use` named a pointer this allocator did not hand out, or that
+    /// was already freed.
+    #[error("unknown pointer {0}: not allocated by streamalloc, or already freed")]
+    UnknownPointer(DevicePtr),
+    /// A request of zero bytes or beyond what a device can address.
+    #[error("invalid allocation size {0}")]
+    InvalidSize(u64),
+    /// The stream is being captured into a CUDA graph and the only blocks available
+    /// would need an event query or a cross-stream wait, which capture forbids.
+    #[error(
+        "stream {0} is capturing a CUDA graph and no block is free on it; \
+         growing the pool during capture is refused (allocate outside the capture, or warm it up first)"
+    )]
+    CaptureForbidsGrowth(StreamId),
+    /// The backend failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// A `STREAMALLOC_CONF` string that cannot be parsed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// A key no version of streamalloc knows.
+    #[error("STREAMALLOC_CONF: unknown key `{key}`; known keys: {known}")]
+    UnknownKey {
+        /// The key as written.
+        key: String,
+        /// The accepted keys, comma separated.
+        known: &'static str,
+    },
+    /// A known key with a value it does not accept.
+    #[error("STREAMALLOC_CONF: bad value `{value}` for `{key}`; expected {expected}")]
+    BadValue {
+        /// The key.
+        key: &'static str,
+        /// The value as written.
+        value: String,
+        /// What the key accepts.
+        expected: &'static str,
+    },
+    /// An entry that is not `key:value`.
+    #[error("STREAMALLOC_CONF: `{0}` is not of the form key:value")]
+    Malformed(String),
+}

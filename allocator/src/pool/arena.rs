@@ -1,0 +1,243 @@
+//! Segments and the blocks that tile them.
+//!
+//! A segment is one range obtained from the device. It is always tiled exactly by its
+//! blocks, linked in address order through `prev`/`next`:
+//! `Σ block.size over a segment == segment.size`, and `block.next.addr == block.addr +
+//! block.size`. Splitting keeps the left block's key; merging keeps the left block's key
+//! and removes the right one, so a segment's `head` never changes.
+//!
+//! The arena knows nothing of streams or events beyond the fields it stores for the
+//! lifetime layer; it never decides where a free block goes.
+
+use crate::lifetime::EventKey;
+use crate::types::PoolKind;
+use slab::Slab;
+
+/// Index of a block in the arena.
+pub(crate) type BlockKey = usize;
+/// Index of a segment in the arena.
+pub(crate) type SegmentKey = usize;
+/// Index of a stream in the allocator's stream table.
+pub(crate) type StreamSlot = u32;
+
+/// A contiguous range of a segment, allocated or free.
+#[derive(Debug, Clone)]
+pub(crate) struct Block {
+    /// First byte.
+    pub(crate) addr: u64,
+    /// Bytes, a multiple of the minimum block size.
+    pub(crate) size: u64,
+    /// Bytes the caller asked for (0 while free).
+    pub(crate) requested: u64,
+    /// The segment this block tiles.
+    pub(crate) segment: SegmentKey,
+    /// The block just below in the segment, if any.
+    pub(crate) prev: Option<BlockKey>,
+    /// The block just above in the segment, if any.
+    pub(crate) next: Option<BlockKey>,
+    /// Handed to a caller and not yet freed.
+    pub(crate) allocated: bool,
+    /// The owning stream: while allocated, the stream it was allocated on; while free, the
+    /// stream whose free list holds it. The owner may reuse it with no event.
+    pub(crate) stream: StreamSlot,
+    /// While allocated: other streams recorded as using it (`record_use`), deduplicated.
+    pub(crate) uses: Vec<StreamSlot>,
+    /// While free: events, one per former use stream, that must complete (or be waited on)
+    /// before any stream reuses these bytes. Empty for a block that is ready for its owner.
+    pub(crate) pending: Vec<EventKey>,
+}
+
+/// One range obtained from the device.
+#[derive(Debug, Clone)]
+pub(crate) struct Segment {
+    /// First byte.
+    pub(crate) addr: u64,
+    /// Bytes.
+    pub(crate) size: u64,
+    /// Small or large pool: a segment serves one pool only.
+    pub(crate) pool: PoolKind,
+    /// The stream whose request created it (reported in snapshots).
+    pub(crate) stream: StreamSlot,
+    /// The lowest block; stable for the segment's life.
+    pub(crate) head: BlockKey,
+}
+
+/// All segments and blocks.
+#[derive(Debug, Default)]
+pub(crate) struct Arena {
+    pub(crate) blocks: Slab<Block>,
+    pub(crate) segments: Slab<Segment>,
+}
+
+impl Arena {
+    /// Registers a new segment, tiled by one free block owned by `stream`.
+    pub(crate) fn add_segment(
+        &mut self,
+        addr: u64,
+        size: u64,
+        pool: PoolKind,
+        stream: StreamSlot,
+    ) -> BlockKey {
+        let segment = self.segments.vacant_key();
+        let head = self.blocks.insert(Block {
+            addr,
+            size,
+            requested: 0,
+            segment,
+            prev: None,
+            next: None,
+            allocated: false,
+            stream,
+            uses: Vec::new(),
+            pending: Vec::new(),
+        });
+        self.segments.insert(Segment {
+            addr,
+            size,
+            pool,
+            stream,
+            head,
+        });
+        head
+    }
+
+    /// Forgets a segment tiled by a single free block; returns its address and size.
+    pub(crate) fn remove_segment(&mut self, segment: SegmentKey) -> (u64, u64) {
+        let seg = self.segments.remove(segment);
+        let head = self.blocks.remove(seg.head);
+        debug_assert!(head.next.is_none() && !head.allocated && head.size == seg.size);
+        (seg.addr, seg.size)
+    }
+
+    /// Cuts `key` at `size` bytes; the new right-hand block (returned) is free, owned by
+    /// the same stream, and carries no pending events (the caller copies them if needed).
+    pub(crate) fn split(&mut self, key: BlockKey, size: u64) -> BlockKey {
+        let (addr, total, segment, next, stream) = {
+            let block = &self.blocks[key];
+            debug_assert!(size < block.size && size.is_multiple_of(super::MIN_BLOCK_SIZE));
+            (
+                block.addr,
+                block.size,
+                block.segment,
+                block.next,
+                block.stream,
+            )
+        };
+        let right = self.blocks.insert(Block {
+            addr: addr + size,
+            size: total - size,
+            requested: 0,
+            segment,
+            prev: Some(key),
+            next,
+            allocated: false,
+            stream,
+            uses: Vec::new(),
+            pending: Vec::new(),
+        });
+        if let Some(next) = next {
+            self.blocks[next].prev = Some(right);
+        }
+        let block = &mut self.blocks[key];
+        block.size = size;
+        block.next = Some(right);
+        right
+    }
+
+    /// Absorbs `right` (the block just above `left`) into `left` and returns `right`'s
+    /// pending events for the caller to merge or release.
+    pub(crate) fn merge(&mut self, left: BlockKey, right: BlockKey) -> Vec<EventKey> {
+        let removed = self.blocks.remove(right);
+        debug_assert_eq!(removed.prev, Some(left));
+        debug_assert!(!removed.allocated);
+        if let Some(next) = removed.next {
+            self.blocks[next].prev = Some(left);
+        }
+        let block = &mut self.blocks[left];
+        debug_assert_eq!(block.addr + block.size, removed.addr);
+        block.size += removed.size;
+        block.next = removed.next;
+        removed.pending
+    }
+
+    /// True if the segment is one free block.
+    pub(crate) fn segment_is_free(&self, segment: SegmentKey) -> bool {
+        let seg = &self.segments[segment];
+        let head = &self.blocks[seg.head];
+        !head.allocated && head.next.is_none()
+    }
+
+    /// Blocks of a segment in address order.
+    pub(crate) fn segment_blocks(
+        &self,
+        segment: SegmentKey,
+    ) -> impl Iterator<Item = (BlockKey, &Block)> {
+        let mut cursor = Some(self.segments[segment].head);
+        std::iter::from_fn(move || {
+            let key = cursor?;
+            let block = &self.blocks[key];
+            cursor = block.next;
+            Some((key, block))
+        })
+    }
+
+    /// Checks that every segment is tiled exactly by its blocks. Used by tests.
+    pub(crate) fn validate(&self) -> Result<(), String> {
+        let mut seen = 0usize;
+        for (segment, seg) in &self.segments {
+            let mut expected_addr = seg.addr;
+            let mut prev = None;
+            for (key, block) in self.segment_blocks(segment) {
+                seen += 1;
+                if block.addr != expected_addr {
+                    return Err(format!(
+                        "block {key} at {:#x}, expected {expected_addr:#x}",
+                        block.addr
+                    ));
+                }
+                if block.prev != prev || block.segment != segment {
+                    return Err(format!("block {key} has broken links"));
+                }
+                if block.size == 0 || block.size % super::MIN_BLOCK_SIZE != 0 {
+                    return Err(format!("block {key} has size {}", block.size));
+                }
+                expected_addr += block.size;
+                prev = Some(key);
+            }
+            if expected_addr != seg.addr + seg.size {
+                return Err(format!(
+                    "segment {segment} tiled to {expected_addr:#x} of {:#x}",
+                    seg.addr + seg.size
+                ));
+            }
+        }
+        if seen != self.blocks.len() {
+            return Err(format!(
+                "{} blocks exist but {seen} tile segments",
+                self.blocks.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_and_merge_keep_the_segment_tiled() {
+        let mut arena = Arena::default();
+        let head = arena.add_segment(0x10000, 4096, PoolKind::Small, 0);
+        let right = arena.split(head, 1024);
+        let middle = arena.split(right, 1024);
+        arena.validate().unwrap();
+        assert_eq!(arena.blocks[middle].addr, 0x10000 + 2048);
+        assert!(arena.merge(right, middle).is_empty());
+        assert!(arena.merge(head, right).is_empty());
+        arena.validate().unwrap();
+        assert!(arena.segment_is_free(0));
+        assert_eq!(arena.remove_segment(0), (0x10000, 4096));
+        assert!(arena.blocks.is_empty());
+    }
+}

@@ -1,0 +1,17 @@
+//! Segments, blocks and free lists: the data structures of the pool, with no policy.
+//!
+//! - [`size`]: rounding and the small/large split (every size decision lives there).
+//! - [`arena`]: segments tiled by address-linked blocks; split and merge.
+//! - [`free_list`]: best-fit sets of free blocks.
+//!
+//! Which free list a block belongs in (its stream, whether it awaits events) is the
+//! lifetime layer's decision, in [`crate::lifetime`].
+
+pub(crate) mod arena;
+pub(crate) mod free_list;
+pub mod size;
+
+pub use size::{
+    round_size, segment_size_for, LARGE_SEGMENT_SIZE, MIN_BLOCK_SIZE, SMALL_REQUEST_LIMIT,
+    SMALL_SEGMENT_SIZE,
+};

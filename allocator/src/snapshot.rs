@@ -1,0 +1,70 @@
+//! A picture of the allocator at one instant: segments with their blocks, the trace ring,
+//! counters and configuration. `viz/` turns it into files (our JSON, PyTorch pickles,
+//! Perfetto traces); the engine only builds it.
+
+use crate::config::Config;
+use crate::stats::Stats;
+use crate::trace::TraceEntry;
+use crate::types::{DevicePtr, PoolKind, StreamId};
+use serde::{Deserialize, Serialize};
+
+/// State of a block, in PyTorch's vocabulary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BlockState {
+    /// Handed to a caller.
+    ActiveAllocated,
+    /// Freed, but other streams' events are pending on it.
+    ActivePendingFree,
+    /// Free and ready for its stream.
+    Inactive,
+}
+
+/// One block of a segment.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockInfo {
+    /// First byte.
+    pub addr: DevicePtr,
+    /// Bytes reserved.
+    pub size: u64,
+    /// Bytes the caller asked for (0 for free blocks).
+    pub requested: u64,
+    /// Allocated, pending or free.
+    pub state: BlockState,
+    /// Owning stream.
+    pub stream: StreamId,
+    /// Events still pending on it (free blocks only).
+    pub pending_events: u32,
+}
+
+/// One segment obtained from the device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentInfo {
+    /// First byte.
+    pub addr: DevicePtr,
+    /// Bytes.
+    pub size: u64,
+    /// Small or large pool.
+    pub pool: PoolKind,
+    /// The stream whose request created it.
+    pub stream: StreamId,
+    /// Its blocks in address order; their sizes add up to `size`.
+    pub blocks: Vec<BlockInfo>,
+}
+
+/// Everything a viewer needs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// The configuration in force.
+    pub config: Config,
+    /// Counters at the instant of the snapshot.
+    pub stats: Stats,
+    /// Segments in address order.
+    pub segments: Vec<SegmentInfo>,
+    /// The trace ring, oldest first.
+    pub trace: Vec<TraceEntry>,
+    /// Trace entries lost because the ring was full.
+    pub trace_dropped: u64,
+    /// Backend clock when the snapshot was taken.
+    pub time_ns: u64,
+}

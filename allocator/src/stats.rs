@@ -1,0 +1,79 @@
+//! Counters a user reads to see where memory went, in PyTorch's vocabulary.
+//!
+//! Invariants (checked by the property tests):
+//! `allocated_bytes == Σ size of live blocks`,
+//! `reserved_bytes == Σ size of segments`,
+//! `allocated_bytes + cached_bytes == reserved_bytes`.
+
+use serde::{Deserialize, Serialize};
+
+/// A gauge with its peak since the last reset.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gauge {
+    /// Value now.
+    pub current: u64,
+    /// Highest value since creation or the last [`crate::Allocator::reset_peak_stats`].
+    pub peak: u64,
+}
+
+impl Gauge {
+    #[inline]
+    pub(crate) fn add(&mut self, bytes: u64) {
+        self.current += bytes;
+        if self.current > self.peak {
+            self.peak = self.current;
+        }
+    }
+
+    #[inline]
+    pub(crate) fn sub(&mut self, bytes: u64) {
+        debug_assert!(self.current >= bytes, "gauge underflow");
+        self.current -= bytes;
+    }
+
+    pub(crate) fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+}
+
+/// A copy of the allocator's counters at one instant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Bytes in blocks handed to callers (rounded sizes).
+    pub allocated_bytes: Gauge,
+    /// Bytes callers asked for (unrounded).
+    pub requested_bytes: Gauge,
+    /// Bytes obtained from the device.
+    pub reserved_bytes: Gauge,
+    /// Bytes in blocks that are allocated, or freed but still awaiting other streams'
+    /// events (PyTorch's "active").
+    pub active_bytes: Gauge,
+    /// Bytes in free blocks that carry pending events.
+    pub pending_free_bytes: Gauge,
+    /// Blocks handed out.
+    pub allocs: u64,
+    /// Blocks returned by callers.
+    pub frees: u64,
+    /// Segments obtained from the device.
+    pub segment_allocs: u64,
+    /// Segments returned to the device.
+    pub segment_frees: u64,
+    /// `cuStreamWaitEvent` calls made to reuse a block across streams.
+    pub cross_stream_waits: u64,
+    /// `cuEventRecord` calls.
+    pub events_recorded: u64,
+    /// `cuEventQuery` calls.
+    pub event_queries: u64,
+    /// Event objects currently recorded and referenced (not in the pool).
+    pub events_outstanding: u64,
+    /// Event objects created (the pool's size is `events_created - events_destroyed`).
+    pub events_created: u64,
+    /// Event objects destroyed.
+    pub events_destroyed: u64,
+    /// Requests that failed with out-of-memory.
+    pub ooms: u64,
+    /// Requests that succeeded only after freeing cached memory.
+    pub retries: u64,
+    /// Frees of pointers the allocator did not hand out (or already freed).
+    pub invalid_frees: u64,
+}

@@ -1,0 +1,77 @@
+//! The vocabulary shared by every module: opaque handles for streams, device pointers and
+//! events, and the two block pools.
+//!
+//! Handles are plain integers so the engine stays free of FFI types: a `CUstream` or
+//! `CUevent` is carried as its address, a simulated one as a counter. Only a backend ever
+//! interprets them.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// A stream as the caller names it (a `CUstream` cast to an integer; `0` is the legacy
+/// default stream). The engine only compares and hashes it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+pub struct StreamId(pub u64);
+
+/// A device address handed out by a backend (`CUdeviceptr`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+pub struct DevicePtr(pub u64);
+
+/// An event object owned by a backend (`CUevent`). Created, recorded, queried, waited on
+/// and destroyed only through [`crate::Backend`].
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct EventHandle(pub u64);
+
+impl fmt::Debug for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "stream:{:#x}", self.0)
+    }
+}
+
+impl fmt::Display for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+impl fmt::Debug for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+impl fmt::Display for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+impl fmt::Debug for EventHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "event:{:#x}", self.0)
+    }
+}
+
+/// Which pool a block lives in. Small requests are packed into small segments so that
+/// they never fragment the large ones (PyTorch makes the same split, at the same 1 MiB).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolKind {
+    /// Requests of at most [`crate::pool::SMALL_REQUEST_LIMIT`] bytes.
+    Small = 0,
+    /// Everything larger.
+    Large = 1,
+}
+
+/// One allocation handed to a caller.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Allocation {
+    /// First byte of the allocation.
+    pub ptr: DevicePtr,
+    /// Bytes the caller asked for.
+    pub requested: u64,
+    /// Bytes reserved for it (the request rounded up to the pool's granularity).
+    pub size: u64,
+    /// The stream the allocation belongs to: it may use it with no synchronisation.
+    pub stream: StreamId,
+}

@@ -1,0 +1,9 @@
+//! # streamalloc
+//!
+//! The shared library users load: the C ABI that PyTorch's pluggable-allocator hook (and
+//! any CUDA program) calls, over the engine in `streamalloc-allocator`. The `streamalloc`
+//! binary (see `main.rs`) is a thin caller of the same crates.
+
+#![warn(missing_docs, rust_2018_idioms)]
+
+pub use streamalloc_allocator as allocator;

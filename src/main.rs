@@ -1,0 +1,39 @@
+//! `streamalloc`: the command-line front end. Each subcommand lives in its own module under
+//! `cli/`; this file only parses arguments and dispatches.
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+mod cli;
+
+/// streamalloc: a CUDA caching allocator with stream-aware lifetimes.
+#[derive(Parser, Debug)]
+#[command(name = "streamalloc", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run a simulated workload (no GPU needed) and print what the allocator did.
+    Demo(cli::demo::DemoArgs),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("STREAMALLOC_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo(args) => cli::demo::run(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("streamalloc: {err}");
+            ExitCode::from(2)
+        }
+    }
+}
