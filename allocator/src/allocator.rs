@@ -378,6 +378,8 @@ impl State {
         requested: u64,
     ) -> Allocation {
         let pool = self.arena.segments[self.arena.blocks[key].segment].pool;
+        // Taken before the remainder is listed, so the remainder cannot merge back into it.
+        self.arena.blocks[key].allocated = true;
         if should_split(self.arena.blocks[key].size, size, pool) {
             let right = self.arena.split(key, size);
             // The remainder is still free and still needs what the whole block needed.
@@ -393,7 +395,6 @@ impl State {
             self.events.release(event, &mut self.stats);
         }
         let block = &mut self.arena.blocks[key];
-        block.allocated = true;
         block.stream = slot;
         block.requested = requested;
         let (addr, size) = (block.addr, block.size);
