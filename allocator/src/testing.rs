@@ -322,7 +322,7 @@ fn decode_op(chunk: &[u8]) -> Op {
         0 | 1 => Op::Malloc {
             stream: field(3, 2) as u8,
             // Sizes across both pools and every segment class, 1 B to 48 MiB.
-            size: 1 + (field(8, 26) % (48 << 20)) >> field(34, 4),
+            size: (1 + field(8, 26) % (48 << 20)) >> field(34, 4),
             duration,
         },
         2 => Op::Free {
