@@ -419,6 +419,8 @@ impl State {
         let segment = &self.arena.segments[self.arena.blocks[key].segment];
         let (pool, expandable) = (segment.pool, segment.expandable);
         let block_size = self.arena.blocks[key].size;
+        // Taken before the remainder is listed, so the remainder cannot merge back into it.
+        self.arena.blocks[key].allocated = true;
         // In an expandable segment a free sliver costs no more than the same bytes kept
         // inside the allocation, and may serve a later request: split down to the minimum.
         if should_split(block_size, size, pool)
@@ -438,7 +440,6 @@ impl State {
             self.events.release(event, &mut self.stats);
         }
         let block = &mut self.arena.blocks[key];
-        block.allocated = true;
         block.stream = slot;
         block.requested = requested;
         let (addr, size) = (block.addr, block.size);

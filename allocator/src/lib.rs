@@ -63,6 +63,7 @@ pub mod replay;
 pub mod scenarios;
 pub mod snapshot;
 pub mod stats;
+pub mod testing;
 pub mod trace;
 pub mod types;
 mod util;
