@@ -681,10 +681,10 @@ impl State {
     /// Room for a rounded `size` in `slot`'s expandable segment of `pool`, unlisted and
     /// owned by `slot`; `None` if the limit, the device or the address space refuses.
     ///
-    /// First, unless the stream is capturing a graph: if a page's worth of memory is cached,
-    /// synchronise the device (unmapping does not synchronise, and the pages' last users may
-    /// be any stream), settle every event, retry the caller's free list, then unmap every
-    /// wholly free page. Then map the fewest pages that give room, right after a free block
+    /// First, unless the stream is capturing a graph: if a ready free block covers a whole
+    /// page, synchronise the device (unmapping does not synchronise, and the pages' last
+    /// users may be any stream), settle every event, retry the caller's free list, then unmap
+    /// every wholly free page. Then map the fewest pages that give room, right after a free block
     /// of the caller when one borders an unmapped stretch, so the request packs against it.
     #[allow(clippy::too_many_arguments)]
     fn grow_expandable<B: Backend>(
@@ -696,12 +696,10 @@ impl State {
         slot: StreamSlot,
         capturing: bool,
     ) -> Result<Option<BlockKey>, AllocError> {
-        let Some(vmm) = self.vmm.as_ref() else {
+        let Some(_) = self.vmm.as_ref() else {
             return Ok(None);
         };
-        let page = vmm.page;
-        let cached = self.stats.reserved_bytes.current - self.stats.allocated_bytes.current;
-        if !capturing && cached >= page {
+        if !capturing && self.has_unmappable_pages() {
             backend.synchronize_device()?;
             self.settle_after_sync(backend);
             if let Some((_, _, key)) =
@@ -719,6 +717,7 @@ impl State {
         // The lowest unmapped stretch that, with the caller's free block just below it,
         // holds the request.
         let vmm = self.vmm.as_ref().expect("expandable segments");
+        let page = vmm.page;
         let blocks = &self.arena.blocks;
         let choice = vmm.unmapped(segment).iter().find_map(|(&addr, &hole)| {
             let below = blocks[hole].prev.filter(|&prev| {
@@ -792,6 +791,24 @@ impl State {
         vmm.add(slot, pool, segment, ptr.0, head);
         tracing::debug!(?ptr, size, "address space reserved");
         Ok(segment)
+    }
+
+    /// True if some ready free block of an expandable segment covers a whole page. Blocks
+    /// awaiting other streams' events do not count: synchronising for them would be the
+    /// host wait the lifetime model avoids.
+    fn has_unmappable_pages(&self) -> bool {
+        let Some(vmm) = self.vmm.as_ref() else {
+            return false;
+        };
+        self.streams.states.iter().any(|state| {
+            state.ready.iter().any(|list| {
+                list.keys_at_least(vmm.page).any(|key| {
+                    let block = &self.arena.blocks[key];
+                    self.arena.segments[block.segment].expandable
+                        && vmm.whole_pages(block.addr, block.size).is_some()
+                })
+            })
+        })
     }
 
     /// Unmaps every whole page inside a ready free block of an expandable segment. Only

@@ -64,7 +64,7 @@ fn default_expandable_segments() -> bool {
 }
 
 /// Default of `expandable_segments`, chosen from the trace replays (see the README).
-const DEFAULT_EXPANDABLE_SEGMENTS: bool = false;
+const DEFAULT_EXPANDABLE_SEGMENTS: bool = true;
 
 impl Default for Config {
     fn default() -> Self {

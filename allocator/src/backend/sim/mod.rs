@@ -238,8 +238,8 @@ impl SimBackend {
         }
     }
 
-    /// Makes the next `count` segment allocations fail with a driver error that is not an
-    /// out-of-memory (failure injection for tests).
+    /// Makes the next `count` segment allocations (or page mappings) fail with a driver
+    /// error that is not an out-of-memory (failure injection for tests).
     pub fn fail_next_segment_allocs(&self, count: u32) {
         self.state.lock().fail_next_allocs = count;
     }
@@ -593,6 +593,10 @@ impl Backend for SimBackend {
 
     fn map_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         let mut state = self.call("map_pages");
+        if state.fail_next_allocs > 0 {
+            state.fail_next_allocs -= 1;
+            return Err(BackendError::new("cuMemCreate", "injected failure"));
+        }
         let (start, end) = (ptr.0, ptr.0 + size);
         if size == 0 || !start.is_multiple_of(PAGE_SIZE) || !size.is_multiple_of(PAGE_SIZE) {
             return Err(BackendError::new(
