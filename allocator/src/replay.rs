@@ -55,8 +55,15 @@ pub struct ReplayReport {
     pub peak_reserved_bytes: u64,
     /// The recording allocator's peak reserved bytes, from the trace's segment events.
     pub native_peak_reserved_bytes: u64,
-    /// Pages mapped and unmapped, segments obtained and returned, by our allocator.
+    /// Segments obtained and returned by our allocator.
     pub segment_events: u64,
+    /// Page ranges mapped and unmapped (expandable segments), on the simulator.
+    pub page_maps: u64,
+    /// Page ranges unmapped, on the simulator.
+    pub page_unmaps: u64,
+    /// Device-wide synchronisations the allocator made, on the simulator (each is a host
+    /// stall on a real GPU).
+    pub device_syncs: u64,
     /// Host nanoseconds per replayed operation (malloc or free), engine calls only.
     pub ns_per_op: f64,
 }
@@ -98,17 +105,22 @@ pub fn replay(
     config: &Config,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ReplayReport, ReplayError> {
-    let device = SimBackend::new(REPLAY_DEVICE_BYTES);
-    let allocator = Allocator::new(device, config.clone()).map_err(|source| ReplayError::Alloc {
+    let allocator = Allocator::new(SimBackend::new(REPLAY_DEVICE_BYTES), config.clone()).map_err(|source| ReplayError::Alloc {
         index: 0,
         action: "create",
         size: 0,
         source,
     })?;
-    replay_on(&allocator, events, progress)
+    let mut report = replay_on(&allocator, events, progress)?;
+    let device = allocator.backend();
+    report.page_maps = device.calls("map_pages");
+    report.page_unmaps = device.calls("unmap_pages");
+    report.device_syncs = device.calls("synchronize_device");
+    Ok(report)
 }
 
 /// Replays `events` through `allocator` (which should be fresh: its peak is reported).
+/// The simulator's call counts (`page_maps`, `page_unmaps`, `device_syncs`) are left 0.
 pub fn replay_on<B: Backend>(
     allocator: &Allocator<B>,
     events: &[TraceEntry],
@@ -126,6 +138,9 @@ pub fn replay_on<B: Backend>(
         peak_reserved_bytes: 0,
         native_peak_reserved_bytes: 0,
         segment_events: 0,
+        page_maps: 0,
+        page_unmaps: 0,
+        device_syncs: 0,
         ns_per_op: 0.0,
     };
     let (mut live_bytes, mut native) = (0u64, 0u64);

@@ -109,6 +109,13 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
                     report.native_ratio(),
                     report.ns_per_op
                 );
+                println!(
+                    "  {} page maps, {} page unmaps, {} device syncs, {} segment allocs/frees",
+                    report.page_maps,
+                    report.page_unmaps,
+                    report.device_syncs,
+                    report.segment_events
+                );
                 if report.unknown_frees > 0 {
                     println!(
                         "  {} frees of blocks allocated before recording began were ignored",
