@@ -7,3 +7,5 @@
 #![warn(missing_docs, rust_2018_idioms)]
 
 pub use streamalloc_allocator as allocator;
+
+pub mod replay;

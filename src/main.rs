@@ -18,6 +18,9 @@ struct Cli {
 enum Command {
     /// Run a simulated workload (no GPU needed) and print what the allocator did.
     Demo(cli::demo::DemoArgs),
+    /// Replay allocation traces (PyTorch snapshots or streamalloc JSON) on the simulated
+    /// device and compare peak reserved memory with the recording allocator's.
+    Replay(cli::replay::ReplayArgs),
 }
 
 fn main() -> ExitCode {
@@ -28,6 +31,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(args) => cli::demo::run(args),
+        Command::Replay(args) => cli::replay::run(args),
     };
     match result {
         Ok(code) => code,

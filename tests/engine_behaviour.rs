@@ -111,7 +111,9 @@ fn out_of_memory_reports_size_cache_fragmentation_reserved_and_limit() {
 
 #[test]
 fn growth_retries_after_releasing_cached_segments() {
-    let (device, allocator) = allocator(100 * MIB, Config::default());
+    // Whole-segment mechanics (expandable segments unmap instead of retrying).
+    let classic = Config::parse("expandable_segments:false").unwrap();
+    let (device, allocator) = allocator(100 * MIB, classic);
     let stream = device.create_stream();
     let small: Vec<_> = (0..20)
         .map(|_| allocator.malloc(MIB / 2, stream).unwrap())
@@ -157,7 +159,9 @@ fn memory_fraction_resolves_against_device_memory() {
 
 #[test]
 fn driver_failures_are_typed_errors_not_panics() {
-    let (device, allocator) = allocator(1 << 30, Config::default());
+    // Whole segments: the failing call is cuMemAlloc.
+    let classic = Config::parse("expandable_segments:false").unwrap();
+    let (device, allocator) = allocator(1 << 30, classic);
     let stream = device.create_stream();
     device.fail_next_segment_allocs(1);
     let err = allocator.malloc(MIB, stream).unwrap_err();

@@ -59,6 +59,7 @@ pub mod config;
 pub mod error;
 pub(crate) mod lifetime;
 pub mod pool;
+pub mod replay;
 pub mod scenarios;
 pub mod snapshot;
 pub mod stats;

@@ -48,6 +48,9 @@ pub(crate) struct Block {
     /// While free: events, one per former use stream, that must complete (or be waited on)
     /// before any stream reuses these bytes. Empty for a block that is ready for its owner.
     pub(crate) pending: Vec<EventKey>,
+    /// A stretch of an expandable segment with no pages mapped (see [`super::expandable`]):
+    /// free, page-aligned, in no free list.
+    pub(crate) unmapped: bool,
 }
 
 /// One range obtained from the device.
@@ -63,6 +66,9 @@ pub(crate) struct Segment {
     pub(crate) stream: StreamSlot,
     /// The lowest block; stable for the segment's life.
     pub(crate) head: BlockKey,
+    /// An address reservation with pages mapped on demand (see [`super::expandable`]);
+    /// its size is the reservation's, not the memory behind it.
+    pub(crate) expandable: bool,
 }
 
 /// All segments and blocks.
@@ -94,6 +100,7 @@ impl Arena {
             stream,
             uses: Vec::new(),
             pending: Vec::new(),
+            unmapped: false,
         });
         self.segments.insert(Segment {
             addr,
@@ -101,6 +108,7 @@ impl Arena {
             pool,
             stream,
             head,
+            expandable: false,
         });
         head
     }
@@ -114,9 +122,10 @@ impl Arena {
     }
 
     /// Cuts `key` at `size` bytes; the new right-hand block (returned) is free, owned by
-    /// the same stream, and carries no pending events (the caller copies them if needed).
+    /// the same stream, mapped or not like `key`, and carries no pending events (the caller
+    /// copies them if needed).
     pub(crate) fn split(&mut self, key: BlockKey, size: u64) -> BlockKey {
-        let (addr, total, segment, next, stream) = {
+        let (addr, total, segment, next, stream, unmapped) = {
             let block = &self.blocks[key];
             debug_assert!(size < block.size && size.is_multiple_of(super::MIN_BLOCK_SIZE));
             (
@@ -125,6 +134,7 @@ impl Arena {
                 block.segment,
                 block.next,
                 block.stream,
+                block.unmapped,
             )
         };
         let right = self.blocks.insert(Block {
@@ -139,6 +149,7 @@ impl Arena {
             stream,
             uses: Vec::new(),
             pending: Vec::new(),
+            unmapped,
         });
         if let Some(next) = next {
             self.blocks[next].prev = Some(right);
