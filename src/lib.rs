@@ -6,4 +6,6 @@
 
 #![warn(missing_docs, rust_2018_idioms)]
 
+pub mod ffi;
+
 pub use streamalloc_allocator as allocator;
