@@ -48,6 +48,9 @@ const SYMBOLS: &[&str] = &[
     "cuMemcpyDtoDAsync_v2",
     "cuMemcpyDtoH_v2",
     "cuMemcpyHtoD_v2",
+    "cuStreamBeginCapture_v2",
+    "cuStreamEndCapture",
+    "cuGraphDestroy",
 ];
 
 /// Why the driver could not be used.
