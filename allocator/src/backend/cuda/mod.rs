@@ -28,6 +28,7 @@
 
 pub mod driver;
 pub mod registry;
+mod vmm;
 
 pub use cudarc::driver::sys;
 
@@ -67,6 +68,9 @@ pub struct CudaBackend {
     ctx: Context,
     total: u64,
     clock: Clock,
+    /// Page mapping for expandable segments; `None` where the device cannot map memory
+    /// (the engine then uses whole segments).
+    pages: Option<vmm::PageMap>,
 }
 
 /// A `CUcontext` that may be shared between threads (the driver allows it).
@@ -107,14 +111,16 @@ impl CudaBackend {
                 "cuDeviceTotalMem",
             )?;
         }
-        let backend = Self {
+        let mut backend = Self {
             ordinal,
             ctx: Context(ctx),
             total: total as u64,
             clock: Clock::new(),
+            pages: None,
         };
         // Leave the context current on a thread that had none, as the runtime would.
         drop(backend.enter()?);
+        backend.pages = vmm::PageMap::probe(ordinal, device);
         tracing::debug!(ordinal, total, "CUDA backend ready");
         Ok(backend)
     }
@@ -293,6 +299,48 @@ impl Backend for CudaBackend {
     #[inline]
     fn now_ns(&self) -> u64 {
         self.clock.now_ns()
+    }
+
+    fn supports_virtual_memory(&self) -> bool {
+        self.pages.is_some()
+    }
+
+    fn page_size(&self) -> u64 {
+        self.pages.as_ref().map_or(2 << 20, vmm::PageMap::page_size)
+    }
+
+    fn reserve_address_space(&self, size: u64) -> BackendResult<DevicePtr> {
+        let _ctx = self.enter()?;
+        self.page_map("cuMemAddressReserve")?.reserve(size)
+    }
+
+    fn release_address_space(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        self.page_map("cuMemAddressFree")?.release(ptr, size)
+    }
+
+    fn map_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        // Mapping is no stream operation, but the default capture mode forbids it too.
+        let _relaxed = RelaxedCapture::enter()?;
+        self.page_map("cuMemMap")?.map(ptr, size)
+    }
+
+    fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        let _relaxed = RelaxedCapture::enter()?;
+        self.page_map("cuMemUnmap")?.unmap(ptr, size)
+    }
+}
+
+impl CudaBackend {
+    fn page_map(&self, operation: &'static str) -> BackendResult<&vmm::PageMap> {
+        self.pages.as_ref().ok_or_else(|| {
+            BackendError::new(
+                operation,
+                "this device does not support virtual memory management",
+            )
+        })
     }
 }
 
