@@ -1105,7 +1105,6 @@ impl State {
         report
     }
 
-    #[inline]
     /// Records an event at the time of the previous one (for events of one call).
     #[inline]
     fn note_same_time(&mut self, action: TraceAction, addr: u64, size: u64, slot: StreamSlot) {

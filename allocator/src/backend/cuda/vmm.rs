@@ -172,7 +172,10 @@ impl PageMap {
     }
 
     fn check_range(&self, ptr: DevicePtr, size: u64, operation: &'static str) -> BackendResult<()> {
-        if size == 0 || ptr.0 % self.page_size != 0 || size % self.page_size != 0 {
+        if size == 0
+            || !ptr.0.is_multiple_of(self.page_size)
+            || !size.is_multiple_of(self.page_size)
+        {
             return Err(BackendError::new(
                 operation,
                 format!(
