@@ -137,11 +137,15 @@ fn fast_path() {
         let n = 1_000_000u32;
         let started = Instant::now();
         for _ in 0..n {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let size = 512 * (1 + (x >> 33) % 4096);
             live.push_back(allocator.malloc(size, stream).expect("malloc").ptr);
             if live.len() > 64 {
-                allocator.free(live.pop_front().expect("live")).expect("free");
+                allocator
+                    .free(live.pop_front().expect("live"))
+                    .expect("free");
             }
         }
         let mixed = started.elapsed().as_nanos() as f64 / f64::from(2 * n);

@@ -44,15 +44,33 @@ fn check(name: &str, allocs: u64, peak_live_mib: f64, native_mib: f64) {
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     // The figures trace_stats.py gives (baselines/results.md).
     assert_eq!(report.allocs, allocs);
-    assert!((mib(report.peak_live_bytes) - peak_live_mib).abs() < 0.1, "{report:?}");
-    assert!((mib(report.native_peak_reserved_bytes) - native_mib).abs() < 0.1, "{report:?}");
+    assert!(
+        (mib(report.peak_live_bytes) - peak_live_mib).abs() < 0.1,
+        "{report:?}"
+    );
+    assert!(
+        (mib(report.native_peak_reserved_bytes) - native_mib).abs() < 0.1,
+        "{report:?}"
+    );
     assert_eq!(report.unknown_frees, 0);
-    println!("{name}: ours {:.4}, native {:.4}", report.ratio(), report.native_ratio());
+    println!(
+        "{name}: ours {:.4}, native {:.4}",
+        report.ratio(),
+        report.native_ratio()
+    );
     assert!(report.peak_reserved_bytes >= report.peak_live_bytes);
-    assert!(report.ratio() <= GOAL, "{name}: ratio {:.4} > {GOAL}", report.ratio());
+    assert!(
+        report.ratio() <= GOAL,
+        "{name}: ratio {:.4} > {GOAL}",
+        report.ratio()
+    );
     // The default configuration meets the goal too.
     let default = replay(&traces[0].entries, &Config::default(), &mut |_| {}).unwrap();
-    assert!(default.ratio() <= GOAL, "{name}: default ratio {:.4}", default.ratio());
+    assert!(
+        default.ratio() <= GOAL,
+        "{name}: default ratio {:.4}",
+        default.ratio()
+    );
 }
 
 #[test]
@@ -76,7 +94,12 @@ fn whole_segments_reproduce_the_native_allocator() {
     let config = Config::parse("expandable_segments:false").unwrap();
     let report = replay(&traces[0].entries, &config, &mut |_| {}).unwrap();
     let gap = (report.ratio() - report.native_ratio()).abs();
-    assert!(gap < 0.01, "classic {:.4}, native {:.4}", report.ratio(), report.native_ratio());
+    assert!(
+        gap < 0.01,
+        "classic {:.4}, native {:.4}",
+        report.ratio(),
+        report.native_ratio()
+    );
 }
 
 #[test]
@@ -89,7 +112,12 @@ fn bad_files_get_one_line_errors_naming_them() {
     std::fs::write(&corrupt_gzip, [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 1, 2]).unwrap();
     let bad_entry = dir.join("bad.json");
     std::fs::write(&bad_entry, r#"[{"action":"alloc","addr":1}]"#).unwrap();
-    for path in [&foreign, &corrupt_gzip, &bad_entry, &dir.join("missing.json")] {
+    for path in [
+        &foreign,
+        &corrupt_gzip,
+        &bad_entry,
+        &dir.join("missing.json"),
+    ] {
         let err = load_traces(path).unwrap_err().to_string();
         assert!(err.contains(&path.display().to_string()), "{err}");
         assert!(!err.contains('\n'), "{err}");

@@ -873,9 +873,7 @@ impl State {
             hole
         };
         vmm.mapped += map;
-        vmm.high_water = vmm
-            .high_water
-            .max(self.stats.reserved_bytes.current + map);
+        vmm.high_water = vmm.high_water.max(self.stats.reserved_bytes.current + map);
         let block = &mut self.arena.blocks[mapped];
         block.unmapped = false;
         block.stream = slot;
@@ -1359,13 +1357,8 @@ impl State {
             ));
         }
         let stats = &self.stats;
-        let reserved: u64 = self
-            .arena
-            .segments
-            .iter()
-            .map(|(_, s)| s.size)
-            .sum::<u64>()
-            - unmapped_bytes;
+        let reserved: u64 =
+            self.arena.segments.iter().map(|(_, s)| s.size).sum::<u64>() - unmapped_bytes;
         let checks = [
             ("allocated_bytes", stats.allocated_bytes.current, allocated),
             ("requested_bytes", stats.requested_bytes.current, requested),
@@ -1411,7 +1404,9 @@ impl State {
             return Err(format!("unmapped block {key} without expandable segments"));
         };
         if !vmm.contains(block.segment) || !self.arena.segments[block.segment].expandable {
-            return Err(format!("unmapped block {key} outside an expandable segment"));
+            return Err(format!(
+                "unmapped block {key} outside an expandable segment"
+            ));
         }
         if block.allocated || !block.pending.is_empty() || !block.uses.is_empty() {
             return Err(format!("unmapped block {key} is in use"));

@@ -105,12 +105,15 @@ pub fn replay(
     config: &Config,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ReplayReport, ReplayError> {
-    let allocator = Allocator::new(SimBackend::new(REPLAY_DEVICE_BYTES), config.clone()).map_err(|source| ReplayError::Alloc {
-        index: 0,
-        action: "create",
-        size: 0,
-        source,
-    })?;
+    let allocator =
+        Allocator::new(SimBackend::new(REPLAY_DEVICE_BYTES), config.clone()).map_err(|source| {
+            ReplayError::Alloc {
+                index: 0,
+                action: "create",
+                size: 0,
+                source,
+            }
+        })?;
     let mut report = replay_on(&allocator, events, progress)?;
     let device = allocator.backend();
     report.page_maps = device.calls("map_pages");

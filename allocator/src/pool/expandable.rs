@@ -75,10 +75,7 @@ impl ExpandableTable {
         head: BlockKey,
     ) {
         self.by_owner.insert((stream, pool), segment);
-        self.unmapped
-            .entry(segment)
-            .or_default()
-            .insert(addr, head);
+        self.unmapped.entry(segment).or_default().insert(addr, head);
     }
 
     /// Forgets a segment (its reservation was released).
