@@ -66,6 +66,7 @@ pub mod stats;
 pub mod testing;
 pub mod trace;
 pub mod types;
+pub mod implementation;
 mod util;
 
 pub use allocator::Allocator;
