@@ -57,6 +57,7 @@ mod allocator;
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod implementation;
 pub(crate) mod lifetime;
 pub mod pool;
 pub mod replay;
@@ -66,7 +67,6 @@ pub mod stats;
 pub mod testing;
 pub mod trace;
 pub mod types;
-pub mod implementation;
 mod util;
 
 pub use allocator::Allocator;
