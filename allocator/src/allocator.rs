@@ -86,7 +86,9 @@ impl<B: Backend> Allocator<B> {
                 backend.total_memory()?,
             ))
         } else {
-            tracing::warn!(
+            // Info, not a warning: expandable segments are the default, and a backend
+            // without virtual memory is an expected configuration.
+            tracing::info!(
                 "expandable_segments:true needs a backend with virtual memory; using whole segments"
             );
             None
