@@ -105,6 +105,13 @@ fn large_trace() {
         report.ratio(),
         report.device_syncs
     );
+    let whole = Config::parse("expandable_segments:false").expect("config");
+    let classic = replay(&trace, &whole, &mut |_| {}).expect("replay");
+    println!(
+        "generated trace, whole segments: ratio {:.3}, {:.0} ns/op",
+        classic.ratio(),
+        classic.ns_per_op
+    );
 }
 
 /// Host ns per malloc+free pair of one size on one stream (the cached fast path), and per
