@@ -6,6 +6,8 @@
 
 #![warn(missing_docs, rust_2018_idioms)]
 
+pub mod ffi;
+
 pub use streamalloc_allocator as allocator;
 
 pub mod replay;

@@ -136,6 +136,11 @@ impl<B: Backend> Allocator<B> {
         self.state.lock().free(&self.backend, ptr)
     }
 
+    /// True if `ptr` is a block this allocator handed out and that is not yet freed.
+    pub fn owns(&self, ptr: DevicePtr) -> bool {
+        self.state.lock().allocated.contains_key(&ptr.0)
+    }
+
     /// Notes that `stream` uses the block at `ptr` (PyTorch's `record_stream`): when the
     /// block is freed, its reuse will be ordered after the work `stream` has by then.
     pub fn record_use(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
