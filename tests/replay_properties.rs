@@ -85,11 +85,11 @@ proptest! {
         expandable in any::<bool>(),
         pytorch in any::<bool>(),
     ) {
-        let mut config = Config::default();
-        config.expandable_segments = expandable;
-        if pytorch {
-            config.reuse_policy = ReusePolicy::Pytorch;
-        }
+        let config = Config {
+            expandable_segments: expandable,
+            reuse_policy: if pytorch { ReusePolicy::Pytorch } else { ReusePolicy::StreamWait },
+            ..Config::default()
+        };
         let device = SimBackend::new(1 << 40);
         let allocator = Allocator::new(device.clone(), config).unwrap();
         let events = trace_of(&steps);

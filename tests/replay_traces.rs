@@ -168,3 +168,61 @@ fn cli_reports_good_traces_past_bad_ones_and_fails_at_the_end() {
     assert!(row["ns_per_op"].as_f64().unwrap() > 0.0);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn a_snapshot_of_several_devices_gives_one_trace_per_device() {
+    use streamalloc_viz::pytorch::{write_pickle, TorchAction, TorchSnapshot, TorchTraceEntry};
+    let event = |action, addr, size, stream| TorchTraceEntry {
+        action,
+        addr,
+        size,
+        stream,
+        time_us: Some(1),
+        frames: Vec::new().into(),
+        device_free: None,
+    };
+    let device = |base: u64| {
+        vec![
+            event(TorchAction::SegmentAlloc, base, 20 << 20, 0),
+            event(TorchAction::Alloc, base, 3 << 20, 0),
+            event(TorchAction::Alloc, base + (3 << 20), 5 << 20, 9),
+            event(TorchAction::FreeRequested, base, 3 << 20, 0),
+            event(TorchAction::FreeCompleted, base, 3 << 20, 0),
+            event(TorchAction::Snapshot, 0, 0, 0),
+        ]
+    };
+    let snapshot = TorchSnapshot {
+        device_traces: vec![device(1 << 30), Vec::new(), device(2 << 30)],
+        ..TorchSnapshot::default()
+    };
+    let mut bytes = Vec::new();
+    write_pickle(&snapshot, &mut bytes).unwrap();
+    let path =
+        std::env::temp_dir().join(format!("streamalloc-devices-{}.pickle", std::process::id()));
+    std::fs::write(&path, bytes).unwrap();
+    let traces = load_traces(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    let names: Vec<&str> = traces.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            format!(
+                "streamalloc-devices-{}.pickle[device 0]",
+                std::process::id()
+            ),
+            format!(
+                "streamalloc-devices-{}.pickle[device 2]",
+                std::process::id()
+            ),
+        ]
+    );
+    for trace in &traces {
+        // The `snapshot` marker is dropped; the rest replays.
+        assert_eq!(trace.entries.len(), 5);
+        let report = replay(&trace.entries, &Config::default(), &mut |_| {}).unwrap();
+        assert_eq!((report.allocs, report.frees, report.live_at_end), (2, 1, 1));
+        assert_eq!(report.peak_live_bytes, 8 << 20);
+        assert_eq!(report.native_peak_reserved_bytes, 20 << 20);
+        assert!(report.peak_reserved_bytes >= 8 << 20);
+    }
+}

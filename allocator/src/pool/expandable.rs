@@ -42,6 +42,8 @@ pub(crate) struct ExpandableTable {
     unmapped: HashMap<SegmentKey, BTreeMap<u64, BlockKey>>,
     /// Bytes mapped over all expandable segments (part of `reserved_bytes`).
     pub(crate) mapped: u64,
+    /// The most bytes ever reserved: growth below it keeps cached pages mapped.
+    pub(crate) high_water: u64,
 }
 
 impl ExpandableTable {
@@ -54,6 +56,7 @@ impl ExpandableTable {
             by_owner: HashMap::new(),
             unmapped: HashMap::new(),
             mapped: 0,
+            high_water: 0,
         }
     }
 
