@@ -16,6 +16,7 @@
 use crate::backend::Backend;
 use crate::config::{Config, ReusePolicy};
 use crate::error::{AllocError, BackendError, OutOfMemory};
+use crate::lifetime::streams::HOT_SLOTS;
 use crate::lifetime::{EventKey, EventTable, StreamTable};
 use crate::pool::arena::{Arena, BlockKey, StreamSlot};
 use crate::pool::size::{pool_of, round_size, segment_size_for, should_split, MAX_REQUEST};
@@ -202,6 +203,16 @@ impl State {
         let max_size = max_block_for(size, config);
         let slot = self.streams.slot(stream);
         // 1. A ready block of the stream: stream order makes reuse safe, no event needed.
+        //    First the hot list (same size freed recently: no split, no merge).
+        let hot = &mut self.streams.get_mut(slot).hot;
+        if let Some(position) = hot
+            .iter()
+            .rposition(|&key| self.arena.blocks[key].size == size)
+        {
+            let key = hot.remove(position);
+            self.arena.blocks[key].hot = false;
+            return Ok(self.hand_out(backend, key, slot, size, requested));
+        }
         if let Some((_, _, key)) =
             self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)
         {
@@ -225,6 +236,15 @@ impl State {
         slot: StreamSlot,
     ) -> Result<Allocation, AllocError> {
         let stream = self.streams.id(slot);
+        // Hot blocks are invisible to best fit and to other streams: merge them back first.
+        if self.flush_hot() {
+            if let Some((_, _, key)) =
+                self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)
+            {
+                self.unlist(key);
+                return Ok(self.hand_out(backend, key, slot, size, requested));
+            }
+        }
         // A capturing stream may not query events, wait on events recorded outside the
         // capture, or synchronise: it only gets ready blocks of its own or fresh segments.
         let capturing = backend.is_capturing(stream)?;
@@ -383,6 +403,8 @@ impl State {
         requested: u64,
     ) -> Allocation {
         let pool = self.arena.segments[self.arena.blocks[key].segment].pool;
+        // Taken before the remainder is listed, so the remainder cannot merge back into it.
+        self.arena.blocks[key].allocated = true;
         if should_split(self.arena.blocks[key].size, size, pool) {
             let right = self.arena.split(key, size);
             // The remainder is still free and still needs what the whole block needed.
@@ -391,14 +413,13 @@ impl State {
                 self.events.retain(event);
             }
             self.arena.blocks[right].pending = pending;
-            self.insert_free(backend, right);
+            self.insert_free(right);
         }
         let pending = std::mem::take(&mut self.arena.blocks[key].pending);
         for event in pending {
             self.events.release(event, &mut self.stats);
         }
         let block = &mut self.arena.blocks[key];
-        block.allocated = true;
         block.stream = slot;
         block.requested = requested;
         let (addr, size) = (block.addr, block.size);
@@ -451,8 +472,10 @@ impl State {
         }
         if self.arena.blocks[key].pending.is_empty() {
             self.note(backend, TraceAction::FreeCompleted, ptr.0, size, owner);
+            self.push_hot(key, owner);
+        } else {
+            self.insert_free(key);
         }
-        self.insert_free(backend, key);
         Ok(())
     }
 
@@ -493,19 +516,47 @@ impl State {
 
     // ---- Free lists -------------------------------------------------------------------
 
+    /// Parks a ready block in its owner's hot list, evicting the oldest into the free lists.
+    #[inline]
+    fn push_hot(&mut self, key: BlockKey, owner: StreamSlot) {
+        let hot = &mut self.streams.get_mut(owner).hot;
+        let evicted = (hot.len() == HOT_SLOTS).then(|| hot.remove(0));
+        hot.push(key);
+        self.arena.blocks[key].hot = true;
+        if let Some(evicted) = evicted {
+            self.arena.blocks[evicted].hot = false;
+            self.insert_free(evicted);
+        }
+    }
+
+    /// Moves every hot block into the free lists, merging it. Returns true if any moved.
+    fn flush_hot(&mut self) -> bool {
+        let mut any = false;
+        for index in 0..self.streams.len() {
+            for key in std::mem::take(&mut self.streams.states[index].hot) {
+                self.arena.blocks[key].hot = false;
+                self.insert_free(key);
+                any = true;
+            }
+        }
+        any
+    }
+
     /// Two free blocks may merge if the result needs no more synchronisation than either:
     /// same owner, and both ready or both pending.
     fn mergeable(&self, a: BlockKey, b: BlockKey) -> bool {
         let (a, b) = (&self.arena.blocks[a], &self.arena.blocks[b]);
         !a.allocated
             && !b.allocated
+            && !a.hot
+            && !b.hot
             && a.stream == b.stream
             && a.pending.is_empty() == b.pending.is_empty()
     }
 
     /// Puts the unlisted free block `key` in its owner's list, merging it with mergeable
     /// neighbours first.
-    fn insert_free<B: Backend>(&mut self, _backend: &B, key: BlockKey) {
+    fn insert_free(&mut self, key: BlockKey) {
         let mut key = key;
         if let Some(prev) = self.arena.blocks[key].prev {
             if self.mergeable(prev, key) {
@@ -628,7 +679,7 @@ impl State {
             let block = &self.arena.blocks[key];
             let (addr, size, owner) = (block.addr, block.size, block.stream);
             self.note(backend, TraceAction::FreeCompleted, addr, size, owner);
-            self.insert_free(backend, key);
+            self.insert_free(key);
         }
         ready.len()
     }
@@ -640,6 +691,7 @@ impl State {
     /// free segments and idle events to the backend. Returns the bytes released.
     fn release_cached<B: Backend>(&mut self, backend: &B) -> Result<u64, BackendError> {
         backend.synchronize_device()?;
+        self.flush_hot();
         self.events.mark_all_complete();
         for index in 0..self.streams.len() {
             while let Some(event) = self.streams.states[index].in_flight.pop_front() {
@@ -647,7 +699,7 @@ impl State {
             }
         }
         self.promote_completed(backend);
-        self.release_quarantined(backend);
+        self.release_quarantined();
         self.coalesce_across_streams();
         let free_segments: Vec<_> = self
             .arena
@@ -677,7 +729,7 @@ impl State {
     }
 
     /// Frees quarantined blocks (allocated to nobody) now that the device is idle.
-    fn release_quarantined<B: Backend>(&mut self, backend: &B) {
+    fn release_quarantined(&mut self) {
         let quarantined: Vec<BlockKey> = self
             .arena
             .blocks
@@ -691,7 +743,7 @@ impl State {
             let size = block.size;
             self.stats.allocated_bytes.sub(size);
             self.stats.active_bytes.sub(size);
-            self.insert_free(backend, key);
+            self.insert_free(key);
         }
     }
 
@@ -832,6 +884,7 @@ impl State {
         self.arena.validate()?;
         let (mut allocated, mut requested, mut pending_bytes, mut listed) =
             (0u64, 0u64, 0u64, 0usize);
+        let mut hot_blocks = 0usize;
         let mut event_refs: HashMap<EventKey, u32> = HashMap::new();
         for (key, block) in &self.arena.blocks {
             let pool = self.arena.segments[block.segment].pool;
@@ -847,6 +900,16 @@ impl State {
             }
             if !block.uses.is_empty() {
                 return Err(format!("free block {key} has uses"));
+            }
+            if block.hot {
+                let hot = &self.streams.get(block.stream).hot;
+                if !block.pending.is_empty() || hot.iter().filter(|k| **k == key).count() != 1 {
+                    return Err(format!(
+                        "hot block {key} is not once in its owner's hot list, or is pending"
+                    ));
+                }
+                hot_blocks += 1;
+                continue;
             }
             let pending = !block.pending.is_empty();
             let state = self.streams.get(block.stream);
@@ -878,6 +941,12 @@ impl State {
                     .sum::<usize>()
             })
             .sum();
+        let total_hot: usize = self.streams.states.iter().map(|s| s.hot.len()).sum();
+        if total_hot != hot_blocks {
+            return Err(format!(
+                "{total_hot} blocks in hot lists, {hot_blocks} hot blocks exist"
+            ));
+        }
         if total_listed != listed {
             return Err(format!(
                 "{total_listed} blocks listed, {listed} free blocks exist"

@@ -62,6 +62,7 @@ pub mod pool;
 pub mod scenarios;
 pub mod snapshot;
 pub mod stats;
+pub mod testing;
 pub mod trace;
 pub mod types;
 mod util;

@@ -40,6 +40,9 @@ pub(crate) struct Block {
     /// The owning stream: while allocated, the stream it was allocated on; while free, the
     /// stream whose free list holds it. The owner may reuse it with no event.
     pub(crate) stream: StreamSlot,
+    /// Free, ready for its owner and unmerged, in the owner's hot list (see
+    /// `lifetime::streams::StreamState::hot`); never merged while there.
+    pub(crate) hot: bool,
     /// While allocated: other streams recorded as using it (`record_use`), deduplicated.
     pub(crate) uses: Vec<StreamSlot>,
     /// While free: events, one per former use stream, that must complete (or be waited on)
@@ -87,6 +90,7 @@ impl Arena {
             prev: None,
             next: None,
             allocated: false,
+            hot: false,
             stream,
             uses: Vec::new(),
             pending: Vec::new(),
@@ -131,6 +135,7 @@ impl Arena {
             prev: Some(key),
             next,
             allocated: false,
+            hot: false,
             stream,
             uses: Vec::new(),
             pending: Vec::new(),

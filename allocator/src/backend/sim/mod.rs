@@ -36,6 +36,7 @@ use crate::types::{DevicePtr, EventHandle, StreamId};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Where simulated segments start (an address that looks like a real device pointer).
@@ -163,6 +164,8 @@ struct SimState {
 #[derive(Clone, Debug, Default)]
 pub struct SimBackend {
     state: Arc<Mutex<SimState>>,
+    /// The host clock, mirrored outside the lock so trace timestamps cost one load.
+    host_now: Arc<AtomicU64>,
 }
 
 impl SimBackend {
@@ -176,6 +179,7 @@ impl SimBackend {
         };
         Self {
             state: Arc::new(Mutex::new(state)),
+            host_now: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -197,7 +201,9 @@ impl SimBackend {
 
     /// Moves the host clock forward (the host doing other work).
     pub fn advance_host(&self, ns: u64) {
-        self.state.lock().host_time += ns;
+        let mut state = self.state.lock();
+        state.host_time += ns;
+        self.publish(&state);
     }
 
     /// Blocks the host until `stream`'s work is done.
@@ -210,6 +216,7 @@ impl SimBackend {
         );
         state.host_time = state.host_time.max(time);
         state.host_clock.merge(&clock);
+        self.publish(&state);
     }
 
     /// Starts or ends graph capture on `stream`.
@@ -269,6 +276,10 @@ impl SimBackend {
     /// How many times the backend call `name` (e.g. `"stream_wait_event"`) was made.
     pub fn calls(&self, name: &str) -> u64 {
         self.state.lock().calls.get(name).copied().unwrap_or(0)
+    }
+
+    fn publish(&self, state: &SimState) {
+        self.host_now.store(state.host_time, Ordering::Relaxed);
     }
 
     fn call(&self, name: &'static str) -> parking_lot::MutexGuard<'_, SimState> {
@@ -401,6 +412,7 @@ impl Backend for SimBackend {
         state.segments.remove(&ptr.0);
         state.reserved -= size;
         state.shadow.forget(ptr.0, ptr.0 + size);
+        self.publish(&state);
         Ok(())
     }
 
@@ -467,6 +479,7 @@ impl Backend for SimBackend {
             state.host_time = state.host_time.max(time);
             state.host_clock.merge(&clock);
         }
+        self.publish(&state);
         Ok(())
     }
 
@@ -499,6 +512,7 @@ impl Backend for SimBackend {
             state.capture_violation("device synchronisation".into());
         }
         state.sync_host_to_device();
+        self.publish(&state);
         Ok(())
     }
 
@@ -509,6 +523,6 @@ impl Backend for SimBackend {
     }
 
     fn now_ns(&self) -> u64 {
-        self.state.lock().host_time
+        self.host_now.load(Ordering::Relaxed)
     }
 }

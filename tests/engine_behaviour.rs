@@ -1,0 +1,305 @@
+//! The engine's contract, case by case: the record_stream scenario, out-of-memory reports,
+//! memory limits, failure injection, misuse, graph capture and threads.
+
+use std::sync::Arc;
+use streamalloc_allocator::backend::sim::{Access, SimBackend};
+use streamalloc_allocator::scenarios::record_stream_pipeline;
+use streamalloc_allocator::trace::TraceAction;
+use streamalloc_allocator::{AllocError, Allocator, Config, DevicePtr, ReusePolicy};
+
+const MIB: u64 = 1 << 20;
+
+fn allocator(capacity: u64, config: Config) -> (SimBackend, Allocator<SimBackend>) {
+    let device = SimBackend::new(capacity);
+    let allocator = Allocator::new(device.clone(), config).unwrap();
+    (device, allocator)
+}
+
+/// DESIGN.md problem 1: 32 activations of 64 MiB, each read by a slower comm stream.
+#[test]
+fn record_stream_scenario_stays_within_three_activations() {
+    let ours = record_stream_pipeline(ReusePolicy::StreamWait, 32, 64 * MIB).unwrap();
+    let pytorch = record_stream_pipeline(ReusePolicy::Pytorch, 32, 64 * MIB).unwrap();
+    assert!(
+        ours.races.is_empty() && pytorch.races.is_empty(),
+        "{ours:?} {pytorch:?}"
+    );
+    assert!(
+        ours.peak_reserved <= 3 * 64 * MIB,
+        "stream_wait reserved {}",
+        ours.peak_reserved
+    );
+    assert!(
+        pytorch.peak_reserved >= 30 * 64 * MIB,
+        "the PyTorch policy should pile up ~32 activations, reserved {}",
+        pytorch.peak_reserved
+    );
+    assert!(ours.cross_stream_waits > 0);
+    // Queries are batched: far fewer than one per malloc.
+    assert!(ours.event_queries < 32, "{} queries", ours.event_queries);
+}
+
+#[test]
+fn same_stream_reuse_makes_no_backend_call() {
+    let (device, allocator) = allocator(1 << 30, Config::default());
+    let stream = device.create_stream();
+    let first = allocator.malloc(MIB, stream).unwrap();
+    allocator.free(first.ptr).unwrap();
+    let before = [
+        "alloc_segment",
+        "record_event",
+        "stream_wait_event",
+        "query_event",
+        "create_event",
+    ]
+    .map(|call| device.calls(call));
+    for _ in 0..100 {
+        let block = allocator.malloc(MIB, stream).unwrap();
+        assert_eq!(block.ptr, first.ptr);
+        allocator.free(block.ptr).unwrap();
+    }
+    let after = [
+        "alloc_segment",
+        "record_event",
+        "stream_wait_event",
+        "query_event",
+        "create_event",
+    ]
+    .map(|call| device.calls(call));
+    assert_eq!(before, after);
+}
+
+#[test]
+fn out_of_memory_reports_size_cache_fragmentation_reserved_and_limit() {
+    let config = Config {
+        memory_limit: Some(64 * MIB),
+        ..Config::default()
+    };
+    let (device, allocator) = allocator(1 << 30, config);
+    let stream = device.create_stream();
+    let held = allocator.malloc(40 * MIB, stream).unwrap();
+    let err = allocator.malloc(40 * MIB, stream).unwrap_err();
+    let AllocError::OutOfMemory(report) = &err else {
+        panic!("expected out of memory, got {err}")
+    };
+    assert_eq!(report.requested, 40 * MIB);
+    assert_eq!(report.reserved, 40 * MIB);
+    assert_eq!(report.limit, Some(64 * MIB));
+    let message = err.to_string();
+    for needle in [
+        "40.00 MiB",
+        "free in cache",
+        "largest free block",
+        "reserved",
+        "limit 64.00 MiB",
+    ] {
+        assert!(
+            message.contains(needle),
+            "`{needle}` missing from: {message}"
+        );
+    }
+    let stats = allocator.stats();
+    assert_eq!(stats.ooms, 1);
+    assert!(
+        stats.reserved_bytes.peak <= 64 * MIB,
+        "the limit is never exceeded"
+    );
+    let trace = allocator.snapshot().trace;
+    assert_eq!(trace.last().unwrap().action, TraceAction::Oom);
+    allocator.free(held.ptr).unwrap();
+}
+
+#[test]
+fn growth_retries_after_releasing_cached_segments() {
+    let (device, allocator) = allocator(100 * MIB, Config::default());
+    let stream = device.create_stream();
+    let small: Vec<_> = (0..20)
+        .map(|_| allocator.malloc(MIB / 2, stream).unwrap())
+        .collect();
+    for block in &small {
+        allocator.free(block.ptr).unwrap();
+    }
+    let reserved_by_small = allocator.stats().reserved_bytes.current;
+    assert!(reserved_by_small > 0);
+    // Only fits once the cached small segments are returned.
+    let big = allocator.malloc(100 * MIB - 2 * MIB, stream).unwrap();
+    let stats = allocator.stats();
+    assert_eq!(stats.retries, 1);
+    assert!(stats.segment_frees > 0);
+    allocator.free(big.ptr).unwrap();
+    allocator.check_invariants().unwrap();
+}
+
+#[test]
+fn lowering_the_limit_releases_cache_but_never_live_memory() {
+    let (device, allocator) = allocator(1 << 30, Config::default());
+    let stream = device.create_stream();
+    let live = allocator.malloc(30 * MIB, stream).unwrap();
+    let cached = allocator.malloc(30 * MIB, stream).unwrap();
+    allocator.free(cached.ptr).unwrap();
+    allocator.set_memory_limit(Some(32 * MIB)).unwrap();
+    assert_eq!(allocator.stats().reserved_bytes.current, 30 * MIB);
+    assert!(matches!(
+        allocator.malloc(30 * MIB, stream),
+        Err(AllocError::OutOfMemory(_))
+    ));
+    allocator.set_memory_limit(None).unwrap();
+    allocator.malloc(30 * MIB, stream).unwrap();
+    allocator.free(live.ptr).unwrap();
+}
+
+#[test]
+fn memory_fraction_resolves_against_device_memory() {
+    let config = Config::parse("memory_fraction:0.25").unwrap();
+    let (_, allocator) = allocator(400 * MIB, config);
+    assert_eq!(allocator.memory_limit(), Some(100 * MIB));
+}
+
+#[test]
+fn driver_failures_are_typed_errors_not_panics() {
+    let (device, allocator) = allocator(1 << 30, Config::default());
+    let stream = device.create_stream();
+    device.fail_next_segment_allocs(1);
+    let err = allocator.malloc(MIB, stream).unwrap_err();
+    assert!(matches!(err, AllocError::Backend(_)), "{err}");
+    assert!(err.to_string().contains("cuMemAlloc"));
+    // The next attempt works and nothing was left half-done.
+    allocator.malloc(MIB, stream).unwrap();
+    allocator.check_invariants().unwrap();
+}
+
+#[test]
+fn misuse_is_reported_and_counted() {
+    let (device, allocator) = allocator(1 << 30, Config::default());
+    let stream = device.create_stream();
+    assert!(matches!(
+        allocator.malloc(0, stream),
+        Err(AllocError::InvalidSize(0))
+    ));
+    let block = allocator.malloc(1000, stream).unwrap();
+    allocator.free(block.ptr).unwrap();
+    assert_eq!(
+        allocator.free(block.ptr),
+        Err(AllocError::UnknownPointer(block.ptr))
+    );
+    assert_eq!(
+        allocator.free(DevicePtr(0xdead)),
+        Err(AllocError::UnknownPointer(DevicePtr(0xdead)))
+    );
+    assert!(allocator.record_use(DevicePtr(0xdead), stream).is_err());
+    assert_eq!(allocator.stats().invalid_frees, 2);
+    allocator.check_invariants().unwrap();
+}
+
+#[test]
+fn capturing_stream_never_queries_waits_or_synchronises() {
+    let (device, allocator) = allocator(
+        1 << 30,
+        Config {
+            event_batch: 1,
+            ..Config::default()
+        },
+    );
+    let (capture, other) = (device.create_stream(), device.create_stream());
+    // A pending block of the capturing stream and a ready block of another stream.
+    let used = allocator.malloc(4 * MIB, capture).unwrap();
+    allocator.record_use(used.ptr, other).unwrap();
+    allocator.free(used.ptr).unwrap();
+    let foreign = allocator.malloc(4 * MIB, other).unwrap();
+    allocator.free(foreign.ptr).unwrap();
+    device.set_capturing(capture, true);
+    let during = allocator.malloc(4 * MIB, capture).unwrap();
+    device.set_capturing(capture, false);
+    assert_ne!(during.ptr, used.ptr, "a pending block would need a wait");
+    assert!(device.races().is_empty(), "{:?}", device.races());
+}
+
+#[test]
+fn pytorch_policy_never_moves_blocks_between_streams() {
+    let config = Config {
+        reuse_policy: ReusePolicy::Pytorch,
+        ..Config::default()
+    };
+    let (device, allocator) = allocator(1 << 30, config);
+    let (a, b) = (device.create_stream(), device.create_stream());
+    let block = allocator.malloc(8 * MIB, a).unwrap();
+    allocator.free(block.ptr).unwrap();
+    let other = allocator.malloc(8 * MIB, b).unwrap();
+    assert_ne!(other.ptr, block.ptr);
+    assert_eq!(allocator.stats().cross_stream_waits, 0);
+}
+
+#[test]
+fn pending_blocks_become_ready_once_their_events_complete() {
+    let (device, allocator) = allocator(
+        1 << 30,
+        Config {
+            event_batch: 1,
+            ..Config::default()
+        },
+    );
+    let (compute, comm) = (device.create_stream(), device.create_stream());
+    let block = allocator.malloc(8 * MIB, compute).unwrap();
+    device.launch(comm, &[], 1_000, "comm work");
+    allocator.record_use(block.ptr, comm).unwrap();
+    allocator.free(block.ptr).unwrap();
+    assert_eq!(allocator.stats().pending_free_bytes.current, 8 * MIB);
+    device.advance_host(10_000);
+    // A miss on another size triggers the batched pass, which finds the event complete.
+    let other = allocator.malloc(MIB, compute).unwrap();
+    let stats = allocator.stats();
+    assert_eq!(stats.pending_free_bytes.current, 0);
+    assert_eq!(stats.events_outstanding, 0);
+    let again = allocator.malloc(8 * MIB, compute).unwrap();
+    assert_eq!(
+        allocator.stats().cross_stream_waits,
+        0,
+        "completed events need no wait"
+    );
+    allocator.free(again.ptr).unwrap();
+    allocator.free(other.ptr).unwrap();
+}
+
+#[test]
+fn many_threads_on_many_streams_keep_every_invariant() {
+    let device = SimBackend::new(4 << 30);
+    let allocator = Arc::new(Allocator::new(device.clone(), Config::default()).unwrap());
+    let streams: Vec<_> = (0..4).map(|_| device.create_stream()).collect();
+    let threads: Vec<_> = streams
+        .iter()
+        .enumerate()
+        .map(|(t, &stream)| {
+            let (allocator, device) = (Arc::clone(&allocator), device.clone());
+            std::thread::spawn(move || {
+                let mut live = Vec::new();
+                for i in 0..2_000u64 {
+                    let size = 512 + (i * 7919 + t as u64 * 104_729) % (3 * MIB);
+                    let block = allocator.malloc(size, stream).unwrap();
+                    device.launch(
+                        stream,
+                        &[Access::write(block.ptr, size)],
+                        100,
+                        "thread work",
+                    );
+                    live.push(block);
+                    if live.len() > 16 {
+                        allocator
+                            .free(live.swap_remove((i as usize * 31) % live.len()).ptr)
+                            .unwrap();
+                    }
+                }
+                for block in live {
+                    allocator.free(block.ptr).unwrap();
+                }
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().unwrap();
+    }
+    assert!(device.races().is_empty(), "{:?}", device.races().first());
+    allocator.check_invariants().unwrap();
+    assert_eq!(allocator.stats().allocated_bytes.current, 0);
+    allocator.empty_cache().unwrap();
+    assert_eq!(device.reserved(), 0);
+}
