@@ -18,6 +18,8 @@ struct Cli {
 enum Command {
     /// Run a simulated workload (no GPU needed) and print what the allocator did.
     Demo(cli::demo::DemoArgs),
+    /// Run an unmodified program (python, torchrun, ...) with streamalloc as its allocator.
+    Run(cli::run::RunArgs),
 }
 
 fn main() -> ExitCode {
@@ -28,6 +30,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(args) => cli::demo::run(args),
+        Command::Run(args) => cli::run::run(args),
     };
     match result {
         Ok(code) => code,
