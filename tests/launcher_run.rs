@@ -183,7 +183,6 @@ fn the_child_gets_the_library_the_conf_and_the_boot_path() {
         "import os\nos.environ['CHAINED'] = 'yes'\n",
     )
     .unwrap();
-    let snapshot = dir.join("snap.json");
     let out = run(streamalloc()
         .env("PYTHONPATH", &existing)
         .current_dir(&dir)

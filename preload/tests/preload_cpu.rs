@@ -63,7 +63,10 @@ fn cc(args: &[&str]) -> bool {
     let out = Command::new("cc").args(args).output();
     match out {
         Ok(out) if out.status.success() => true,
-        Ok(out) => panic!("cc {args:?} failed: {}", String::from_utf8_lossy(&out.stderr)),
+        Ok(out) => panic!(
+            "cc {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
         Err(_) => false,
     }
 }

@@ -133,8 +133,11 @@ impl Plan {
         // either way it must parse, or every process would fail on its first allocation.
         match &args.conf {
             Some(text) => {
-                Config::parse(text)
-                    .map_err(|err| CliError::Message(format!("run: bad --conf: {err}")))?;
+                Config::parse(text).map_err(|err| {
+                    let err = err.to_string();
+                    let err = err.strip_prefix("STREAMALLOC_CONF: ").unwrap_or(&err);
+                    CliError::Message(format!("run: bad --conf: {err}"))
+                })?;
                 env.push(("STREAMALLOC_CONF", OsString::from(text)));
             }
             None => {
