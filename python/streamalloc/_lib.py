@@ -92,6 +92,7 @@ def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         "streamalloc_dump_snapshot": ([ctypes.c_char_p, i], i),
         "streamalloc_last_error": ([], ctypes.c_char_p),
         "streamalloc_version": ([], ctypes.c_char_p),
+        "streamalloc_set_error_thrower": ([vp], None),
     }
     for name, (args, result) in signatures.items():
         fn = getattr(lib, name)

@@ -16,15 +16,18 @@ PyTorch's own statistics functions throw for pluggable allocators; this module p
 them from our counters, under PyTorch's names and keys, and by default ``install()``
 puts them in place of ``torch.cuda``'s so unmodified programs keep working.
 
-Out of memory: PyTorch's pluggable hook cannot carry an error message, so the library
-prints its report (size, cached, largest free block, reserved, limit) on stderr when it
-returns null; ``last_error()`` returns the same text.
+Out of memory: PyTorch's pluggable hook does not check for a null pointer (it would make a
+tensor at address 0). ``install()`` therefore registers libc10's ``torchCheckFail`` as the
+library's error thrower: a failed allocation raises ``RuntimeError`` with our report (size,
+cached, largest free block, reserved, limit). The library also prints the report on
+stderr, and ``last_error()`` returns it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 
 from . import _lib
 
@@ -82,6 +85,14 @@ def install(path: str | os.PathLike | None = None, patch_torch: bool = True) -> 
                 "streamalloc needs it (without record_stream, isend buffers could be reused early)"
             )
         register(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
+    thrower = _c10_thrower(torch)
+    if thrower is None:
+        warnings.warn(
+            "streamalloc: libc10's torchCheckFail not found; an out-of-memory will return a null "
+            "pointer to PyTorch (reported on stderr) instead of raising"
+        )
+    else:
+        lib.streamalloc_set_error_thrower(thrower)
     try:
         torch.cuda.memory.change_current_allocator(pluggable)
     except RuntimeError as err:
@@ -93,6 +104,20 @@ def install(path: str | os.PathLike | None = None, patch_torch: bool = True) -> 
     _allocator = pluggable
     if patch_torch:
         _patch_torch(torch)
+
+
+# c10::detail::torchCheckFail(const char* func, const char* file, uint32_t line, const char* msg):
+# throws c10::Error, which PyTorch turns into a Python RuntimeError.
+_TORCH_CHECK_FAIL = "_ZN3c106detail14torchCheckFailEPKcS2_jS2_"
+
+
+def _c10_thrower(torch):
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    try:
+        c10 = ctypes.CDLL(path)
+        return ctypes.cast(getattr(c10, _TORCH_CHECK_FAIL), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
 
 
 def _patch_torch(torch) -> None:

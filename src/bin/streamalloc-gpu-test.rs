@@ -103,7 +103,8 @@ fn enter(allocator: &CudaAllocator) -> Result<(), String> {
     )
 }
 
-/// A non-blocking stream, destroyed on drop.
+/// A non-blocking stream. Never destroyed (like PyTorch's pooled streams): the engine may
+/// still own free blocks on it and record an event on it when another stream takes one.
 struct Stream(sys::CUstream);
 
 impl Stream {
@@ -137,11 +138,8 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        // SAFETY: a stream this wrapper created; pending work completes first.
-        unsafe {
-            sys::cuStreamSynchronize(self.0);
-            sys::cuStreamDestroy_v2(self.0);
-        }
+        // SAFETY: a live stream; only waits for its work (see the type's docs).
+        unsafe { sys::cuStreamSynchronize(self.0) };
     }
 }
 

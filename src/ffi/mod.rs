@@ -7,6 +7,7 @@
 //!
 //! ```c
 //! void* streamalloc_malloc(size_t size, int device, cudaStream_t stream);
+//! void  streamalloc_set_error_thrower(void (*thrower)(const char*, const char*, uint32_t, const char*));
 //! void  streamalloc_free(void* ptr, size_t size, int device, cudaStream_t stream);
 //! void  streamalloc_record_stream(void* ptr, cudaStream_t stream);
 //! void  streamalloc_empty_cache(void);
@@ -36,6 +37,7 @@ pub mod stats;
 
 use self::error::{guard, warn_once, Once};
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use streamalloc_allocator::backend::cuda::registry::{self, Freed, RegistryError};
 use streamalloc_allocator::{AllocError, DevicePtr, StreamId};
 
@@ -60,15 +62,66 @@ fn unavailable(device: c_int, err: &RegistryError) {
 #[inline(never)]
 fn malloc_failed(device: c_int, err: &AllocError) {
     error::set(format_args!("streamalloc: device {device}: {err}"));
-    // PyTorch's pluggable hook turns a null pointer into its own generic error; print
-    // ours so the user sees the size, what was cached and the fragmentation.
+    // Printed too: without a registered thrower, PyTorch's pluggable hook turns a null
+    // pointer into a tensor at address 0, and the user would never see this report.
     eprintln!("streamalloc: device {device}: {err}");
 }
 
-/// Allocates `size` bytes on `device` for use on `stream` (PyTorch's pluggable `malloc`).
-/// Returns null for `size == 0` and on failure (then see `streamalloc_last_error`).
+/// A function that raises the caller's own error with a message and does not return,
+/// e.g. libc10's `c10::detail::torchCheckFail(const char* func, const char* file,
+/// uint32_t line, const char* msg)`, which throws a `c10::Error`.
+pub type ErrorThrower =
+    unsafe extern "C-unwind" fn(*const c_char, *const c_char, u32, *const c_char);
+
+/// The registered [`ErrorThrower`] (0: none).
+static THROWER: AtomicUsize = AtomicUsize::new(0);
+
+/// Registers (or, with null, removes) a function that `streamalloc_malloc` calls with its
+/// error message instead of returning null for a non-zero request.
+///
+/// PyTorch's pluggable hook does not check for null: a null pointer becomes a tensor at
+/// address 0 and a later illegal-memory-access error. `streamalloc.torch.install()`
+/// therefore registers libc10's `torchCheckFail`, so an out-of-memory raises a Python
+/// `RuntimeError` carrying our report.
+///
+/// # Safety
+/// `thrower` must be null or a function of the [`ErrorThrower`] type that unwinds with a
+/// foreign (e.g. C++) exception or returns; it is called from the allocating thread.
 #[no_mangle]
-pub extern "C" fn streamalloc_malloc(
+pub unsafe extern "C" fn streamalloc_set_error_thrower(thrower: Option<ErrorThrower>) {
+    THROWER.store(thrower.map_or(0, |f| f as usize), Ordering::Release);
+}
+
+/// Hands this thread's last error to the registered thrower, if any.
+#[cold]
+#[inline(never)]
+fn throw_last_error() {
+    let raw = THROWER.load(Ordering::Acquire);
+    if raw != 0 {
+        // SAFETY: only `streamalloc_set_error_thrower` stores here, from a valid
+        // `ErrorThrower` (see its # Safety).
+        let thrower: ErrorThrower = unsafe { std::mem::transmute::<usize, ErrorThrower>(raw) };
+        // SAFETY: every argument is a NUL-terminated string that outlives the call (the
+        // message is this thread's last error, untouched until the thrower returns). No
+        // lock is held and no `catch_unwind` encloses this frame, so a C++ exception may
+        // unwind through it (`C-unwind`).
+        unsafe {
+            thrower(
+                c"streamalloc_malloc".as_ptr(),
+                c"libstreamalloc.so".as_ptr(),
+                0,
+                error::last(),
+            )
+        };
+    }
+}
+
+/// Allocates `size` bytes on `device` for use on `stream` (PyTorch's pluggable `malloc`).
+/// Returns null for `size == 0` and on failure (then see `streamalloc_last_error`), or,
+/// on failure with a thrower registered (`streamalloc_set_error_thrower`), raises through
+/// it.
+#[no_mangle]
+pub extern "C-unwind" fn streamalloc_malloc(
     size: usize,
     device: c_int,
     stream: *mut c_void,
@@ -76,6 +129,15 @@ pub extern "C" fn streamalloc_malloc(
     if size == 0 {
         return std::ptr::null_mut();
     }
+    let ptr = malloc_guarded(size, device, stream);
+    if ptr.is_null() {
+        throw_last_error();
+    }
+    ptr
+}
+
+#[inline]
+fn malloc_guarded(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
     guard(std::ptr::null_mut(), || {
         match registry::global().device(device) {
             Ok(allocator) => match allocator.malloc(size as u64, stream_id(stream)) {
