@@ -53,7 +53,7 @@ step "environment"
 nvidia-smi -L || true
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
 nvcc --version | tail -1
-NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 echo "workdir: $W"
 
 step "(a) GPT-2 small, 4 steps: PyTorch's allocator"
