@@ -36,6 +36,13 @@ for f in streamalloc libstreamalloc.so libstreamalloc_preload.so python/streamal
     [ -e "$DIR/$f" ] || { echo "missing $DIR/$f (run stage.sh)" >&2; exit 2; }
 done
 
+if [ ! -x "$SA" ]; then
+    # A copy that lost its mode bits: run a copy, and tell it where its files are.
+    cp "$SA" "$W/streamalloc" && chmod +x "$W/streamalloc" && SA="$W/streamalloc"
+    export STREAMALLOC_LIB="$DIR/libstreamalloc.so" STREAMALLOC_PYTHON="$DIR/python" \
+           STREAMALLOC_PRELOAD_LIB="$DIR/libstreamalloc_preload.so"
+fi
+
 step() { echo; echo "=== $* ==="; }
 # run_logged NAME CMD...: stdout -> $W/NAME.out, stderr -> $W/NAME.err (both echoed), rc -> $W/NAME.rc
 run_logged() {
