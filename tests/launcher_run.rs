@@ -370,3 +370,60 @@ fn a_failed_install_stops_the_program_in_one_line() {
         "{text}"
     );
 }
+
+/// A virtual environment whose site-packages holds the stand-in torch and a `.pth` file
+/// importing it, so torch is imported before `sitecustomize` runs. `None` (with a message)
+/// when `python3 -m venv` is unavailable.
+fn venv_importing_torch_at_startup(name: &str) -> Option<PathBuf> {
+    let python = python3()?;
+    let dir = scratch(name);
+    let venv = dir.join("venv");
+    let made = Command::new(python)
+        .args(["-m", "venv", "--without-pip"])
+        .arg(&venv)
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !made {
+        eprintln!("skipped: python3 -m venv is not available");
+        return None;
+    }
+    let bin = venv.join("bin/python");
+    let out = Command::new(&bin)
+        .args(["-c", "import site; print(site.getsitepackages()[0])"])
+        .output()
+        .unwrap();
+    let site = PathBuf::from(stdout(&out).trim());
+    std::fs::create_dir_all(site.join("torch")).unwrap();
+    std::fs::write(site.join("torch/__init__.py"), FAKE_TORCH).unwrap();
+    std::fs::write(site.join("zz_torch.pth"), "import torch\n").unwrap();
+    Some(bin)
+}
+
+#[test]
+fn torch_imported_during_start_up_is_installed_or_refused_in_one_line() {
+    let Some(python) = venv_importing_torch_at_startup("pth_torch") else {
+        return;
+    };
+    let out = run(streamalloc().args([
+        "run".as_ref(),
+        "--".as_ref(),
+        python.as_os_str(),
+        "-c".as_ref(),
+        "import streamalloc.torch as st; print(st.installed())".as_ref(),
+    ]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).trim(), "True");
+
+    let out = run(streamalloc().env("FAKE_CUDA_INITIALIZED", "1").args([
+        "run".as_ref(),
+        "--".as_ref(),
+        python.as_os_str(),
+        "-c".as_ref(),
+        "print('ran on')".as_ref(),
+    ]));
+    let text = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert_eq!(text.lines().count(), 1, "{text:?}");
+    assert!(text.contains("already initialised CUDA"), "{text}");
+    assert!(!stdout(&out).contains("ran on"));
+}

@@ -27,13 +27,15 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _done = False
+_starting = True  # still inside site's start-up (SystemExit there is a fatal init error)
 
 
 def _fail(message):
-    sys.stderr.write(
-        "streamalloc: NOT installed in process %d (%s): %s\n" % (os.getpid(), sys.argv[0] or "python", message)
-    )
+    argv0 = (getattr(sys, "argv", None) or ["python"])[0] or "python"
+    sys.stderr.write("streamalloc: NOT installed in process %d (%s): %s\n" % (os.getpid(), argv0, message))
     sys.stderr.flush()
+    if _starting:
+        os._exit(2)
     raise SystemExit(2)
 
 
@@ -114,4 +116,5 @@ def _boot():
 
 
 _boot()
+_starting = False
 _chain()
