@@ -85,16 +85,27 @@ fn a_signal_becomes_128_plus_n() {
 fn sigterm_to_the_launcher_reaches_the_child() {
     let dir = scratch("sigterm");
     let marker = dir.join("got_term");
+    let started = dir.join("started");
     let script = format!(
-        "trap 'echo term > {}; exit 7' TERM; while true; do sleep 0.05; done",
-        marker.display()
+        "trap 'echo term > {}; exit 7' TERM; touch {}; while true; do sleep 0.05; done",
+        marker.display(),
+        started.display()
     );
     let mut child = streamalloc()
         .args(["run", "--", "sh", "-c", &script])
         .spawn()
         .unwrap();
-    // Give the launcher time to start the shell and install its handlers.
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    // The shell has set its trap; the launcher installs its handlers right after spawning,
+    // long before that (the extra pause only makes the test robust on a loaded machine).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !started.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the child never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(200));
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
