@@ -59,10 +59,11 @@
 //! - A statically linked runtime (`nvcc`'s default `-cudart static`) calls its own copy of
 //!   `cudaMalloc`, which no preload can reach; nor can calls made through a handle from
 //!   `dlopen(..., RTLD_LOCAL)`, or the driver API (`cuMemAlloc`).
-//! - The per-thread default stream (`cudaStreamPerThread`, or code compiled with
-//!   `--default-stream per-thread`) is one handle naming a different stream in each
-//!   thread; streamalloc sees one stream. Use explicit streams with `cudaMallocAsync`
-//!   across threads.
+//! - The per-thread default stream (`cudaStreamPerThread`) is one handle naming a
+//!   different stream in each thread; streamalloc sees one stream. Use explicit streams
+//!   with `cudaMallocAsync` across threads. Code compiled with `--default-stream
+//!   per-thread` calls `cudaMallocAsync_ptsz` / `cudaFreeAsync_ptsz`, which are not
+//!   interposed: those allocations (and their frees) stay CUDA's.
 //! - `cudaMemPool*` attributes and `cudaMallocFromPoolAsync` are not interposed.
 //!
 //! ## Exit hooks
