@@ -7,6 +7,7 @@
 #![warn(missing_docs, rust_2018_idioms)]
 
 pub mod ffi;
+pub mod process;
 
 pub use streamalloc_allocator as allocator;
 
