@@ -42,7 +42,8 @@ pub(crate) struct ExpandableTable {
     unmapped: HashMap<SegmentKey, BTreeMap<u64, BlockKey>>,
     /// Bytes mapped over all expandable segments (part of `reserved_bytes`).
     pub(crate) mapped: u64,
-    /// The most bytes ever reserved: growth below it keeps cached pages mapped.
+    /// The most bytes live (allocated plus the request) at any growth: the live peak that
+    /// reclaiming is measured against.
     pub(crate) high_water: u64,
 }
 
