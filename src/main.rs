@@ -23,6 +23,8 @@ enum Command {
     Replay(cli::replay::ReplayArgs),
     /// Run an unmodified program (python, torchrun, ...) with streamalloc as its allocator.
     Run(cli::run::RunArgs),
+    /// Convert memory snapshots between our JSON, PyTorch pickles and Perfetto traces.
+    Snapshot(cli::snapshot::SnapshotArgs),
 }
 
 fn main() -> ExitCode {
@@ -35,6 +37,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => cli::demo::run(args),
         Command::Replay(args) => cli::replay::run(args),
         Command::Run(args) => cli::run::run(args),
+        Command::Snapshot(args) => cli::snapshot::run(args),
     };
     match result {
         Ok(code) => code,

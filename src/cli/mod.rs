@@ -4,6 +4,7 @@
 pub(crate) mod demo;
 pub(crate) mod replay;
 pub(crate) mod run;
+pub(crate) mod snapshot;
 
 /// An error a subcommand reports as one line on stderr, with exit code 2.
 #[derive(Debug, thiserror::Error)]
@@ -14,6 +15,9 @@ pub(crate) enum CliError {
     /// The allocator failed.
     #[error(transparent)]
     Alloc(#[from] streamalloc_allocator::AllocError),
+    /// A snapshot could not be read, converted or written.
+    #[error(transparent)]
+    Viz(#[from] streamalloc_viz::VizError),
     /// Anything else, already phrased for the user.
     #[error("{0}")]
     Message(String),

@@ -9,6 +9,10 @@
 //! - [`pytorch`]: PyTorch's memory snapshots (`torch.cuda.memory._dump_snapshot` pickles,
 //!   gzip or not), read for the viewer and the trace replayer, and written back so that
 //!   PyTorch's own viewer opens ours.
+//! - [`model`]: the one model every format converts through, which is also our versioned
+//!   JSON format (schema in the module docs); [`model::load`] opens any supported file.
+//! - [`timeline`]: allocation and segment lifetimes and memory counters over time.
+//! - [`perfetto`]: Chrome JSON counter tracks for Perfetto.
 //!
 //! ## Example: count the allocations of a PyTorch snapshot
 //! ```no_run
@@ -25,6 +29,9 @@
 )]
 
 mod error;
+pub mod model;
+pub mod perfetto;
 pub mod pytorch;
+pub mod timeline;
 
 pub use error::VizError;

@@ -17,3 +17,5 @@ pub fn shared_trace(name: &str) -> Option<PathBuf> {
     }
     found
 }
+
+pub mod engine;

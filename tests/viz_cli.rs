@@ -1,0 +1,85 @@
+//! `streamalloc snapshot convert`, `plot` and `view` as a user runs them.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_streamalloc"))
+}
+
+fn shared_trace(name: &str) -> Option<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let found = [
+        root.join("../shared/traces").join(name),
+        root.join("../../shared/traces").join(name),
+    ]
+    .into_iter()
+    .find(|p| p.exists());
+    if found.is_none() {
+        eprintln!("skipping: shared trace {name} not found beside the checkout");
+    }
+    found
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("sa-viz-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+#[test]
+fn convert_between_all_formats() {
+    let Some(input) = shared_trace("tp_allreduce_0.pickle.gz") else {
+        return;
+    };
+    let json = tmp("a.json");
+    let pickle = tmp("a.pickle.gz");
+    let json2 = tmp("b.json");
+    let perfetto = tmp("a.perfetto.json");
+    for (from, to, fmt) in [
+        (&input, &json, "json"),
+        (&json, &pickle, "pickle"),
+        (&pickle, &json2, "json"),
+        (&json2, &perfetto, "perfetto"),
+    ] {
+        let out = bin()
+            .args(["snapshot", "convert"])
+            .arg(from)
+            .arg(to)
+            .args(["--to", fmt])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // pickle -> ours -> pickle -> ours: the same JSON.
+    let a: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let mut b: serde_json::Value = serde_json::from_slice(&std::fs::read(&json2).unwrap()).unwrap();
+    b["config"] = a["config"].clone(); // allocator_settings are not written to pickles
+    assert_eq!(a, b);
+    let p: serde_json::Value = serde_json::from_slice(&std::fs::read(&perfetto).unwrap()).unwrap();
+    assert!(!p["traceEvents"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn unreadable_input_is_one_line_and_fails() {
+    let bad = tmp("bad.pickle");
+    std::fs::write(&bad, b"\x80\x04garbage").unwrap();
+    let out = bin()
+        .args(["snapshot", "convert"])
+        .arg(&bad)
+        .arg(tmp("out.json"))
+        .args(["--to", "json"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("bad.pickle") && err.contains("not a readable pickle"),
+        "{err}"
+    );
+}

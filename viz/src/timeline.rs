@@ -1,0 +1,462 @@
+//! What a trace means over time: allocation and segment lifetimes, and the counters the
+//! viewer, the plotter and the Perfetto exporter draw.
+//!
+//! A trace is a list of events; a timeline pairs them up. Each `alloc` is matched with the
+//! `free_requested` and `free_completed` at the same address that follow it, each
+//! `segment_alloc`/`segment_map` with its `segment_free`/`segment_unmap`. A new `alloc` at
+//! the address of a block still pending ends that block's lifetime (streamalloc reuses
+//! pending blocks after a device-side wait, without a `free_completed`). Blocks and
+//! segments alive before the first event (their free is seen but not their allocation, or
+//! they are in the snapshot's segment list with no allocation in the trace) get
+//! `start: None`; those still alive at the end get `end: None`.
+//!
+//! Counters (bytes, after each event):
+//! - `active`: allocated until `free_completed` (PyTorch's "active"; the peak of this is
+//!   the trace's peak live memory),
+//! - `allocated`: held by callers, until `free_requested`,
+//! - `pending`: freed by callers but awaiting other streams' events,
+//! - `reserved`: in segments,
+//! - `staging`: staging buffers in use (streamalloc traces only),
+//!
+//! and, per stream, `cached`: bytes of the stream's segments not in active blocks.
+
+use crate::model::{Action, BlockState, DeviceSnapshot};
+use std::collections::{BTreeMap, HashMap};
+
+/// One allocation's lifetime, as event indices.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllocSpan {
+    /// The `alloc` event; `None` if allocated before the trace began.
+    pub start: Option<u32>,
+    /// The `free_requested` event, if seen.
+    pub free_requested: Option<u32>,
+    /// The `free_completed` event; `None` if still active at the end.
+    pub end: Option<u32>,
+    /// First byte.
+    pub addr: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Index into [`Timeline::streams`] of the allocating stream.
+    pub stream: u16,
+    /// Index into [`Timeline::streams`] of the stream owning the segment it lies in.
+    pub owner: u16,
+    /// Call stack (index into the snapshot's `stacks`).
+    pub stack: Option<u32>,
+}
+
+/// One segment's lifetime, as event indices.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentSpan {
+    /// The `segment_alloc`/`segment_map` event; `None` if it existed before the trace.
+    pub start: Option<u32>,
+    /// The `segment_free`/`segment_unmap` event; `None` if alive at the end.
+    pub end: Option<u32>,
+    /// First byte.
+    pub addr: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Index into [`Timeline::streams`].
+    pub stream: u16,
+}
+
+/// The derived view of one device's trace.
+#[derive(Clone, Debug, Default)]
+pub struct Timeline {
+    /// Distinct streams, in order of first appearance; other fields index this.
+    pub streams: Vec<u64>,
+    /// Every allocation, in the order of its `alloc` (those from before the trace first).
+    pub allocs: Vec<AllocSpan>,
+    /// Every segment, in the order of its allocation (those from before the trace first).
+    pub segments: Vec<SegmentSpan>,
+    /// Counter values after each event (`counters[k][i]`, `k` in [`Counter::ALL`]).
+    pub counters: [Vec<u64>; 5],
+    /// Counter values before the first event.
+    pub initial: [u64; 5],
+    /// Per stream: `(event index, cached bytes after it)` at every change.
+    pub cached_changes: Vec<Vec<(u32, u64)>>,
+    /// Per stream, cached bytes before the first event.
+    pub cached_initial: Vec<u64>,
+}
+
+/// The counters of [`Timeline::counters`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// Allocated until `free_completed`.
+    Active = 0,
+    /// Held by callers.
+    Allocated = 1,
+    /// Freed, awaiting events.
+    Pending = 2,
+    /// In segments.
+    Reserved = 3,
+    /// Staging buffers in use.
+    Staging = 4,
+}
+
+impl Counter {
+    /// All counters, in index order.
+    pub const ALL: [Counter; 5] = [
+        Counter::Active,
+        Counter::Allocated,
+        Counter::Pending,
+        Counter::Reserved,
+        Counter::Staging,
+    ];
+
+    /// The name used in files and the viewer.
+    pub fn name(self) -> &'static str {
+        match self {
+            Counter::Active => "active",
+            Counter::Allocated => "allocated",
+            Counter::Pending => "pending",
+            Counter::Reserved => "reserved",
+            Counter::Staging => "staging",
+        }
+    }
+}
+
+impl Timeline {
+    /// Pairs up the events of `device` and computes the counters.
+    pub fn build(device: &DeviceSnapshot) -> Timeline {
+        let mut t = Timeline::default();
+        let mut stream_index: HashMap<u64, u16> = HashMap::new();
+        let mut stream = |s: u64, streams: &mut Vec<u64>| -> u16 {
+            *stream_index.entry(s).or_insert_with(|| {
+                streams.push(s);
+                (streams.len() - 1).min(u16::MAX as usize) as u16
+            })
+        };
+        let trace = &device.trace;
+        let n = trace.len();
+
+        // Segments: pair allocs and frees by address. Expandable segments map and unmap
+        // page ranges; each mapping is its own span.
+        let mut live_segs: HashMap<u64, usize> = HashMap::new();
+        let mut early_segs = Vec::new();
+        let mut late_segs = Vec::new();
+        for (i, e) in trace.iter().enumerate() {
+            match e.action {
+                Action::SegmentAlloc | Action::SegmentMap => {
+                    let s = stream(e.stream, &mut t.streams);
+                    late_segs.push(SegmentSpan {
+                        start: Some(i as u32),
+                        end: None,
+                        addr: e.addr,
+                        size: e.size,
+                        stream: s,
+                    });
+                    live_segs.insert(e.addr, late_segs.len() - 1);
+                }
+                Action::SegmentFree | Action::SegmentUnmap => {
+                    if let Some(k) = live_segs.remove(&e.addr) {
+                        late_segs[k].end = Some(i as u32);
+                    } else {
+                        let s = stream(e.stream, &mut t.streams);
+                        early_segs.push(SegmentSpan {
+                            start: None,
+                            end: Some(i as u32),
+                            addr: e.addr,
+                            size: e.size,
+                            stream: s,
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+        // Segments in the snapshot not allocated in the trace existed before it.
+        let traced: std::collections::HashSet<u64> = late_segs
+            .iter()
+            .filter(|s| s.end.is_none())
+            .map(|s| s.addr)
+            .collect();
+        for seg in &device.segments {
+            if !traced.contains(&seg.addr) {
+                let s = stream(seg.stream, &mut t.streams);
+                early_segs.push(SegmentSpan {
+                    start: None,
+                    end: None,
+                    addr: seg.addr,
+                    size: seg.size,
+                    stream: s,
+                });
+            }
+        }
+        early_segs.append(&mut late_segs);
+        t.segments = early_segs;
+
+        // Allocations.
+        let mut live: HashMap<u64, usize> = HashMap::new();
+        let mut early = Vec::new();
+        let mut late: Vec<AllocSpan> = Vec::new();
+        // Frees whose alloc was not seen, by address, until their free_completed.
+        let mut orphan: HashMap<u64, usize> = HashMap::new();
+        for (i, e) in trace.iter().enumerate() {
+            let i32_ = i as u32;
+            match e.action {
+                Action::Alloc => {
+                    // streamalloc hands a freed block carrying pending events to another
+                    // request at once (after a device-side wait), with no free_completed:
+                    // the reuse ends the old lifetime.
+                    if let Some(k) = live.remove(&e.addr) {
+                        late[k].end = Some(i32_);
+                    }
+                    let s = stream(e.stream, &mut t.streams);
+                    late.push(AllocSpan {
+                        start: Some(i32_),
+                        free_requested: None,
+                        end: None,
+                        addr: e.addr,
+                        size: e.size,
+                        stream: s,
+                        owner: s,
+                        stack: e.stack,
+                    });
+                    live.insert(e.addr, late.len() - 1);
+                }
+                Action::FreeRequested => {
+                    if let Some(&k) = live.get(&e.addr) {
+                        late[k].free_requested = Some(i32_);
+                    } else {
+                        let s = stream(e.stream, &mut t.streams);
+                        early.push(AllocSpan {
+                            start: None,
+                            free_requested: Some(i32_),
+                            end: None,
+                            addr: e.addr,
+                            size: e.size,
+                            stream: s,
+                            owner: s,
+                            stack: e.stack,
+                        });
+                        orphan.insert(e.addr, early.len() - 1);
+                    }
+                }
+                Action::FreeCompleted => {
+                    if let Some(k) = live.remove(&e.addr) {
+                        late[k].end = Some(i32_);
+                    } else if let Some(k) = orphan.remove(&e.addr) {
+                        early[k].end = Some(i32_);
+                    } else {
+                        let s = stream(e.stream, &mut t.streams);
+                        early.push(AllocSpan {
+                            start: None,
+                            free_requested: None,
+                            end: Some(i32_),
+                            addr: e.addr,
+                            size: e.size,
+                            stream: s,
+                            owner: s,
+                            stack: e.stack,
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+        // Active blocks in the snapshot that no traced alloc explains existed before it.
+        for seg in &device.segments {
+            for b in &seg.blocks {
+                if b.state == BlockState::Inactive
+                    || live.contains_key(&b.addr)
+                    || orphan.contains_key(&b.addr)
+                {
+                    continue;
+                }
+                let s = stream(b.stream, &mut t.streams);
+                early.push(AllocSpan {
+                    start: None,
+                    free_requested: None,
+                    end: None,
+                    addr: b.addr,
+                    size: b.size,
+                    stream: s,
+                    owner: s,
+                    stack: b.stack,
+                });
+            }
+        }
+        early.append(&mut late);
+        t.allocs = early;
+        t.assign_owners(n);
+        t.compute_counters(trace);
+        t
+    }
+
+    /// Sets each allocation's `owner` to the stream of the segment containing it when it
+    /// was allocated (its own stream when no segment is known).
+    fn assign_owners(&mut self, n: usize) {
+        // Segment starts in event order; a sweep keeps the live segments by address.
+        let mut seg_events: Vec<(u32, bool, usize)> = Vec::new(); // (at, is_start, seg)
+        let mut by_addr: BTreeMap<u64, usize> = BTreeMap::new();
+        for (k, s) in self.segments.iter().enumerate() {
+            match s.start {
+                None => {
+                    by_addr.insert(s.addr, k);
+                }
+                Some(at) => seg_events.push((at, true, k)),
+            }
+            if let Some(at) = s.end {
+                seg_events.push((at, false, k));
+            }
+        }
+        seg_events.sort_unstable_by_key(|&(at, start, _)| (at, !start));
+        let mut next = 0;
+        let mut order: Vec<usize> = (0..self.allocs.len()).collect();
+        order.sort_by_key(|&k| self.allocs[k].start.map_or(0, |s| s as usize + 1));
+        for k in order {
+            let at = self.allocs[k].start.map_or(0, |s| s as usize);
+            while next < seg_events.len() && (seg_events[next].0 as usize) <= at.min(n) {
+                let (_, start, seg) = seg_events[next];
+                let addr = self.segments[seg].addr;
+                if start {
+                    by_addr.insert(addr, seg);
+                } else if by_addr.get(&addr) == Some(&seg) {
+                    by_addr.remove(&addr);
+                }
+                next += 1;
+            }
+            let a = &mut self.allocs[k];
+            if let Some((_, &seg)) = by_addr.range(..=a.addr).next_back() {
+                let s = &self.segments[seg];
+                if a.addr < s.addr + s.size {
+                    a.owner = s.stream;
+                }
+            }
+        }
+    }
+
+    fn compute_counters(&mut self, trace: &[crate::model::Event]) {
+        let n = trace.len();
+        let streams = self.streams.len();
+        // Deltas per event, then prefix sums.
+        let mut delta: [Vec<i128>; 5] = Default::default();
+        for d in delta.iter_mut() {
+            d.resize(n, 0);
+        }
+        let mut initial = [0i128; 5];
+        let mut cached_delta: Vec<BTreeMap<u32, i128>> = vec![BTreeMap::new(); streams];
+        let mut cached_initial = vec![0i128; streams];
+        let mut add = |k: Counter, at: Option<u32>, v: i128, initial: &mut [i128; 5]| match at {
+            Some(i) => delta[k as usize][i as usize] += v,
+            None => initial[k as usize] += v,
+        };
+        for a in &self.allocs {
+            let size = a.size as i128;
+            add(Counter::Active, a.start, size, &mut initial);
+            add(Counter::Allocated, a.start, size, &mut initial);
+            match (a.free_requested, a.end) {
+                (Some(fr), end) => {
+                    add(Counter::Allocated, Some(fr), -size, &mut initial);
+                    add(Counter::Pending, Some(fr), size, &mut initial);
+                    if let Some(e) = end {
+                        add(Counter::Pending, Some(e), -size, &mut initial);
+                    }
+                }
+                (None, Some(e)) => add(Counter::Allocated, Some(e), -size, &mut initial),
+                (None, None) => {}
+            }
+            if let Some(e) = a.end {
+                add(Counter::Active, Some(e), -size, &mut initial);
+            }
+            let owner = a.owner as usize;
+            match a.start {
+                Some(s) => *cached_delta[owner].entry(s).or_default() -= size,
+                None => cached_initial[owner] -= size,
+            }
+            if let Some(e) = a.end {
+                *cached_delta[owner].entry(e).or_default() += size;
+            }
+        }
+        for s in &self.segments {
+            let size = s.size as i128;
+            add(Counter::Reserved, s.start, size, &mut initial);
+            if let Some(e) = s.end {
+                add(Counter::Reserved, Some(e), -size, &mut initial);
+            }
+            let st = s.stream as usize;
+            match s.start {
+                Some(at) => *cached_delta[st].entry(at).or_default() += size,
+                None => cached_initial[st] += size,
+            }
+            if let Some(e) = s.end {
+                *cached_delta[st].entry(e).or_default() -= size;
+            }
+        }
+        for (i, e) in trace.iter().enumerate() {
+            match e.action {
+                Action::StagingAcquire => delta[Counter::Staging as usize][i] += e.size as i128,
+                Action::StagingRelease => delta[Counter::Staging as usize][i] -= e.size as i128,
+                _ => {}
+            }
+        }
+        let clamp = |v: i128| v.clamp(0, u64::MAX as i128) as u64;
+        for k in 0..5 {
+            self.initial[k] = clamp(initial[k]);
+            let mut v = initial[k];
+            self.counters[k] = delta[k]
+                .iter()
+                .map(|d| {
+                    v += d;
+                    clamp(v)
+                })
+                .collect();
+        }
+        self.cached_initial = cached_initial.iter().map(|&v| clamp(v)).collect();
+        self.cached_changes = cached_delta
+            .into_iter()
+            .zip(&cached_initial)
+            .map(|(deltas, &init)| {
+                let mut v = init;
+                deltas
+                    .into_iter()
+                    .filter(|(_, d)| *d != 0)
+                    .map(|(at, d)| {
+                        v += d;
+                        (at, clamp(v))
+                    })
+                    .collect()
+            })
+            .collect();
+    }
+
+    /// Number of events.
+    pub fn len(&self) -> usize {
+        self.counters[0].len()
+    }
+
+    /// True if the trace has no events.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The value of `counter` after event `i`.
+    pub fn value(&self, counter: Counter, i: usize) -> u64 {
+        self.counters[counter as usize][i]
+    }
+
+    /// The event index where `counter` peaks (first such) and the peak value; `None` for
+    /// an empty trace.
+    pub fn peak(&self, counter: Counter) -> Option<(usize, u64)> {
+        let c = &self.counters[counter as usize];
+        let mut best: Option<(usize, u64)> = None;
+        for (i, &v) in c.iter().enumerate() {
+            if best.is_none_or(|(_, b)| v > b) {
+                best = Some((i, v));
+            }
+        }
+        best
+    }
+
+    /// Allocations active just after event `i`, largest first.
+    pub fn active_at(&self, i: usize) -> Vec<&AllocSpan> {
+        let i = i as u32;
+        let mut v: Vec<&AllocSpan> = self
+            .allocs
+            .iter()
+            .filter(|a| a.start.is_none_or(|s| s <= i) && a.end.is_none_or(|e| e > i))
+            .collect();
+        v.sort_by_key(|a| std::cmp::Reverse(a.size));
+        v
+    }
+}
