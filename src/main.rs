@@ -25,6 +25,8 @@ enum Command {
     Run(cli::run::RunArgs),
     /// Convert memory snapshots between our JSON, PyTorch pickles and Perfetto traces.
     Snapshot(cli::snapshot::SnapshotArgs),
+    /// Open snapshots in the bundled memory-timeline viewer (served on 127.0.0.1).
+    View(cli::view::ViewArgs),
 }
 
 fn main() -> ExitCode {
@@ -38,6 +40,7 @@ fn main() -> ExitCode {
         Command::Replay(args) => cli::replay::run(args),
         Command::Run(args) => cli::run::run(args),
         Command::Snapshot(args) => cli::snapshot::run(args),
+        Command::View(args) => cli::view::run(args),
     };
     match result {
         Ok(code) => code,

@@ -5,6 +5,7 @@ pub(crate) mod demo;
 pub(crate) mod replay;
 pub(crate) mod run;
 pub(crate) mod snapshot;
+pub(crate) mod view;
 
 /// An error a subcommand reports as one line on stderr, with exit code 2.
 #[derive(Debug, thiserror::Error)]

@@ -13,6 +13,8 @@
 //!   JSON format (schema in the module docs); [`model::load`] opens any supported file.
 //! - [`timeline`]: allocation and segment lifetimes and memory counters over time.
 //! - [`perfetto`]: Chrome JSON counter tracks for Perfetto.
+//! - [`server`]: the viewer, a page compiled into the binary served on 127.0.0.1, fed by
+//!   [`wire`]'s typed-array columns.
 //!
 //! ## Example: count the allocations of a PyTorch snapshot
 //! ```no_run
@@ -32,6 +34,8 @@ mod error;
 pub mod model;
 pub mod perfetto;
 pub mod pytorch;
+pub mod server;
 pub mod timeline;
+pub mod wire;
 
 pub use error::VizError;

@@ -1,0 +1,45 @@
+//! `streamalloc view FILE... [--port P]`: serves the bundled memory-timeline viewer for
+//! the given snapshots on 127.0.0.1 and prints its URL.
+
+use super::CliError;
+use clap::Args;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use streamalloc_viz::{model, server};
+
+/// Arguments of `streamalloc view`.
+#[derive(Args, Debug)]
+pub(crate) struct ViewArgs {
+    /// Snapshots to show (our JSON, engine JSON or PyTorch pickles, gzip or not).
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+    /// Port on 127.0.0.1 (0: any free port).
+    #[arg(long, default_value_t = 8765)]
+    port: u16,
+}
+
+pub(crate) fn run(args: ViewArgs) -> Result<ExitCode, CliError> {
+    let mut files = Vec::new();
+    for path in &args.files {
+        let snapshot = model::load(path)?;
+        let name = path.file_name().map_or_else(
+            || path.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        files.push((name, snapshot));
+    }
+    let viewer = Arc::new(server::Viewer::new(files));
+    viewer.warm();
+    let listener = server::bind(args.port)
+        .map_err(|e| CliError::Message(format!("cannot listen on 127.0.0.1:{}: {e}", args.port)))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| CliError::Message(format!("cannot read the listening address: {e}")))?;
+    println!("streamalloc viewer: http://{addr}/  (Ctrl-C to stop)");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    server::serve(listener, viewer)
+        .map_err(|e| CliError::Message(format!("viewer server failed: {e}")))?;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,64 @@
+// Shared by the browser test and the open-time benchmark: start `streamalloc view`, and
+// launch Debian's chromium through playwright-core with no network and a fresh profile.
+import { spawn } from 'node:child_process';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { chromium } from 'playwright-core';
+
+export const here = path.dirname(new URL(import.meta.url).pathname);
+export const root = path.resolve(here, '../..');
+export const BIN = process.env.STREAMALLOC_BIN || path.join(root, 'target/debug/streamalloc');
+export const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
+export const ARTIFACTS = process.env.ARTIFACTS_DIR || path.join(here, 'artifacts');
+
+export function sharedTrace(name) {
+  for (const dir of ['../shared/traces', '../../shared/traces']) {
+    const p = path.resolve(root, dir, name);
+    if (fs.existsSync(p)) return p;
+  }
+  return null;
+}
+
+// Starts the viewer on a free port; resolves with its URL once it prints it.
+export function startViewer(files) {
+  return new Promise((resolve, reject) => {
+    const proc = spawn(BIN, ['view', ...files, '--port', '0'], { stdio: ['ignore', 'pipe', 'pipe'] });
+    let out = '', err = '';
+    const timer = setTimeout(() => { proc.kill(); reject(new Error(`viewer did not start: ${err}`)); }, 120000);
+    proc.stdout.on('data', d => {
+      out += d;
+      const m = out.match(/http:\/\/127\.0\.0\.1:\d+\//);
+      if (m) { clearTimeout(timer); resolve({ url: m[0], proc }); }
+    });
+    proc.stderr.on('data', d => { err += d; });
+    proc.on('exit', code => { clearTimeout(timer); reject(new Error(`viewer exited with ${code}: ${err}`)); });
+  });
+}
+
+export async function launch() {
+  const profile = fs.mkdtempSync(path.join(os.tmpdir(), 'sa-chromium-'));
+  const context = await chromium.launchPersistentContext(profile, {
+    executablePath: CHROMIUM,
+    headless: true,
+    viewport: { width: 1500, height: 950 },
+    args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+      '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+  });
+  return { context, close: async () => { await context.close(); fs.rmSync(profile, { recursive: true, force: true }); } };
+}
+
+// Opens `url` and waits for the viewer's first complete draw; returns the page and the
+// milliseconds from navigation to that draw.
+export async function openViewer(context, url) {
+  const page = await context.newPage();
+  const errors = [];
+  page.on('pageerror', e => errors.push(String(e)));
+  const t0 = Date.now();
+  await page.goto(url);
+  await page.waitForFunction(() => window.__viz && (window.__viz.ready || window.__viz.error), null, { timeout: 120000 });
+  const ms = Date.now() - t0;
+  const error = await page.evaluate(() => window.__viz.error);
+  if (error || errors.length) throw new Error(`viewer failed: ${error || errors.join('; ')}`);
+  return { page, ms };
+}

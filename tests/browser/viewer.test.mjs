@@ -1,0 +1,73 @@
+// The viewer in a real browser: headless Debian chromium driven by playwright-core opens a
+// real PyTorch trace, and we check that the timeline draws, hovering shows an allocation's
+// details, and zooming changes the visible range. A screenshot is kept in artifacts/.
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import fs from 'node:fs';
+import path from 'node:path';
+import { ARTIFACTS, BIN, CHROMIUM, launch, openViewer, sharedTrace, startViewer } from './lib.mjs';
+
+function missing() {
+  if (!fs.existsSync(BIN)) return `streamalloc binary not found at ${BIN} (set STREAMALLOC_BIN)`;
+  if (!fs.existsSync(CHROMIUM)) return `chromium not found at ${CHROMIUM}`;
+  if (!sharedTrace('gpt2.pickle.gz')) return 'shared/traces/gpt2.pickle.gz not found beside the checkout';
+  return null;
+}
+
+test('viewer draws a real trace, hover shows details, zoom changes the range', async t => {
+  const why = missing();
+  if (why) { t.skip(why); return; }
+  const { url, proc } = await startViewer([sharedTrace('gpt2.pickle.gz'), sharedTrace('bert_varlen.pickle.gz')]);
+  const browser = await launch();
+  try {
+    const { page, ms } = await openViewer(browser.context, url);
+    console.log(`gpt2.pickle.gz (14,042 events) opened and drawn in ${ms} ms`);
+
+    // The timeline draws: most of the plot's columns have coloured pixels.
+    const coloured = await page.evaluate(() => {
+      const c = document.getElementById('timeline');
+      const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+      let n = 0;
+      for (let i = 0; i < d.length; i += 4) if (d[i] < 200 || d[i + 1] < 200 || d[i + 2] < 200) n++;
+      return n / (c.width * c.height);
+    });
+    assert.ok(coloured > 0.2, `only ${(coloured * 100).toFixed(1)}% of the timeline is drawn`);
+    assert.ok(await page.evaluate(() => window.__viz.drawn) > 1000);
+
+    // Hover near the bottom of the plot, where the model's weights live all along.
+    const box = await page.locator('#timeline').boundingBox();
+    await page.mouse.move(box.x + box.width * 0.5, box.y + box.height - 40);
+    await page.waitForFunction(() => window.__viz.hovered !== null);
+    const details = await page.locator('#details').textContent();
+    assert.match(details, /allocation 0x[0-9a-f]+/);
+    assert.match(details, /size +\d/);
+    assert.match(details, /stream +0x/);
+    assert.match(details, /frames:\n +\S+\.py:\d+/);
+
+    // Zoom in with the wheel: the visible range shrinks.
+    const before = await page.evaluate(() => window.__viz.range);
+    await page.mouse.wheel(0, -400);
+    await page.waitForFunction(r => window.__viz.range[1] - window.__viz.range[0] < r[1] - r[0], before);
+    const after = await page.evaluate(() => window.__viz.range);
+    assert.ok(after[1] - after[0] < before[1] - before[0], `range ${before} -> ${after}`);
+    assert.ok(after[0] >= before[0] && after[1] <= before[1]);
+
+    // Jump to the peak: the summary names the peak instant and lists the largest blocks.
+    await page.click('#peak');
+    const summary = await page.locator('#summary').textContent();
+    assert.match(summary, /peak active/);
+    assert.match(summary, /Largest allocations/);
+
+    // Compare with the second file: its curve is overlaid and its peak listed.
+    await page.selectOption('#compare', '1');
+    await page.waitForFunction(() => /compare: peak active/.test(document.getElementById('summary').textContent));
+
+    fs.mkdirSync(ARTIFACTS, { recursive: true });
+    const shot = path.join(ARTIFACTS, 'viewer.png');
+    await page.screenshot({ path: shot });
+    console.log(`screenshot: ${shot}`);
+  } finally {
+    await browser.close();
+    proc.kill();
+  }
+});
