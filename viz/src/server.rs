@@ -20,13 +20,16 @@ const INDEX_HTML: &str = include_str!("../assets/index.html");
 const APP_JS: &str = include_str!("../assets/app.js");
 const STYLE_CSS: &str = include_str!("../assets/style.css");
 
+/// An encoded response body, shared between requests.
+type Blob = Arc<Vec<u8>>;
+
 /// The snapshots being shown.
 #[derive(Debug)]
 pub struct Viewer {
     /// `(display name, snapshot)`, in command-line order.
     files: Vec<(String, Snapshot)>,
     /// Encoded blobs by `(file, device position)`.
-    cache: Mutex<HashMap<(usize, usize), Arc<Vec<u8>>>>,
+    cache: Mutex<HashMap<(usize, usize), Blob>>,
 }
 
 impl Viewer {
@@ -55,7 +58,7 @@ impl Viewer {
         serde_json::Value::Array(list).to_string()
     }
 
-    fn data(&self, f: usize, d: usize) -> Option<Arc<Vec<u8>>> {
+    fn data(&self, f: usize, d: usize) -> Option<Blob> {
         let (_, snap) = self.files.get(f)?;
         let device = snap.devices.get(d)?;
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
@@ -77,7 +80,7 @@ impl Viewer {
     }
 
     /// The response to `GET path`: status, content type, body.
-    fn route(&self, path: &str) -> (u16, &'static str, Arc<Vec<u8>>) {
+    fn route(&self, path: &str) -> (u16, &'static str, Blob) {
         let text = |s: &str| Arc::new(s.as_bytes().to_vec());
         let (route, query) = path.split_once('?').unwrap_or((path, ""));
         match route {

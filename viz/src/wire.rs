@@ -37,9 +37,7 @@ struct Columns {
 
 impl Columns {
     fn push(&mut self, name: &str, ty: &str, len: usize, bytes: impl IntoIterator<Item = u8>) {
-        while self.body.len() % 8 != 0 {
-            self.body.push(0);
-        }
+        self.body.resize(self.body.len().next_multiple_of(8), 0);
         let offset = self.body.len();
         self.body.extend(bytes);
         self.dir.insert(
@@ -155,9 +153,7 @@ pub fn encode_device(snapshot: &Snapshot, device: &DeviceSnapshot) -> Vec<u8> {
     let mut out = Vec::with_capacity(8 + header.len() + c.body.len());
     out.extend((header.len() as u32).to_le_bytes());
     out.extend(&header);
-    while out.len() % 8 != 0 {
-        out.push(b' ');
-    }
+    out.resize(out.len().next_multiple_of(8), b' ');
     out.extend(c.body);
     out
 }

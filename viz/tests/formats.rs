@@ -154,11 +154,7 @@ fn perfetto_has_counter_tracks() {
         .iter()
         .any(|e| e["ph"] == "C" && e["name"].as_str().unwrap().starts_with("cached stream")));
     // Reserved comes back to the engine's final value.
-    let last = events
-        .iter()
-        .filter(|e| e["name"] == "reserved")
-        .last()
-        .unwrap();
+    let last = events.iter().rfind(|e| e["name"] == "reserved").unwrap();
     assert_eq!(
         last["args"]["bytes"],
         ours.stats.as_ref().unwrap()["reserved_bytes"]["current"]
