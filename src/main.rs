@@ -27,6 +27,8 @@ enum Command {
     Snapshot(cli::snapshot::SnapshotArgs),
     /// Open snapshots in the bundled memory-timeline viewer (served on 127.0.0.1).
     View(cli::view::ViewArgs),
+    /// Render the active-memory timeline of a snapshot to SVG or PNG, without a browser.
+    Plot(cli::plot::PlotArgs),
 }
 
 fn main() -> ExitCode {
@@ -41,6 +43,7 @@ fn main() -> ExitCode {
         Command::Run(args) => cli::run::run(args),
         Command::Snapshot(args) => cli::snapshot::run(args),
         Command::View(args) => cli::view::run(args),
+        Command::Plot(args) => cli::plot::run(args),
     };
     match result {
         Ok(code) => code,

@@ -83,3 +83,42 @@ fn unreadable_input_is_one_line_and_fails() {
         "{err}"
     );
 }
+
+#[test]
+fn plot_writes_svg_and_png() {
+    let Some(input) = shared_trace("tp_allreduce_0.pickle.gz") else {
+        return;
+    };
+    let svg = tmp("t.svg");
+    let png = tmp("t.png");
+    for out in [&svg, &png] {
+        let o = bin()
+            .arg("plot")
+            .arg(&input)
+            .arg("-o")
+            .arg(out)
+            .args(["--width", "400", "--height", "200"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.starts_with("<svg") && text.ends_with("</svg>"));
+    assert!(text.matches("<rect").count() > 50, "the timeline has bands");
+    assert!(text.contains("peak active"));
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[1..4], b"PNG");
+    // IHDR: width and height, big-endian, at bytes 16..24.
+    assert_eq!(u32::from_be_bytes(bytes[16..20].try_into().unwrap()), 400);
+    assert_eq!(u32::from_be_bytes(bytes[20..24].try_into().unwrap()), 200);
+
+    let o = bin()
+        .arg("plot")
+        .arg(&input)
+        .arg("-o")
+        .arg(tmp("t.gif"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains(".svg or .png"));
+}

@@ -4,6 +4,7 @@
 pub(crate) mod demo;
 pub(crate) mod replay;
 pub(crate) mod run;
+pub(crate) mod plot;
 pub(crate) mod snapshot;
 pub(crate) mod view;
 

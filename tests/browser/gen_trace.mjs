@@ -33,7 +33,7 @@ const ev = (action, addr, size, stream, stack) => {
 w(`{"format":"streamalloc-snapshot","version":1,"source":"streamalloc","config":null,"stats":null,`);
 w(`"stacks":${JSON.stringify(stacks.map(s => s.map(([name, filename, line]) => ({name, filename, line}))))},`);
 w(`"devices":[{"device":0,"time_ns":null,"trace_dropped":0,"segments":[],"trace":[`);
-const SEG = 2 ** 31; // one 2 GiB segment per stream, carved by a bump pointer per step
+const SEG = 12 * 2 ** 30; // one 12 GiB segment per stream, carved by a bump pointer per step
 const base = {[COMPUTE]: 0x7f0000000000, [COMM]: 0x7f1000000000};
 ev('segment_alloc', base[COMPUTE], SEG, COMPUTE);
 ev('segment_alloc', base[COMM], SEG, COMM);

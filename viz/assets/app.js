@@ -188,7 +188,7 @@ function sized(canvas) {
   if (canvas.width !== w || canvas.height !== h) { canvas.width = w; canvas.height = h; }
   return [w, h];
 }
-const PAD_L = 64; // left margin for the axis labels
+const PAD_L = 90; // left margin for the axis labels
 
 // ---- The timeline ----
 
@@ -398,7 +398,7 @@ function drawLanes() {
   lanes.forEach((lane, k) => {
     const y0 = k * LH;
     ctx.fillStyle = '#f3f3f6'; ctx.fillRect(PAD_L, y0 + 1, W, LH - 2);
-    ctx.fillStyle = '#333'; ctx.fillText(lane.label.slice(0, 14), PAD_L - 4, y0 + LH / 2 + 3);
+    ctx.fillStyle = '#333'; ctx.fillText(lane.label.slice(0, 18), PAD_L - 4, y0 + LH / 2 + 3);
     if (lane.ticks) {
       const tick = (i, colr) => {
         const x = (xOfEvent(d, i) - view.x0) / (view.x1 - view.x0) * W;

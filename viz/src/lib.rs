@@ -13,6 +13,7 @@
 //!   JSON format (schema in the module docs); [`model::load`] opens any supported file.
 //! - [`timeline`]: allocation and segment lifetimes and memory counters over time.
 //! - [`perfetto`]: Chrome JSON counter tracks for Perfetto.
+//! - [`plot`]: the timeline as SVG or PNG, without a browser.
 //! - [`server`]: the viewer, a page compiled into the binary served on 127.0.0.1, fed by
 //!   [`wire`]'s typed-array columns.
 //!
@@ -33,6 +34,7 @@
 mod error;
 pub mod model;
 pub mod perfetto;
+pub mod plot;
 pub mod pytorch;
 pub mod server;
 pub mod timeline;
