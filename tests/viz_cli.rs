@@ -122,3 +122,46 @@ fn plot_writes_svg_and_png() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains(".svg or .png"));
 }
+
+/// PyTorch's reference script (shared/baselines/trace_stats.py) reads a pickle we wrote
+/// and finds the same numbers as in the original trace.
+#[test]
+fn trace_stats_reads_our_pickle_like_the_original() {
+    let Some(input) = shared_trace("tp_allreduce_0.pickle.gz") else {
+        return;
+    };
+    let script = input.parent().unwrap().join("../baselines/trace_stats.py");
+    if !script.exists() || Command::new("python3").arg("--version").output().is_err() {
+        eprintln!("skipping: python3 or trace_stats.py not found");
+        return;
+    }
+    let json = tmp("stats.json");
+    let pickle = tmp("stats.pickle");
+    for (from, to, fmt) in [(&input, &json, "json"), (&json, &pickle, "pickle")] {
+        let o = bin()
+            .args(["snapshot", "convert"])
+            .arg(from)
+            .arg(to)
+            .args(["--to", fmt])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let stats = |p: &PathBuf| {
+        let o = Command::new("python3")
+            .arg(&script)
+            .arg(p)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let line = String::from_utf8(o.stdout).unwrap();
+        // Drop the file name, keep the numbers.
+        line.split_whitespace()
+            .skip(1)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let (ours, theirs) = (stats(&pickle), stats(&input));
+    assert!(ours.contains("allocs="), "{ours}");
+    assert_eq!(ours, theirs);
+}

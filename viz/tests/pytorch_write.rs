@@ -4,6 +4,7 @@
 mod common;
 
 use std::process::Command;
+use streamalloc_viz::model;
 use streamalloc_viz::pytorch::{parse_snapshot, read_snapshot, write_pickle};
 
 #[test]
@@ -26,20 +27,16 @@ const VIEWER_OPCODES: &str = "PROTO APPEND APPENDS LIST TUPLE NEWFALSE NEWTRUE N
     LONG_BINPUT SETITEMS SETITEM DICT SHORT_BINUNICODE BINUNICODE STOP EMPTY_TUPLE TUPLE1 \
     TUPLE2 TUPLE3 BINFLOAT";
 
-#[test]
-fn written_pickle_loads_in_python_with_pytorch_keys_and_viewer_opcodes() {
-    let Some(path) = common::shared_trace("tp_allreduce_0.pickle.gz") else {
-        return;
-    };
+/// Loads `bytes` in Python's `pickle` and checks PyTorch's keys and the viewer's opcodes;
+/// returns the script's output (`entries allocs`), or `None` without python3.
+fn python_check(bytes: &[u8], tag: &str) -> Option<String> {
     if Command::new("python3").arg("--version").output().is_err() {
         eprintln!("skipping: python3 not found");
-        return;
+        return None;
     }
-    let snap = read_snapshot(&path).unwrap();
-    let mut bytes = Vec::new();
-    write_pickle(&snap, &mut bytes).unwrap();
-    let out_path = std::env::temp_dir().join(format!("sa-viz-write-{}.pickle", std::process::id()));
-    std::fs::write(&out_path, &bytes).unwrap();
+    let out_path =
+        std::env::temp_dir().join(format!("sa-viz-write-{tag}-{}.pickle", std::process::id()));
+    std::fs::write(&out_path, bytes).unwrap();
     let script = format!(
         r#"
 import pickle, pickletools, sys
@@ -50,11 +47,17 @@ assert used <= allowed, used - allowed
 assert raw[1] <= 4
 d = pickle.loads(raw)
 assert set(d) >= {{'segments', 'device_traces'}}
-seg = d['segments'][0]
-assert set(seg) >= {{'device', 'address', 'total_size', 'stream', 'segment_type', 'blocks'}}, seg.keys()
-assert seg['blocks'][0]['state'] in ('active_allocated', 'active_pending_free', 'inactive')
+for seg in d['segments']:
+    assert set(seg) >= {{'device', 'address', 'total_size', 'stream', 'segment_type', 'blocks'}}, seg.keys()
+    for b in seg['blocks']:
+        assert b['state'] in ('active_allocated', 'active_pending_free', 'inactive')
+        assert set(b) >= {{'size', 'requested_size', 'state', 'frames'}}
 tr = d['device_traces'][0]
-assert set(tr[0]) >= {{'action', 'addr', 'size', 'stream', 'time_us', 'frames'}}
+names = {{'alloc', 'free_requested', 'free_completed', 'segment_alloc', 'segment_free',
+          'segment_map', 'segment_unmap', 'oom', 'snapshot', 'user_defined'}}
+for e in tr:
+    assert set(e) >= {{'action', 'addr', 'size', 'stream', 'time_us', 'frames'}}
+    assert e['action'] in names, e['action']
 print(len(tr), sum(e['action'] == 'alloc' for e in tr))
 "#
     );
@@ -64,12 +67,44 @@ print(len(tr), sum(e['action'] == 'alloc' for e in tr))
         .arg(&out_path)
         .output()
         .unwrap();
+    let _ = std::fs::remove_file(&out_path);
     assert!(
         out.status.success(),
         "python failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    Some(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[test]
+fn written_pickle_loads_in_python_with_pytorch_keys_and_viewer_opcodes() {
+    let Some(path) = common::shared_trace("tp_allreduce_0.pickle.gz") else {
+        return;
+    };
+    let snap = read_snapshot(&path).unwrap();
+    let mut bytes = Vec::new();
+    write_pickle(&snap, &mut bytes).unwrap();
+    let Some(out) = python_check(&bytes, "torch") else {
+        return;
+    };
     let expected = format!("{} {}\n", snap.device_traces[0].len(), snap.alloc_count());
-    assert_eq!(String::from_utf8_lossy(&out.stdout), expected);
-    let _ = std::fs::remove_file(&out_path);
+    assert_eq!(out, expected);
+}
+
+#[test]
+fn engine_snapshot_as_pickle_loads_in_python() {
+    let ours = model::from_engine(&common::engine::engine_snapshot());
+    let torch = model::to_torch(&ours);
+    let mut bytes = Vec::new();
+    write_pickle(&torch, &mut bytes).unwrap();
+    let Some(out) = python_check(&bytes, "engine") else {
+        return;
+    };
+    let allocs = ours.devices[0]
+        .trace
+        .iter()
+        .filter(|e| e.action == model::Action::Alloc)
+        .count();
+    assert_eq!(out, format!("{} {allocs}\n", torch.device_traces[0].len()));
+    assert!(allocs > 0);
 }
