@@ -62,6 +62,17 @@ test('viewer draws a real trace, hover shows details, zoom changes the range', a
     await page.selectOption('#compare', '1');
     await page.waitForFunction(() => /compare: peak active/.test(document.getElementById('summary').textContent));
 
+    // Time axis and colours by call site still draw; the segment map's blocks hover too.
+    await page.selectOption('#xmode', 'time');
+    await page.waitForFunction(() => /µs|ms| s/.test(document.getElementById('range').textContent));
+    await page.selectOption('#colour', 'site');
+    assert.ok(await page.evaluate(() => window.__viz.drawn) > 1000);
+    const seg = await page.locator('#segmap').boundingBox();
+    await page.mouse.move(seg.x + 20, seg.y + 10);
+    assert.match(await page.locator('#details').textContent(), /allocation 0x[0-9a-f]+/);
+    await page.selectOption('#colour', 'stream');
+    await page.selectOption('#xmode', 'event');
+
     fs.mkdirSync(ARTIFACTS, { recursive: true });
     const shot = path.join(ARTIFACTS, 'viewer.png');
     await page.screenshot({ path: shot });
