@@ -676,8 +676,13 @@ pub fn save(snapshot: &Snapshot, path: &Path, format: OutputFormat) -> Result<()
         }
     };
     if gz {
-        let mut enc = flate2::write::GzEncoder::new(&mut out, flate2::Compression::default());
-        write(&mut enc)?;
+        // The writers emit many tiny writes: buffer them before the compressor.
+        let enc = flate2::write::GzEncoder::new(&mut out, flate2::Compression::default());
+        let mut buffered = std::io::BufWriter::with_capacity(1 << 16, enc);
+        write(&mut buffered)?;
+        let enc = buffered
+            .into_inner()
+            .map_err(|e| VizError::io(path, e.into_error()))?;
         enc.finish().map_err(|e| VizError::io(path, e))?;
     } else {
         write(&mut out)?;

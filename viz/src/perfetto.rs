@@ -5,59 +5,83 @@
 //! counter tracks `allocated`, `active`, `reserved`, `pending` (bytes freed but awaiting
 //! other streams' events), `staging`, and `cached <stream>` per stream; instant events for
 //! cross-stream waits and out-of-memory. Timestamps are microseconds (the format's unit),
-//! relative to the first event.
+//! relative to the first event. Counters are written only when they change.
+//!
+//! The output is streamed event by event (a million-event trace gives a few million
+//! counter samples; building them as JSON values first would take gigabytes), so pass a
+//! buffered writer.
 
 use crate::error::VizError;
 use crate::model::{Action, Snapshot};
 use crate::timeline::{Counter, Timeline};
-use serde_json::json;
 use std::io::Write;
+
+/// Writes one trace event per call, with the commas between them.
+struct Out<'a, W: Write> {
+    w: &'a mut W,
+    first: bool,
+}
+
+impl<W: Write> Out<'_, W> {
+    fn event(&mut self, body: std::fmt::Arguments<'_>) -> std::io::Result<()> {
+        if !self.first {
+            self.w.write_all(b",\n")?;
+        }
+        self.first = false;
+        self.w.write_fmt(body)
+    }
+
+    fn counter(&mut self, name: &str, pid: u32, ts: f64, bytes: u64) -> std::io::Result<()> {
+        self.event(format_args!(
+            r#"{{"name":"{name}","ph":"C","ts":{ts:.3},"pid":{pid},"args":{{"bytes":{bytes}}}}}"#
+        ))
+    }
+}
 
 /// Writes `snapshot` as a Chrome JSON trace.
 pub fn write_perfetto(snapshot: &Snapshot, out: &mut impl Write) -> Result<(), VizError> {
-    let mut events = Vec::new();
+    write_inner(snapshot, out).map_err(|e| VizError::Unrepresentable {
+        format: "Perfetto JSON",
+        what: e.to_string(),
+    })
+}
+
+fn write_inner(snapshot: &Snapshot, w: &mut impl Write) -> std::io::Result<()> {
+    w.write_all(b"{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n")?;
+    let mut out = Out { w, first: true };
     for device in &snapshot.devices {
         let pid = device.device;
-        events.push(json!({"name": "process_name", "ph": "M", "pid": pid,
-                           "args": {"name": format!("cuda:{pid} memory")}}));
+        out.event(format_args!(
+            r#"{{"name":"process_name","ph":"M","pid":{pid},"args":{{"name":"cuda:{pid} memory"}}}}"#
+        ))?;
+        if device.trace.is_empty() {
+            continue;
+        }
         let timeline = Timeline::build(device);
-        let t0 = device.trace.first().map_or(0, |e| e.time_ns);
-        let ts = |i: usize| (device.trace[i].time_ns.saturating_sub(t0)) as f64 / 1000.0;
-        let counters = [
+        let t0 = device.trace[0].time_ns;
+        let ts = |i: usize| device.trace[i].time_ns.saturating_sub(t0) as f64 / 1000.0;
+        for c in [
             Counter::Allocated,
             Counter::Active,
             Counter::Reserved,
             Counter::Pending,
             Counter::Staging,
-        ];
-        for c in counters {
-            let mut last = None;
-            let initial = timeline.initial[c as usize];
-            if !device.trace.is_empty() {
-                events.push(json!({"name": c.name(), "ph": "C", "ts": 0.0, "pid": pid,
-                                   "args": {"bytes": initial}}));
-                last = Some(initial);
-            }
+        ] {
+            let mut last = timeline.initial[c as usize];
+            out.counter(c.name(), pid, 0.0, last)?;
             for i in 0..timeline.len() {
                 let v = timeline.value(c, i);
-                if last != Some(v) {
-                    events.push(json!({"name": c.name(), "ph": "C", "ts": ts(i), "pid": pid,
-                                       "args": {"bytes": v}}));
-                    last = Some(v);
+                if v != last {
+                    out.counter(c.name(), pid, ts(i), v)?;
+                    last = v;
                 }
             }
         }
         for (s, changes) in timeline.cached_changes.iter().enumerate() {
             let name = format!("cached stream {:#x}", timeline.streams[s]);
-            if !device.trace.is_empty() {
-                events.push(json!({"name": name, "ph": "C", "ts": 0.0, "pid": pid,
-                                   "args": {"bytes": timeline.cached_initial[s]}}));
-            }
+            out.counter(&name, pid, 0.0, timeline.cached_initial[s])?;
             for &(i, v) in changes {
-                events.push(
-                    json!({"name": name, "ph": "C", "ts": ts(i as usize), "pid": pid,
-                                   "args": {"bytes": v}}),
-                );
+                out.counter(&name, pid, ts(i as usize), v)?;
             }
         }
         for (i, e) in device.trace.iter().enumerate() {
@@ -66,17 +90,18 @@ pub fn write_perfetto(snapshot: &Snapshot, out: &mut impl Write) -> Result<(), V
                 Action::Oom => "oom",
                 _ => continue,
             };
-            events.push(
-                json!({"name": name, "ph": "i", "s": "p", "ts": ts(i), "pid": pid,
-                               "args": {"addr": format!("{:#x}", e.addr), "size": e.size,
-                                        "stream": format!("{:#x}", e.stream)}}),
-            );
+            out.event(format_args!(
+                r#"{{"name":"{name}","ph":"i","s":"p","ts":{:.3},"pid":{pid},"args":{{"addr":"{:#x}","size":{},"stream":"{:#x}"}}}}"#,
+                ts(i),
+                e.addr,
+                e.size,
+                e.stream
+            ))?;
         }
     }
-    let doc = json!({"traceEvents": events, "displayTimeUnit": "ns",
-                     "otherData": {"source": snapshot.source, "generator": "streamalloc"}});
-    serde_json::to_writer(out, &doc).map_err(|e| VizError::Unrepresentable {
-        format: "Perfetto JSON",
-        what: e.to_string(),
-    })
+    let source = serde_json::to_string(&snapshot.source).unwrap_or_else(|_| "\"\"".into());
+    write!(
+        out.w,
+        "\n],\"otherData\":{{\"source\":{source},\"generator\":\"streamalloc\"}}}}"
+    )
 }
