@@ -165,3 +165,46 @@ fn trace_stats_reads_our_pickle_like_the_original() {
     assert!(ours.contains("allocs="), "{ours}");
     assert_eq!(ours, theirs);
 }
+
+/// `streamalloc view` prints a 127.0.0.1 URL and serves the page there.
+#[test]
+fn view_prints_a_loopback_url_and_serves_the_page() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let Some(input) = shared_trace("tp_allreduce_0.pickle.gz") else {
+        return;
+    };
+    let mut child = bin()
+        .arg("view")
+        .arg(&input)
+        .args(["--port", "0"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://127.0.0.1:"))
+        .unwrap_or_else(|| panic!("no URL in {line:?}"))
+        .to_string();
+    let hostport = url.trim_start_matches("http://").trim_end_matches('/');
+    let mut s = std::net::TcpStream::connect(hostport).unwrap();
+    write!(s, "GET / HTTP/1.1\r\nHost: {hostport}\r\n\r\n").unwrap();
+    let mut page = String::new();
+    s.read_to_string(&mut page).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(page.starts_with("HTTP/1.1 200"), "{page}");
+    assert!(page.contains("streamalloc memory viewer"));
+}
+
+#[test]
+fn view_refuses_an_unreadable_file_before_serving() {
+    let bad = tmp("bad-view.json");
+    std::fs::write(&bad, b"{\"format\": \"nope\"}").unwrap();
+    let out = bin().arg("view").arg(&bad).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bad-view.json"));
+}
