@@ -16,8 +16,9 @@
 //! ([`Stack`]), which keeps a million-entry trace small in memory.
 //!
 //! [`write_pickle`] writes the same shape back with only the opcodes PyTorch's own
-//! JavaScript viewer (`MemoryViz.js`) decodes: protocol 3, dicts, lists, tuples, strings,
-//! integers of at most 8 bytes, floats, booleans and `None`.
+//! JavaScript viewer (`MemoryViz.js`) decodes: protocol 4, dicts, lists, tuples, strings
+//! (memoised with `BINPUT`/`BINGET`, as Python does), integers of at most 8 bytes and
+//! booleans.
 //!
 //! # Example
 //! ```no_run
@@ -32,7 +33,6 @@
 //! ```
 
 use crate::error::VizError;
-use serde::Serialize;
 use serde_pickle::{HashableValue, Value};
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -42,7 +42,7 @@ use std::sync::Arc;
 // ---- Types ----
 
 /// One Python frame of a call stack, as PyTorch records it.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Frame {
     /// Function name.
     pub name: String,
@@ -605,9 +605,8 @@ fn to_json(v: Value) -> serde_json::Value {
 
 // ---- Writing ----
 
-/// Integers are written as `i64` so that `serde-pickle` emits at most 8-byte `LONG1`s,
-/// which `MemoryViz.js` turns into plain numbers (9-byte ones become `BigInt`s and break
-/// its arithmetic).
+/// Integers must fit in a signed 64-bit integer: `MemoryViz.js` turns a `LONG1` of more
+/// than 8 bytes into a `BigInt`, which breaks its arithmetic.
 fn as_i64(v: u64, what: &str) -> Result<i64, VizError> {
     i64::try_from(v).map_err(|_| VizError::Unrepresentable {
         format: "PyTorch pickle",
@@ -615,73 +614,132 @@ fn as_i64(v: u64, what: &str) -> Result<i64, VizError> {
     })
 }
 
-#[derive(Serialize)]
-struct OutFrame<'a> {
-    name: &'a str,
-    filename: &'a str,
-    line: i64,
+/// A pickle emitter limited to what PyTorch's viewers read: protocol 4 (unframed); dicts, lists,
+/// 2-tuples, strings, integers of at most 8 bytes, booleans. Strings are memoised
+/// (`BINPUT`/`BINGET`, as Python's own pickler does), so the keys and call-stack strings
+/// repeated in every trace entry are written once: files shrink several times over.
+struct PickleWriter<W: Write> {
+    out: W,
+    /// Memo index of every string written so far.
+    memo: HashMap<String, u32>,
 }
 
-#[derive(Serialize)]
-struct OutBlock<'a> {
-    address: i64,
-    size: i64,
-    requested_size: i64,
-    state: &'static str,
-    frames: Vec<OutFrame<'a>>,
-}
+/// Strings longer than this are not memoised (they rarely repeat).
+const MEMO_MAX_LEN: usize = 256;
+/// Bound on memo entries, so the memo stays small whatever the input.
+const MEMO_MAX_ENTRIES: usize = 1 << 20;
 
-#[derive(Serialize)]
-struct OutSegment<'a> {
-    device: i64,
-    address: i64,
-    total_size: i64,
-    allocated_size: i64,
-    active_size: i64,
-    requested_size: i64,
-    stream: i64,
-    segment_type: &'a str,
-    segment_pool_id: (i64, i64),
-    is_expandable: bool,
-    frames: Vec<OutFrame<'a>>,
-    blocks: Vec<OutBlock<'a>>,
-}
+impl<W: Write> PickleWriter<W> {
+    fn raw(&mut self, bytes: &[u8]) -> Result<(), VizError> {
+        self.out.write_all(bytes).map_err(pickle_io)
+    }
 
-#[derive(Serialize)]
-struct OutEntry<'a> {
-    action: &'static str,
-    addr: i64,
-    size: i64,
-    stream: i64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    time_us: Option<i64>,
-    frames: Vec<OutFrame<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    device_free: Option<i64>,
-}
+    fn op(&mut self, op: u8) -> Result<(), VizError> {
+        self.raw(&[op])
+    }
 
-#[derive(Serialize)]
-struct OutSnapshot<'a> {
-    segments: Vec<OutSegment<'a>>,
-    device_traces: Vec<Vec<OutEntry<'a>>>,
-}
+    fn int(&mut self, v: i64) -> Result<(), VizError> {
+        match v {
+            0..=0xff => self.raw(&[b'K', v as u8]),
+            0x100..=0xffff => {
+                self.op(b'M')?;
+                self.raw(&(v as u16).to_le_bytes())
+            }
+            _ if i32::try_from(v).is_ok() => {
+                self.op(b'J')?;
+                self.raw(&(v as i32).to_le_bytes())
+            }
+            _ => {
+                // LONG1: little-endian two's complement, here always 8 bytes.
+                self.raw(&[0x8a, 8])?;
+                self.raw(&v.to_le_bytes())
+            }
+        }
+    }
 
-fn out_frames(stack: &[Frame]) -> Vec<OutFrame<'_>> {
-    stack
-        .iter()
-        .map(|f| OutFrame {
-            name: &f.name,
-            filename: &f.filename,
-            line: f.line,
+    fn bool(&mut self, v: bool) -> Result<(), VizError> {
+        self.op(if v { 0x88 } else { 0x89 })
+    }
+
+    fn str(&mut self, v: &str) -> Result<(), VizError> {
+        if let Some(&id) = self.memo.get(v) {
+            return if id < 256 {
+                self.raw(&[b'h', id as u8])
+            } else {
+                self.op(b'j')?;
+                self.raw(&id.to_le_bytes())
+            };
+        }
+        let bytes = v.as_bytes();
+        if bytes.len() < 256 {
+            self.raw(&[0x8c, bytes.len() as u8])?;
+        } else {
+            self.op(b'X')?;
+            self.raw(&(bytes.len() as u32).to_le_bytes())?;
+        }
+        self.raw(bytes)?;
+        if bytes.len() <= MEMO_MAX_LEN && self.memo.len() < MEMO_MAX_ENTRIES {
+            let id = self.memo.len() as u32;
+            if id < 256 {
+                self.raw(&[b'q', id as u8])?;
+            } else {
+                self.op(b'r')?;
+                self.raw(&id.to_le_bytes())?;
+            }
+            self.memo.insert(v.to_owned(), id);
+        }
+        Ok(())
+    }
+
+    /// A list of `n` items written by `item(self, i)`, appended in batches of 1000.
+    fn list(
+        &mut self,
+        n: usize,
+        mut item: impl FnMut(&mut Self, usize) -> Result<(), VizError>,
+    ) -> Result<(), VizError> {
+        self.op(b']')?;
+        for start in (0..n).step_by(1000) {
+            self.op(b'(')?;
+            for i in start..n.min(start + 1000) {
+                item(self, i)?;
+            }
+            self.op(b'e')?;
+        }
+        Ok(())
+    }
+
+    fn frames(&mut self, stack: &[Frame]) -> Result<(), VizError> {
+        self.list(stack.len(), |w, i| {
+            let f = &stack[i];
+            w.op(b'}')?;
+            w.op(b'(')?;
+            w.str("name")?;
+            w.str(&f.name)?;
+            w.str("filename")?;
+            w.str(&f.filename)?;
+            w.str("line")?;
+            w.int(f.line)?;
+            w.op(b'u')
         })
-        .collect()
-}
+    }
 
-/// Writes `snapshot` as an uncompressed PyTorch-compatible pickle (protocol 3).
-pub fn write_pickle(snapshot: &TorchSnapshot, out: &mut impl Write) -> Result<(), VizError> {
-    let mut segments = Vec::with_capacity(snapshot.segments.len());
-    for s in &snapshot.segments {
-        let mut blocks = Vec::with_capacity(s.blocks.len());
+    fn block(&mut self, b: &TorchBlock) -> Result<(), VizError> {
+        self.op(b'}')?;
+        self.op(b'(')?;
+        self.str("address")?;
+        self.int(as_i64(b.address, "block address")?)?;
+        self.str("size")?;
+        self.int(as_i64(b.size, "block size")?)?;
+        self.str("requested_size")?;
+        self.int(as_i64(b.requested_size, "requested size")?)?;
+        self.str("state")?;
+        self.str(b.state.name())?;
+        self.str("frames")?;
+        self.frames(&b.frames)?;
+        self.op(b'u')
+    }
+
+    fn segment(&mut self, s: &TorchSegment) -> Result<(), VizError> {
         let (mut allocated, mut active, mut requested) = (0u64, 0u64, 0u64);
         for b in &s.blocks {
             if b.state != TorchBlockState::Inactive {
@@ -691,56 +749,90 @@ pub fn write_pickle(snapshot: &TorchSnapshot, out: &mut impl Write) -> Result<()
                 allocated += b.size;
                 requested += b.requested_size;
             }
-            blocks.push(OutBlock {
-                address: as_i64(b.address, "block address")?,
-                size: as_i64(b.size, "block size")?,
-                requested_size: as_i64(b.requested_size, "requested size")?,
-                state: b.state.name(),
-                frames: out_frames(&b.frames),
-            });
         }
-        segments.push(OutSegment {
-            device: i64::from(s.device),
-            address: as_i64(s.address, "segment address")?,
-            total_size: as_i64(s.total_size, "segment size")?,
-            allocated_size: as_i64(allocated, "allocated size")?,
-            active_size: as_i64(active, "active size")?,
-            requested_size: as_i64(requested, "requested size")?,
-            stream: s.stream as i64,
-            segment_type: &s.segment_type,
-            segment_pool_id: (0, 0),
-            is_expandable: s.is_expandable,
-            frames: Vec::new(),
-            blocks,
-        });
+        self.op(b'}')?;
+        self.op(b'(')?;
+        self.str("device")?;
+        self.int(i64::from(s.device))?;
+        self.str("address")?;
+        self.int(as_i64(s.address, "segment address")?)?;
+        self.str("total_size")?;
+        self.int(as_i64(s.total_size, "segment size")?)?;
+        self.str("allocated_size")?;
+        self.int(as_i64(allocated, "allocated size")?)?;
+        self.str("active_size")?;
+        self.int(as_i64(active, "active size")?)?;
+        self.str("requested_size")?;
+        self.int(as_i64(requested, "requested size")?)?;
+        self.str("stream")?;
+        self.int(s.stream as i64)?;
+        self.str("segment_type")?;
+        self.str(&s.segment_type)?;
+        self.str("segment_pool_id")?;
+        self.int(0)?;
+        self.int(0)?;
+        self.op(0x86)?; // TUPLE2
+        self.str("is_expandable")?;
+        self.bool(s.is_expandable)?;
+        self.str("frames")?;
+        self.op(b']')?;
+        self.str("blocks")?;
+        self.list(s.blocks.len(), |w, i| w.block(&s.blocks[i]))?;
+        self.op(b'u')
     }
-    let mut device_traces = Vec::with_capacity(snapshot.device_traces.len());
-    for trace in &snapshot.device_traces {
-        let mut entries = Vec::with_capacity(trace.len());
-        for e in trace {
-            entries.push(OutEntry {
-                action: e.action.name(),
-                addr: as_i64(e.addr, "address")?,
-                size: as_i64(e.size, "size")?,
-                stream: e.stream as i64,
-                time_us: e.time_us.map(|t| as_i64(t, "time")).transpose()?,
-                frames: out_frames(&e.frames),
-                device_free: e
-                    .device_free
-                    .map(|f| as_i64(f, "device_free"))
-                    .transpose()?,
-            });
+
+    fn entry(&mut self, e: &TorchTraceEntry) -> Result<(), VizError> {
+        self.op(b'}')?;
+        self.op(b'(')?;
+        self.str("action")?;
+        self.str(e.action.name())?;
+        self.str("addr")?;
+        self.int(as_i64(e.addr, "address")?)?;
+        self.str("size")?;
+        self.int(as_i64(e.size, "size")?)?;
+        self.str("stream")?;
+        self.int(e.stream as i64)?;
+        if let Some(t) = e.time_us {
+            self.str("time_us")?;
+            self.int(as_i64(t, "time")?)?;
         }
-        device_traces.push(entries);
+        if let Some(f) = e.device_free {
+            self.str("device_free")?;
+            self.int(as_i64(f, "device_free")?)?;
+        }
+        self.str("frames")?;
+        self.frames(&e.frames)?;
+        self.op(b'u')
     }
-    let doc = OutSnapshot {
-        segments,
-        device_traces,
+}
+
+fn pickle_io(e: std::io::Error) -> VizError {
+    VizError::Unrepresentable {
+        format: "PyTorch pickle",
+        what: e.to_string(),
+    }
+}
+
+/// Writes `snapshot` as an uncompressed PyTorch-compatible pickle (protocol 4). Pass a
+/// buffered writer: the pickle is written in many small pieces.
+pub fn write_pickle(snapshot: &TorchSnapshot, out: &mut impl Write) -> Result<(), VizError> {
+    let mut w = PickleWriter {
+        out,
+        memo: HashMap::new(),
     };
-    serde_pickle::to_writer(out, &doc, serde_pickle::SerOptions::new()).map_err(|e| {
-        VizError::Unrepresentable {
-            format: "PyTorch pickle",
-            what: e.to_string(),
-        }
-    })
+    w.raw(&[0x80, 4])?;
+    w.op(b'}')?;
+    w.op(b'(')?;
+    w.str("segments")?;
+    w.list(snapshot.segments.len(), |w, i| {
+        w.segment(&snapshot.segments[i])
+    })?;
+    w.str("device_traces")?;
+    w.list(snapshot.device_traces.len(), |w, d| {
+        let trace = &snapshot.device_traces[d];
+        w.list(trace.len(), |w, i| w.entry(&trace[i]))
+    })?;
+    w.op(b'u')?;
+    w.op(b'.')?;
+    Ok(())
 }
