@@ -95,6 +95,15 @@ fn foreign_file_is_refused_with_a_reason() {
         "{err}"
     );
 
+    // A pickle of a Python class (collections.OrderedDict()): refused, not executed.
+    let path = temp(
+        "global.pickle",
+        b"\x80\x02ccollections\nOrderedDict\nq\x00)Rq\x01.",
+    );
+    let err = read_snapshot(&path).unwrap_err();
+    assert!(matches!(err, VizError::Pickle { .. }), "{err}");
+    assert!(err.to_string().contains("global.pickle"), "{err}");
+
     // A dict without the snapshot keys: {'a': 1}.
     let path = temp(
         "dict.pickle",
