@@ -418,8 +418,11 @@ function drawLanes() {
         if (hgt > 0) ctx.fillRect(PAD_L + i, y0 + LH - 2 - hgt, 1, hgt);
       }
     }
-    ctx.fillStyle = '#555'; ctx.textAlign = 'left';
-    ctx.fillText(`max ${fmtBytes(top)}`, PAD_L + 3, y0 + 11);
+    const label = `max ${fmtBytes(top)}`;
+    ctx.textAlign = 'left';
+    const tw = ctx.measureText(label).width;
+    ctx.fillStyle = 'rgba(255,255,255,0.85)'; ctx.fillRect(PAD_L + W - tw - 8, y0 + 2, tw + 6, 12);
+    ctx.fillStyle = '#333'; ctx.fillText(label, PAD_L + W - tw - 5, y0 + 12);
     ctx.textAlign = 'right';
   });
 }
@@ -485,7 +488,7 @@ function drawSegmap() {
     const w = where.get(g);
     const x = w.x + (c.al_addr[a] - c.sg_addr[g]) * sx;
     const pending = c.al_fr[a] >= 0 && c.al_fr[a] < b;
-    ctx.fillStyle = pending ? '#e15759' : PALETTE[c.al_stream[a] % 10];
+    ctx.fillStyle = pending ? '#e15759' : '#' + (d.col[a] & 0xffffff).toString(16).padStart(6, '0').replace(/(..)(..)(..)/, '$3$2$1');
     ctx.fillRect(x, w.y + 1, Math.max(1, c.al_size[a] * sx), rh - 5);
     if (pending) { ctx.fillStyle = '#000'; ctx.fillRect(x, w.y + rh - 6, Math.max(1, c.al_size[a] * sx), 2); }
     blocks.push({a, x, y: w.y, w: Math.max(1, c.al_size[a] * sx)});
@@ -523,7 +526,7 @@ function drawSummary() {
   html += '</table><div class="title">Largest allocations</div><table>';
   for (const a of live.slice(0, 10)) {
     const st = c.al_stack[a];
-    html += `<tr><td class="n">${fmtBytes(c.al_size[a])}</td><td>${d.h.streams[c.al_stream[a]]}</td><td>${esc(st >= 0 ? d.site[st] : '')}</td></tr>`;
+    html += `<tr><td class="n">${fmtBytes(c.al_size[a])}</td><td>${d.h.streams[c.al_stream[a]]}</td><td>${esc(st >= 0 ? d.site[st] : '(no stack)')}</td></tr>`;
   }
   html += '</table><div class="title">By call site</div><table>';
   for (const [k, s] of [...sites].sort((x, y) => y[1].bytes - x[1].bytes).slice(0, 10)) {
