@@ -12,7 +12,7 @@
 use crate::model::Snapshot;
 use serde_json::json;
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 
@@ -135,7 +135,8 @@ pub fn serve(listener: TcpListener, viewer: Arc<Viewer>) -> std::io::Result<()> 
 
 fn handle(stream: TcpStream, viewer: &Viewer) -> std::io::Result<()> {
     stream.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
-    let mut reader = BufReader::new(stream.try_clone()?);
+    // Requests are a line and a few headers: read at most 64 KiB of them.
+    let mut reader = BufReader::new(stream.try_clone()?.take(64 << 10));
     let mut request_line = String::new();
     reader.read_line(&mut request_line)?;
     // Skip the headers (bounded).
