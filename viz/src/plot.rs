@@ -258,17 +258,56 @@ pub fn render_svg(snapshot: &Snapshot, width: usize, height: usize) -> String {
     s
 }
 
-/// The timeline as RGB pixels (`width` × `height`, row-major, top row first). Carries no
-/// text: the SVG has the labels.
+/// A 5×7 bitmap font for the axis labels of PNGs: rows top to bottom, bit 4 leftmost.
+fn glyph(c: char) -> Option<[u8; 7]> {
+    Some(match c {
+        '0' => [0x0E, 0x11, 0x13, 0x15, 0x19, 0x11, 0x0E],
+        '1' => [0x04, 0x0C, 0x04, 0x04, 0x04, 0x04, 0x0E],
+        '2' => [0x0E, 0x11, 0x01, 0x02, 0x04, 0x08, 0x1F],
+        '3' => [0x1F, 0x02, 0x04, 0x02, 0x01, 0x11, 0x0E],
+        '4' => [0x02, 0x06, 0x0A, 0x12, 0x1F, 0x02, 0x02],
+        '5' => [0x1F, 0x10, 0x1E, 0x01, 0x01, 0x11, 0x0E],
+        '6' => [0x06, 0x08, 0x10, 0x1E, 0x11, 0x11, 0x0E],
+        '7' => [0x1F, 0x01, 0x02, 0x04, 0x08, 0x08, 0x08],
+        '8' => [0x0E, 0x11, 0x11, 0x0E, 0x11, 0x11, 0x0E],
+        '9' => [0x0E, 0x11, 0x11, 0x0F, 0x01, 0x02, 0x0C],
+        '.' => [0, 0, 0, 0, 0, 0x0C, 0x0C],
+        '#' => [0x0A, 0x0A, 0x1F, 0x0A, 0x1F, 0x0A, 0x0A],
+        'K' => [0x11, 0x12, 0x14, 0x18, 0x14, 0x12, 0x11],
+        'M' => [0x11, 0x1B, 0x15, 0x15, 0x11, 0x11, 0x11],
+        'G' => [0x0E, 0x11, 0x10, 0x17, 0x11, 0x11, 0x0F],
+        'T' => [0x1F, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04],
+        'i' => [0x04, 0x00, 0x0C, 0x04, 0x04, 0x04, 0x0E],
+        'B' => [0x1E, 0x11, 0x11, 0x1E, 0x11, 0x11, 0x1E],
+        _ => return None, // drawn as a space
+    })
+}
+
+/// Draws `text` with its top-left corner at `(x, y)`, 6 pixels per character.
+fn draw_text(put: &mut impl FnMut(usize, usize, [u8; 3]), x: usize, y: usize, text: &str) {
+    for (k, c) in text.chars().enumerate() {
+        let Some(rows) = glyph(c) else { continue };
+        for (r, bits) in rows.iter().enumerate() {
+            for b in 0..5 {
+                if bits & (0x10 >> b) != 0 {
+                    put(x + k * 6 + b, y + r, [30, 30, 30]);
+                }
+            }
+        }
+    }
+}
+
+/// The timeline as RGB pixels (`width` × `height`, row-major, top row first), with byte
+/// and event-index labels on the axes.
 pub fn render_rgb(snapshot: &Snapshot, width: usize, height: usize) -> Vec<u8> {
     let mut px = vec![255u8; width * height * 3];
     let Some(device) = pick(snapshot) else {
         return px;
     };
     let t = Timeline::build(device);
-    let (ml, mt, mb) = (8, 8, 8);
+    let (ml, mr, mt, mb) = (66, 24, 8, 16);
     let (w, h) = (
-        width.saturating_sub(2 * ml).max(1),
+        width.saturating_sub(ml + mr).max(1),
         height.saturating_sub(mt + mb).max(1),
     );
     let g = build_grid(device, &t, w, h);
@@ -298,6 +337,28 @@ pub fn render_rgb(snapshot: &Snapshot, width: usize, height: usize) -> Vec<u8> {
     }
     for x in ml - 1..ml + g.w {
         put(x, mt + g.h, [0, 0, 0]);
+    }
+    for k in 0..=4 {
+        let v = g.ymax as f64 / 1.05 * k as f64 / 4.0;
+        let y = mt + g.h - ((v / g.ymax as f64) * g.h as f64) as usize;
+        let label = fmt_bytes(v);
+        let x = (ml - 4).saturating_sub(label.len() * 6);
+        draw_text(&mut put, x, y.saturating_sub(3), &label);
+        for dx in 1..4 {
+            put(ml - 1 - dx, y, [0, 0, 0]);
+        }
+    }
+    let n = t.len();
+    for k in 0..=5 {
+        let label = format!("#{}", n * k / 5);
+        let cx = ml + g.w * k / 5;
+        let x = cx
+            .saturating_sub(label.len() * 3)
+            .min(width.saturating_sub(label.len() * 6));
+        draw_text(&mut put, x, mt + g.h + 5, &label);
+        for dy in 1..4 {
+            put(cx, mt + g.h + dy, [0, 0, 0]);
+        }
     }
     px
 }
