@@ -61,6 +61,7 @@ test('viewer draws a real trace, hover shows details, zoom changes the range', a
     // Compare with the second file: its curve is overlaid and its peak listed.
     await page.selectOption('#compare', '1');
     await page.waitForFunction(() => /compare: peak active/.test(document.getElementById('summary').textContent));
+    assert.ok(await page.locator('#compare-table tr').count() > 0, 'per-call-site comparison at the peaks');
 
     // Time axis and colours by call site still draw; the segment map's blocks hover too.
     await page.selectOption('#xmode', 'time');

@@ -533,6 +533,27 @@ function drawSummary() {
     html += `<tr><td class="n">${fmtBytes(s.bytes)}</td><td class="n">${s.count}×</td><td>${esc(k)}</td></tr>`;
   }
   html += '</table>';
+  if (C && C.h.peak.active && d.h.peak.active) {
+    // Bytes by call site at each snapshot's own peak, largest differences first.
+    const bySite = (x, b) => {
+      const m = new Map();
+      for (const a of liveAt(x, b)) {
+        const st = x.c.al_stack[a];
+        const key = st >= 0 ? x.site[st] : '(no stack)';
+        m.set(key, (m.get(key) || 0) + x.c.al_size[a]);
+      }
+      return m;
+    };
+    const mine = bySite(d, d.h.peak.active[0] + 1), theirs = bySite(C, C.h.peak.active[0] + 1);
+    const keys = new Set([...mine.keys(), ...theirs.keys()]);
+    const rows = [...keys].map(k => [k, mine.get(k) || 0, theirs.get(k) || 0])
+      .sort((x, y) => Math.abs(y[1] - y[2]) - Math.abs(x[1] - x[2])).slice(0, 10);
+    html += '<div class="title">At each peak, by call site: this file vs. compared</div><table id="compare-table">';
+    for (const [k, a, b] of rows) {
+      html += `<tr><td class="n">${fmtBytes(a)}</td><td class="n">${fmtBytes(b)}</td><td>${esc(k)}</td></tr>`;
+    }
+    html += '</table>';
+  }
   $('summary').innerHTML = html;
   $('sumat').textContent = `#${instant}` + (d.n ? ` (${fmtTime(c.ev_time[Math.min(instant, d.n - 1)])})` : '');
 }
