@@ -2,9 +2,9 @@
 //! `run(args) -> Result<ExitCode, CliError>`.
 
 pub(crate) mod demo;
+pub(crate) mod plot;
 pub(crate) mod replay;
 pub(crate) mod run;
-pub(crate) mod plot;
 pub(crate) mod snapshot;
 pub(crate) mod view;
 

@@ -3,7 +3,9 @@
 //!
 //! A trace is a list of events; a timeline pairs them up. Each `alloc` is matched with the
 //! `free_requested` and `free_completed` at the same address that follow it, each
-//! `segment_alloc`/`segment_map` with its `segment_free`/`segment_unmap`. A new `alloc` at
+//! `segment_alloc`/`segment_map` with the `segment_free`/`segment_unmap` that removes its
+//! address range (expandable segments unmap parts of mappings, or several at once). A new
+//! `alloc` at
 //! the address of a block still pending ends that block's lifetime (streamalloc reuses
 //! pending blocks after a device-side wait, without a `free_completed`). Blocks and
 //! segments alive before the first event (their free is seen but not their allocation, or
@@ -129,17 +131,21 @@ impl Timeline {
         let trace = &device.trace;
         let n = trace.len();
 
-        // Segments: pair allocs and frees by address. Expandable segments map and unmap
-        // page ranges; each mapping is its own span.
-        let mut live_segs: HashMap<u64, usize> = HashMap::new();
+        // Segments: mapped address ranges. `segment_alloc`/`segment_map` add a range;
+        // `segment_free`/`segment_unmap` remove one, which for expandable segments may be
+        // part of a mapping or span several: each affected span ends there and what is
+        // left of it continues as a new span. Ranges removed without having been added
+        // were mapped before the trace began.
+        let mut live_segs: BTreeMap<u64, usize> = BTreeMap::new();
         let mut early_segs = Vec::new();
-        let mut late_segs = Vec::new();
+        let mut late_segs: Vec<SegmentSpan> = Vec::new();
         for (i, e) in trace.iter().enumerate() {
+            let at = Some(i as u32);
             match e.action {
                 Action::SegmentAlloc | Action::SegmentMap => {
                     let s = stream(e.stream, &mut t.streams);
                     late_segs.push(SegmentSpan {
-                        start: Some(i as u32),
+                        start: at,
                         end: None,
                         addr: e.addr,
                         size: e.size,
@@ -148,15 +154,58 @@ impl Timeline {
                     live_segs.insert(e.addr, late_segs.len() - 1);
                 }
                 Action::SegmentFree | Action::SegmentUnmap => {
-                    if let Some(k) = live_segs.remove(&e.addr) {
-                        late_segs[k].end = Some(i as u32);
-                    } else {
+                    let lo = e.addr;
+                    let hi = match (e.size, live_segs.get(&lo)) {
+                        (0, Some(&k)) => lo + late_segs[k].size,
+                        (size, _) => lo.saturating_add(size),
+                    };
+                    // Live spans overlapping [lo, hi), in address order.
+                    let mut hit: Vec<usize> = live_segs
+                        .range(..hi)
+                        .rev()
+                        .map(|(_, &k)| k)
+                        .take_while(|&k| late_segs[k].addr + late_segs[k].size > lo)
+                        .collect();
+                    hit.reverse();
+                    let mut cursor = lo;
+                    for k in hit {
+                        let (sa, se, st) = {
+                            let sp = &late_segs[k];
+                            (sp.addr, sp.addr + sp.size, sp.stream)
+                        };
+                        live_segs.remove(&sa);
+                        late_segs[k].end = at;
+                        if sa > cursor {
+                            let s = stream(e.stream, &mut t.streams);
+                            early_segs.push(SegmentSpan {
+                                start: None,
+                                end: at,
+                                addr: cursor,
+                                size: sa - cursor,
+                                stream: s,
+                            });
+                        }
+                        for (ra, rb) in [(sa, lo), (hi, se)] {
+                            if rb > ra {
+                                late_segs.push(SegmentSpan {
+                                    start: at,
+                                    end: None,
+                                    addr: ra,
+                                    size: rb - ra,
+                                    stream: st,
+                                });
+                                live_segs.insert(ra, late_segs.len() - 1);
+                            }
+                        }
+                        cursor = cursor.max(se);
+                    }
+                    if cursor < hi {
                         let s = stream(e.stream, &mut t.streams);
                         early_segs.push(SegmentSpan {
                             start: None,
-                            end: Some(i as u32),
-                            addr: e.addr,
-                            size: e.size,
+                            end: at,
+                            addr: cursor,
+                            size: hi - cursor,
                             stream: s,
                         });
                     }
@@ -164,14 +213,15 @@ impl Timeline {
                 _ => {}
             }
         }
-        // Segments in the snapshot not allocated in the trace existed before it.
-        let traced: std::collections::HashSet<u64> = late_segs
-            .iter()
-            .filter(|s| s.end.is_none())
-            .map(|s| s.addr)
-            .collect();
+        // Segments in the snapshot that no range mapped in the trace overlaps existed
+        // before it.
         for seg in &device.segments {
-            if !traced.contains(&seg.addr) {
+            let end = seg.addr.saturating_add(seg.size);
+            let overlapped = live_segs
+                .range(..end)
+                .next_back()
+                .is_some_and(|(_, &k)| late_segs[k].addr + late_segs[k].size > seg.addr);
+            if !overlapped {
                 let s = stream(seg.stream, &mut t.streams);
                 early_segs.push(SegmentSpan {
                     start: None,
@@ -588,5 +638,36 @@ mod tests {
         let reused = &t.allocs[t.allocs.len() - 2];
         assert_eq!((reused.start, reused.end), (Some(2), Some(5)));
         assert_eq!(t.active_at(5).len(), 2);
+    }
+
+    #[test]
+    fn expandable_unmaps_split_and_join_mappings() {
+        use Action::*;
+        let d = device(
+            vec![],
+            vec![
+                ev(SegmentMap, 0x1000, 0x200, 3),
+                ev(SegmentMap, 0x1200, 0x200, 3),
+                // Part of the first mapping and part of the second, in one call.
+                ev(SegmentUnmap, 0x1100, 0x200, 3),
+                // A range mapped before the trace.
+                ev(SegmentUnmap, 0x9000, 0x100, 3),
+                ev(SegmentUnmap, 0x1000, 0x100, 3),
+            ],
+        );
+        let t = Timeline::build(&d);
+        assert_eq!(
+            t.counters[Counter::Reserved as usize],
+            // 0x100 mapped before the trace is counted from the start.
+            vec![0x300, 0x500, 0x300, 0x200, 0x100]
+        );
+        assert_eq!(t.initial[Counter::Reserved as usize], 0x100);
+        let live: Vec<(u64, u64)> = t
+            .segments
+            .iter()
+            .filter(|s| s.end.is_none())
+            .map(|s| (s.addr, s.size))
+            .collect();
+        assert_eq!(live, vec![(0x1300, 0x100)]);
     }
 }
