@@ -449,52 +449,58 @@ function drawSegmap() {
     if ((s < 0 || s < b) && (e < 0 || e >= b)) segs.push(g);
   }
   segs.sort((x, y) => c.sg_addr[x] - c.sg_addr[y]);
+  // Contiguous mappings of one stream (an expandable segment's pages) show as one segment.
+  const shown = [];
+  for (const g of segs) {
+    const last = shown[shown.length - 1];
+    if (last && last.addr + last.size === c.sg_addr[g] && last.stream === c.sg_stream[g]) {
+      last.size += c.sg_size[g];
+    } else {
+      shown.push({addr: c.sg_addr[g], size: c.sg_size[g], stream: c.sg_stream[g]});
+    }
+  }
   let total = 0, maxSeg = 1;
-  for (const g of segs) { total += c.sg_size[g]; maxSeg = Math.max(maxSeg, c.sg_size[g]); }
+  for (const sg of shown) { total += sg.size; maxSeg = Math.max(maxSeg, sg.size); }
   const rowBytes = Math.max(maxSeg, total / 8);
-  const layout = [];
   let row = 0, used = 0;
   const gap = rowBytes * 0.004;
-  for (const g of segs) {
-    if (used + c.sg_size[g] > rowBytes && used > 0) { row++; used = 0; }
-    layout.push({g, row, off: used});
-    used += c.sg_size[g] + gap;
+  for (const sg of shown) {
+    if (used + sg.size > rowBytes && used > 0) { row++; used = 0; }
+    sg.row = row; sg.off = used;
+    used += sg.size + gap;
   }
   const rows = row + 1, rh = Math.min(28, (CH - 4) / rows);
   const sx = (CW - 8) / rowBytes;
   ctx.clearRect(0, 0, CW, CH);
-  const where = new Map();
-  for (const L of layout) {
-    const x = 4 + L.off * sx, y = 2 + L.row * rh;
-    ctx.fillStyle = '#f4f4f4'; ctx.fillRect(x, y, c.sg_size[L.g] * sx, rh - 3);
-    ctx.strokeStyle = '#999'; ctx.strokeRect(x + 0.5, y + 0.5, Math.max(1, c.sg_size[L.g] * sx - 1), rh - 4);
-    where.set(L.g, {x, y});
+  for (const sg of shown) {
+    sg.x = 4 + sg.off * sx; sg.y = 2 + sg.row * rh;
+    ctx.fillStyle = '#f4f4f4'; ctx.fillRect(sg.x, sg.y, sg.size * sx, rh - 3);
+    ctx.strokeStyle = '#999'; ctx.strokeRect(sg.x + 0.5, sg.y + 0.5, Math.max(1, sg.size * sx - 1), rh - 4);
   }
   const live = liveAt(d, b);
-  const segIdx = addr => {
-    let lo = 0, hi = segs.length - 1;
+  const segOf = addr => {
+    let lo = 0, hi = shown.length - 1;
     while (lo <= hi) {
-      const mid = (lo + hi) >> 1, g = segs[mid];
-      if (addr < c.sg_addr[g]) hi = mid - 1;
-      else if (addr >= c.sg_addr[g] + c.sg_size[g]) lo = mid + 1;
-      else return g;
+      const mid = (lo + hi) >> 1, sg = shown[mid];
+      if (addr < sg.addr) hi = mid - 1;
+      else if (addr >= sg.addr + sg.size) lo = mid + 1;
+      else return sg;
     }
-    return -1;
+    return null;
   };
   const blocks = [];
   for (const a of live) {
-    const g = segIdx(c.al_addr[a]);
-    if (g < 0) continue;
-    const w = where.get(g);
-    const x = w.x + (c.al_addr[a] - c.sg_addr[g]) * sx;
+    const w = segOf(c.al_addr[a]);
+    if (!w) continue;
+    const x = w.x + (c.al_addr[a] - w.addr) * sx;
     const pending = c.al_fr[a] >= 0 && c.al_fr[a] < b;
     ctx.fillStyle = pending ? '#e15759' : '#' + (d.col[a] & 0xffffff).toString(16).padStart(6, '0').replace(/(..)(..)(..)/, '$3$2$1');
     ctx.fillRect(x, w.y + 1, Math.max(1, c.al_size[a] * sx), rh - 5);
     if (pending) { ctx.fillStyle = '#000'; ctx.fillRect(x, w.y + rh - 6, Math.max(1, c.al_size[a] * sx), 2); }
     blocks.push({a, x, y: w.y, w: Math.max(1, c.al_size[a] * sx)});
   }
-  d.segLayout = {layout, rh, sx, blocks, segs: segs.length, total};
-  $('instant').textContent = `#${instant} — ${segs.length} segments, ${fmtBytes(total)} reserved (red: freed, awaiting other streams' events)`;
+  d.segLayout = {rh, sx, blocks, segs: shown.length, total};
+  $('instant').textContent = `#${instant} — ${shown.length} segments, ${fmtBytes(total)} reserved (red: freed, awaiting other streams' events)`;
 }
 
 function drawSummary() {
