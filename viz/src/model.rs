@@ -412,6 +412,14 @@ pub fn parse_json(path: &Path, bytes: &[u8]) -> Result<Snapshot, VizError> {
 /// Our model of the engine's snapshot (device 0).
 pub fn from_engine(s: &streamalloc_allocator::Snapshot) -> Snapshot {
     let mut out = Snapshot::new("streamalloc");
+    // The engine's segment records do not say whether a segment is expandable; one whose
+    // pages the trace shows being mapped is.
+    let mapped: Vec<u64> = s
+        .trace
+        .iter()
+        .filter(|e| e.action == TraceAction::SegmentMap)
+        .map(|e| e.addr.0)
+        .collect();
     out.config = serde_json::to_value(&s.config).ok();
     out.stats = serde_json::to_value(s.stats).ok();
     let segments = s
@@ -425,7 +433,9 @@ pub fn from_engine(s: &streamalloc_allocator::Snapshot) -> Snapshot {
                 PoolKind::Large => "large".into(),
             },
             stream: seg.stream.0,
-            expandable: false,
+            expandable: mapped
+                .iter()
+                .any(|&a| a >= seg.addr.0 && a < seg.addr.0 + seg.size),
             blocks: seg
                 .blocks
                 .iter()

@@ -48,6 +48,10 @@ fn engine_snapshot_round_trips() {
             || d.trace.iter().any(|e| e.action == Action::FreeRequested)
     );
     assert_eq!(json_round_trip(&ours), ours);
+    // Segments whose pages the trace maps are marked expandable.
+    if d.trace.iter().any(|e| e.action == Action::SegmentMap) {
+        assert!(d.segments.iter().any(|s| s.expandable));
+    }
 
     // The engine's own serde JSON is accepted too.
     let raw = serde_json::to_vec(&engine).unwrap();
