@@ -589,7 +589,15 @@ pub fn to_torch(s: &Snapshot) -> TorchSnapshot {
         i.and_then(|i| stacks.get(i as usize).cloned())
             .unwrap_or_else(|| empty.clone())
     };
-    let mut out = TorchSnapshot::default();
+    let mut out = TorchSnapshot {
+        // PyTorch's settings go back where they came from; ours are not PyTorch's.
+        allocator_settings: if s.source == "pytorch" {
+            s.config.clone()
+        } else {
+            None
+        },
+        ..TorchSnapshot::default()
+    };
     for d in &s.devices {
         for seg in &d.segments {
             out.segments.push(TorchSegment {

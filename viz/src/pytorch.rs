@@ -17,8 +17,8 @@
 //!
 //! [`write_pickle`] writes the same shape back with only the opcodes PyTorch's own
 //! JavaScript viewer (`MemoryViz.js`) decodes: protocol 4, dicts, lists, tuples, strings
-//! (memoised with `BINPUT`/`BINGET`, as Python does), integers of at most 8 bytes and
-//! booleans.
+//! (memoised with `BINPUT`/`BINGET`, as Python does), integers of at most 8 bytes, floats,
+//! booleans and `None`.
 //!
 //! # Example
 //! ```no_run
@@ -615,7 +615,7 @@ fn as_i64(v: u64, what: &str) -> Result<i64, VizError> {
 }
 
 /// A pickle emitter limited to what PyTorch's viewers read: protocol 4 (unframed); dicts, lists,
-/// 2-tuples, strings, integers of at most 8 bytes, booleans. Strings are memoised
+/// 2-tuples, strings, integers of at most 8 bytes, floats, booleans, `None`. Strings are memoised
 /// (`BINPUT`/`BINGET`, as Python's own pickler does), so the keys and call-stack strings
 /// repeated in every trace entry are written once: files shrink several times over.
 struct PickleWriter<W: Write> {
@@ -706,6 +706,37 @@ impl<W: Write> PickleWriter<W> {
             self.op(b'e')?;
         }
         Ok(())
+    }
+
+    /// A JSON value as the equivalent Python value (dict keys as strings).
+    fn json(&mut self, v: &serde_json::Value) -> Result<(), VizError> {
+        use serde_json::Value as J;
+        match v {
+            J::Null => self.op(b'N'),
+            J::Bool(b) => self.bool(*b),
+            J::Number(n) => match (n.as_i64(), n.as_f64()) {
+                (Some(i), _) => self.int(i),
+                (None, Some(f)) => {
+                    self.op(b'G')?;
+                    self.raw(&f.to_be_bytes())
+                }
+                (None, None) => self.op(b'N'),
+            },
+            J::String(s) => self.str(s),
+            J::Array(items) => self.list(items.len(), |w, i| w.json(&items[i])),
+            J::Object(map) => {
+                self.op(b'}')?;
+                if !map.is_empty() {
+                    self.op(b'(')?;
+                    for (k, v) in map {
+                        self.str(k)?;
+                        self.json(v)?;
+                    }
+                    self.op(b'u')?;
+                }
+                Ok(())
+            }
+        }
     }
 
     fn frames(&mut self, stack: &[Frame]) -> Result<(), VizError> {
@@ -832,6 +863,10 @@ pub fn write_pickle(snapshot: &TorchSnapshot, out: &mut impl Write) -> Result<()
         let trace = &snapshot.device_traces[d];
         w.list(trace.len(), |w, i| w.entry(&trace[i]))
     })?;
+    if let Some(settings) = &snapshot.allocator_settings {
+        w.str("allocator_settings")?;
+        w.json(settings)?;
+    }
     w.op(b'u')?;
     w.op(b'.')?;
     Ok(())
