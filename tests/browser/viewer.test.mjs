@@ -54,6 +54,10 @@ test('viewer draws a real trace, hover shows details, zoom changes the range', a
 
     // Jump to the peak: the summary names the peak instant and lists the largest blocks.
     await page.click('#peak');
+    const peakAt = await page.locator('#sumat').textContent();
+    await page.keyboard.press('ArrowRight');
+    assert.notEqual(await page.locator('#sumat').textContent(), peakAt, 'arrow steps the instant');
+    await page.keyboard.press('ArrowLeft');
     const summary = await page.locator('#summary').textContent();
     assert.match(summary, /peak active/);
     assert.match(summary, /Largest allocations/);

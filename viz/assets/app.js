@@ -679,6 +679,12 @@ function install() {
     const hit = L.blocks.find(bk => e.offsetX >= bk.x && e.offsetX <= bk.x + bk.w && e.offsetY >= bk.y && e.offsetY <= bk.y + L.rh);
     if (hit) $('details').textContent = describeAlloc(D, hit.a, Math.min(D.n, instant + 1));
   });
+  // Arrow keys step the chosen instant one event (ten with shift).
+  window.addEventListener('keydown', e => {
+    if (!D || e.target.tagName === 'SELECT') return;
+    const step = {ArrowLeft: -1, ArrowRight: 1}[e.key];
+    if (step) { e.preventDefault(); setInstant(instant + step * (e.shiftKey ? 10 : 1)); }
+  });
   $('peak').onclick = jumpToPeak;
   $('reset').onclick = () => { view = {x0: domain(D)[0], x1: domain(D)[1]}; redraw(); };
   $('xmode').onchange = e => {
