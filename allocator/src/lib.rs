@@ -61,9 +61,11 @@ pub(crate) mod lifetime;
 pub mod pool;
 pub mod scenarios;
 pub mod snapshot;
+pub mod staging;
 pub mod stats;
 pub mod testing;
 pub mod trace;
+pub mod transport;
 pub mod types;
 mod util;
 
