@@ -18,6 +18,8 @@ struct Cli {
 enum Command {
     /// Run a simulated workload (no GPU needed) and print what the allocator did.
     Demo(cli::demo::DemoArgs),
+    /// Run a staged many-tensor exchange between simulated ranks and check every byte.
+    P2pSim(cli::p2p_sim::P2pSimArgs),
 }
 
 fn main() -> ExitCode {
@@ -28,6 +30,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(args) => cli::demo::run(args),
+        Command::P2pSim(args) => cli::p2p_sim::run(args),
     };
     match result {
         Ok(code) => code,

@@ -84,7 +84,10 @@ fn check_plan(plan: &Plan, locals: &[LocalDescription], config: &StagingConfig) 
         let (mut senders, mut receivers) = (HashSet::new(), HashSet::new());
         for t in &round.transfers {
             assert_ne!(t.src, t.dst);
-            assert!(pairs.insert((t.src, t.dst)), "two messages on one ordered pair");
+            assert!(
+                pairs.insert((t.src, t.dst)),
+                "two messages on one ordered pair"
+            );
             assert!(senders.insert(t.src) && receivers.insert(t.dst));
             if let Payload::Packed { segments, len } = &t.payload {
                 assert!(*len <= buffer, "packed message larger than a buffer");
@@ -105,9 +108,15 @@ fn check_plan(plan: &Plan, locals: &[LocalDescription], config: &StagingConfig) 
             let list = &locals[src as usize].sends[dst as usize];
             let mut pieces: Vec<Vec<(u64, u64)>> = vec![Vec::new(); list.len()];
             for round in plan.rounds() {
-                for t in round.transfers.iter().filter(|t| (t.src, t.dst) == (src, dst)) {
+                for t in round
+                    .transfers
+                    .iter()
+                    .filter(|t| (t.src, t.dst) == (src, dst))
+                {
                     match &t.payload {
-                        Payload::ZeroCopy { tensor, len } => pieces[*tensor as usize].push((0, *len)),
+                        Payload::ZeroCopy { tensor, len } => {
+                            pieces[*tensor as usize].push((0, *len))
+                        }
                         Payload::Packed { segments, .. } => {
                             for s in segments {
                                 pieces[s.tensor as usize].push((s.tensor_offset, s.len));
@@ -281,7 +290,11 @@ fn a_rank_with_a_bad_budget_fails_every_rank_with_its_reason() {
             .unwrap_err()
             .to_string()
     });
-    assert!(errors[0].starts_with("rank 1 could not plan"), "{}", errors[0]);
+    assert!(
+        errors[0].starts_with("rank 1 could not plan"),
+        "{}",
+        errors[0]
+    );
     assert!(errors[0].contains("too small"), "{}", errors[0]);
     assert!(errors.iter().all(|e| e == &errors[0]));
 }
@@ -289,7 +302,9 @@ fn a_rank_with_a_bad_budget_fails_every_rank_with_its_reason() {
 #[test]
 fn empty_lists_on_any_world_make_an_empty_plan() {
     for world in 1..=5 {
-        let locals: Vec<_> = (0..world).map(|r| LocalDescription::empty(r, world)).collect();
+        let locals: Vec<_> = (0..world)
+            .map(|r| LocalDescription::empty(r, world))
+            .collect();
         let plans = on_ranks(locals, |t, local| {
             agree_on_plan(t, &local, StagingConfig::default()).unwrap()
         });

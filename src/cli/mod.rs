@@ -2,6 +2,7 @@
 //! `run(args) -> Result<ExitCode, CliError>`.
 
 pub(crate) mod demo;
+pub(crate) mod p2p_sim;
 
 /// An error a subcommand reports as one line on stderr, with exit code 2.
 #[derive(Debug, thiserror::Error)]

@@ -53,7 +53,9 @@ pub enum StagingError {
     #[error("bad staging configuration: {0}")]
     BadConfig(String),
     /// A sender's list and its receiver's expectation disagree.
-    #[error("p2p exchange mismatch between rank {src} (sender) and rank {dst} (receiver): {detail}")]
+    #[error(
+        "p2p exchange mismatch between rank {src} (sender) and rank {dst} (receiver): {detail}"
+    )]
     Mismatch {
         /// Sending rank.
         src: u32,
@@ -85,7 +87,9 @@ pub enum StagingError {
     #[error("p2p buffers do not match the description: {0}")]
     BadBuffers(String),
     /// A staging acquire would have exceeded the budget (a planner bug, never expected).
-    #[error("staging budget exceeded: {in_use} bytes in use + {requested} requested > budget {budget}")]
+    #[error(
+        "staging budget exceeded: {in_use} bytes in use + {requested} requested > budget {budget}"
+    )]
     BudgetExceeded {
         /// Bytes held.
         in_use: u64,

@@ -272,12 +272,7 @@ impl Description {
         }
         for src in 0..world as usize {
             for dst in 0..world as usize {
-                check_pair(
-                    src,
-                    dst,
-                    &locals[src].sends[dst],
-                    &locals[dst].recvs[src],
-                )?;
+                check_pair(src, dst, &locals[src].sends[dst], &locals[dst].recvs[src])?;
             }
         }
         Ok(Self {
@@ -809,7 +804,10 @@ mod tests {
         let b = LocalDescription::empty(1, 2);
         a.sends[1] = vec![meta(5)];
         let err = Description::from_locals(&[a, b]).unwrap_err().to_string();
-        assert!(err.contains("rank 0 sends 1 tensors to rank 1, which expects 0"), "{err}");
+        assert!(
+            err.contains("rank 0 sends 1 tensors to rank 1, which expects 0"),
+            "{err}"
+        );
     }
 
     #[test]

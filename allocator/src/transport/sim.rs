@@ -56,8 +56,14 @@ impl SimTransport {
             .map(|(rank, (to, from))| SimTransport {
                 rank: rank as u32,
                 world,
-                to: to.into_iter().map(|s| s.expect("every link made")).collect(),
-                from: from.into_iter().map(|r| r.expect("every link made")).collect(),
+                to: to
+                    .into_iter()
+                    .map(|s| s.expect("every link made"))
+                    .collect(),
+                from: from
+                    .into_iter()
+                    .map(|r| r.expect("every link made"))
+                    .collect(),
                 timeout,
                 bytes_sent: 0,
             })
@@ -197,7 +203,14 @@ mod tests {
                 buf: &mut buf,
             }])
             .unwrap_err();
-        assert!(matches!(err, TransportError::Timeout { rank: 0, peer: 1, .. }));
+        assert!(matches!(
+            err,
+            TransportError::Timeout {
+                rank: 0,
+                peer: 1,
+                ..
+            }
+        ));
     }
 
     #[test]
