@@ -7,3 +7,4 @@
 #![warn(missing_docs, rust_2018_idioms)]
 
 pub use streamalloc_allocator as allocator;
+pub mod ffi_p2p;

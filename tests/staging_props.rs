@@ -91,10 +91,18 @@ fn check_plan(plan: &Plan, locals: &[LocalDescription], config: &StagingConfig) 
             assert!(senders.insert(t.src) && receivers.insert(t.dst));
             if let Payload::Packed { segments, len } = &t.payload {
                 assert!(*len <= buffer, "packed message larger than a buffer");
+                let list = &locals[t.src as usize].sends[t.dst as usize];
                 let mut end = 0;
+                let mut last_dtype = None;
                 for s in segments {
-                    assert_eq!(s.buffer_offset % ALIGN, 0);
-                    assert!(s.buffer_offset >= end, "segments overlap");
+                    let dtype = list[s.tensor as usize].dtype;
+                    if last_dtype == Some(dtype) {
+                        assert_eq!(s.buffer_offset, end, "gap inside a same-dtype run");
+                    } else {
+                        assert_eq!(s.buffer_offset % ALIGN, 0, "unaligned run");
+                        assert!(s.buffer_offset >= end, "segments overlap");
+                    }
+                    last_dtype = Some(dtype);
                     end = s.buffer_offset + s.len;
                 }
                 assert_eq!(end, *len);

@@ -12,9 +12,14 @@
 //!    waits on a rank that waits on a third: there is no cycle to deadlock on.
 //! 2. Messages: the list a rank sends to a peer is cut into messages. A tensor of at least
 //!    `zero_copy_min` bytes is a message of its own, sent straight from the tensor
-//!    (zero-copy). Smaller tensors are packed, in order, at [`ALIGN`]-byte offsets, into
-//!    messages of at most one staging buffer; a tensor that does not fit the room left is
-//!    split across two (or more) buffers, so every packed message but the last is full.
+//!    (zero-copy). Smaller tensors are packed, in order, into messages of at most one
+//!    staging buffer: back to back while the dtype stays the same (so a run of same-dtype
+//!    tensors is one contiguous typed region, packed and unpacked by one batched copy), at
+//!    the next [`ALIGN`]-byte offset when it changes. A tensor that does not fit the room
+//!    left is split across two (or more) buffers, so every packed message but the last is
+//!    full. Offsets within a same-dtype run stay multiples of the element size, because
+//!    every run starts aligned, tensors are whole elements and buffers are multiples of
+//!    [`ALIGN`].
 //! 3. Rounds: round `k` of a step carries message `k` of each direction of each pair of the
 //!    step. So in a round each ordered pair exchanges at most one message, and each rank
 //!    posts at most one send and one receive: two operations per group, whatever the
@@ -26,8 +31,8 @@
 
 use super::StagingError;
 
-/// Byte alignment of every packed segment's start in a staging buffer, so that a packed
-/// tensor can be viewed in place with its own dtype (16 covers every PyTorch dtype).
+/// Byte alignment of the start of every same-dtype run in a staging buffer, so that the run
+/// can be viewed in place with its own dtype (16 covers every PyTorch dtype).
 pub const ALIGN: u64 = 16;
 
 /// Smallest staging buffer the planner accepts.
@@ -334,7 +339,8 @@ pub struct Segment {
     pub tensor: u32,
     /// First byte of the piece within the tensor.
     pub tensor_offset: u64,
-    /// Where the piece sits in the staging buffer (a multiple of [`ALIGN`]).
+    /// Where the piece sits in the staging buffer (a multiple of [`ALIGN`] where the dtype
+    /// changes; right after the previous piece otherwise).
     pub buffer_offset: u64,
     /// Bytes of the piece.
     pub len: u64,
@@ -688,7 +694,12 @@ fn cut_messages(list: &[TensorMeta], buffer: u64, zero_copy_min: u64) -> Vec<Pay
     let mut out = Vec::new();
     let mut segments = Vec::new();
     let mut fill = 0u64;
-    let flush = |segments: &mut Vec<Segment>, fill: &mut u64, out: &mut Vec<Payload>| {
+    // The dtype of the last piece in the open buffer (None: buffer empty).
+    let mut last_dtype: Option<u32> = None;
+    let flush = |segments: &mut Vec<Segment>,
+                 fill: &mut u64,
+                 last: &mut Option<u32>,
+                 out: &mut Vec<Payload>| {
         if !segments.is_empty() {
             out.push(Payload::Packed {
                 segments: std::mem::take(segments),
@@ -696,6 +707,7 @@ fn cut_messages(list: &[TensorMeta], buffer: u64, zero_copy_min: u64) -> Vec<Pay
             });
         }
         *fill = 0;
+        *last = None;
     };
     for (index, tensor) in list.iter().enumerate() {
         let size = tensor.bytes;
@@ -711,11 +723,16 @@ fn cut_messages(list: &[TensorMeta], buffer: u64, zero_copy_min: u64) -> Vec<Pay
         }
         let mut offset = 0;
         while offset < size {
-            let start = fill.div_ceil(ALIGN) * ALIGN;
+            let start = if last_dtype == Some(tensor.dtype) {
+                fill
+            } else {
+                fill.div_ceil(ALIGN) * ALIGN
+            };
             if start >= buffer {
-                flush(&mut segments, &mut fill, &mut out);
+                flush(&mut segments, &mut fill, &mut last_dtype, &mut out);
                 continue;
             }
+            last_dtype = Some(tensor.dtype);
             let len = (buffer - start).min(size - offset);
             segments.push(Segment {
                 tensor: index as u32,
@@ -726,11 +743,11 @@ fn cut_messages(list: &[TensorMeta], buffer: u64, zero_copy_min: u64) -> Vec<Pay
             offset += len;
             fill = start + len;
             if fill == buffer {
-                flush(&mut segments, &mut fill, &mut out);
+                flush(&mut segments, &mut fill, &mut last_dtype, &mut out);
             }
         }
     }
-    flush(&mut segments, &mut fill, &mut out);
+    flush(&mut segments, &mut fill, &mut last_dtype, &mut out);
     out
 }
 
@@ -760,7 +777,8 @@ mod tests {
 
     #[test]
     fn small_tensors_pack_and_split_at_buffer_boundaries() {
-        let list = [meta(3000), meta(3000), meta(0), meta(100)];
+        let mut list = [meta(3000), meta(3000), meta(0), meta(100)];
+        list[1].dtype = 1;
         let messages = cut_messages(&list, 4096, 4096);
         assert_eq!(messages.len(), 2);
         let Payload::Packed { segments, len } = &messages[0] else {
@@ -774,6 +792,22 @@ mod tests {
         };
         assert_eq!(segments[0].tensor_offset, 4096 - 3008);
         assert_eq!(segments[1].tensor, 3);
+        // Tensor 3 has the dtype of tensor 0, not of the piece before it: aligned.
+        assert_eq!(
+            segments[1].buffer_offset,
+            (3000u64 - (4096 - 3008)).div_ceil(16) * 16
+        );
+    }
+
+    #[test]
+    fn same_dtype_tensors_pack_back_to_back() {
+        let messages = cut_messages(&[meta(6), meta(10), meta(4)], 4096, 4096);
+        let Payload::Packed { segments, len } = &messages[0] else {
+            panic!("packed expected")
+        };
+        let offsets: Vec<u64> = segments.iter().map(|s| s.buffer_offset).collect();
+        assert_eq!(offsets, [0, 6, 16]);
+        assert_eq!(*len, 20);
     }
 
     #[test]
