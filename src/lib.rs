@@ -8,3 +8,5 @@
 
 pub use streamalloc_allocator as allocator;
 pub mod ffi_p2p;
+
+pub mod replay;

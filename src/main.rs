@@ -20,6 +20,9 @@ enum Command {
     Demo(cli::demo::DemoArgs),
     /// Run a staged many-tensor exchange between simulated ranks and check every byte.
     P2pSim(cli::p2p_sim::P2pSimArgs),
+    /// Replay allocation traces (PyTorch snapshots or streamalloc JSON) on the simulated
+    /// device and compare peak reserved memory with the recording allocator's.
+    Replay(cli::replay::ReplayArgs),
 }
 
 fn main() -> ExitCode {
@@ -31,6 +34,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Demo(args) => cli::demo::run(args),
         Command::P2pSim(args) => cli::p2p_sim::run(args),
+        Command::Replay(args) => cli::replay::run(args),
     };
     match result {
         Ok(code) => code,

@@ -20,8 +20,15 @@ fn allocator(capacity: u64, config: Config) -> (SimBackend, Allocator<SimBackend
 fn record_stream_scenario_stays_within_three_activations() {
     let ours = record_stream_pipeline(ReusePolicy::StreamWait, 32, 64 * MIB).unwrap();
     let pytorch = record_stream_pipeline(ReusePolicy::Pytorch, 32, 64 * MIB).unwrap();
-    assert!(ours.races.is_empty() && pytorch.races.is_empty(), "{ours:?} {pytorch:?}");
-    assert!(ours.peak_reserved <= 3 * 64 * MIB, "stream_wait reserved {}", ours.peak_reserved);
+    assert!(
+        ours.races.is_empty() && pytorch.races.is_empty(),
+        "{ours:?} {pytorch:?}"
+    );
+    assert!(
+        ours.peak_reserved <= 3 * 64 * MIB,
+        "stream_wait reserved {}",
+        ours.peak_reserved
+    );
     assert!(
         pytorch.peak_reserved >= 30 * 64 * MIB,
         "the PyTorch policy should pile up ~32 activations, reserved {}",
@@ -38,15 +45,27 @@ fn same_stream_reuse_makes_no_backend_call() {
     let stream = device.create_stream();
     let first = allocator.malloc(MIB, stream).unwrap();
     allocator.free(first.ptr).unwrap();
-    let before = ["alloc_segment", "record_event", "stream_wait_event", "query_event", "create_event"]
-        .map(|call| device.calls(call));
+    let before = [
+        "alloc_segment",
+        "record_event",
+        "stream_wait_event",
+        "query_event",
+        "create_event",
+    ]
+    .map(|call| device.calls(call));
     for _ in 0..100 {
         let block = allocator.malloc(MIB, stream).unwrap();
         assert_eq!(block.ptr, first.ptr);
         allocator.free(block.ptr).unwrap();
     }
-    let after = ["alloc_segment", "record_event", "stream_wait_event", "query_event", "create_event"]
-        .map(|call| device.calls(call));
+    let after = [
+        "alloc_segment",
+        "record_event",
+        "stream_wait_event",
+        "query_event",
+        "create_event",
+    ]
+    .map(|call| device.calls(call));
     assert_eq!(before, after);
 }
 
@@ -67,12 +86,24 @@ fn out_of_memory_reports_size_cache_fragmentation_reserved_and_limit() {
     assert_eq!(report.reserved, 40 * MIB);
     assert_eq!(report.limit, Some(64 * MIB));
     let message = err.to_string();
-    for needle in ["40.00 MiB", "free in cache", "largest free block", "reserved", "limit 64.00 MiB"] {
-        assert!(message.contains(needle), "`{needle}` missing from: {message}");
+    for needle in [
+        "40.00 MiB",
+        "free in cache",
+        "largest free block",
+        "reserved",
+        "limit 64.00 MiB",
+    ] {
+        assert!(
+            message.contains(needle),
+            "`{needle}` missing from: {message}"
+        );
     }
     let stats = allocator.stats();
     assert_eq!(stats.ooms, 1);
-    assert!(stats.reserved_bytes.peak <= 64 * MIB, "the limit is never exceeded");
+    assert!(
+        stats.reserved_bytes.peak <= 64 * MIB,
+        "the limit is never exceeded"
+    );
     let trace = allocator.snapshot().trace;
     assert_eq!(trace.last().unwrap().action, TraceAction::Oom);
     allocator.free(held.ptr).unwrap();
@@ -80,9 +111,13 @@ fn out_of_memory_reports_size_cache_fragmentation_reserved_and_limit() {
 
 #[test]
 fn growth_retries_after_releasing_cached_segments() {
-    let (device, allocator) = allocator(100 * MIB, Config::default());
+    // Whole-segment mechanics (expandable segments unmap instead of retrying).
+    let classic = Config::parse("expandable_segments:false").unwrap();
+    let (device, allocator) = allocator(100 * MIB, classic);
     let stream = device.create_stream();
-    let small: Vec<_> = (0..20).map(|_| allocator.malloc(MIB / 2, stream).unwrap()).collect();
+    let small: Vec<_> = (0..20)
+        .map(|_| allocator.malloc(MIB / 2, stream).unwrap())
+        .collect();
     for block in &small {
         allocator.free(block.ptr).unwrap();
     }
@@ -106,7 +141,10 @@ fn lowering_the_limit_releases_cache_but_never_live_memory() {
     allocator.free(cached.ptr).unwrap();
     allocator.set_memory_limit(Some(32 * MIB)).unwrap();
     assert_eq!(allocator.stats().reserved_bytes.current, 30 * MIB);
-    assert!(matches!(allocator.malloc(30 * MIB, stream), Err(AllocError::OutOfMemory(_))));
+    assert!(matches!(
+        allocator.malloc(30 * MIB, stream),
+        Err(AllocError::OutOfMemory(_))
+    ));
     allocator.set_memory_limit(None).unwrap();
     allocator.malloc(30 * MIB, stream).unwrap();
     allocator.free(live.ptr).unwrap();
@@ -121,7 +159,9 @@ fn memory_fraction_resolves_against_device_memory() {
 
 #[test]
 fn driver_failures_are_typed_errors_not_panics() {
-    let (device, allocator) = allocator(1 << 30, Config::default());
+    // Whole segments: the failing call is cuMemAlloc.
+    let classic = Config::parse("expandable_segments:false").unwrap();
+    let (device, allocator) = allocator(1 << 30, classic);
     let stream = device.create_stream();
     device.fail_next_segment_allocs(1);
     let err = allocator.malloc(MIB, stream).unwrap_err();
@@ -136,11 +176,20 @@ fn driver_failures_are_typed_errors_not_panics() {
 fn misuse_is_reported_and_counted() {
     let (device, allocator) = allocator(1 << 30, Config::default());
     let stream = device.create_stream();
-    assert!(matches!(allocator.malloc(0, stream), Err(AllocError::InvalidSize(0))));
+    assert!(matches!(
+        allocator.malloc(0, stream),
+        Err(AllocError::InvalidSize(0))
+    ));
     let block = allocator.malloc(1000, stream).unwrap();
     allocator.free(block.ptr).unwrap();
-    assert_eq!(allocator.free(block.ptr), Err(AllocError::UnknownPointer(block.ptr)));
-    assert_eq!(allocator.free(DevicePtr(0xdead)), Err(AllocError::UnknownPointer(DevicePtr(0xdead))));
+    assert_eq!(
+        allocator.free(block.ptr),
+        Err(AllocError::UnknownPointer(block.ptr))
+    );
+    assert_eq!(
+        allocator.free(DevicePtr(0xdead)),
+        Err(AllocError::UnknownPointer(DevicePtr(0xdead)))
+    );
     assert!(allocator.record_use(DevicePtr(0xdead), stream).is_err());
     assert_eq!(allocator.stats().invalid_frees, 2);
     allocator.check_invariants().unwrap();
@@ -148,7 +197,13 @@ fn misuse_is_reported_and_counted() {
 
 #[test]
 fn capturing_stream_never_queries_waits_or_synchronises() {
-    let (device, allocator) = allocator(1 << 30, Config { event_batch: 1, ..Config::default() });
+    let (device, allocator) = allocator(
+        1 << 30,
+        Config {
+            event_batch: 1,
+            ..Config::default()
+        },
+    );
     let (capture, other) = (device.create_stream(), device.create_stream());
     // A pending block of the capturing stream and a ready block of another stream.
     let used = allocator.malloc(4 * MIB, capture).unwrap();
@@ -180,7 +235,13 @@ fn pytorch_policy_never_moves_blocks_between_streams() {
 
 #[test]
 fn pending_blocks_become_ready_once_their_events_complete() {
-    let (device, allocator) = allocator(1 << 30, Config { event_batch: 1, ..Config::default() });
+    let (device, allocator) = allocator(
+        1 << 30,
+        Config {
+            event_batch: 1,
+            ..Config::default()
+        },
+    );
     let (compute, comm) = (device.create_stream(), device.create_stream());
     let block = allocator.malloc(8 * MIB, compute).unwrap();
     device.launch(comm, &[], 1_000, "comm work");
@@ -194,7 +255,11 @@ fn pending_blocks_become_ready_once_their_events_complete() {
     assert_eq!(stats.pending_free_bytes.current, 0);
     assert_eq!(stats.events_outstanding, 0);
     let again = allocator.malloc(8 * MIB, compute).unwrap();
-    assert_eq!(allocator.stats().cross_stream_waits, 0, "completed events need no wait");
+    assert_eq!(
+        allocator.stats().cross_stream_waits,
+        0,
+        "completed events need no wait"
+    );
     allocator.free(again.ptr).unwrap();
     allocator.free(other.ptr).unwrap();
 }
@@ -214,10 +279,17 @@ fn many_threads_on_many_streams_keep_every_invariant() {
                 for i in 0..2_000u64 {
                     let size = 512 + (i * 7919 + t as u64 * 104_729) % (3 * MIB);
                     let block = allocator.malloc(size, stream).unwrap();
-                    device.launch(stream, &[Access::write(block.ptr, size)], 100, "thread work");
+                    device.launch(
+                        stream,
+                        &[Access::write(block.ptr, size)],
+                        100,
+                        "thread work",
+                    );
                     live.push(block);
                     if live.len() > 16 {
-                        allocator.free(live.swap_remove((i as usize * 31) % live.len()).ptr).unwrap();
+                        allocator
+                            .free(live.swap_remove((i as usize * 31) % live.len()).ptr)
+                            .unwrap();
                     }
                 }
                 for block in live {

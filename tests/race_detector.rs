@@ -50,16 +50,31 @@ impl Backend for DropWaits {
 fn reuse_while_comm_reads<B: Backend>(device: &SimBackend, allocator: &Allocator<B>) -> DevicePtr {
     let (compute, comm) = (device.create_stream(), device.create_stream());
     let block = allocator.malloc(64 << 20, compute).unwrap();
-    device.launch(compute, &[Access::write(block.ptr, 64 << 20)], 1_000, "produce");
+    device.launch(
+        compute,
+        &[Access::write(block.ptr, 64 << 20)],
+        1_000,
+        "produce",
+    );
     let produced = device.create_event().unwrap();
     device.record_event(produced, compute).unwrap();
     device.stream_wait_event(comm, produced).unwrap();
-    device.launch(comm, &[Access::read(block.ptr, 64 << 20)], 5_000_000, "isend");
+    device.launch(
+        comm,
+        &[Access::read(block.ptr, 64 << 20)],
+        5_000_000,
+        "isend",
+    );
     allocator.record_use(block.ptr, comm).unwrap();
     allocator.free(block.ptr).unwrap();
     let again = allocator.malloc(64 << 20, compute).unwrap();
     assert_eq!(again.ptr, block.ptr, "the block is reused at once");
-    device.launch(compute, &[Access::write(again.ptr, 64 << 20)], 1_000, "overwrite");
+    device.launch(
+        compute,
+        &[Access::write(again.ptr, 64 << 20)],
+        1_000,
+        "overwrite",
+    );
     block.ptr
 }
 
@@ -72,7 +87,10 @@ fn detector_reports_reuse_without_the_wait_naming_both_operations() {
     assert_eq!(races.len(), 1, "{races:?}");
     assert_eq!(races[0].kind, RaceKind::Unordered);
     let message = races[0].to_string();
-    assert!(message.contains("isend") && message.contains("overwrite"), "{message}");
+    assert!(
+        message.contains("isend") && message.contains("overwrite"),
+        "{message}"
+    );
 }
 
 #[test]
@@ -92,7 +110,12 @@ fn detector_reports_touching_freed_segments() {
     let block = allocator.malloc(4096, stream).unwrap();
     allocator.free(block.ptr).unwrap();
     allocator.empty_cache().unwrap();
-    device.launch(stream, &[Access::read(block.ptr, 4096)], 10, "use after free");
+    device.launch(
+        stream,
+        &[Access::read(block.ptr, 4096)],
+        10,
+        "use after free",
+    );
     let races = device.races();
     assert_eq!(races.len(), 1);
     assert_eq!(races[0].kind, RaceKind::OutOfBounds);

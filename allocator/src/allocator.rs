@@ -9,16 +9,22 @@
 //!    in flight (`event_batch`), or always under the PyTorch policy;
 //! 3. (`stream_wait` policy) the best-fitting block of the caller's pending list or of any
 //!    other stream: the caller's stream waits for it on the device;
-//! 4. grow the pool by a new segment, within the memory limit;
+//! 4. grow the pool by a new segment, within the memory limit; with expandable segments,
+//!    map pages into the stream's address reservation instead, after synchronising and
+//!    unmapping every wholly free page (so reserved memory follows what is live);
 //! 5. synchronise, return every cached segment to the device, and grow again;
 //! 6. a typed out-of-memory error with a fragmentation report.
 
 use crate::backend::Backend;
 use crate::config::{Config, ReusePolicy};
 use crate::error::{AllocError, BackendError, OutOfMemory};
+use crate::lifetime::streams::HOT_SLOTS;
 use crate::lifetime::{EventKey, EventTable, StreamTable};
 use crate::pool::arena::{Arena, BlockKey, StreamSlot};
-use crate::pool::size::{pool_of, round_size, segment_size_for, should_split, MAX_REQUEST};
+use crate::pool::expandable::ExpandableTable;
+use crate::pool::size::{
+    pool_of, round_size, segment_size_for, should_split, MAX_REQUEST, MIN_BLOCK_SIZE,
+};
 use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 use crate::stats::Stats;
 use crate::trace::{TraceAction, TraceEntry, TraceRing};
@@ -58,6 +64,8 @@ struct State {
     /// Reserved bytes never exceeded (from `memory_limit`, `memory_fraction` or
     /// [`Allocator::set_memory_limit`]).
     limit: Option<u64>,
+    /// Expandable segments, when configured and the backend has virtual memory.
+    vmm: Option<ExpandableTable>,
 }
 
 impl<B: Backend> Allocator<B> {
@@ -70,6 +78,19 @@ impl<B: Backend> Allocator<B> {
             let by_fraction = (total as f64 * fraction) as u64;
             limit = Some(limit.map_or(by_fraction, |l| l.min(by_fraction)));
         }
+        let vmm = if !config.expandable_segments {
+            None
+        } else if backend.supports_virtual_memory() {
+            Some(ExpandableTable::new(
+                backend.page_size(),
+                backend.total_memory()?,
+            ))
+        } else {
+            tracing::warn!(
+                "expandable_segments:true needs a backend with virtual memory; using whole segments"
+            );
+            None
+        };
         let state = State {
             arena: Arena::default(),
             streams: StreamTable::default(),
@@ -78,6 +99,7 @@ impl<B: Backend> Allocator<B> {
             stats: Stats::default(),
             trace: TraceRing::new(config.trace_capacity),
             limit,
+            vmm,
         };
         Ok(Self {
             backend,
@@ -197,6 +219,16 @@ impl State {
         let max_size = max_block_for(size, config);
         let slot = self.streams.slot(stream);
         // 1. A ready block of the stream: stream order makes reuse safe, no event needed.
+        //    First the hot list (same size freed recently: no split, no merge).
+        let hot = &mut self.streams.get_mut(slot).hot;
+        if let Some(position) = hot
+            .iter()
+            .rposition(|&key| self.arena.blocks[key].size == size)
+        {
+            let key = hot.remove(position);
+            self.arena.blocks[key].hot = false;
+            return Ok(self.hand_out(backend, key, slot, size, requested));
+        }
         if let Some((_, _, key)) =
             self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)
         {
@@ -220,6 +252,15 @@ impl State {
         slot: StreamSlot,
     ) -> Result<Allocation, AllocError> {
         let stream = self.streams.id(slot);
+        // Hot blocks are invisible to best fit and to other streams: merge them back first.
+        if self.flush_hot() {
+            if let Some((_, _, key)) =
+                self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)
+            {
+                self.unlist(key);
+                return Ok(self.hand_out(backend, key, slot, size, requested));
+            }
+        }
         // A capturing stream may not query events, wait on events recorded outside the
         // capture, or synchronise: it only gets ready blocks of its own or fresh segments.
         let capturing = backend.is_capturing(stream)?;
@@ -245,13 +286,13 @@ impl State {
             }
         }
         // 4. Grow.
-        if let Some(key) = self.grow(backend, size, pool, slot)? {
+        if let Some(key) = self.grow_any(backend, size, pool, max_size, slot, capturing)? {
             return Ok(self.hand_out(backend, key, slot, size, requested));
         }
         // 5. Return cached memory to the device and grow again.
         if !capturing && self.stats.reserved_bytes.current > self.stats.allocated_bytes.current {
             self.release_cached(backend)?;
-            if let Some(key) = self.grow(backend, size, pool, slot)? {
+            if let Some(key) = self.grow_any(backend, size, pool, max_size, slot, capturing)? {
                 self.stats.retries += 1;
                 return Ok(self.hand_out(backend, key, slot, size, requested));
             }
@@ -328,6 +369,24 @@ impl State {
         Ok(())
     }
 
+    /// Room for a rounded `size`, unlisted and owned by `slot`, from a new segment or from
+    /// pages mapped into an expandable one; `None` if the limit or the device refuses.
+    fn grow_any<B: Backend>(
+        &mut self,
+        backend: &B,
+        size: u64,
+        pool: PoolKind,
+        max_size: u64,
+        slot: StreamSlot,
+        capturing: bool,
+    ) -> Result<Option<BlockKey>, AllocError> {
+        if self.vmm.is_some() {
+            self.grow_expandable(backend, size, pool, max_size, slot, capturing)
+        } else {
+            self.grow(backend, size, pool, slot)
+        }
+    }
+
     /// A new segment for a rounded `size`, unlisted and owned by `slot`; `None` if the limit
     /// or the device refuses.
     fn grow<B: Backend>(
@@ -377,10 +436,16 @@ impl State {
         size: u64,
         requested: u64,
     ) -> Allocation {
-        let pool = self.arena.segments[self.arena.blocks[key].segment].pool;
+        let segment = &self.arena.segments[self.arena.blocks[key].segment];
+        let (pool, expandable) = (segment.pool, segment.expandable);
+        let block_size = self.arena.blocks[key].size;
         // Taken before the remainder is listed, so the remainder cannot merge back into it.
         self.arena.blocks[key].allocated = true;
-        if should_split(self.arena.blocks[key].size, size, pool) {
+        // In an expandable segment a free sliver costs no more than the same bytes kept
+        // inside the allocation, and may serve a later request: split down to the minimum.
+        if should_split(block_size, size, pool)
+            || (expandable && block_size - size >= MIN_BLOCK_SIZE)
+        {
             let right = self.arena.split(key, size);
             // The remainder is still free and still needs what the whole block needed.
             let pending = self.arena.blocks[key].pending.clone();
@@ -388,7 +453,7 @@ impl State {
                 self.events.retain(event);
             }
             self.arena.blocks[right].pending = pending;
-            self.insert_free(backend, right);
+            self.insert_free(right);
         }
         let pending = std::mem::take(&mut self.arena.blocks[key].pending);
         for event in pending {
@@ -447,8 +512,10 @@ impl State {
         }
         if self.arena.blocks[key].pending.is_empty() {
             self.note(backend, TraceAction::FreeCompleted, ptr.0, size, owner);
+            self.push_hot(key, owner);
+        } else {
+            self.insert_free(key);
         }
-        self.insert_free(backend, key);
         Ok(())
     }
 
@@ -489,19 +556,49 @@ impl State {
 
     // ---- Free lists -------------------------------------------------------------------
 
+    /// Parks a ready block in its owner's hot list, evicting the oldest into the free lists.
+    #[inline]
+    fn push_hot(&mut self, key: BlockKey, owner: StreamSlot) {
+        let hot = &mut self.streams.get_mut(owner).hot;
+        let evicted = (hot.len() == HOT_SLOTS).then(|| hot.remove(0));
+        hot.push(key);
+        self.arena.blocks[key].hot = true;
+        if let Some(evicted) = evicted {
+            self.arena.blocks[evicted].hot = false;
+            self.insert_free(evicted);
+        }
+    }
+
+    /// Moves every hot block into the free lists, merging it. Returns true if any moved.
+    fn flush_hot(&mut self) -> bool {
+        let mut any = false;
+        for index in 0..self.streams.len() {
+            for key in std::mem::take(&mut self.streams.states[index].hot) {
+                self.arena.blocks[key].hot = false;
+                self.insert_free(key);
+                any = true;
+            }
+        }
+        any
+    }
+
     /// Two free blocks may merge if the result needs no more synchronisation than either:
     /// same owner, and both ready or both pending.
     fn mergeable(&self, a: BlockKey, b: BlockKey) -> bool {
         let (a, b) = (&self.arena.blocks[a], &self.arena.blocks[b]);
         !a.allocated
             && !b.allocated
+            && !a.unmapped
+            && !b.unmapped
+            && !a.hot
+            && !b.hot
             && a.stream == b.stream
             && a.pending.is_empty() == b.pending.is_empty()
     }
 
     /// Puts the unlisted free block `key` in its owner's list, merging it with mergeable
     /// neighbours first.
-    fn insert_free<B: Backend>(&mut self, _backend: &B, key: BlockKey) {
+    fn insert_free(&mut self, key: BlockKey) {
         let mut key = key;
         if let Some(prev) = self.arena.blocks[key].prev {
             if self.mergeable(prev, key) {
@@ -624,9 +721,243 @@ impl State {
             let block = &self.arena.blocks[key];
             let (addr, size, owner) = (block.addr, block.size, block.stream);
             self.note(backend, TraceAction::FreeCompleted, addr, size, owner);
-            self.insert_free(backend, key);
+            self.insert_free(key);
         }
         ready.len()
+    }
+
+    // ---- Expandable segments -----------------------------------------------------------
+
+    /// Room for a rounded `size` in `slot`'s expandable segment of `pool`, unlisted and
+    /// owned by `slot`; `None` if the limit, the device or the address space refuses.
+    ///
+    /// First, unless the stream is capturing a graph: if a ready free block covers a whole
+    /// page, synchronise the device (unmapping does not synchronise, and the pages' last
+    /// users may be any stream), settle every event, retry the caller's free list, then unmap
+    /// every wholly free page. Then map the fewest pages that give room, right after a free block
+    /// of the caller when one borders an unmapped stretch, so the request packs against it.
+    #[allow(clippy::too_many_arguments)]
+    fn grow_expandable<B: Backend>(
+        &mut self,
+        backend: &B,
+        size: u64,
+        pool: PoolKind,
+        max_size: u64,
+        slot: StreamSlot,
+        capturing: bool,
+    ) -> Result<Option<BlockKey>, AllocError> {
+        let Some(_) = self.vmm.as_ref() else {
+            return Ok(None);
+        };
+        if !capturing && self.has_unmappable_pages() {
+            backend.synchronize_device()?;
+            self.settle_after_sync(backend);
+            if let Some((_, _, key)) =
+                self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)
+            {
+                self.unlist(key);
+                return Ok(Some(key));
+            }
+            self.unmap_free_pages(backend)?;
+        }
+        let segment = match self.vmm.as_ref().and_then(|v| v.segment_of(slot, pool)) {
+            Some(segment) => segment,
+            None => self.add_expandable_segment(backend, pool, slot)?,
+        };
+        // The lowest unmapped stretch that, with the caller's free block just below it,
+        // holds the request.
+        let vmm = self.vmm.as_ref().expect("expandable segments");
+        let page = vmm.page;
+        let blocks = &self.arena.blocks;
+        let choice = vmm.unmapped(segment).iter().find_map(|(&addr, &hole)| {
+            let below = blocks[hole].prev.filter(|&prev| {
+                let b = &blocks[prev];
+                !b.allocated && !b.unmapped && !b.hot && b.pending.is_empty() && b.stream == slot
+            });
+            let reuse = below.map_or(0, |prev| blocks[prev].size);
+            let room = blocks[hole].size;
+            (reuse + room >= size).then(|| {
+                let map = (size.saturating_sub(reuse).div_ceil(page) * page)
+                    .max(page)
+                    .min(room);
+                (addr, hole, below, map)
+            })
+        });
+        let Some((addr, hole, below, map)) = choice else {
+            return Ok(None);
+        };
+        if let Some(limit) = self.limit {
+            if self.stats.reserved_bytes.current + map > limit {
+                return Ok(None);
+            }
+        }
+        match backend.map_pages(DevicePtr(addr), map) {
+            Ok(()) => {}
+            Err(err) if err.out_of_memory => return Ok(None),
+            Err(err) => return Err(err.into()),
+        }
+        let vmm = self.vmm.as_mut().expect("expandable segments");
+        let holes = vmm.unmapped_mut(segment);
+        holes.remove(&addr);
+        if map < self.arena.blocks[hole].size {
+            let rest = self.arena.split(hole, map);
+            holes.insert(addr + map, rest);
+        }
+        vmm.mapped += map;
+        let block = &mut self.arena.blocks[hole];
+        block.unmapped = false;
+        block.stream = slot;
+        self.stats.reserved_bytes.add(map);
+        self.note(backend, TraceAction::SegmentMap, addr, map, slot);
+        let mut key = hole;
+        if let Some(prev) = below {
+            self.unlist(prev);
+            self.merge_into(prev, key);
+            key = prev;
+        }
+        if let Some(next) = self.arena.blocks[key].next {
+            if self.mergeable(key, next) {
+                self.unlist(next);
+                self.merge_into(key, next);
+            }
+        }
+        Ok(Some(key))
+    }
+
+    /// Reserves the address space of `slot`'s expandable segment of `pool`.
+    fn add_expandable_segment<B: Backend>(
+        &mut self,
+        backend: &B,
+        pool: PoolKind,
+        slot: StreamSlot,
+    ) -> Result<usize, AllocError> {
+        let vmm = self.vmm.as_mut().expect("expandable segments");
+        let size = vmm.reservation;
+        let ptr = backend.reserve_address_space(size)?;
+        let head = self.arena.add_segment(ptr.0, size, pool, slot);
+        let segment = self.arena.blocks[head].segment;
+        self.arena.segments[segment].expandable = true;
+        self.arena.blocks[head].unmapped = true;
+        vmm.add(slot, pool, segment, ptr.0, head);
+        tracing::debug!(?ptr, size, "address space reserved");
+        Ok(segment)
+    }
+
+    /// True if some ready free block of an expandable segment covers a whole page. Blocks
+    /// awaiting other streams' events do not count: synchronising for them would be the
+    /// host wait the lifetime model avoids.
+    fn has_unmappable_pages(&self) -> bool {
+        let Some(vmm) = self.vmm.as_ref() else {
+            return false;
+        };
+        self.streams.states.iter().any(|state| {
+            state.ready.iter().any(|list| {
+                list.keys_at_least(vmm.page).any(|key| {
+                    let block = &self.arena.blocks[key];
+                    self.arena.segments[block.segment].expandable
+                        && vmm.whole_pages(block.addr, block.size).is_some()
+                })
+            })
+        })
+    }
+
+    /// Unmaps every whole page inside a ready free block of an expandable segment. Only
+    /// valid when no stream can still use those blocks: right after a device-wide
+    /// synchronisation.
+    fn unmap_free_pages<B: Backend>(&mut self, backend: &B) -> Result<(), BackendError> {
+        let Some(vmm) = self.vmm.as_ref() else {
+            return Ok(());
+        };
+        let mut victims = Vec::new();
+        for state in &self.streams.states {
+            for list in &state.ready {
+                for key in list.keys_at_least(vmm.page) {
+                    let block = &self.arena.blocks[key];
+                    if !self.arena.segments[block.segment].expandable {
+                        continue;
+                    }
+                    if let Some((start, len)) = vmm.whole_pages(block.addr, block.size) {
+                        victims.push((key, start, len));
+                    }
+                }
+            }
+        }
+        for (key, start, len) in victims {
+            self.unmap_block_pages(backend, key, start, len)?;
+        }
+        Ok(())
+    }
+
+    /// Unmaps `[start, start + len)`, whole pages inside the listed, ready free block `key`;
+    /// what is left of the block on either side stays listed.
+    fn unmap_block_pages<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        start: u64,
+        len: u64,
+    ) -> Result<(), BackendError> {
+        backend.unmap_pages(DevicePtr(start), len)?;
+        self.unlist(key);
+        let (addr, size, segment, owner) = {
+            let block = &self.arena.blocks[key];
+            (block.addr, block.size, block.segment, block.stream)
+        };
+        let mut middle = key;
+        if start > addr {
+            middle = self.arena.split(key, start - addr);
+            self.list(key);
+        }
+        if start + len < addr + size {
+            let tail = self.arena.split(middle, len);
+            self.list(tail);
+        }
+        self.arena.blocks[middle].unmapped = true;
+        self.stats.reserved_bytes.sub(len);
+        self.note(backend, TraceAction::SegmentUnmap, start, len, owner);
+        let vmm = self.vmm.as_mut().expect("expandable segments");
+        vmm.mapped -= len;
+        let holes = vmm.unmapped_mut(segment);
+        let (mut merged, mut merged_addr) = (middle, start);
+        if let Some(prev) = self.arena.blocks[middle].prev {
+            if self.arena.blocks[prev].unmapped {
+                self.arena.merge(prev, middle);
+                merged = prev;
+                merged_addr = self.arena.blocks[prev].addr;
+            }
+        }
+        if let Some(next) = self.arena.blocks[merged].next {
+            if self.arena.blocks[next].unmapped {
+                holes.remove(&self.arena.blocks[next].addr);
+                self.arena.merge(merged, next);
+            }
+        }
+        holes.insert(merged_addr, merged);
+        Ok(())
+    }
+
+    /// Returns the address space of expandable segments with nothing mapped.
+    fn release_unmapped_segments<B: Backend>(&mut self, backend: &B) -> Result<(), BackendError> {
+        let Some(vmm) = self.vmm.as_mut() else {
+            return Ok(());
+        };
+        let empty: Vec<usize> = vmm
+            .segments()
+            .filter(|&segment| {
+                let head = &self.arena.blocks[self.arena.segments[segment].head];
+                head.unmapped && head.next.is_none()
+            })
+            .collect();
+        for segment in empty {
+            let (addr, size) = (
+                self.arena.segments[segment].addr,
+                self.arena.segments[segment].size,
+            );
+            backend.release_address_space(DevicePtr(addr), size)?;
+            vmm.remove(segment);
+            self.arena.remove_segment(segment);
+        }
+        Ok(())
     }
 
     // ---- Releasing memory ---------------------------------------------------------------
@@ -635,24 +966,20 @@ impl State {
     /// (after a device-wide sync any free byte is safe for any stream) and returns wholly
     /// free segments and idle events to the backend. Returns the bytes released.
     fn release_cached<B: Backend>(&mut self, backend: &B) -> Result<u64, BackendError> {
+        let reserved_before = self.stats.reserved_bytes.current;
         backend.synchronize_device()?;
-        self.events.mark_all_complete();
-        for index in 0..self.streams.len() {
-            while let Some(event) = self.streams.states[index].in_flight.pop_front() {
-                self.events.release(event, &mut self.stats);
-            }
-        }
-        self.promote_completed(backend);
-        self.release_quarantined(backend);
+        self.settle_after_sync(backend);
         self.coalesce_across_streams();
+        self.unmap_free_pages(backend)?;
+        self.release_unmapped_segments(backend)?;
         let free_segments: Vec<_> = self
             .arena
             .segments
             .iter()
-            .filter(|(segment, _)| self.arena.segment_is_free(*segment))
+            .filter(|(segment, seg)| !seg.expandable && self.arena.segment_is_free(*segment))
             .map(|(segment, seg)| (segment, seg.head, seg.stream))
             .collect();
-        let mut released = 0;
+        let mut released = reserved_before - self.stats.reserved_bytes.current;
         for (segment, head, stream) in free_segments {
             let (addr, size) = (
                 self.arena.segments[segment].addr,
@@ -672,8 +999,22 @@ impl State {
         Ok(released)
     }
 
+    /// After a device-wide synchronisation: every event is complete, so every pending block
+    /// becomes ready, and hot and quarantined blocks return to the free lists.
+    fn settle_after_sync<B: Backend>(&mut self, backend: &B) {
+        self.flush_hot();
+        self.events.mark_all_complete();
+        for index in 0..self.streams.len() {
+            while let Some(event) = self.streams.states[index].in_flight.pop_front() {
+                self.events.release(event, &mut self.stats);
+            }
+        }
+        self.promote_completed(backend);
+        self.release_quarantined();
+    }
+
     /// Frees quarantined blocks (allocated to nobody) now that the device is idle.
-    fn release_quarantined<B: Backend>(&mut self, backend: &B) {
+    fn release_quarantined(&mut self) {
         let quarantined: Vec<BlockKey> = self
             .arena
             .blocks
@@ -687,7 +1028,7 @@ impl State {
             let size = block.size;
             self.stats.allocated_bytes.sub(size);
             self.stats.active_bytes.sub(size);
-            self.insert_free(backend, key);
+            self.insert_free(key);
         }
     }
 
@@ -703,13 +1044,13 @@ impl State {
         for head in heads {
             let mut cursor = Some(head);
             while let Some(key) = cursor {
-                if self.arena.blocks[key].allocated {
+                if self.arena.blocks[key].allocated || self.arena.blocks[key].unmapped {
                     cursor = self.arena.blocks[key].next;
                     continue;
                 }
                 let mut unlisted = false;
                 while let Some(next) = self.arena.blocks[key].next {
-                    if self.arena.blocks[next].allocated {
+                    if self.arena.blocks[next].allocated || self.arena.blocks[next].unmapped {
                         break;
                     }
                     if !unlisted {
@@ -790,12 +1131,20 @@ impl State {
             .iter()
             .map(|(segment, seg)| SegmentInfo {
                 addr: DevicePtr(seg.addr),
-                size: seg.size,
+                // An expandable segment reports the memory mapped into it, and only the
+                // blocks on mapped pages.
+                size: self
+                    .arena
+                    .segment_blocks(segment)
+                    .filter(|(_, block)| !block.unmapped)
+                    .map(|(_, block)| block.size)
+                    .sum(),
                 pool: seg.pool,
                 stream: self.streams.id(seg.stream),
                 blocks: self
                     .arena
                     .segment_blocks(segment)
+                    .filter(|(_, block)| !block.unmapped)
                     .map(|(_, block)| BlockInfo {
                         addr: DevicePtr(block.addr),
                         size: block.size,
@@ -828,9 +1177,17 @@ impl State {
         self.arena.validate()?;
         let (mut allocated, mut requested, mut pending_bytes, mut listed) =
             (0u64, 0u64, 0u64, 0usize);
+        let mut hot_blocks = 0usize;
         let mut event_refs: HashMap<EventKey, u32> = HashMap::new();
+        let (mut unmapped_bytes, mut unmapped_blocks) = (0u64, 0usize);
         for (key, block) in &self.arena.blocks {
             let pool = self.arena.segments[block.segment].pool;
+            if block.unmapped {
+                self.check_unmapped(key)?;
+                unmapped_bytes += block.size;
+                unmapped_blocks += 1;
+                continue;
+            }
             if block.allocated {
                 if self.allocated.get(&block.addr) == Some(&key) {
                     requested += block.requested;
@@ -843,6 +1200,16 @@ impl State {
             }
             if !block.uses.is_empty() {
                 return Err(format!("free block {key} has uses"));
+            }
+            if block.hot {
+                let hot = &self.streams.get(block.stream).hot;
+                if !block.pending.is_empty() || hot.iter().filter(|k| **k == key).count() != 1 {
+                    return Err(format!(
+                        "hot block {key} is not once in its owner's hot list, or is pending"
+                    ));
+                }
+                hot_blocks += 1;
+                continue;
             }
             let pending = !block.pending.is_empty();
             let state = self.streams.get(block.stream);
@@ -874,6 +1241,12 @@ impl State {
                     .sum::<usize>()
             })
             .sum();
+        let total_hot: usize = self.streams.states.iter().map(|s| s.hot.len()).sum();
+        if total_hot != hot_blocks {
+            return Err(format!(
+                "{total_hot} blocks in hot lists, {hot_blocks} hot blocks exist"
+            ));
+        }
         if total_listed != listed {
             return Err(format!(
                 "{total_listed} blocks listed, {listed} free blocks exist"
@@ -891,8 +1264,38 @@ impl State {
                 self.events.outstanding()
             ));
         }
+        let indexed: usize = self.vmm.as_ref().map_or(0, |vmm| {
+            vmm.segments()
+                .map(|segment| vmm.unmapped(segment).len())
+                .sum()
+        });
+        if indexed != unmapped_blocks {
+            return Err(format!(
+                "{indexed} unmapped blocks indexed, {unmapped_blocks} exist"
+            ));
+        }
+        let expandable_size: u64 = self
+            .arena
+            .segments
+            .iter()
+            .filter(|(_, s)| s.expandable)
+            .map(|(_, s)| s.size)
+            .sum();
+        let mapped = self.vmm.as_ref().map_or(0, |vmm| vmm.mapped);
+        if mapped != expandable_size - unmapped_bytes {
+            return Err(format!(
+                "{mapped} bytes counted mapped, the segments map {}",
+                expandable_size - unmapped_bytes
+            ));
+        }
         let stats = &self.stats;
-        let reserved: u64 = self.arena.segments.iter().map(|(_, s)| s.size).sum();
+        let reserved: u64 = self
+            .arena
+            .segments
+            .iter()
+            .map(|(_, s)| s.size)
+            .sum::<u64>()
+            - unmapped_bytes;
         let checks = [
             ("allocated_bytes", stats.allocated_bytes.current, allocated),
             ("requested_bytes", stats.requested_bytes.current, requested),
@@ -924,6 +1327,45 @@ impl State {
                     "{name} is {counted} but the blocks add up to {summed}"
                 ));
             }
+        }
+        Ok(())
+    }
+}
+
+impl State {
+    /// Checks one unmapped block: free, page-aligned, in an expandable segment, indexed,
+    /// not listed, and not adjacent to another unmapped block.
+    fn check_unmapped(&self, key: BlockKey) -> Result<(), String> {
+        let block = &self.arena.blocks[key];
+        let Some(vmm) = self.vmm.as_ref() else {
+            return Err(format!("unmapped block {key} without expandable segments"));
+        };
+        if !vmm.contains(block.segment) || !self.arena.segments[block.segment].expandable {
+            return Err(format!("unmapped block {key} outside an expandable segment"));
+        }
+        if block.allocated || !block.pending.is_empty() || !block.uses.is_empty() {
+            return Err(format!("unmapped block {key} is in use"));
+        }
+        if !block.addr.is_multiple_of(vmm.page) || !block.size.is_multiple_of(vmm.page) {
+            return Err(format!("unmapped block {key} is not page-aligned"));
+        }
+        if vmm.unmapped(block.segment).get(&block.addr) != Some(&key) {
+            return Err(format!("unmapped block {key} is not indexed"));
+        }
+        let pool = self.arena.segments[block.segment].pool as usize;
+        let state = self.streams.get(block.stream);
+        if state.ready[pool].contains(block.size, block.addr, key)
+            || state.pending[pool].contains(block.size, block.addr, key)
+        {
+            return Err(format!("unmapped block {key} is in a free list"));
+        }
+        let neighbours = [block.prev, block.next];
+        if neighbours
+            .iter()
+            .flatten()
+            .any(|&n| self.arena.blocks[n].unmapped)
+        {
+            return Err(format!("unmapped block {key} borders another"));
         }
         Ok(())
     }

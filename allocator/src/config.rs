@@ -13,6 +13,7 @@
 //! | `max_split_size` | bytes: larger cached blocks are never split for smaller requests | none |
 //! | `trace_capacity` | entries kept in the trace ring; `0` turns tracing off | 65536 |
 //! | `event_batch` | outstanding events that trigger a batched completion query | 64 |
+//! | `expandable_segments` | `true`: reserve address space per stream and map 2 MiB pages on demand, unmapping wholly free pages before mapping new ones (needs a backend with virtual memory; others fall back to whole segments); `false`: whole segments | `false` |
 
 use crate::error::ConfigError;
 use serde::{Deserialize, Serialize};
@@ -20,8 +21,7 @@ use serde::{Deserialize, Serialize};
 /// The environment variable read by [`Config::from_env`].
 pub const ENV_VAR: &str = "STREAMALLOC_CONF";
 
-const KNOWN_KEYS: &str =
-    "reuse_policy, memory_limit, memory_fraction, max_split_size, trace_capacity, event_batch";
+const KNOWN_KEYS: &str = "reuse_policy, memory_limit, memory_fraction, max_split_size, trace_capacity, event_batch, expandable_segments";
 
 /// How a freed block that other streams still use comes back into circulation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,7 +51,20 @@ pub struct Config {
     pub trace_capacity: usize,
     /// Outstanding events that trigger a batched completion query.
     pub event_batch: usize,
+    /// Serve requests from expandable segments (address reservations with pages mapped on
+    /// demand) when the backend supports virtual memory.
+    #[serde(default = "default_expandable_segments")]
+    pub expandable_segments: bool,
 }
+
+/// The default of [`Config::expandable_segments`] (also used for snapshots written before
+/// the key existed).
+fn default_expandable_segments() -> bool {
+    DEFAULT_EXPANDABLE_SEGMENTS
+}
+
+/// Default of `expandable_segments`, chosen from the trace replays (see the README).
+const DEFAULT_EXPANDABLE_SEGMENTS: bool = true;
 
 impl Default for Config {
     fn default() -> Self {
@@ -62,6 +75,7 @@ impl Default for Config {
             max_split_size: None,
             trace_capacity: 65_536,
             event_batch: 64,
+            expandable_segments: DEFAULT_EXPANDABLE_SEGMENTS,
         }
     }
 }
@@ -145,6 +159,13 @@ impl Config {
                     .filter(|n| *n > 0)
                     .ok_or_else(|| bad("event_batch", value, "a positive number of events"))?
             }
+            "expandable_segments" => {
+                self.expandable_segments = match value {
+                    "true" | "True" | "1" => true,
+                    "false" | "False" | "0" => false,
+                    _ => return Err(bad("expandable_segments", value, "`true` or `false`")),
+                }
+            }
             _ => {
                 return Err(ConfigError::UnknownKey {
                     key: key.to_string(),
@@ -175,6 +196,7 @@ impl Config {
         }
         parts.push(format!("trace_capacity:{}", self.trace_capacity));
         parts.push(format!("event_batch:{}", self.event_batch));
+        parts.push(format!("expandable_segments:{}", self.expandable_segments));
         parts.join(",")
     }
 }
@@ -230,7 +252,7 @@ mod tests {
     #[test]
     fn parses_every_key() {
         let config = Config::parse(
-            "reuse_policy:pytorch, memory_limit:8GiB,memory_fraction:0.5,max_split_size:64MiB,trace_capacity:0,event_batch:8",
+            "reuse_policy:pytorch, memory_limit:8GiB,memory_fraction:0.5,max_split_size:64MiB,trace_capacity:0,event_batch:8,expandable_segments:true",
         )
         .unwrap();
         assert_eq!(config.reuse_policy, ReusePolicy::Pytorch);
@@ -239,6 +261,7 @@ mod tests {
         assert_eq!(config.max_split_size, Some(64 << 20));
         assert_eq!(config.trace_capacity, 0);
         assert_eq!(config.event_batch, 8);
+        assert!(config.expandable_segments);
         assert_eq!(Config::parse(&config.to_conf_string()).unwrap(), config);
     }
 

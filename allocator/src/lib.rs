@@ -59,6 +59,7 @@ pub mod config;
 pub mod error;
 pub(crate) mod lifetime;
 pub mod pool;
+pub mod replay;
 pub mod scenarios;
 pub mod snapshot;
 pub mod staging;
@@ -67,6 +68,7 @@ pub mod testing;
 pub mod trace;
 pub mod transport;
 pub mod types;
+pub mod implementation;
 mod util;
 
 pub use allocator::Allocator;

@@ -124,7 +124,11 @@ impl Harness {
         self.steps += 1;
         let step = self.steps;
         match *op {
-            Op::Malloc { stream, size, duration } => {
+            Op::Malloc {
+                stream,
+                size,
+                duration,
+            } => {
                 let stream = stream as usize % STREAMS;
                 match self.allocator.malloc(size, self.streams[stream]) {
                     Ok(block) => {
@@ -153,7 +157,11 @@ impl Harness {
                         .map_err(|err| format!("step {step}: free failed: {err}"))?;
                 }
             }
-            Op::Use { block, stream, duration } => {
+            Op::Use {
+                block,
+                stream,
+                duration,
+            } => {
                 if !self.live.is_empty() {
                     let index = block as usize % self.live.len();
                     let user = stream as usize % STREAMS;
@@ -161,9 +169,15 @@ impl Harness {
                     let (owner, user_id) = (self.streams[live.stream], self.streams[user]);
                     // The program's own ordering: the user stream waits for the owner.
                     let event = self.device.create_event().map_err(|e| e.to_string())?;
-                    self.device.record_event(event, owner).map_err(|e| e.to_string())?;
-                    self.device.stream_wait_event(user_id, event).map_err(|e| e.to_string())?;
-                    self.device.destroy_event(event).map_err(|e| e.to_string())?;
+                    self.device
+                        .record_event(event, owner)
+                        .map_err(|e| e.to_string())?;
+                    self.device
+                        .stream_wait_event(user_id, event)
+                        .map_err(|e| e.to_string())?;
+                    self.device
+                        .destroy_event(event)
+                        .map_err(|e| e.to_string())?;
                     self.device.launch(
                         user_id,
                         &[Access::read(live.ptr, live.size)],
@@ -195,14 +209,17 @@ impl Harness {
                 }
             }
             Op::AdvanceHost { ns } => self.device.advance_host(u64::from(ns)),
-            Op::SyncStream { stream } => self.device.synchronize_stream(self.streams[stream as usize % STREAMS]),
+            Op::SyncStream { stream } => self
+                .device
+                .synchronize_stream(self.streams[stream as usize % STREAMS]),
             Op::EmptyCache => {
                 self.allocator
                     .empty_cache()
                     .map_err(|err| format!("step {step}: empty_cache failed: {err}"))?;
             }
         }
-        self.check().map_err(|err| format!("after step {step} ({op:?}): {err}"))
+        self.check()
+            .map_err(|err| format!("after step {step} ({op:?}): {err}"))
     }
 
     /// Checks every invariant now.
@@ -211,11 +228,18 @@ impl Harness {
             return Err(race.to_string());
         }
         self.allocator.check_invariants()?;
-        let mut ranges: Vec<(u64, u64)> = self.live.iter().map(|l| (l.ptr.0, l.ptr.0 + l.size)).collect();
+        let mut ranges: Vec<(u64, u64)> = self
+            .live
+            .iter()
+            .map(|l| (l.ptr.0, l.ptr.0 + l.size))
+            .collect();
         ranges.sort_unstable();
         for pair in ranges.windows(2) {
             if pair[0].1 > pair[1].0 {
-                return Err(format!("live blocks overlap: {:#x?} and {:#x?}", pair[0], pair[1]));
+                return Err(format!(
+                    "live blocks overlap: {:#x?} and {:#x?}",
+                    pair[0], pair[1]
+                ));
             }
         }
         let stats = self.allocator.stats();
@@ -240,9 +264,13 @@ impl Harness {
     /// reserved byte, no segment, no event object, no race.
     pub fn finish(mut self) -> Result<(), String> {
         for live in std::mem::take(&mut self.live) {
-            self.allocator.free(live.ptr).map_err(|err| format!("final free: {err}"))?;
+            self.allocator
+                .free(live.ptr)
+                .map_err(|err| format!("final free: {err}"))?;
         }
-        self.allocator.empty_cache().map_err(|err| format!("final empty_cache: {err}"))?;
+        self.allocator
+            .empty_cache()
+            .map_err(|err| format!("final empty_cache: {err}"))?;
         self.check()?;
         let stats = self.allocator.stats();
         let leftovers = [
@@ -253,7 +281,9 @@ impl Harness {
         ];
         for (what, count) in leftovers {
             if count != 0 {
-                return Err(format!("after freeing everything and empty_cache: {count} {what} left"));
+                return Err(format!(
+                    "after freeing everything and empty_cache: {count} {what} left"
+                ));
             }
         }
         Ok(())
@@ -275,7 +305,12 @@ pub fn decode(bytes: &[u8]) -> (Config, Vec<Op>) {
     if let Some(second) = bytes.get(1) {
         config.trace_capacity = usize::from(*second) * 4;
     }
-    let ops = bytes.get(2..).unwrap_or_default().chunks_exact(8).map(decode_op).collect();
+    let ops = bytes
+        .get(2..)
+        .unwrap_or_default()
+        .chunks_exact(8)
+        .map(decode_op)
+        .collect();
     (config, ops)
 }
 
@@ -287,7 +322,7 @@ fn decode_op(chunk: &[u8]) -> Op {
         0 | 1 => Op::Malloc {
             stream: field(3, 2) as u8,
             // Sizes across both pools and every segment class, 1 B to 48 MiB.
-            size: 1 + (field(8, 26) % (48 << 20)) >> field(34, 4),
+            size: (1 + field(8, 26) % (48 << 20)) >> field(34, 4),
             duration,
         },
         2 => Op::Free {

@@ -3,6 +3,7 @@
 
 pub(crate) mod demo;
 pub(crate) mod p2p_sim;
+pub(crate) mod replay;
 
 /// An error a subcommand reports as one line on stderr, with exit code 2.
 #[derive(Debug, thiserror::Error)]

@@ -71,6 +71,55 @@ pub trait Backend: Send + Sync {
     /// A monotonic clock in nanoseconds for trace timestamps. The simulator returns its
     /// virtual host time so traces are deterministic.
     fn now_ns(&self) -> u64;
+
+    // ---- Virtual memory (expandable segments) -----------------------------------------
+    //
+    // In the style of CUDA's VMM API: reserve a range of addresses with no memory behind it
+    // (`cuMemAddressReserve`), then map and unmap physical pages of [`Backend::page_size`]
+    // bytes into it (`cuMemCreate` + `cuMemMap` + `cuMemSetAccess`, and `cuMemUnmap` +
+    // `cuMemRelease`). Backends that cannot do this keep the defaults, which report
+    // "unsupported"; the allocator then falls back to whole segments.
+
+    /// True if the backend implements the virtual-memory methods below.
+    fn supports_virtual_memory(&self) -> bool {
+        false
+    }
+
+    /// Granularity of [`Backend::map_pages`] and [`Backend::unmap_pages`]: every address
+    /// and length passed to them is a multiple of it.
+    fn page_size(&self) -> u64 {
+        2 << 20
+    }
+
+    /// Reserves `size` bytes of address space with nothing mapped (`cuMemAddressReserve`).
+    /// Costs no device memory; touching it before [`Backend::map_pages`] is an error.
+    fn reserve_address_space(&self, _size: u64) -> BackendResult<DevicePtr> {
+        Err(unsupported("cuMemAddressReserve"))
+    }
+
+    /// Releases a reservation made by [`Backend::reserve_address_space`]; nothing in it
+    /// may still be mapped (`cuMemAddressFree`).
+    fn release_address_space(&self, _ptr: DevicePtr, _size: u64) -> BackendResult<()> {
+        Err(unsupported("cuMemAddressFree"))
+    }
+
+    /// Backs `[ptr, ptr + size)` of a reservation with fresh physical pages and makes them
+    /// accessible. An exhausted device is reported with [`BackendError::out_of_memory`].
+    fn map_pages(&self, _ptr: DevicePtr, _size: u64) -> BackendResult<()> {
+        Err(unsupported("cuMemMap"))
+    }
+
+    /// Unmaps `[ptr, ptr + size)` and releases its physical pages. Unlike `cuMemFree`, the
+    /// driver does not synchronise: the caller must first make sure (by synchronising) that
+    /// no stream can still use the pages. The simulator reports a race otherwise.
+    fn unmap_pages(&self, _ptr: DevicePtr, _size: u64) -> BackendResult<()> {
+        Err(unsupported("cuMemUnmap"))
+    }
+}
+
+/// The error of a virtual-memory call on a backend without virtual memory.
+fn unsupported(operation: &'static str) -> BackendError {
+    BackendError::new(operation, "virtual memory is not supported by this backend")
 }
 
 impl<B: Backend + ?Sized> Backend for Arc<B> {
@@ -109,5 +158,23 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     }
     fn now_ns(&self) -> u64 {
         (**self).now_ns()
+    }
+    fn supports_virtual_memory(&self) -> bool {
+        (**self).supports_virtual_memory()
+    }
+    fn page_size(&self) -> u64 {
+        (**self).page_size()
+    }
+    fn reserve_address_space(&self, size: u64) -> BackendResult<DevicePtr> {
+        (**self).reserve_address_space(size)
+    }
+    fn release_address_space(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        (**self).release_address_space(ptr, size)
+    }
+    fn map_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        (**self).map_pages(ptr, size)
+    }
+    fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        (**self).unmap_pages(ptr, size)
     }
 }

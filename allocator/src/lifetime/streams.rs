@@ -8,10 +8,14 @@
 //! another stream `t` additionally needs `t` to wait for `s`'s own queued work.
 
 use super::EventKey;
-use crate::pool::arena::StreamSlot;
+use crate::pool::arena::{BlockKey, StreamSlot};
 use crate::pool::free_list::FreeList;
 use crate::types::{PoolKind, StreamId};
+use crate::util::BuildAddrHasher;
 use std::collections::{HashMap, VecDeque};
+
+/// Blocks kept in a stream's hot list.
+pub(crate) const HOT_SLOTS: usize = 8;
 
 /// Free lists and in-flight events of one stream.
 #[derive(Debug)]
@@ -22,6 +26,12 @@ pub(crate) struct StreamState {
     pub(crate) ready: [FreeList; 2],
     /// Blocks awaiting other streams' events, by pool.
     pub(crate) pending: [FreeList; 2],
+    /// The stream's most recently freed ready blocks, newest last, at most
+    /// [`HOT_SLOTS`]: kept unmerged so that the common pattern — free a block and allocate
+    /// the same size again on the same stream — costs a short scan instead of a merge and a
+    /// split. Flushed into the free lists (with merging) on any slow path, so they never
+    /// cause growth or fragmentation.
+    pub(crate) hot: Vec<BlockKey>,
     /// Events recorded on this stream and not yet seen complete, oldest first. Events on
     /// one stream complete in order, so a completion pass stops at the first incomplete
     /// one: each event is queried about once.
@@ -42,7 +52,7 @@ impl StreamState {
 #[derive(Debug, Default)]
 pub(crate) struct StreamTable {
     pub(crate) states: Vec<StreamState>,
-    index: HashMap<StreamId, StreamSlot>,
+    index: HashMap<StreamId, StreamSlot, BuildAddrHasher>,
 }
 
 impl StreamTable {
@@ -57,6 +67,7 @@ impl StreamTable {
             id,
             ready: Default::default(),
             pending: Default::default(),
+            hot: Vec::with_capacity(HOT_SLOTS),
             in_flight: VecDeque::new(),
         });
         self.index.insert(id, slot);

@@ -40,11 +40,17 @@ pub(crate) struct Block {
     /// The owning stream: while allocated, the stream it was allocated on; while free, the
     /// stream whose free list holds it. The owner may reuse it with no event.
     pub(crate) stream: StreamSlot,
+    /// Free, ready for its owner and unmerged, in the owner's hot list (see
+    /// `lifetime::streams::StreamState::hot`); never merged while there.
+    pub(crate) hot: bool,
     /// While allocated: other streams recorded as using it (`record_use`), deduplicated.
     pub(crate) uses: Vec<StreamSlot>,
     /// While free: events, one per former use stream, that must complete (or be waited on)
     /// before any stream reuses these bytes. Empty for a block that is ready for its owner.
     pub(crate) pending: Vec<EventKey>,
+    /// A stretch of an expandable segment with no pages mapped (see [`super::expandable`]):
+    /// free, page-aligned, in no free list.
+    pub(crate) unmapped: bool,
 }
 
 /// One range obtained from the device.
@@ -60,6 +66,9 @@ pub(crate) struct Segment {
     pub(crate) stream: StreamSlot,
     /// The lowest block; stable for the segment's life.
     pub(crate) head: BlockKey,
+    /// An address reservation with pages mapped on demand (see [`super::expandable`]);
+    /// its size is the reservation's, not the memory behind it.
+    pub(crate) expandable: bool,
 }
 
 /// All segments and blocks.
@@ -87,9 +96,11 @@ impl Arena {
             prev: None,
             next: None,
             allocated: false,
+            hot: false,
             stream,
             uses: Vec::new(),
             pending: Vec::new(),
+            unmapped: false,
         });
         self.segments.insert(Segment {
             addr,
@@ -97,6 +108,7 @@ impl Arena {
             pool,
             stream,
             head,
+            expandable: false,
         });
         head
     }
@@ -110,9 +122,10 @@ impl Arena {
     }
 
     /// Cuts `key` at `size` bytes; the new right-hand block (returned) is free, owned by
-    /// the same stream, and carries no pending events (the caller copies them if needed).
+    /// the same stream, mapped or not like `key`, and carries no pending events (the caller
+    /// copies them if needed).
     pub(crate) fn split(&mut self, key: BlockKey, size: u64) -> BlockKey {
-        let (addr, total, segment, next, stream) = {
+        let (addr, total, segment, next, stream, unmapped) = {
             let block = &self.blocks[key];
             debug_assert!(size < block.size && size.is_multiple_of(super::MIN_BLOCK_SIZE));
             (
@@ -121,6 +134,7 @@ impl Arena {
                 block.segment,
                 block.next,
                 block.stream,
+                block.unmapped,
             )
         };
         let right = self.blocks.insert(Block {
@@ -131,9 +145,11 @@ impl Arena {
             prev: Some(key),
             next,
             allocated: false,
+            hot: false,
             stream,
             uses: Vec::new(),
             pending: Vec::new(),
+            unmapped,
         });
         if let Some(next) = next {
             self.blocks[next].prev = Some(right);

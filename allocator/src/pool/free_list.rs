@@ -57,6 +57,11 @@ impl FreeList {
         self.entries.iter().map(|(_, _, key)| *key)
     }
 
+    /// Blocks of at least `size` bytes, smallest first.
+    pub(crate) fn keys_at_least(&self, size: u64) -> impl Iterator<Item = BlockKey> + '_ {
+        self.entries.range((size, 0, 0)..).map(|(_, _, key)| *key)
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }

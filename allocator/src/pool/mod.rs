@@ -3,11 +3,13 @@
 //! - [`size`]: rounding and the small/large split (every size decision lives there).
 //! - [`arena`]: segments tiled by address-linked blocks; split and merge.
 //! - [`free_list`]: best-fit sets of free blocks.
+//! - `expandable`: address reservations with pages mapped on demand (expandable segments).
 //!
 //! Which free list a block belongs in (its stream, whether it awaits events) is the
 //! lifetime layer's decision, in [`crate::lifetime`].
 
 pub(crate) mod arena;
+pub(crate) mod expandable;
 pub(crate) mod free_list;
 pub mod size;
 

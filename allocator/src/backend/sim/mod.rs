@@ -22,6 +22,13 @@
 //! operations. Touching memory outside any live segment is reported the same way. A
 //! correct allocator over race-free programs produces none; property tests assert so.
 //!
+//! # Virtual memory
+//! Address reservations hold no memory; pages mapped into them count against the capacity
+//! and are the only part of a reservation an operation may touch (anything else is
+//! [`RaceKind::OutOfBounds`]). Unmapping is the host releasing memory with no implicit
+//! synchronisation, as `cuMemUnmap` does: any earlier access to the pages that the host
+//! has not observed complete is reported as a [`RaceKind::Unordered`] race with the unmap.
+//!
 //! The simulator also checks CUDA-graph capture rules: while a stream captures, device
 //! synchronisation, event queries and waits on the capturing stream are reported.
 
@@ -36,12 +43,15 @@ use crate::types::{DevicePtr, EventHandle, StreamId};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Where simulated segments start (an address that looks like a real device pointer).
 const BASE_ADDRESS: u64 = 0x7f00_0000_0000;
 /// Gap left after every segment so that segments are never adjacent.
 const SEGMENT_GUARD: u64 = 2 << 20;
+/// Page size of the simulated virtual-memory API (CUDA's usual granularity).
+const PAGE_SIZE: u64 = 2 << 20;
 
 /// One byte range an operation touches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,6 +152,12 @@ struct SimState {
     next_address: u64,
     /// Live segments: start → size.
     segments: BTreeMap<u64, u64>,
+    /// Address reservations: start → size.
+    reservations: BTreeMap<u64, u64>,
+    /// Mapped ranges inside reservations, coalesced: start → end.
+    mapped: BTreeMap<u64, u64>,
+    /// Bytes mapped (also counted in `reserved`).
+    mapped_bytes: u64,
     streams: Vec<SimStream>,
     stream_index: HashMap<StreamId, usize>,
     host_time: u64,
@@ -163,6 +179,8 @@ struct SimState {
 #[derive(Clone, Debug, Default)]
 pub struct SimBackend {
     state: Arc<Mutex<SimState>>,
+    /// The host clock, mirrored outside the lock so trace timestamps cost one load.
+    host_now: Arc<AtomicU64>,
 }
 
 impl SimBackend {
@@ -176,6 +194,7 @@ impl SimBackend {
         };
         Self {
             state: Arc::new(Mutex::new(state)),
+            host_now: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -197,7 +216,9 @@ impl SimBackend {
 
     /// Moves the host clock forward (the host doing other work).
     pub fn advance_host(&self, ns: u64) {
-        self.state.lock().host_time += ns;
+        let mut state = self.state.lock();
+        state.host_time += ns;
+        self.publish(&state);
     }
 
     /// Blocks the host until `stream`'s work is done.
@@ -210,6 +231,7 @@ impl SimBackend {
         );
         state.host_time = state.host_time.max(time);
         state.host_clock.merge(&clock);
+        self.publish(&state);
     }
 
     /// Starts or ends graph capture on `stream`.
@@ -223,8 +245,8 @@ impl SimBackend {
         }
     }
 
-    /// Makes the next `count` segment allocations fail with a driver error that is not an
-    /// out-of-memory (failure injection for tests).
+    /// Makes the next `count` segment allocations (or page mappings) fail with a driver
+    /// error that is not an out-of-memory (failure injection for tests).
     pub fn fail_next_segment_allocs(&self, count: u32) {
         self.state.lock().fail_next_allocs = count;
     }
@@ -237,6 +259,11 @@ impl SimBackend {
     /// Bytes currently obtained by segments.
     pub fn reserved(&self) -> u64 {
         self.state.lock().reserved
+    }
+
+    /// Bytes currently mapped into address reservations (part of [`SimBackend::reserved`]).
+    pub fn mapped(&self) -> u64 {
+        self.state.lock().mapped_bytes
     }
 
     /// Live segments.
@@ -269,6 +296,10 @@ impl SimBackend {
     /// How many times the backend call `name` (e.g. `"stream_wait_event"`) was made.
     pub fn calls(&self, name: &str) -> u64 {
         self.state.lock().calls.get(name).copied().unwrap_or(0)
+    }
+
+    fn publish(&self, state: &SimState) {
+        self.host_now.store(state.host_time, Ordering::Relaxed);
     }
 
     fn call(&self, name: &'static str) -> parking_lot::MutexGuard<'_, SimState> {
@@ -313,7 +344,8 @@ impl SimState {
                 .segments
                 .range(..=start)
                 .next_back()
-                .is_some_and(|(seg, size)| end <= seg + size);
+                .is_some_and(|(seg, size)| end <= seg + size)
+                || self.mapped_range_containing(start, end).is_some();
             if !inside {
                 self.races.push(Race {
                     earlier: "-".into(),
@@ -335,6 +367,24 @@ impl SimState {
                 });
             }
         }
+    }
+
+    /// The coalesced mapped range `(start, end)` that contains all of `[start, end)`.
+    fn mapped_range_containing(&self, start: u64, end: u64) -> Option<(u64, u64)> {
+        self.mapped
+            .range(..=start)
+            .next_back()
+            .filter(|(_, range_end)| end <= **range_end)
+            .map(|(range_start, range_end)| (*range_start, *range_end))
+    }
+
+    /// The reservation that contains all of `[start, end)`.
+    fn reservation_containing(&self, start: u64, end: u64) -> Option<u64> {
+        self.reservations
+            .range(..=start)
+            .next_back()
+            .filter(|(at, size)| end <= **at + **size)
+            .map(|(at, _)| *at)
     }
 
     fn sync_host_to_device(&mut self) {
@@ -401,6 +451,7 @@ impl Backend for SimBackend {
         state.segments.remove(&ptr.0);
         state.reserved -= size;
         state.shadow.forget(ptr.0, ptr.0 + size);
+        self.publish(&state);
         Ok(())
     }
 
@@ -467,6 +518,7 @@ impl Backend for SimBackend {
             state.host_time = state.host_time.max(time);
             state.host_clock.merge(&clock);
         }
+        self.publish(&state);
         Ok(())
     }
 
@@ -499,6 +551,7 @@ impl Backend for SimBackend {
             state.capture_violation("device synchronisation".into());
         }
         state.sync_host_to_device();
+        self.publish(&state);
         Ok(())
     }
 
@@ -509,6 +562,151 @@ impl Backend for SimBackend {
     }
 
     fn now_ns(&self) -> u64 {
-        self.state.lock().host_time
+        self.host_now.load(Ordering::Relaxed)
+    }
+
+    fn supports_virtual_memory(&self) -> bool {
+        true
+    }
+
+    fn page_size(&self) -> u64 {
+        PAGE_SIZE
+    }
+
+    fn reserve_address_space(&self, size: u64) -> BackendResult<DevicePtr> {
+        let mut state = self.call("reserve_address_space");
+        if size == 0 || !size.is_multiple_of(PAGE_SIZE) {
+            return Err(BackendError::new(
+                "cuMemAddressReserve",
+                format!("size {size} is not a positive multiple of the page size"),
+            ));
+        }
+        let addr = state.next_address;
+        state.next_address += size + SEGMENT_GUARD;
+        state.reservations.insert(addr, size);
+        Ok(DevicePtr(addr))
+    }
+
+    fn release_address_space(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        let mut state = self.call("release_address_space");
+        if state.reservations.get(&ptr.0) != Some(&size) {
+            return Err(BackendError::new(
+                "cuMemAddressFree",
+                format!("{ptr:?} ({size} bytes) is not a reservation"),
+            ));
+        }
+        if state.mapped.range(ptr.0..ptr.0 + size).next().is_some() {
+            return Err(BackendError::new(
+                "cuMemAddressFree",
+                format!("{ptr:?} still has mapped pages"),
+            ));
+        }
+        state.reservations.remove(&ptr.0);
+        Ok(())
+    }
+
+    fn map_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        let mut state = self.call("map_pages");
+        if state.fail_next_allocs > 0 {
+            state.fail_next_allocs -= 1;
+            return Err(BackendError::new("cuMemCreate", "injected failure"));
+        }
+        let (start, end) = (ptr.0, ptr.0 + size);
+        if size == 0 || !start.is_multiple_of(PAGE_SIZE) || !size.is_multiple_of(PAGE_SIZE) {
+            return Err(BackendError::new(
+                "cuMemMap",
+                format!("[{start:#x}, {end:#x}) is not page-aligned"),
+            ));
+        }
+        if state.reservation_containing(start, end).is_none() {
+            return Err(BackendError::new(
+                "cuMemMap",
+                format!("[{start:#x}, {end:#x}) is not inside one reservation"),
+            ));
+        }
+        let overlaps = state
+            .mapped
+            .range(..end)
+            .next_back()
+            .is_some_and(|(_, range_end)| *range_end > start);
+        if overlaps {
+            return Err(BackendError::new(
+                "cuMemMap",
+                format!("[{start:#x}, {end:#x}) is already (partly) mapped"),
+            ));
+        }
+        if state.reserved + size > state.capacity {
+            return Err(BackendError::out_of_memory(
+                "cuMemCreate",
+                format!(
+                    "{size} bytes requested, {} of {} in use",
+                    state.reserved, state.capacity
+                ),
+            ));
+        }
+        // Insert and coalesce with the neighbouring ranges.
+        let (mut new_start, mut new_end) = (start, end);
+        if let Some((&prev_start, &prev_end)) = state.mapped.range(..start).next_back() {
+            if prev_end == start {
+                state.mapped.remove(&prev_start);
+                new_start = prev_start;
+            }
+        }
+        if let Some(next_end) = state.mapped.remove(&end) {
+            new_end = next_end;
+        }
+        state.mapped.insert(new_start, new_end);
+        state.mapped_bytes += size;
+        state.reserved += size;
+        Ok(())
+    }
+
+    fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        let mut state = self.call("unmap_pages");
+        let (start, end) = (ptr.0, ptr.0 + size);
+        if size == 0 || !start.is_multiple_of(PAGE_SIZE) || !size.is_multiple_of(PAGE_SIZE) {
+            return Err(BackendError::new(
+                "cuMemUnmap",
+                format!("[{start:#x}, {end:#x}) is not page-aligned"),
+            ));
+        }
+        let Some((range_start, range_end)) = state.mapped_range_containing(start, end) else {
+            return Err(BackendError::new(
+                "cuMemUnmap",
+                format!("[{start:#x}, {end:#x}) is not wholly mapped"),
+            ));
+        };
+        // No implicit synchronisation: every earlier use must be known complete on the host.
+        let label = format!("unmap_pages [{start:#x}, {end:#x}) (host)");
+        let op = OpRef {
+            op: state.log.len(),
+            stream: usize::MAX,
+            epoch: 0,
+        };
+        state.log.push(label);
+        let host_clock = state.host_clock.clone();
+        let conflicts = state.shadow.access(start, end, op, true, |prior| {
+            host_clock.covers(prior.stream, prior.epoch)
+        });
+        for (prior, from, to) in conflicts {
+            let race = Race {
+                earlier: state.log[prior.op].clone(),
+                later: state.log[op.op].clone(),
+                range: (from.max(start), to.min(end)),
+                kind: RaceKind::Unordered,
+            };
+            state.races.push(race);
+        }
+        state.shadow.forget(start, end);
+        state.mapped.remove(&range_start);
+        if range_start < start {
+            state.mapped.insert(range_start, start);
+        }
+        if end < range_end {
+            state.mapped.insert(end, range_end);
+        }
+        state.mapped_bytes -= size;
+        state.reserved -= size;
+        Ok(())
     }
 }

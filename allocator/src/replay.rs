@@ -1,0 +1,277 @@
+//! Trace replay: run a recorded allocation trace through the engine and compare the memory
+//! it reserves with what the recording allocator reserved.
+//!
+//! Users choose an allocator by how much memory it wastes. A PyTorch memory snapshot (or
+//! our own trace) records every allocation and free of a real run; replaying those requests
+//! through an [`Allocator`] on the simulated device measures our waste on the same work,
+//! with no GPU. The figures: peak live bytes (what the program needed), our peak reserved,
+//! and the recording allocator's peak reserved, rebuilt from its segment events.
+//!
+//! # Semantics
+//! - Each `alloc` is replayed as a `malloc` of the recorded size on the recorded stream.
+//! - Each block is freed at its `free_completed` (the moment the recording allocator could
+//!   reuse it), or at its `free_requested` when no completion follows before the address is
+//!   allocated again or the trace ends.
+//! - A trace may begin mid-run, with blocks allocated before recording started: frees of
+//!   addresses never allocated in the trace are counted in [`ReplayReport::unknown_frees`]
+//!   and otherwise ignored, so peak live counts only blocks allocated within the trace. (The
+//!   native figure then also misses the segments obtained before recording.)
+//! - Peak live sums the recorded sizes of blocks allocated and not yet freed, at each
+//!   event. The native peak reserved sums `segment_alloc`/`segment_map` minus
+//!   `segment_free`/`segment_unmap`, as `trace_stats.py` does.
+
+use crate::backend::sim::SimBackend;
+use crate::backend::Backend;
+use crate::config::Config;
+use crate::error::AllocError;
+use crate::trace::{TraceAction, TraceEntry};
+use crate::types::{DevicePtr, StreamId};
+use crate::Allocator;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// Device memory of the simulated device a replay runs on: far beyond any recorded run, so
+/// that replay measures packing, never out-of-memory.
+pub const REPLAY_DEVICE_BYTES: u64 = 1 << 40;
+
+/// What a replay measured.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ReplayReport {
+    /// Events in the trace.
+    pub events: u64,
+    /// Allocations replayed.
+    pub allocs: u64,
+    /// Frees replayed (at `free_completed`, or at `free_requested` when none follows).
+    pub frees: u64,
+    /// Frees of addresses not allocated within the trace (allocated before recording
+    /// started); ignored.
+    pub unknown_frees: u64,
+    /// Blocks still allocated when the trace ends.
+    pub live_at_end: u64,
+    /// Peak of the recorded sizes of live blocks.
+    pub peak_live_bytes: u64,
+    /// Our peak reserved bytes.
+    pub peak_reserved_bytes: u64,
+    /// The recording allocator's peak reserved bytes, from the trace's segment events.
+    pub native_peak_reserved_bytes: u64,
+    /// Segments obtained and returned by our allocator.
+    pub segment_events: u64,
+    /// Page ranges mapped and unmapped (expandable segments), on the simulator.
+    pub page_maps: u64,
+    /// Page ranges unmapped, on the simulator.
+    pub page_unmaps: u64,
+    /// Device-wide synchronisations the allocator made, on the simulator (each is a host
+    /// stall on a real GPU).
+    pub device_syncs: u64,
+    /// Host nanoseconds per replayed operation (malloc or free), engine calls only.
+    pub ns_per_op: f64,
+}
+
+impl ReplayReport {
+    /// Our peak reserved over peak live.
+    pub fn ratio(&self) -> f64 {
+        self.peak_reserved_bytes as f64 / self.peak_live_bytes.max(1) as f64
+    }
+
+    /// The recording allocator's peak reserved over peak live.
+    pub fn native_ratio(&self) -> f64 {
+        self.native_peak_reserved_bytes as f64 / self.peak_live_bytes.max(1) as f64
+    }
+}
+
+/// Why a replay stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// The engine refused a recorded request.
+    #[error("event {index} ({action} of {size} bytes): {source}")]
+    Alloc {
+        /// Position of the event in the trace.
+        index: usize,
+        /// Its action name.
+        action: &'static str,
+        /// Its size.
+        size: u64,
+        /// What the engine said.
+        source: AllocError,
+    },
+}
+
+/// Replays `events` through a fresh allocator configured by `config` on a simulated device
+/// of [`REPLAY_DEVICE_BYTES`]. `progress` is called now and then with the number of events
+/// done.
+pub fn replay(
+    events: &[TraceEntry],
+    config: &Config,
+    progress: &mut dyn FnMut(usize),
+) -> Result<ReplayReport, ReplayError> {
+    let allocator = Allocator::new(SimBackend::new(REPLAY_DEVICE_BYTES), config.clone()).map_err(|source| ReplayError::Alloc {
+        index: 0,
+        action: "create",
+        size: 0,
+        source,
+    })?;
+    let mut report = replay_on(&allocator, events, progress)?;
+    let device = allocator.backend();
+    report.page_maps = device.calls("map_pages");
+    report.page_unmaps = device.calls("unmap_pages");
+    report.device_syncs = device.calls("synchronize_device");
+    Ok(report)
+}
+
+/// Replays `events` through `allocator` (which should be fresh: its peak is reported).
+/// The simulator's call counts (`page_maps`, `page_unmaps`, `device_syncs`) are left 0.
+pub fn replay_on<B: Backend>(
+    allocator: &Allocator<B>,
+    events: &[TraceEntry],
+    progress: &mut dyn FnMut(usize),
+) -> Result<ReplayReport, ReplayError> {
+    let free_at_request = frees_at_request(events);
+    let mut live: HashMap<u64, (DevicePtr, u64)> = HashMap::with_capacity(1024);
+    let mut report = ReplayReport {
+        events: events.len() as u64,
+        allocs: 0,
+        frees: 0,
+        unknown_frees: 0,
+        live_at_end: 0,
+        peak_live_bytes: 0,
+        peak_reserved_bytes: 0,
+        native_peak_reserved_bytes: 0,
+        segment_events: 0,
+        page_maps: 0,
+        page_unmaps: 0,
+        device_syncs: 0,
+        ns_per_op: 0.0,
+    };
+    let (mut live_bytes, mut native) = (0u64, 0u64);
+    let before = allocator.stats();
+    let started = Instant::now();
+    for (index, event) in events.iter().enumerate() {
+        if index % 4096 == 0 {
+            progress(index);
+        }
+        let fail = |source| ReplayError::Alloc {
+            index,
+            action: event.action.name(),
+            size: event.size,
+            source,
+        };
+        match event.action {
+            TraceAction::Alloc => {
+                if let Some((ptr, size)) = live.remove(&event.addr.0) {
+                    // Allocated again without a recorded free: free the old block first.
+                    allocator.free(ptr).map_err(fail)?;
+                    live_bytes -= size;
+                    report.frees += 1;
+                }
+                let block = allocator
+                    .malloc(event.size.max(1), event.stream)
+                    .map_err(fail)?;
+                live.insert(event.addr.0, (block.ptr, event.size));
+                live_bytes += event.size;
+                report.peak_live_bytes = report.peak_live_bytes.max(live_bytes);
+                report.allocs += 1;
+            }
+            TraceAction::FreeRequested | TraceAction::FreeCompleted => {
+                let due = event.action == TraceAction::FreeCompleted || free_at_request[index];
+                if !due {
+                    continue;
+                }
+                match live.remove(&event.addr.0) {
+                    Some((ptr, size)) => {
+                        allocator.free(ptr).map_err(fail)?;
+                        live_bytes -= size;
+                        report.frees += 1;
+                    }
+                    None => report.unknown_frees += 1,
+                }
+            }
+            TraceAction::SegmentAlloc | TraceAction::SegmentMap => {
+                native += event.size;
+                report.native_peak_reserved_bytes = report.native_peak_reserved_bytes.max(native);
+            }
+            TraceAction::SegmentFree | TraceAction::SegmentUnmap => {
+                native = native.saturating_sub(event.size);
+            }
+            _ => {}
+        }
+    }
+    let elapsed = started.elapsed();
+    progress(events.len());
+    let stats = allocator.stats();
+    report.live_at_end = live.len() as u64;
+    report.peak_reserved_bytes = stats.reserved_bytes.peak;
+    report.segment_events = (stats.segment_allocs - before.segment_allocs)
+        + (stats.segment_frees - before.segment_frees);
+    let ops = (report.allocs + report.frees).max(1);
+    report.ns_per_op = elapsed.as_nanos() as f64 / ops as f64;
+    Ok(report)
+}
+
+/// For each event, true if it is a `free_requested` that no `free_completed` of the same
+/// address follows before the address is allocated again or the trace ends: the block is
+/// then freed at the request.
+fn frees_at_request(events: &[TraceEntry]) -> Vec<bool> {
+    let mut at_request = vec![false; events.len()];
+    let mut requested: HashMap<u64, usize> = HashMap::new();
+    for (index, event) in events.iter().enumerate() {
+        match event.action {
+            TraceAction::FreeRequested => {
+                if let Some(open) = requested.insert(event.addr.0, index) {
+                    at_request[open] = true;
+                }
+            }
+            TraceAction::FreeCompleted => {
+                requested.remove(&event.addr.0);
+            }
+            TraceAction::Alloc => {
+                if let Some(open) = requested.remove(&event.addr.0) {
+                    at_request[open] = true;
+                }
+            }
+            _ => {}
+        }
+    }
+    for (_, open) in requested {
+        at_request[open] = true;
+    }
+    at_request
+}
+
+/// A trace entry for tests and generators: `action` of `size` bytes at `addr` on `stream`.
+pub fn entry(action: TraceAction, addr: u64, size: u64, stream: u64) -> TraceEntry {
+    TraceEntry {
+        action,
+        addr: DevicePtr(addr),
+        size,
+        stream: StreamId(stream),
+        time_ns: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use TraceAction::*;
+
+    #[test]
+    fn frees_fall_back_to_the_request_and_unknown_frees_are_counted() {
+        let events = [
+            entry(SegmentAlloc, 0, 4 << 20, 0),
+            entry(Alloc, 0x1000, 1 << 20, 0),
+            entry(Alloc, 0x2000, 1 << 20, 0),
+            entry(FreeRequested, 0x1000, 1 << 20, 0),
+            entry(FreeRequested, 0x2000, 1 << 20, 0),
+            entry(FreeCompleted, 0x2000, 1 << 20, 0),
+            entry(FreeCompleted, 0x9000, 4096, 0),
+        ];
+        let report = replay(&events, &Config::default(), &mut |_| {}).unwrap();
+        assert_eq!(report.allocs, 2);
+        assert_eq!(report.frees, 2);
+        assert_eq!(report.unknown_frees, 1);
+        assert_eq!(report.live_at_end, 0);
+        assert_eq!(report.peak_live_bytes, 2 << 20);
+        assert_eq!(report.native_peak_reserved_bytes, 4 << 20);
+        assert!(report.peak_reserved_bytes >= report.peak_live_bytes);
+    }
+}

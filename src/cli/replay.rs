@@ -1,0 +1,145 @@
+//! `streamalloc replay TRACE...`: replays recorded allocation traces through the engine on
+//! the simulated device and prints, per trace, our peak reserved memory beside the
+//! recording allocator's, both against peak live bytes. Needs no GPU.
+//!
+//! A file that cannot be read gets one line on stderr naming it and the problem; the other
+//! traces still run, and the exit status is non-zero at the end.
+
+use super::CliError;
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use streamalloc::replay::load_traces;
+use streamalloc_allocator::replay::{replay, ReplayReport};
+use streamalloc_allocator::Config;
+
+/// Arguments of `streamalloc replay`.
+#[derive(Args, Debug)]
+pub(crate) struct ReplayArgs {
+    /// Trace files: PyTorch snapshots (.pickle, .pickle.gz) or streamalloc JSON.
+    #[arg(required = true)]
+    traces: Vec<PathBuf>,
+    /// Allocator configuration (`key:value,...`); overrides STREAMALLOC_CONF.
+    #[arg(long)]
+    conf: Option<String>,
+    /// Print one JSON object per trace instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Traces with at least this many events get a progress bar (on a terminal).
+const PROGRESS_MIN_EVENTS: usize = 100_000;
+
+/// One JSON line of `--json`.
+#[derive(serde::Serialize)]
+struct JsonRow<'a> {
+    trace: &'a str,
+    #[serde(flatten)]
+    report: &'a ReplayReport,
+    ratio: f64,
+    native_ratio: f64,
+    config: String,
+}
+
+pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
+    let config = match &args.conf {
+        Some(text) => Config::parse(text)?,
+        None => Config::from_env()?,
+    };
+    if !args.json {
+        println!("config: {}", config.to_conf_string());
+        println!(
+            "{:<28} {:>8} {:>13} {:>13} {:>13} {:>7} {:>7} {:>8}",
+            "trace", "allocs", "peak live", "ours", "native", "ours/", "native/", "ns/op"
+        );
+    }
+    let mut failed = false;
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+    for path in &args.traces {
+        let traces = match load_traces(path) {
+            Ok(traces) => traces,
+            Err(err) => {
+                eprintln!("streamalloc replay: {err}");
+                failed = true;
+                continue;
+            }
+        };
+        for trace in traces {
+            let bar = progress_bar(trace.entries.len());
+            let mut progress = |done: usize| {
+                if let Some(bar) = &bar {
+                    bar.set_position(done as u64);
+                }
+            };
+            let result = replay(&trace.entries, &config, &mut progress);
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+            let report = match result {
+                Ok(report) => report,
+                Err(err) => {
+                    eprintln!("streamalloc replay: {}: {err}", trace.name);
+                    failed = true;
+                    continue;
+                }
+            };
+            if args.json {
+                let row = JsonRow {
+                    trace: &trace.name,
+                    report: &report,
+                    ratio: report.ratio(),
+                    native_ratio: report.native_ratio(),
+                    config: config.to_conf_string(),
+                };
+                println!(
+                    "{}",
+                    serde_json::to_string(&row).map_err(|e| CliError::Message(e.to_string()))?
+                );
+            } else {
+                println!(
+                    "{:<28} {:>8} {:>13} {:>13} {:>13} {:>7.3} {:>7.3} {:>8.0}",
+                    trace.name,
+                    report.allocs,
+                    mib(report.peak_live_bytes),
+                    mib(report.peak_reserved_bytes),
+                    mib(report.native_peak_reserved_bytes),
+                    report.ratio(),
+                    report.native_ratio(),
+                    report.ns_per_op
+                );
+                println!(
+                    "  {} page maps, {} page unmaps, {} device syncs, {} segment allocs/frees",
+                    report.page_maps,
+                    report.page_unmaps,
+                    report.device_syncs,
+                    report.segment_events
+                );
+                if report.unknown_frees > 0 {
+                    println!(
+                        "  {} frees of blocks allocated before recording began were ignored",
+                        report.unknown_frees
+                    );
+                }
+            }
+        }
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// A progress bar on stderr for long traces, only when stderr is a terminal.
+fn progress_bar(events: usize) -> Option<ProgressBar> {
+    if events < PROGRESS_MIN_EVENTS || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = ProgressBar::new(events as u64);
+    if let Ok(style) = ProgressStyle::with_template("{bar:40} {pos}/{len} events ({eta})") {
+        bar.set_style(style);
+    }
+    Some(bar)
+}

@@ -1,0 +1,248 @@
+//! Properties of replay and of expandable segments on random inputs:
+//! - replaying any trace (several streams, frees out of order, frees only requested, frees
+//!   of blocks never seen) never reports less reserved than live, the engine's invariants
+//!   hold afterwards, and `empty_cache` after freeing everything returns every page;
+//! - random multi-stream programs (the engine's operation harness, with the race detector)
+//!   stay race-free with expandable segments, under both reuse policies: no page is
+//!   unmapped while a stream may still use it;
+//! - the simulator itself reports unmapping in-use pages and touching unmapped ones.
+
+use proptest::prelude::*;
+use streamalloc_allocator::backend::sim::{Access, RaceKind, SimBackend};
+use streamalloc_allocator::replay::{entry, replay_on};
+use streamalloc_allocator::testing::{Harness, Op, STREAMS};
+use streamalloc_allocator::trace::{TraceAction, TraceEntry};
+use streamalloc_allocator::{Allocator, Backend, Config, DevicePtr, ReusePolicy};
+
+const MIB: u64 = 1 << 20;
+
+fn size() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        4 => 1u64..=8192,
+        3 => 8193u64..=MIB,
+        3 => (MIB + 1)..=(12 * MIB),
+        1 => (12 * MIB + 1)..=(64 * MIB),
+    ]
+}
+
+/// One step of a generated trace: allocate, or free the `n`-th live block (at completion,
+/// or at the request only), or free an address never allocated.
+#[derive(Clone, Debug)]
+enum Step {
+    Alloc { size: u64, stream: u64 },
+    Free { pick: usize, completed: bool },
+    UnknownFree,
+}
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    prop::collection::vec(
+        prop_oneof![
+            5 => (size(), 0u64..3).prop_map(|(size, stream)| Step::Alloc { size, stream }),
+            4 => (any::<usize>(), prop::bool::weighted(0.8))
+                .prop_map(|(pick, completed)| Step::Free { pick, completed }),
+            1 => Just(Step::UnknownFree),
+        ],
+        1..300,
+    )
+}
+
+/// Turns steps into trace entries with recorder addresses that are reused after frees.
+fn trace_of(steps: &[Step]) -> Vec<TraceEntry> {
+    let mut events = Vec::new();
+    let mut live: Vec<(u64, u64, u64)> = Vec::new();
+    let mut next_addr = 0x1000u64;
+    for step in steps {
+        match step {
+            Step::Alloc { size, stream } => {
+                next_addr += 0x1000;
+                events.push(entry(TraceAction::Alloc, next_addr, *size, *stream));
+                live.push((next_addr, *size, *stream));
+            }
+            Step::Free { pick, completed } => {
+                if live.is_empty() {
+                    continue;
+                }
+                let (addr, size, stream) = live.swap_remove(pick % live.len());
+                events.push(entry(TraceAction::FreeRequested, addr, size, stream));
+                if *completed {
+                    events.push(entry(TraceAction::FreeCompleted, addr, size, stream));
+                }
+            }
+            Step::UnknownFree => {
+                events.push(entry(TraceAction::FreeCompleted, 0xdead_0000, 4096, 0));
+            }
+        }
+    }
+    events
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn replay_never_reports_less_reserved_than_live(
+        steps in steps(),
+        expandable in any::<bool>(),
+        pytorch in any::<bool>(),
+    ) {
+        let mut config = Config::default();
+        config.expandable_segments = expandable;
+        if pytorch {
+            config.reuse_policy = ReusePolicy::Pytorch;
+        }
+        let device = SimBackend::new(1 << 40);
+        let allocator = Allocator::new(device.clone(), config).unwrap();
+        let events = trace_of(&steps);
+        let report = replay_on(&allocator, &events, &mut |_| {}).unwrap();
+        prop_assert!(report.peak_reserved_bytes >= report.peak_live_bytes, "{report:?}");
+        allocator.check_invariants().map_err(TestCaseError::fail)?;
+        prop_assert_eq!(allocator.stats().reserved_bytes.current, device.reserved());
+        prop_assert!(device.races().is_empty());
+        let unknown = steps.iter().filter(|s| matches!(s, Step::UnknownFree)).count() as u64;
+        prop_assert_eq!(report.unknown_frees, unknown);
+        allocator.empty_cache().unwrap();
+        let held = allocator.stats().allocated_bytes.current;
+        prop_assert_eq!(held == 0, report.live_at_end == 0);
+        if held == 0 {
+            prop_assert_eq!(device.reserved(), 0);
+        }
+        allocator.check_invariants().map_err(TestCaseError::fail)?;
+    }
+
+    #[test]
+    fn expandable_programs_stay_race_free(
+        ops in prop::collection::vec(op(), 1..150),
+        pytorch in any::<bool>(),
+        small_device in any::<bool>(),
+    ) {
+        let mut config = Config::parse("expandable_segments:true,event_batch:4").unwrap();
+        if pytorch {
+            config.reuse_policy = ReusePolicy::Pytorch;
+        }
+        let capacity = if small_device { 96 * MIB } else { 1 << 30 };
+        let mut harness = Harness::new(config, capacity).unwrap();
+        for op in &ops {
+            harness.apply(op).map_err(TestCaseError::fail)?;
+        }
+        harness.finish().map_err(TestCaseError::fail)?;
+    }
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let stream = 0..STREAMS as u8;
+    let duration = 0u32..2_000_000;
+    prop_oneof![
+        6 => (stream.clone(), size(), duration.clone())
+            .prop_map(|(stream, size, duration)| Op::Malloc { stream, size, duration }),
+        4 => any::<u16>().prop_map(|block| Op::Free { block }),
+        3 => (any::<u16>(), stream.clone(), duration.clone())
+            .prop_map(|(block, stream, duration)| Op::Use { block, stream, duration }),
+        2 => (any::<u16>(), duration).prop_map(|(block, duration)| Op::Work { block, duration }),
+        2 => (0u32..3_000_000).prop_map(|ns| Op::AdvanceHost { ns }),
+        1 => stream.prop_map(|stream| Op::SyncStream { stream }),
+        1 => Just(Op::EmptyCache),
+    ]
+}
+
+#[test]
+fn the_simulator_reports_unmapping_pages_in_use_and_touching_unmapped_ones() {
+    let device = SimBackend::new(1 << 30);
+    let stream = device.create_stream();
+    let base = device.reserve_address_space(64 * MIB).unwrap();
+    device.map_pages(base, 4 * MIB).unwrap();
+    assert_eq!(device.reserved(), 4 * MIB);
+    device.launch(stream, &[Access::write(base, 4 * MIB)], 1_000_000, "kernel");
+    // The host has not seen the kernel finish: unmapping now is a race.
+    device.unmap_pages(DevicePtr(base.0 + 2 * MIB), 2 * MIB).unwrap();
+    let races = device.races();
+    assert_eq!(races.len(), 1, "{races:?}");
+    assert_eq!(races[0].kind, RaceKind::Unordered);
+    // After a synchronisation it is fine.
+    device.synchronize_device().unwrap();
+    device.unmap_pages(base, 2 * MIB).unwrap();
+    assert_eq!(device.races().len(), 1);
+    // Touching an unmapped page is out of bounds.
+    device.launch(stream, &[Access::read(base, 512)], 1, "late read");
+    assert_eq!(device.races().last().unwrap().kind, RaceKind::OutOfBounds);
+    // Misuse is a typed error.
+    assert!(device.map_pages(DevicePtr(base.0 + 512), 2 * MIB).is_err());
+    assert!(device.unmap_pages(base, 2 * MIB).is_err());
+    device.release_address_space(base, 64 * MIB).unwrap();
+    assert_eq!(device.reserved(), 0);
+}
+
+#[test]
+fn growth_unmaps_free_pages_only_after_their_streams_finish() {
+    let device = SimBackend::new(1 << 30);
+    let config = Config::parse("expandable_segments:true").unwrap();
+    let allocator = Allocator::new(device.clone(), config).unwrap();
+    let (a, b) = (device.create_stream(), device.create_stream());
+    // Stream a writes 8 MiB for a long time, then frees it: ready for a, but a's kernel is
+    // still running when b's request makes the allocator reclaim pages.
+    let first = allocator.malloc(8 * MIB, a).unwrap();
+    device.launch(a, &[Access::write(first.ptr, 8 * MIB)], 50_000_000, "long write");
+    allocator.free(first.ptr).unwrap();
+    // Too large for the freed block, so b's request grows b's segment.
+    let second = allocator.malloc(10 * MIB, b).unwrap();
+    device.launch(b, &[Access::write(second.ptr, 10 * MIB)], 1_000, "b writes");
+    assert!(device.races().is_empty(), "{:?}", device.races());
+    // The freed pages went back before b's were mapped: never more than 10 MiB reserved.
+    assert_eq!(allocator.stats().reserved_bytes.peak, 10 * MIB);
+    assert!(device.calls("synchronize_device") >= 1);
+    allocator.check_invariants().unwrap();
+    allocator.free(second.ptr).unwrap();
+    allocator.empty_cache().unwrap();
+    assert_eq!(device.reserved(), 0);
+    allocator.check_invariants().unwrap();
+}
+
+#[test]
+fn without_virtual_memory_the_allocator_falls_back_to_whole_segments() {
+    /// A backend that keeps the trait's "unsupported" defaults for virtual memory.
+    #[derive(Debug)]
+    struct NoVmm(SimBackend);
+    impl Backend for NoVmm {
+        fn total_memory(&self) -> streamalloc_allocator::backend::BackendResult<u64> {
+            self.0.total_memory()
+        }
+        fn alloc_segment(&self, size: u64) -> streamalloc_allocator::backend::BackendResult<DevicePtr> {
+            self.0.alloc_segment(size)
+        }
+        fn free_segment(&self, ptr: DevicePtr, size: u64) -> streamalloc_allocator::backend::BackendResult<()> {
+            self.0.free_segment(ptr, size)
+        }
+        fn create_event(&self) -> streamalloc_allocator::backend::BackendResult<streamalloc_allocator::EventHandle> {
+            self.0.create_event()
+        }
+        fn destroy_event(&self, e: streamalloc_allocator::EventHandle) -> streamalloc_allocator::backend::BackendResult<()> {
+            self.0.destroy_event(e)
+        }
+        fn record_event(&self, e: streamalloc_allocator::EventHandle, s: streamalloc_allocator::StreamId) -> streamalloc_allocator::backend::BackendResult<()> {
+            self.0.record_event(e, s)
+        }
+        fn query_event(&self, e: streamalloc_allocator::EventHandle) -> streamalloc_allocator::backend::BackendResult<bool> {
+            self.0.query_event(e)
+        }
+        fn synchronize_event(&self, e: streamalloc_allocator::EventHandle) -> streamalloc_allocator::backend::BackendResult<()> {
+            self.0.synchronize_event(e)
+        }
+        fn stream_wait_event(&self, s: streamalloc_allocator::StreamId, e: streamalloc_allocator::EventHandle) -> streamalloc_allocator::backend::BackendResult<()> {
+            self.0.stream_wait_event(s, e)
+        }
+        fn synchronize_device(&self) -> streamalloc_allocator::backend::BackendResult<()> {
+            self.0.synchronize_device()
+        }
+        fn now_ns(&self) -> u64 {
+            self.0.now_ns()
+        }
+    }
+    let sim = SimBackend::new(1 << 30);
+    let backend = NoVmm(sim.clone());
+    assert!(backend.map_pages(DevicePtr(0), 2 * MIB).unwrap_err().to_string().contains("not supported"));
+    let allocator = Allocator::new(backend, Config::parse("expandable_segments:true").unwrap()).unwrap();
+    let block = allocator.malloc(3 * MIB, sim.create_stream()).unwrap();
+    assert_eq!(sim.calls("alloc_segment"), 1);
+    assert_eq!(sim.calls("map_pages"), 0);
+    allocator.free(block.ptr).unwrap();
+    allocator.check_invariants().unwrap();
+}

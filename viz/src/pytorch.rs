@@ -1,0 +1,746 @@
+//! PyTorch memory snapshots (`torch.cuda.memory._dump_snapshot`), read and written.
+//!
+//! PyTorch users already have these files, and the trace replayer and the viewer both start
+//! from them, so this module reads them exactly as PyTorch writes them: a pickle (protocol
+//! 2 to 4, optionally gzip-compressed) of a dict with
+//!
+//! - `segments`: one dict per segment (`device`, `address`, `total_size`, `stream`,
+//!   `segment_type`, `blocks`: dicts with `size`, `requested_size`, `state`, `frames`), and
+//! - `device_traces`: one list per device of trace entries, dicts with `action`, `addr`,
+//!   `size`, `stream`, `time_us`, `frames` (and `device_free` for `oom`).
+//!
+//! Decoding goes through `serde-pickle`'s generic [`serde_pickle::Value`] (a real pickle
+//! machine: memo, frames, long integers) and is then checked key by key, so a truncated,
+//! corrupt or foreign file gives one [`VizError`] naming the file and the offending key,
+//! never a panic. Call stacks repeat across entries, so identical stacks are shared
+//! ([`Stack`]), which keeps a million-entry trace small in memory.
+//!
+//! [`write_pickle`] writes the same shape back with only the opcodes PyTorch's own
+//! JavaScript viewer (`MemoryViz.js`) decodes: protocol 3, dicts, lists, tuples, strings,
+//! integers of at most 8 bytes, floats, booleans and `None`.
+//!
+//! # Example
+//! ```no_run
+//! use streamalloc_viz::pytorch::{read_snapshot, TorchAction};
+//!
+//! let snapshot = read_snapshot("gpt2.pickle.gz".as_ref())?;
+//! for (device, trace) in snapshot.device_traces.iter().enumerate() {
+//!     let allocs = trace.iter().filter(|e| e.action == TorchAction::Alloc).count();
+//!     println!("device {device}: {allocs} allocations");
+//! }
+//! # Ok::<(), streamalloc_viz::VizError>(())
+//! ```
+
+use crate::error::VizError;
+use serde::Serialize;
+use serde_pickle::{HashableValue, Value};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::path::Path;
+use std::sync::Arc;
+
+// ---- Types ----
+
+/// One Python frame of a call stack, as PyTorch records it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
+pub struct Frame {
+    /// Function name.
+    pub name: String,
+    /// Source file.
+    pub filename: String,
+    /// Line number.
+    pub line: i64,
+}
+
+/// A call stack, innermost frame first. Shared between the entries that have the same one.
+pub type Stack = Arc<[Frame]>;
+
+/// What a trace entry records, with PyTorch's names (`TraceEntry::Action`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TorchAction {
+    /// `alloc`: a block was handed to the caller.
+    Alloc,
+    /// `free_requested`: the caller freed the block; other streams may still use it.
+    FreeRequested,
+    /// `free_completed`: the block is reusable (its recorded streams' events completed).
+    FreeCompleted,
+    /// `segment_alloc`: `cudaMalloc` of a new segment.
+    SegmentAlloc,
+    /// `segment_free`: `cudaFree` of a segment.
+    SegmentFree,
+    /// `segment_map`: pages mapped into an expandable segment.
+    SegmentMap,
+    /// `segment_unmap`: pages unmapped from an expandable segment.
+    SegmentUnmap,
+    /// `snapshot`: a snapshot was taken at this point.
+    Snapshot,
+    /// `oom`: an allocation failed; `device_free` says what the device had left.
+    Oom,
+    /// `user_defined`: a marker inserted by the user.
+    UserDefined,
+}
+
+impl TorchAction {
+    /// All actions, in PyTorch's enum order.
+    pub const ALL: [TorchAction; 10] = [
+        TorchAction::Alloc,
+        TorchAction::FreeRequested,
+        TorchAction::FreeCompleted,
+        TorchAction::SegmentAlloc,
+        TorchAction::SegmentFree,
+        TorchAction::SegmentMap,
+        TorchAction::SegmentUnmap,
+        TorchAction::Snapshot,
+        TorchAction::Oom,
+        TorchAction::UserDefined,
+    ];
+
+    /// The name PyTorch writes (`"free_requested"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            TorchAction::Alloc => "alloc",
+            TorchAction::FreeRequested => "free_requested",
+            TorchAction::FreeCompleted => "free_completed",
+            TorchAction::SegmentAlloc => "segment_alloc",
+            TorchAction::SegmentFree => "segment_free",
+            TorchAction::SegmentMap => "segment_map",
+            TorchAction::SegmentUnmap => "segment_unmap",
+            TorchAction::Snapshot => "snapshot",
+            TorchAction::Oom => "oom",
+            TorchAction::UserDefined => "user_defined",
+        }
+    }
+
+    /// The action with PyTorch name `name`, if there is one.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.name() == name)
+    }
+}
+
+/// One entry of a device trace.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TorchTraceEntry {
+    /// What happened.
+    pub action: TorchAction,
+    /// Block or segment address (0 for `oom`, `snapshot`).
+    pub addr: u64,
+    /// Bytes: the rounded block size for `alloc`/`free_*`, the segment size for
+    /// `segment_*`, the requested size for `oom`.
+    pub size: u64,
+    /// The `cudaStream_t` as an integer (0: the legacy default stream).
+    pub stream: u64,
+    /// Host wall clock in microseconds, when the snapshot recorded it (PyTorch ≥ 2.1).
+    pub time_us: Option<u64>,
+    /// Where it was called from; empty when stacks were not recorded.
+    pub frames: Stack,
+    /// For `oom`: bytes the device still had free.
+    pub device_free: Option<u64>,
+}
+
+/// State of a block in PyTorch's vocabulary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TorchBlockState {
+    /// `active_allocated`: held by the caller.
+    ActiveAllocated,
+    /// `active_pending_free`: freed, waiting on other streams' events.
+    ActivePendingFree,
+    /// `inactive`: free.
+    Inactive,
+}
+
+impl TorchBlockState {
+    /// The name PyTorch writes.
+    pub fn name(self) -> &'static str {
+        match self {
+            TorchBlockState::ActiveAllocated => "active_allocated",
+            TorchBlockState::ActivePendingFree => "active_pending_free",
+            TorchBlockState::Inactive => "inactive",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Self> {
+        [
+            TorchBlockState::ActiveAllocated,
+            TorchBlockState::ActivePendingFree,
+            TorchBlockState::Inactive,
+        ]
+        .into_iter()
+        .find(|s| s.name() == name)
+    }
+}
+
+/// One block of a segment at the instant of the snapshot.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TorchBlock {
+    /// First byte (computed from the segment and the preceding blocks when the file does
+    /// not say, as PyTorch's viewer does).
+    pub address: u64,
+    /// Bytes reserved.
+    pub size: u64,
+    /// Bytes the caller asked for (equal to `size` when the file does not say).
+    pub requested_size: u64,
+    /// Allocated, pending or free.
+    pub state: TorchBlockState,
+    /// Where it was allocated; empty when unknown.
+    pub frames: Stack,
+}
+
+/// One segment at the instant of the snapshot.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TorchSegment {
+    /// CUDA device index.
+    pub device: u32,
+    /// First byte.
+    pub address: u64,
+    /// Bytes.
+    pub total_size: u64,
+    /// The stream whose request created it.
+    pub stream: u64,
+    /// `"large"` or `"small"` pool.
+    pub segment_type: String,
+    /// True for an expandable segment.
+    pub is_expandable: bool,
+    /// Its blocks in address order.
+    pub blocks: Vec<TorchBlock>,
+}
+
+/// A whole PyTorch memory snapshot.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct TorchSnapshot {
+    /// Segments alive at the instant of the snapshot.
+    pub segments: Vec<TorchSegment>,
+    /// One trace per device index, oldest entry first (empty for unused devices).
+    pub device_traces: Vec<Vec<TorchTraceEntry>>,
+    /// `allocator_settings`, as JSON, when present.
+    pub allocator_settings: Option<serde_json::Value>,
+}
+
+impl TorchSnapshot {
+    /// Number of `alloc` entries over all devices.
+    pub fn alloc_count(&self) -> usize {
+        self.device_traces
+            .iter()
+            .flatten()
+            .filter(|e| e.action == TorchAction::Alloc)
+            .count()
+    }
+}
+
+// ---- Reading ----
+
+/// Reads a PyTorch snapshot from `path`: a pickle, gzip-compressed or not (recognised by
+/// its content, not its name).
+pub fn read_snapshot(path: &Path) -> Result<TorchSnapshot, VizError> {
+    let raw = std::fs::read(path).map_err(|e| VizError::io(path, e))?;
+    let bytes = maybe_gunzip(path, raw)?;
+    parse_snapshot(path, &bytes)
+}
+
+/// Decompresses `raw` if it starts with the gzip magic, else returns it unchanged.
+pub(crate) fn maybe_gunzip(path: &Path, raw: Vec<u8>) -> Result<Vec<u8>, VizError> {
+    if raw.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::with_capacity(raw.len() * 8);
+        flate2::read::MultiGzDecoder::new(&raw[..])
+            .read_to_end(&mut out)
+            .map_err(|source| VizError::Gzip {
+                path: path.into(),
+                source,
+            })?;
+        Ok(out)
+    } else {
+        Ok(raw)
+    }
+}
+
+/// Decodes a snapshot from uncompressed pickle bytes. `path` only names the source in
+/// errors.
+pub fn parse_snapshot(path: &Path, bytes: &[u8]) -> Result<TorchSnapshot, VizError> {
+    if bytes.first() != Some(&0x80) {
+        return Err(VizError::Pickle {
+            path: path.into(),
+            message: "no pickle protocol header (expected a PyTorch memory snapshot, \
+                      protocol 2 or later)"
+                .into(),
+        });
+    }
+    let value =
+        serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).map_err(|e| {
+            VizError::Pickle {
+                path: path.into(),
+                message: e.to_string(),
+            }
+        })?;
+    Converter {
+        path,
+        stacks: HashMap::new(),
+        empty: Arc::from(Vec::new()),
+    }
+    .snapshot(value)
+}
+
+/// Turns the generic pickle value into typed records, checking every key it uses.
+struct Converter<'a> {
+    /// The file, for error messages.
+    path: &'a Path,
+    /// Every distinct call stack seen, so that equal stacks share one allocation.
+    stacks: HashMap<Vec<Frame>, Stack>,
+    /// The shared empty stack.
+    empty: Stack,
+}
+
+/// The name of a pickle value's type, for error messages.
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::None => "None",
+        Value::Bool(_) => "bool",
+        Value::I64(_) | Value::Int(_) => "int",
+        Value::F64(_) => "float",
+        Value::Bytes(_) => "bytes",
+        Value::String(_) => "str",
+        Value::List(_) => "list",
+        Value::Tuple(_) => "tuple",
+        Value::Set(_) | Value::FrozenSet(_) => "set",
+        Value::Dict(_) => "dict",
+    }
+}
+
+impl Converter<'_> {
+    fn err(&self, what: String) -> VizError {
+        VizError::format(self.path, what)
+    }
+
+    /// The entries of a dict whose keys are all strings.
+    fn dict(&self, v: Value, at: &dyn Fn() -> String) -> Result<Vec<(String, Value)>, VizError> {
+        match v {
+            Value::Dict(map) => map
+                .into_iter()
+                .map(|(k, v)| match k {
+                    HashableValue::String(s) => Ok((s, v)),
+                    other => Err(self.err(format!(
+                        "{}: dict key {:?} is not a string",
+                        at(),
+                        other.into_value()
+                    ))),
+                })
+                .collect(),
+            other => Err(self.err(format!(
+                "{}: expected a dict, found {}",
+                at(),
+                type_name(&other)
+            ))),
+        }
+    }
+
+    fn list(&self, v: Value, at: &dyn Fn() -> String) -> Result<Vec<Value>, VizError> {
+        match v {
+            Value::List(l) | Value::Tuple(l) => Ok(l),
+            other => Err(self.err(format!(
+                "{}: expected a list, found {}",
+                at(),
+                type_name(&other)
+            ))),
+        }
+    }
+
+    fn int(&self, v: &Value, at: &dyn Fn() -> String) -> Result<i64, VizError> {
+        match v {
+            Value::I64(i) => Ok(*i),
+            Value::Bool(b) => Ok(i64::from(*b)),
+            Value::Int(_) => Err(self.err(format!("{}: integer does not fit in 64 bits", at()))),
+            other => Err(self.err(format!(
+                "{}: expected an int, found {}",
+                at(),
+                type_name(other)
+            ))),
+        }
+    }
+
+    fn uint(&self, v: &Value, at: &dyn Fn() -> String) -> Result<u64, VizError> {
+        let i = self.int(v, at)?;
+        u64::try_from(i).map_err(|_| self.err(format!("{}: negative value {i}", at())))
+    }
+
+    /// Stream handles are pointers: keep their bit pattern even if printed negative.
+    fn stream(&self, v: &Value, at: &dyn Fn() -> String) -> Result<u64, VizError> {
+        Ok(self.int(v, at)? as u64)
+    }
+
+    fn string(&self, v: Value, at: &dyn Fn() -> String) -> Result<String, VizError> {
+        match v {
+            Value::String(s) => Ok(s),
+            other => Err(self.err(format!(
+                "{}: expected a str, found {}",
+                at(),
+                type_name(&other)
+            ))),
+        }
+    }
+
+    fn frames(&mut self, v: Value, at: &dyn Fn() -> String) -> Result<Stack, VizError> {
+        let items = self.list(v, at)?;
+        if items.is_empty() {
+            return Ok(self.empty.clone());
+        }
+        let mut frames = Vec::with_capacity(items.len());
+        for (i, item) in items.into_iter().enumerate() {
+            let at = || format!("{}[{i}]", at());
+            let (mut name, mut filename, mut line) = (String::new(), String::new(), 0);
+            for (k, v) in self.dict(item, &at)? {
+                match k.as_str() {
+                    "name" => name = self.string(v, &|| format!("{}.name", at()))?,
+                    "filename" => filename = self.string(v, &|| format!("{}.filename", at()))?,
+                    "line" => line = self.int(&v, &|| format!("{}.line", at()))?,
+                    _ => {}
+                }
+            }
+            frames.push(Frame {
+                name,
+                filename,
+                line,
+            });
+        }
+        if let Some(stack) = self.stacks.get(&frames) {
+            return Ok(stack.clone());
+        }
+        let stack: Stack = Arc::from(frames.clone());
+        self.stacks.insert(frames, stack.clone());
+        Ok(stack)
+    }
+
+    fn snapshot(mut self, v: Value) -> Result<TorchSnapshot, VizError> {
+        let mut segments = None;
+        let mut traces = None;
+        let mut settings = None;
+        for (k, v) in self.dict(v, &|| "top level".into())? {
+            match k.as_str() {
+                "segments" => segments = Some(v),
+                "device_traces" => traces = Some(v),
+                "allocator_settings" => settings = Some(to_json(v)),
+                _ => {}
+            }
+        }
+        let (Some(segments), Some(traces)) = (segments, traces) else {
+            return Err(self.err(
+                "top level: missing key \"segments\" or \"device_traces\" \
+                 (not a torch.cuda.memory._dump_snapshot file)"
+                    .into(),
+            ));
+        };
+        let segments = self
+            .list(segments, &|| "segments".into())?
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| self.segment(s, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let device_traces = self
+            .list(traces, &|| "device_traces".into())?
+            .into_iter()
+            .enumerate()
+            .map(|(d, trace)| {
+                let entries = self.list(trace, &|| format!("device_traces[{d}]"))?;
+                entries
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, e)| self.entry(e, d, i))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(TorchSnapshot {
+            segments,
+            device_traces,
+            allocator_settings: settings,
+        })
+    }
+
+    fn segment(&mut self, v: Value, i: usize) -> Result<TorchSegment, VizError> {
+        let at = || format!("segments[{i}]");
+        let mut seg = TorchSegment {
+            device: 0,
+            address: 0,
+            total_size: 0,
+            stream: 0,
+            segment_type: "large".into(),
+            is_expandable: false,
+            blocks: Vec::new(),
+        };
+        let (mut have_address, mut have_size) = (false, false);
+        let mut blocks = Vec::new();
+        for (k, v) in self.dict(v, &at)? {
+            let key_at = || format!("{}.{k}", at());
+            match k.as_str() {
+                "device" => {
+                    seg.device = u32::try_from(self.uint(&v, &key_at)?)
+                        .map_err(|_| self.err(format!("{}: device index too large", key_at())))?
+                }
+                "address" => {
+                    seg.address = self.uint(&v, &key_at)?;
+                    have_address = true;
+                }
+                "total_size" => {
+                    seg.total_size = self.uint(&v, &key_at)?;
+                    have_size = true;
+                }
+                "stream" => seg.stream = self.stream(&v, &key_at)?,
+                "segment_type" => seg.segment_type = self.string(v, &key_at)?,
+                "is_expandable" => seg.is_expandable = matches!(v, Value::Bool(true)),
+                "blocks" => blocks = self.list(v, &key_at)?,
+                _ => {}
+            }
+        }
+        if !have_address || !have_size {
+            return Err(self.err(format!("{}: missing \"address\" or \"total_size\"", at())));
+        }
+        let mut addr = seg.address;
+        for (j, b) in blocks.into_iter().enumerate() {
+            let at = || format!("segments[{i}].blocks[{j}]");
+            let mut block = TorchBlock {
+                address: addr,
+                size: 0,
+                requested_size: 0,
+                state: TorchBlockState::Inactive,
+                frames: self.empty.clone(),
+            };
+            let (mut have_size, mut have_state, mut have_requested) = (false, false, false);
+            for (k, v) in self.dict(b, &at)? {
+                let key_at = || format!("{}.{k}", at());
+                match k.as_str() {
+                    "address" => block.address = self.uint(&v, &key_at)?,
+                    "size" => {
+                        block.size = self.uint(&v, &key_at)?;
+                        have_size = true;
+                    }
+                    "requested_size" => {
+                        block.requested_size = self.uint(&v, &key_at)?;
+                        have_requested = true;
+                    }
+                    "state" => {
+                        let name = self.string(v, &key_at)?;
+                        block.state = TorchBlockState::from_name(&name).ok_or_else(|| {
+                            self.err(format!("{}: unknown block state {name:?}", key_at()))
+                        })?;
+                        have_state = true;
+                    }
+                    "frames" => block.frames = self.frames(v, &key_at)?,
+                    _ => {}
+                }
+            }
+            if !have_size || !have_state {
+                return Err(self.err(format!("{}: missing \"size\" or \"state\"", at())));
+            }
+            if !have_requested {
+                block.requested_size = block.size;
+            }
+            addr = block.address.wrapping_add(block.size);
+            seg.blocks.push(block);
+        }
+        Ok(seg)
+    }
+
+    fn entry(&mut self, v: Value, d: usize, i: usize) -> Result<TorchTraceEntry, VizError> {
+        let at = || format!("device_traces[{d}][{i}]");
+        let mut entry = TorchTraceEntry {
+            action: TorchAction::Alloc,
+            addr: 0,
+            size: 0,
+            stream: 0,
+            time_us: None,
+            frames: self.empty.clone(),
+            device_free: None,
+        };
+        let mut have_action = false;
+        for (k, v) in self.dict(v, &at)? {
+            let key_at = || format!("{}.{k}", at());
+            match k.as_str() {
+                "action" => {
+                    let name = self.string(v, &key_at)?;
+                    entry.action = TorchAction::from_name(&name).ok_or_else(|| {
+                        self.err(format!("{}: unknown action {name:?}", key_at()))
+                    })?;
+                    have_action = true;
+                }
+                "addr" => entry.addr = self.uint(&v, &key_at)?,
+                "size" => entry.size = self.uint(&v, &key_at)?,
+                "stream" => entry.stream = self.stream(&v, &key_at)?,
+                "time_us" => entry.time_us = Some(self.uint(&v, &key_at)?),
+                "frames" => entry.frames = self.frames(v, &key_at)?,
+                "device_free" => entry.device_free = Some(self.uint(&v, &key_at)?),
+                _ => {}
+            }
+        }
+        if !have_action {
+            return Err(self.err(format!("{}: missing \"action\"", at())));
+        }
+        Ok(entry)
+    }
+}
+
+/// A pickle value as JSON (for settings we carry but do not interpret).
+fn to_json(v: Value) -> serde_json::Value {
+    use serde_json::Value as J;
+    match v {
+        Value::None => J::Null,
+        Value::Bool(b) => J::Bool(b),
+        Value::I64(i) => J::from(i),
+        Value::Int(i) => J::String(i.to_string()),
+        Value::F64(f) => serde_json::Number::from_f64(f).map_or(J::Null, J::Number),
+        Value::Bytes(b) => J::String(String::from_utf8_lossy(&b).into_owned()),
+        Value::String(s) => J::String(s),
+        Value::List(l) | Value::Tuple(l) => J::Array(l.into_iter().map(to_json).collect()),
+        Value::Set(s) | Value::FrozenSet(s) => {
+            J::Array(s.into_iter().map(|h| to_json(h.into_value())).collect())
+        }
+        Value::Dict(d) => J::Object(
+            d.into_iter()
+                .map(|(k, v)| {
+                    let key = match k.into_value() {
+                        Value::String(s) => s,
+                        other => format!("{other:?}"),
+                    };
+                    (key, to_json(v))
+                })
+                .collect(),
+        ),
+    }
+}
+
+// ---- Writing ----
+
+/// Integers are written as `i64` so that `serde-pickle` emits at most 8-byte `LONG1`s,
+/// which `MemoryViz.js` turns into plain numbers (9-byte ones become `BigInt`s and break
+/// its arithmetic).
+fn as_i64(v: u64, what: &str) -> Result<i64, VizError> {
+    i64::try_from(v).map_err(|_| VizError::Unrepresentable {
+        format: "PyTorch pickle",
+        what: format!("{what} {v:#x} exceeds a signed 64-bit integer"),
+    })
+}
+
+#[derive(Serialize)]
+struct OutFrame<'a> {
+    name: &'a str,
+    filename: &'a str,
+    line: i64,
+}
+
+#[derive(Serialize)]
+struct OutBlock<'a> {
+    address: i64,
+    size: i64,
+    requested_size: i64,
+    state: &'static str,
+    frames: Vec<OutFrame<'a>>,
+}
+
+#[derive(Serialize)]
+struct OutSegment<'a> {
+    device: i64,
+    address: i64,
+    total_size: i64,
+    allocated_size: i64,
+    active_size: i64,
+    requested_size: i64,
+    stream: i64,
+    segment_type: &'a str,
+    segment_pool_id: (i64, i64),
+    is_expandable: bool,
+    frames: Vec<OutFrame<'a>>,
+    blocks: Vec<OutBlock<'a>>,
+}
+
+#[derive(Serialize)]
+struct OutEntry<'a> {
+    action: &'static str,
+    addr: i64,
+    size: i64,
+    stream: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    time_us: Option<i64>,
+    frames: Vec<OutFrame<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device_free: Option<i64>,
+}
+
+#[derive(Serialize)]
+struct OutSnapshot<'a> {
+    segments: Vec<OutSegment<'a>>,
+    device_traces: Vec<Vec<OutEntry<'a>>>,
+}
+
+fn out_frames(stack: &[Frame]) -> Vec<OutFrame<'_>> {
+    stack
+        .iter()
+        .map(|f| OutFrame {
+            name: &f.name,
+            filename: &f.filename,
+            line: f.line,
+        })
+        .collect()
+}
+
+/// Writes `snapshot` as an uncompressed PyTorch-compatible pickle (protocol 3).
+pub fn write_pickle(snapshot: &TorchSnapshot, out: &mut impl Write) -> Result<(), VizError> {
+    let mut segments = Vec::with_capacity(snapshot.segments.len());
+    for s in &snapshot.segments {
+        let mut blocks = Vec::with_capacity(s.blocks.len());
+        let (mut allocated, mut active, mut requested) = (0u64, 0u64, 0u64);
+        for b in &s.blocks {
+            if b.state != TorchBlockState::Inactive {
+                active += b.size;
+            }
+            if b.state == TorchBlockState::ActiveAllocated {
+                allocated += b.size;
+                requested += b.requested_size;
+            }
+            blocks.push(OutBlock {
+                address: as_i64(b.address, "block address")?,
+                size: as_i64(b.size, "block size")?,
+                requested_size: as_i64(b.requested_size, "requested size")?,
+                state: b.state.name(),
+                frames: out_frames(&b.frames),
+            });
+        }
+        segments.push(OutSegment {
+            device: i64::from(s.device),
+            address: as_i64(s.address, "segment address")?,
+            total_size: as_i64(s.total_size, "segment size")?,
+            allocated_size: as_i64(allocated, "allocated size")?,
+            active_size: as_i64(active, "active size")?,
+            requested_size: as_i64(requested, "requested size")?,
+            stream: s.stream as i64,
+            segment_type: &s.segment_type,
+            segment_pool_id: (0, 0),
+            is_expandable: s.is_expandable,
+            frames: Vec::new(),
+            blocks,
+        });
+    }
+    let mut device_traces = Vec::with_capacity(snapshot.device_traces.len());
+    for trace in &snapshot.device_traces {
+        let mut entries = Vec::with_capacity(trace.len());
+        for e in trace {
+            entries.push(OutEntry {
+                action: e.action.name(),
+                addr: as_i64(e.addr, "address")?,
+                size: as_i64(e.size, "size")?,
+                stream: e.stream as i64,
+                time_us: e.time_us.map(|t| as_i64(t, "time")).transpose()?,
+                frames: out_frames(&e.frames),
+                device_free: e
+                    .device_free
+                    .map(|f| as_i64(f, "device_free"))
+                    .transpose()?,
+            });
+        }
+        device_traces.push(entries);
+    }
+    let doc = OutSnapshot {
+        segments,
+        device_traces,
+    };
+    serde_pickle::to_writer(out, &doc, serde_pickle::SerOptions::new()).map_err(|e| {
+        VizError::Unrepresentable {
+            format: "PyTorch pickle",
+            what: e.to_string(),
+        }
+    })
+}
