@@ -192,6 +192,8 @@ class _Run:
     dtype: object
     tensors: list = field(default_factory=list)  # flat (1-D) views
     numels: list = field(default_factory=list)
+    view: object = None  # the run's typed view of its staging buffer (set on first run)
+    parts: list = None  # that view split per tensor (receive side)
 
 
 @dataclass
@@ -201,6 +203,9 @@ class _Msg:
     length: int = 0
     runs: list = field(default_factory=list)
     pieces: list = field(default_factory=list)  # (uint8 view of tensor slice, buffer offset)
+    buffer: int = -1  # index of the staging buffer it uses (packed only)
+    wire: object = None  # the staging bytes on the wire (set on first run)
+    staged: list = None  # the staging slices of ``pieces`` (set on first run)
 
 
 def _flat(t):
@@ -248,10 +253,17 @@ class Exchange:
     collective), then :meth:`run` it, as often as the same tensors need moving."""
 
     def __init__(self, sends: dict, recvs: dict, budget_mib: float = 128, group=None,
-                 buffers_per_direction: int = 2, zero_copy_min: int | None = None):
+                 rounds_per_group: int = 1, zero_copy_min: int | None = None):
         import torch
         import torch.distributed as dist
 
+        if rounds_per_group < 1:
+            raise P2PError("rounds_per_group must be at least 1")
+        # K rounds fused in one group need K buffers in flight per direction, times two so
+        # that packing the next group overlaps sending this one.
+        buffers_per_direction = 2 * rounds_per_group
+        self._per_group = rounds_per_group
+        self._buffers = None
         self._group = group
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
@@ -328,6 +340,45 @@ class Exchange:
         return (s["send_buffers"] * s["send_buffer_bytes"]
                 + s["recv_buffers"] * s["recv_buffer_bytes"])
 
+    def _setup_buffers(self):
+        """Allocates the staging buffers and caches every view of them the rounds use: the
+        buffer each packed message takes is fixed by its order, so this is done once."""
+        import torch
+
+        s = self.summary
+        u8 = torch.uint8
+        sbufs = [torch.empty(s["send_buffer_bytes"], dtype=u8, device=self.device)
+                 for _ in range(s["send_buffers"])]
+        rbufs = [torch.empty(s["recv_buffer_bytes"], dtype=u8, device=self.device)
+                 for _ in range(s["recv_buffers"])]
+        counters = [0, 0]
+        for pair in self._rounds:
+            for direction, msg in enumerate(pair):
+                if msg is None or msg.zero_copy is not None:
+                    continue
+                bufs = sbufs if direction == 0 else rbufs
+                msg.buffer = counters[direction] % len(bufs)
+                counters[direction] += 1
+                buf = bufs[msg.buffer]
+                msg.wire = buf[:msg.length]
+                for run in msg.runs:
+                    run.view = buf[run.start:run.end].view(run.dtype)
+                    if direction == 1 and len(run.tensors) > 1:
+                        run.parts = list(torch.split(run.view, run.numels))
+                msg.staged = [buf[o:o + n] for _, o, n in msg.pieces]
+        self._buffers = (sbufs, rbufs)
+
+    def release(self):
+        """Returns the staging buffers (kept between runs otherwise; at most the budget)."""
+        self._buffers = None
+        for pair in self._rounds:
+            for msg in pair:
+                if msg is not None:
+                    msg.wire = None
+                    msg.staged = None
+                    for run in msg.runs:
+                        run.view = run.parts = None
+
     def run(self) -> dict:
         """Moves the bytes. Returns the plan's figures for this rank."""
         import torch
@@ -338,13 +389,10 @@ class Exchange:
             torch._foreach_copy_(dst, src)
         if not self._rounds:
             return dict(self.summary)
-        s = self.summary
+        if self._buffers is None:
+            self._setup_buffers()
+        sbufs, rbufs = self._buffers
         cuda = self.device.type == "cuda"
-        u8 = torch.uint8
-        sbufs = [torch.empty(s["send_buffer_bytes"], dtype=u8, device=self.device)
-                 for _ in range(s["send_buffers"])]
-        rbufs = [torch.empty(s["recv_buffer_bytes"], dtype=u8, device=self.device)
-                 for _ in range(s["recv_buffers"])]
         send_free = [None] * len(sbufs)
         recv_free = [None] * len(rbufs)
         if cuda:
@@ -352,85 +400,93 @@ class Exchange:
             pack, unpack = self._pack_stream, self._unpack_stream
             pack.wait_stream(cur)
             unpack.wait_stream(cur)
-        si = ri = 0
         group = self._group
-        for send, recv in self._rounds:
+        isend, irecv, P2POp = dist.isend, dist.irecv, dist.P2POp
+        K = self._per_group
+        rounds = self._rounds
+        for g in range(0, len(rounds), K):
+            chunk = rounds[g:g + K]
+            packed = [m for m, _ in chunk if m is not None and m.zero_copy is None]
+            landed = [m for _, m in chunk if m is not None and m.zero_copy is None]
+            if packed:
+                if cuda:
+                    with torch.cuda.stream(pack):
+                        for m in packed:
+                            if send_free[m.buffer] is not None:
+                                pack.wait_event(send_free[m.buffer])
+                            _pack(m)
+                        ready = pack.record_event()
+                    cur.wait_event(ready)
+                else:
+                    for m in packed:
+                        _pack(m)
+            if cuda:
+                for m in landed:
+                    if recv_free[m.buffer] is not None:
+                        cur.wait_event(recv_free[m.buffer])
             ops = []
-            sidx = ridx = None
-            if send is not None:
-                if send.zero_copy is not None:
-                    ops.append(dist.P2POp(dist.isend, send.zero_copy, send.peer, group))
-                else:
-                    sidx = si % len(sbufs)
-                    si += 1
-                    buf = sbufs[sidx]
-                    if cuda:
-                        with torch.cuda.stream(pack):
-                            if send_free[sidx] is not None:
-                                pack.wait_event(send_free[sidx])
-                            _pack(send, buf)
-                            packed = pack.record_event()
-                        cur.wait_event(packed)
-                    else:
-                        _pack(send, buf)
-                    ops.append(dist.P2POp(dist.isend, buf[:send.length], send.peer, group))
-            if recv is not None:
-                if recv.zero_copy is not None:
-                    ops.append(dist.P2POp(dist.irecv, recv.zero_copy, recv.peer, group))
-                else:
-                    ridx = ri % len(rbufs)
-                    ri += 1
-                    if cuda and recv_free[ridx] is not None:
-                        cur.wait_event(recv_free[ridx])
-                    ops.append(dist.P2POp(dist.irecv, rbufs[ridx][:recv.length], recv.peer,
-                                          group))
+            for send, recv in chunk:
+                if send is not None:
+                    t = send.zero_copy if send.zero_copy is not None else send.wire
+                    ops.append(P2POp(isend, t, send.peer, group))
+                if recv is not None:
+                    t = recv.zero_copy if recv.zero_copy is not None else recv.wire
+                    ops.append(P2POp(irecv, t, recv.peer, group))
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-            if cuda and sidx is not None:
-                send_free[sidx] = cur.record_event()
-            if ridx is not None:
-                if cuda:
+            if cuda:
+                if packed:
+                    done = cur.record_event()
+                    for m in packed:
+                        send_free[m.buffer] = done
+                if landed:
                     arrived = cur.record_event()
                     with torch.cuda.stream(unpack):
                         unpack.wait_event(arrived)
-                        _unpack(recv, rbufs[ridx])
-                        recv_free[ridx] = unpack.record_event()
-                else:
-                    _unpack(recv, rbufs[ridx])
+                        for m in landed:
+                            _unpack(m)
+                        emptied = unpack.record_event()
+                    for m in landed:
+                        recv_free[m.buffer] = emptied
+            else:
+                for m in landed:
+                    _unpack(m)
         if cuda:
             cur.wait_stream(pack)
             cur.wait_stream(unpack)
-        return dict(s)
+        return dict(self.summary)
 
 
-def _pack(msg, buf):
+def _pack(msg):
     import torch
 
     for run in msg.runs:
-        out = buf[run.start:run.end].view(run.dtype)
         if len(run.tensors) == 1:
-            out.copy_(run.tensors[0])
+            run.view.copy_(run.tensors[0])
         else:
-            torch.cat(run.tensors, out=out)
-    for piece, offset, length in msg.pieces:
-        buf[offset:offset + length].copy_(piece)
+            torch.cat(run.tensors, out=run.view)
+    for (piece, _, _), staged in zip(msg.pieces, msg.staged):
+        staged.copy_(piece)
 
 
-def _unpack(msg, buf):
+def _unpack(msg):
     import torch
 
     for run in msg.runs:
-        view = buf[run.start:run.end].view(run.dtype)
         if len(run.tensors) == 1:
-            run.tensors[0].copy_(view)
+            run.tensors[0].copy_(run.view)
         else:
-            torch._foreach_copy_(run.tensors, list(torch.split(view, run.numels)))
-    for piece, offset, length in msg.pieces:
-        piece.copy_(buf[offset:offset + length])
+            torch._foreach_copy_(run.tensors, run.parts)
+    for (piece, _, _), staged in zip(msg.pieces, msg.staged):
+        piece.copy_(staged)
 
 
 def exchange(sends: dict, recvs: dict, budget_mib: float = 128, group=None, **options) -> dict:
     """Sends ``sends[peer]`` to each peer and fills ``recvs[peer]`` from each, through at
     most ``budget_mib`` of staging memory. A collective: every rank of ``group`` calls it.
     Returns this rank's plan figures (rounds, max ops per group, bytes moved, buffers)."""
-    return Exchange(sends, recvs, budget_mib=budget_mib, group=group, **options).run()
+    ex = Exchange(sends, recvs, budget_mib=budget_mib, group=group, **options)
+    try:
+        return ex.run()
+    finally:
+        ex.release()

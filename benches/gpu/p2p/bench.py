@@ -13,7 +13,7 @@ import torch.distributed as dist
 from streamalloc import p2p
 
 BUDGET_MIB = int(os.environ.get("BUDGET_MIB", "128"))
-TOTAL_MIB = int(os.environ.get("TOTAL_MIB", "560"))
+TOTAL_MIB = int(os.environ.get("TOTAL_MIB", "1024"))  # bytes sent: ~TOTAL_MIB/2 MiB, as p2p.py
 SCALE = int(os.environ.get("SCALE", "3000"))
 ITERS = int(os.environ.get("ITERS", "4"))
 
@@ -45,7 +45,7 @@ def merged(sends, recvs, unpack=True):
     ops, rb = [], {}
     for p, ts in sends.items():
         if ts:
-            ops.append(dist.P2POp(dist.isend, torch.cat([t.view(-1) for t in ts]), p))
+            ops.append(dist.P2POp(dist.isend, torch.cat(ts), p))  # 1-D tensors, as in the baselines
     for p, ts in recvs.items():
         if ts:
             rb[p] = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device)
@@ -55,36 +55,88 @@ def merged(sends, recvs, unpack=True):
     if unpack:
         for p, ts in recvs.items():
             if ts:
-                torch._foreach_copy_([t.view(-1) for t in ts], list(torch.split(rb[p], [t.numel() for t in ts])))
+                torch._foreach_copy_(ts, list(torch.split(rb[p], [t.numel() for t in ts])))
 
 
 class Reused:
-    def __init__(self):
+    """An Exchange agreed (and run once, untimed) before the timed run: weight sync every
+    step."""
+    def __init__(self, **options):
         self.ex = None
+        self.options = options
+
+    def setup(self, sends, recvs):
+        self.ex = p2p.Exchange(sends, recvs, **{"budget_mib": BUDGET_MIB, **self.options})
+        self.ex.run()
 
     def __call__(self, sends, recvs):
         return self.ex.run()
+
+
+def nccl_sweep(rank, world, dev):
+    """One send and one receive each way per group, by message size: NCCL's own curve."""
+    out = {}
+    peer = 1 - rank
+    for mib in (1, 8, 32, 128, 512):
+        a = torch.empty(mib << 20, dtype=torch.uint8, device=dev)
+        b = torch.empty(mib << 20, dtype=torch.uint8, device=dev)
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize(); dist.barrier()
+            t0 = time.perf_counter()
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, a, peer), dist.P2POp(dist.irecv, b, peer)]):
+                w.wait()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out[mib] = (mib << 20) / min(times[1:]) / 1e9
+        # the same bytes as 4 messages in one group
+        q = (mib << 20) // 4
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize(); dist.barrier()
+            t0 = time.perf_counter()
+            ops = []
+            for i in range(4):
+                ops += [dist.P2POp(dist.isend, a[i * q:(i + 1) * q], peer), dist.P2POp(dist.irecv, b[i * q:(i + 1) * q], peer)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out[f"{mib}x4"] = (mib << 20) / min(times[1:]) / 1e9
+        del a, b
+    return out
+
+
+def recvs_zero(recvs):
+    for ts in recvs.values():
+        for t in ts:
+            t.zero_()
 
 
 def measure(make, modes, rank, world):
     """make() -> (sends, recvs, check); returns {mode: dict}."""
     out = {}
     for name, fn in modes:
-        times, ok, extra, note = [], True, 0, {}
+        times, issues, ok, extra, note = [], [], True, 0, {}
         for it in range(ITERS):
             sends, recvs, check = make()
             reused = isinstance(fn, Reused)
             if reused:
-                fn.ex = p2p.Exchange(sends, recvs, budget_mib=BUDGET_MIB)
+                torch.cuda.synchronize()
+                base0 = torch.cuda.memory_allocated()
+                fn.setup(sends, recvs)
+                recvs_zero(recvs)
             torch.cuda.synchronize(); dist.barrier(); torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
+            base = torch.cuda.memory_allocated() if not reused else base0
             t0 = time.perf_counter()
             res = fn(sends, recvs)
+            issue = time.perf_counter() - t0
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             if it > 0:
                 times.append(dt)
+                issues.append(issue)
             extra = max(extra, torch.cuda.max_memory_allocated() - base)
             ok = ok and check(recvs)
             if isinstance(res, dict):
@@ -94,7 +146,7 @@ def measure(make, modes, rank, world):
             if reused:
                 fn.ex = None
         t = min(times)
-        out[name] = dict(seconds=t, gb_per_s=nbytes / t / 1e9, extra_peak_mib=extra / 2**20,
+        out[name] = dict(seconds=t, host_issue_seconds=min(issues), gb_per_s=nbytes / t / 1e9, extra_peak_mib=extra / 2**20,
                          correct=ok, bytes_sent=nbytes, **note)
         if rank == 0:
             print(name, json.dumps(out[name]), flush=True)
@@ -117,7 +169,12 @@ def main():
         check = lambda rv: all(bool((t == fill(p, rank)).all()) for p, ts in rv.items() for t in ts)
         return sends, recvs, check
 
-    modes = [("per_tensor", per_tensor), ("merged", merged), ("staged", staged), ("staged_reused", Reused())]
+    sweep = nccl_sweep(rank, world, dev)
+    if rank == 0:
+        print("nccl one op each way, GB/s by MiB (and as 4 ops in one group):", json.dumps(sweep), flush=True)
+    extra_modes = [("staged_reused_k4", Reused(rounds_per_group=4)),
+                   ("staged_reused_512MiB", Reused(budget_mib=512))]
+    modes = [("per_tensor", per_tensor), ("merged", merged), ("staged", staged), ("staged_reused", Reused())] + extra_modes
     a = measure(make_params, modes, rank, world)
 
     g = torch.Generator().manual_seed(42)
@@ -143,7 +200,7 @@ def main():
 
     seed_modes = [("per_tensor", per_tensor_random),
                   ("merged_no_unpack", lambda s, r: merged(s, r, unpack=False)),
-                  ("merged", merged), ("staged", staged), ("staged_reused", Reused())]
+                  ("merged", merged), ("staged", staged), ("staged_reused", Reused())] + extra_modes
     b = measure(make_seed, seed_modes, rank, world)
 
     allres = [None] * world

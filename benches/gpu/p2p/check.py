@@ -38,8 +38,17 @@ def shapes_for(src, dst, count, seed):
     for _ in range(count):
         nd = rng.choice([0, 1, 1, 2, 3])
         r = rng.random()
-        cap = 8 if r < 0.6 else (512 if r < 0.9 else 4096)
-        shape = tuple(rng.randint(0 if rng.random() < 0.05 else 1, cap) for _ in range(nd))
+        numel = rng.randint(1, 8) if r < 0.6 else (rng.randint(8, 4096) if r < 0.9 else rng.randint(4096, 1 << 21))
+        if rng.random() < 0.05:
+            numel = 0
+        shape = []
+        for _ in range(max(nd - 1, 0)):
+            d = rng.randint(1, 4)
+            shape.append(d)
+        rest = 1
+        for d in shape:
+            rest *= d
+        shape = tuple(shape + [max(numel // rest, 0)]) if nd > 0 else ()
         out.append((shape, rng.choice(DTYPES)))
     return out
 
