@@ -13,7 +13,7 @@ use streamalloc::allocator::staging::plan::{
 };
 use streamalloc::allocator::staging::{StagingError, StagingPool};
 use streamalloc::allocator::trace::TraceAction;
-use streamalloc::allocator::transport::sim::SimTransport;
+use streamalloc::allocator::transport::{sim::SimTransport, Transport};
 use streamalloc::allocator::{Allocator, Config};
 
 /// splitmix64: a tiny deterministic generator driven by a proptest seed.
@@ -319,4 +319,28 @@ fn empty_lists_on_any_world_make_an_empty_plan() {
         assert!(plans[0].rounds().is_empty());
         assert_eq!(plans[0].bytes_moved(), 0);
     }
+}
+
+#[test]
+fn a_rank_that_never_joins_fails_the_others_instead_of_hanging() {
+    let world = 3;
+    let mut mesh = SimTransport::mesh(world, Duration::from_secs(20));
+    drop(mesh.pop()); // rank 2 is gone before the exchange starts
+    let start = Instant::now();
+    let handles: Vec<_> = mesh
+        .into_iter()
+        .map(|mut t| {
+            thread::spawn(move || {
+                let local = LocalDescription::empty(t.rank(), world);
+                agree_on_plan(&mut t, &local, StagingConfig::default())
+                    .unwrap_err()
+                    .to_string()
+            })
+        })
+        .collect();
+    for h in handles {
+        let err = h.join().unwrap();
+        assert!(err.contains("left the exchange"), "{err}");
+    }
+    assert!(start.elapsed() < Duration::from_secs(5));
 }
