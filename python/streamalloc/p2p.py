@@ -25,6 +25,7 @@ sync every step) without planning again.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import os
 import struct
@@ -165,10 +166,12 @@ class Plan:
         n = self._lib.streamalloc_p2p_plan_rows(self._handle, rank, None, 0)
         if n < 0:
             raise P2PError(_last_error(self._lib))
-        buf = (ctypes.c_int64 * (n * _ROW))()
-        self._lib.streamalloc_p2p_plan_rows(self._handle, rank, buf, n)
-        flat = list(buf)
-        return [tuple(flat[i:i + _ROW]) for i in range(0, len(flat), _ROW)]
+        flat = array.array("q", bytes(8 * _ROW * n))
+        address, _ = flat.buffer_info()
+        out = ctypes.cast(address, ctypes.POINTER(ctypes.c_int64)) if n else None
+        self._lib.streamalloc_p2p_plan_rows(self._handle, rank, out, n)
+        it = iter(flat)
+        return list(zip(*[it] * _ROW))
 
     def close(self):
         if self._handle:
@@ -190,6 +193,7 @@ class _Run:
     start: int
     end: int
     dtype: object
+    itemsize: int
     tensors: list = field(default_factory=list)  # flat (1-D) views
     numels: list = field(default_factory=list)
     view: object = None  # the run's typed view of its staging buffer (set on first run)
@@ -218,8 +222,9 @@ def _bytes_view(t):
     return _flat(t).view(torch.uint8)
 
 
-def _prepare(rows, tensors, to_global):
-    """Groups rows into per-round messages with the tensors they touch (done once)."""
+def _prepare(rows, tensors, sizes, to_global):
+    """Groups rows into per-round messages with the tensors they touch (done once).
+    ``sizes[direction][peer][i]`` is the byte size of ``tensors[direction][peer][i]``."""
     rounds = {}
     for (rnd, direction, peer, kind, ti, t_off, b_off, length, wire) in rows:
         slot = rounds.setdefault(rnd, [None, None])
@@ -230,18 +235,18 @@ def _prepare(rows, tensors, to_global):
         if kind == 1:
             msg.zero_copy = _bytes_view(t)
             continue
-        whole = t_off == 0 and length == t.nbytes
+        whole = t_off == 0 and length == sizes[direction][peer][ti]
         runs = msg.runs
         if whole and runs and runs[-1].dtype == t.dtype and runs[-1].end == b_off:
             run = runs[-1]
         elif whole:
-            run = _Run(start=b_off, end=b_off, dtype=t.dtype)
+            run = _Run(start=b_off, end=b_off, dtype=t.dtype, itemsize=t.element_size())
             runs.append(run)
         else:
             msg.pieces.append((_bytes_view(t)[t_off:t_off + length], b_off, length))
             continue
         run.tensors.append(_flat(t))
-        run.numels.append(t.numel())
+        run.numels.append(length // run.itemsize)
         run.end += length
     return [rounds[k] for k in sorted(rounds)]
 
@@ -281,13 +286,12 @@ class Exchange:
                     elif t.device != device:
                         raise P2PError(f"{side}[{p}][{i}] is on {t.device}, others on {device}")
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
         self.device = device
-        description = encode_description(
-            rank, world,
-            [[(t.nbytes, dtype_code(t.dtype)) for t in ts] for ts in send_lists],
-            [[(t.nbytes, dtype_code(t.dtype)) for t in ts] for ts in recv_lists],
-        )
+        metas = [[[(t.nbytes, dtype_code(t.dtype)) for t in ts] for ts in lists]
+                 for lists in (send_lists, recv_lists)]
+        description = encode_description(rank, world, metas[0], metas[1])
         gathered = [None] * world
         dist.all_gather_object(gathered, description, group=group)
         budget = int(budget_mib * 2**20)
@@ -316,7 +320,8 @@ class Exchange:
         self.summary = plan.summary(rank)
         self.budget_bytes = budget
         to_global = (lambda p: p) if group is None else (lambda p: dist.get_global_rank(group, p))
-        self._rounds = _prepare(plan.rows(rank), (send_lists, recv_lists), to_global)
+        sizes = [[[m[0] for m in ms] for ms in side] for side in metas]
+        self._rounds = _prepare(plan.rows(rank), (send_lists, recv_lists), sizes, to_global)
         self._self_copies = (
             [_flat(t) for t in recv_lists[rank]], [_flat(t) for t in send_lists[rank]]
         )
