@@ -335,7 +335,8 @@ class Exchange:
         for peer, ts in (mapping or {}).items():
             if not isinstance(peer, int) or not 0 <= peer < world:
                 raise P2PError(f"{name}: peer {peer!r} is not a rank in 0..{world - 1}")
-            lists[peer] = list(ts)
+            # Parameters require grad; the exchange moves their data, as ``p.data`` would.
+            lists[peer] = [t.detach() if t.requires_grad else t for t in ts]
         return lists
 
     @property

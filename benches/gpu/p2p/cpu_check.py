@@ -44,6 +44,11 @@ def worker(rank, world, port, failures):
                 if not torch.equal(t, tensor(s, rank, i, seed)):
                     print(f"rank {rank}: seed {seed} tensor {i} from {s} differs", flush=True)
                     ok = False
+    # Parameters (requires_grad) move like plain tensors.
+    src = torch.nn.Parameter(torch.arange(10.0) + rank)
+    dst = torch.nn.Parameter(torch.zeros(10))
+    p2p.exchange({(rank + 1) % world: [src]}, {(rank - 1) % world: [dst]}, budget_mib=1)
+    ok &= torch.equal(dst.detach(), torch.arange(10.0) + (rank - 1) % world)
     # A mismatch: the same error everywhere.
     try:
         p2p.exchange({(rank + 1) % world: [torch.ones(3)]},
