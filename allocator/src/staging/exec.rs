@@ -14,7 +14,7 @@
 //! then per round pack (into the next of the rotating send buffers), one group of at most
 //! one send and one receive, unpack.
 
-use super::plan::{LocalDescription, Payload, Plan, StagingConfig};
+use super::plan::{Description, LocalDescription, Payload, Plan, StagingConfig};
 use super::pool::StagingPool;
 use super::StagingError;
 use crate::backend::Backend;
@@ -51,7 +51,7 @@ pub fn agree_on_plan<T: Transport + ?Sized>(
         .iter()
         .map(|bytes| LocalDescription::decode(bytes))
         .collect::<Result<Vec<_>, _>>()
-        .and_then(|locals| super::plan::Description::from_locals(&locals))
+        .and_then(|locals| Description::from_locals(&locals))
         .and_then(|description| {
             if description.world() != world {
                 return Err(StagingError::Malformed(format!(
