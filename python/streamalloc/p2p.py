@@ -262,8 +262,6 @@ class Exchange:
         import torch
         import torch.distributed as dist
 
-        if rounds_per_group < 1:
-            raise P2PError("rounds_per_group must be at least 1")
         # K rounds fused in one group need K buffers in flight per direction, times two so
         # that packing the next group overlaps sending this one.
         buffers_per_direction = 2 * rounds_per_group
@@ -273,27 +271,21 @@ class Exchange:
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         self.rank, self.world = rank, world
-        send_lists = self._lists(sends, world, "sends")
-        recv_lists = self._lists(recvs, world, "recvs")
-        device = None
-        for side, lists in (("sends", send_lists), ("recvs", recv_lists)):
-            for p, ts in enumerate(lists):
-                for i, t in enumerate(ts):
-                    if not t.is_contiguous():
-                        raise P2PError(f"{side}[{p}][{i}] is not contiguous; pass t.contiguous()")
-                    if device is None:
-                        device = t.device
-                    elif t.device != device:
-                        raise P2PError(f"{side}[{p}][{i}] is on {t.device}, others on {device}")
-        if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if torch.cuda.is_available() else torch.device("cpu"))
-        self.device = device
-        metas = [[[(t.nbytes, dtype_code(t.dtype)) for t in ts] for ts in lists]
-                 for lists in (send_lists, recv_lists)]
-        description = encode_description(rank, world, metas[0], metas[1])
+        # Local checks fail on every rank alike: their verdict travels with the description,
+        # so no rank is left waiting in a collective that another rank has abandoned.
+        try:
+            if rounds_per_group < 1:
+                raise P2PError(f"rounds_per_group must be at least 1 (got {rounds_per_group})")
+            send_lists, recv_lists, metas, description = self._describe(sends, recvs, rank, world)
+            local = (None, description)
+        except P2PError as err:
+            local = (str(err), b"")
         gathered = [None] * world
-        dist.all_gather_object(gathered, description, group=group)
+        dist.all_gather_object(gathered, local, group=group)
+        for r, (error, _) in enumerate(gathered):
+            if error is not None:
+                raise P2PError(f"rank {r} cannot take part in the p2p exchange: {error}")
+        gathered = [d for _, d in gathered]
         budget = int(budget_mib * 2**20)
         plan, vote = None, None
         try:
@@ -325,9 +317,36 @@ class Exchange:
         self._self_copies = (
             [_flat(t) for t in recv_lists[rank]], [_flat(t) for t in send_lists[rank]]
         )
-        if device.type == "cuda":
-            self._pack_stream = torch.cuda.Stream(device)
-            self._unpack_stream = torch.cuda.Stream(device)
+        if self.device.type == "cuda":
+            self._pack_stream = torch.cuda.Stream(self.device)
+            self._unpack_stream = torch.cuda.Stream(self.device)
+
+    def _describe(self, sends, recvs, rank, world):
+        """Checks this rank's lists and encodes its description."""
+        import torch
+
+        send_lists = self._lists(sends, world, "sends")
+        recv_lists = self._lists(recvs, world, "recvs")
+        device, devices = None, set()
+        for side, lists in (("sends", send_lists), ("recvs", recv_lists)):
+            for p, ts in enumerate(lists):
+                if not all(t.is_contiguous() for t in ts):
+                    i = next(i for i, t in enumerate(ts) if not t.is_contiguous())
+                    raise P2PError(f"{side}[{p}][{i}] is not contiguous; pass t.contiguous()")
+                devices |= {t.get_device() for t in ts}
+                if device is None and ts:
+                    device = ts[0].device
+        if len(devices) > 1:
+            names = ", ".join("cpu" if d < 0 else f"cuda:{d}" for d in sorted(devices))
+            raise P2PError(f"tensors are on several devices ({names}); use one")
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = device
+        metas = [[[(t.nbytes, dtype_code(t.dtype)) for t in ts] for ts in lists]
+                 for lists in (send_lists, recv_lists)]
+        description = encode_description(rank, world, metas[0], metas[1])
+        return send_lists, recv_lists, metas, description
 
     @staticmethod
     def _lists(mapping, world, name):

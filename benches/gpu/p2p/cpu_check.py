@@ -60,6 +60,17 @@ def worker(rank, world, port, failures):
         ok &= all(x == errs[0] for x in errs) and "mismatch" in errs[0]
         if rank == 0:
             print("mismatch error:", errs[0], flush=True)
+    # A local error on one rank (a non-contiguous tensor): every rank fails alike, no hang.
+    bad = torch.ones(4, 4).t() if rank == world - 1 else torch.ones(4, 4)
+    try:
+        p2p.exchange({(rank + 1) % world: [bad]}, {(rank - 1) % world: [torch.empty(4, 4)]})
+        ok = False
+    except p2p.P2PError as e:
+        errs = [None] * world
+        dist.all_gather_object(errs, str(e))
+        ok &= all(x == errs[0] for x in errs) and "not contiguous" in errs[0]
+        if rank == 0:
+            print("local error:", errs[0], flush=True)
     if os.environ.get("PROFILE"):
         profile(rank, world)
     dist.destroy_process_group()
