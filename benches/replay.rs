@@ -1,1 +1,176 @@
-fn main() {}
+//! `cargo bench --bench replay`: the side-by-side table of trace replays, a large generated
+//! trace's replay time, and the engine's cached fast path, printed (no criterion: each
+//! figure is one deterministic run, and the point is the table).
+//!
+//! - For every trace in `../shared/traces` (from the workspace root): peak live, then peak
+//!   reserved over peak live for the recording allocator (native), for us with the default
+//!   configuration, with whole segments (`expandable_segments:false`) and with the PyTorch
+//!   reuse policy (`reuse_policy:pytorch`).
+//! - A generated 400k-event training-like trace, replayed with the default configuration
+//!   (target: under 2 s).
+//! - Host ns per malloc+free on the cached path, default and whole segments.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use streamalloc::replay::load_traces;
+use streamalloc_allocator::backend::sim::SimBackend;
+use streamalloc_allocator::replay::{replay, training_trace};
+use streamalloc_allocator::{Allocator, Config, StreamId};
+
+fn traces_dir() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    root.ancestors()
+        .skip(1)
+        .map(|dir| dir.join("shared/traces"))
+        .find(|dir| dir.is_dir())
+        .unwrap_or_else(|| root.join("../shared/traces"))
+}
+
+fn configs() -> Vec<(&'static str, Config)> {
+    vec![
+        ("ours", Config::default()),
+        (
+            "whole segs",
+            Config::parse("expandable_segments:false").expect("config"),
+        ),
+        (
+            "pytorch pol",
+            Config::parse("reuse_policy:pytorch").expect("config"),
+        ),
+    ]
+}
+
+fn table() {
+    let dir = traces_dir();
+    let mut paths: Vec<PathBuf> = match std::fs::read_dir(&dir) {
+        Ok(entries) => entries.filter_map(|e| e.ok().map(|e| e.path())).collect(),
+        Err(err) => {
+            println!("no trace table: {}: {err}", dir.display());
+            return;
+        }
+    };
+    paths.sort();
+    println!(
+        "{:<26} {:>8} {:>12} {:>8} {:>8} {:>11} {:>12} {:>8}",
+        "trace", "allocs", "live MiB", "native", "ours", "whole segs", "pytorch pol", "ns/op"
+    );
+    for path in paths {
+        let traces = match load_traces(&path) {
+            Ok(traces) => traces,
+            Err(err) => {
+                println!("{err}");
+                continue;
+            }
+        };
+        for trace in traces {
+            let mut ratios = Vec::new();
+            let mut first = None;
+            for (_, config) in configs() {
+                match replay(&trace.entries, &config, &mut |_| {}) {
+                    Ok(report) => {
+                        ratios.push(format!("{:.3}", report.ratio()));
+                        first.get_or_insert(report);
+                    }
+                    Err(err) => ratios.push(format!("error: {err}")),
+                }
+            }
+            let Some(report) = first else { continue };
+            println!(
+                "{:<26} {:>8} {:>12.1} {:>8.3} {:>8} {:>11} {:>12} {:>8.0}",
+                trace.name,
+                report.allocs,
+                report.peak_live_bytes as f64 / (1u64 << 20) as f64,
+                report.native_ratio(),
+                ratios[0],
+                ratios[1],
+                ratios[2],
+                report.ns_per_op
+            );
+        }
+    }
+}
+
+fn large_trace() {
+    let trace = training_trace(400_000);
+    let started = Instant::now();
+    let report = replay(&trace, &Config::default(), &mut |_| {}).expect("replay");
+    let elapsed = started.elapsed();
+    println!(
+        "generated trace: {} events, {} allocs, replayed in {:.3} s ({:.0} ns/op), ratio {:.3}, \
+         {} device syncs (target < 2 s)",
+        trace.len(),
+        report.allocs,
+        elapsed.as_secs_f64(),
+        report.ns_per_op,
+        report.ratio(),
+        report.device_syncs
+    );
+    let whole = Config::parse("expandable_segments:false").expect("config");
+    let classic = replay(&trace, &whole, &mut |_| {}).expect("replay");
+    println!(
+        "generated trace, whole segments: ratio {:.3}, {:.0} ns/op",
+        classic.ratio(),
+        classic.ns_per_op
+    );
+}
+
+/// Host ns per malloc+free pair of one size on one stream (the cached fast path), and per
+/// operation with 64 live blocks of mixed sizes.
+fn fast_path() {
+    for (name, config) in [
+        ("default", Config::default()),
+        (
+            "whole segments",
+            Config::parse("expandable_segments:false").expect("config"),
+        ),
+    ] {
+        let device = SimBackend::new(1 << 40);
+        let allocator = Allocator::new(device, config).expect("allocator");
+        let stream = StreamId(7);
+        let mut pair = Vec::new();
+        for size in [4096u64, 1 << 20, 64 << 20] {
+            let block = allocator.malloc(size, stream).expect("malloc");
+            allocator.free(block.ptr).expect("free");
+            let n = 1_000_000u32;
+            let started = Instant::now();
+            for _ in 0..n {
+                let block = allocator.malloc(size, stream).expect("malloc");
+                allocator.free(block.ptr).expect("free");
+            }
+            pair.push(started.elapsed().as_nanos() as f64 / f64::from(n));
+        }
+        let mut live = std::collections::VecDeque::new();
+        let mut x = 12345u64;
+        let n = 1_000_000u32;
+        let started = Instant::now();
+        for _ in 0..n {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let size = 512 * (1 + (x >> 33) % 4096);
+            live.push_back(allocator.malloc(size, stream).expect("malloc").ptr);
+            if live.len() > 64 {
+                allocator
+                    .free(live.pop_front().expect("live"))
+                    .expect("free");
+            }
+        }
+        let mixed = started.elapsed().as_nanos() as f64 / f64::from(2 * n);
+        println!(
+            "cached path, {name}: malloc+free pair 4 KiB / 1 MiB / 64 MiB = {:.0} / {:.0} / {:.0} ns; \
+             mixed sizes, 64 live: {mixed:.0} ns per op",
+            pair[0], pair[1], pair[2]
+        );
+    }
+}
+
+fn main() {
+    // `cargo test --benches` runs bench binaries with no arguments too: keep that quick.
+    if std::env::args().any(|a| a == "--bench") {
+        table();
+        large_trace();
+        fast_path();
+    } else {
+        println!("run with `cargo bench --bench replay`");
+    }
+}

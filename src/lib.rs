@@ -6,6 +6,9 @@
 
 #![warn(missing_docs, rust_2018_idioms)]
 
+pub mod ffi;
+pub mod process;
+
 pub use streamalloc_allocator as allocator;
 pub mod ffi_p2p;
 

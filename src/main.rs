@@ -23,6 +23,8 @@ enum Command {
     /// Replay allocation traces (PyTorch snapshots or streamalloc JSON) on the simulated
     /// device and compare peak reserved memory with the recording allocator's.
     Replay(cli::replay::ReplayArgs),
+    /// Run an unmodified program (python, torchrun, ...) with streamalloc as its allocator.
+    Run(cli::run::RunArgs),
 }
 
 fn main() -> ExitCode {
@@ -35,6 +37,7 @@ fn main() -> ExitCode {
         Command::Demo(args) => cli::demo::run(args),
         Command::P2pSim(args) => cli::p2p_sim::run(args),
         Command::Replay(args) => cli::replay::run(args),
+        Command::Run(args) => cli::run::run(args),
     };
     match result {
         Ok(code) => code,

@@ -28,17 +28,17 @@ pub struct LoadError(pub String);
 /// Reads `path`: a PyTorch snapshot pickle (`.pickle`, `.pickle.gz`, recognised by content)
 /// or our JSON. A PyTorch snapshot gives one trace per device that recorded any event.
 pub fn load_traces(path: &Path) -> Result<Vec<LoadedTrace>, LoadError> {
-    let file_name = path
-        .file_name()
-        .map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into());
+    let file_name = path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into(),
+    );
     let raw = std::fs::read(path).map_err(|e| LoadError(format!("{}: {e}", path.display())))?;
     let is_gzip = raw.starts_with(&[0x1f, 0x8b]);
     let is_pickle = raw.first() == Some(&0x80);
     if is_gzip || is_pickle {
         let bytes = if is_gzip { gunzip(path, &raw)? } else { raw };
         if bytes.first() == Some(&0x80) {
-            let snapshot =
-                parse_snapshot(path, &bytes).map_err(|e| LoadError(e.to_string()))?;
+            let snapshot = parse_snapshot(path, &bytes).map_err(|e| LoadError(e.to_string()))?;
             return from_torch(&file_name, path, &snapshot);
         }
         let entries = from_json(path, &bytes)?;

@@ -85,11 +85,11 @@ proptest! {
         expandable in any::<bool>(),
         pytorch in any::<bool>(),
     ) {
-        let mut config = Config::default();
-        config.expandable_segments = expandable;
-        if pytorch {
-            config.reuse_policy = ReusePolicy::Pytorch;
-        }
+        let config = Config {
+            expandable_segments: expandable,
+            reuse_policy: if pytorch { ReusePolicy::Pytorch } else { ReusePolicy::StreamWait },
+            ..Config::default()
+        };
         let device = SimBackend::new(1 << 40);
         let allocator = Allocator::new(device.clone(), config).unwrap();
         let events = trace_of(&steps);
@@ -153,7 +153,9 @@ fn the_simulator_reports_unmapping_pages_in_use_and_touching_unmapped_ones() {
     assert_eq!(device.reserved(), 4 * MIB);
     device.launch(stream, &[Access::write(base, 4 * MIB)], 1_000_000, "kernel");
     // The host has not seen the kernel finish: unmapping now is a race.
-    device.unmap_pages(DevicePtr(base.0 + 2 * MIB), 2 * MIB).unwrap();
+    device
+        .unmap_pages(DevicePtr(base.0 + 2 * MIB), 2 * MIB)
+        .unwrap();
     let races = device.races();
     assert_eq!(races.len(), 1, "{races:?}");
     assert_eq!(races[0].kind, RaceKind::Unordered);
@@ -180,7 +182,12 @@ fn growth_unmaps_free_pages_only_after_their_streams_finish() {
     // Stream a writes 8 MiB for a long time, then frees it: ready for a, but a's kernel is
     // still running when b's request makes the allocator reclaim pages.
     let first = allocator.malloc(8 * MIB, a).unwrap();
-    device.launch(a, &[Access::write(first.ptr, 8 * MIB)], 50_000_000, "long write");
+    device.launch(
+        a,
+        &[Access::write(first.ptr, 8 * MIB)],
+        50_000_000,
+        "long write",
+    );
     allocator.free(first.ptr).unwrap();
     // Too large for the freed block, so b's request grows b's segment.
     let second = allocator.malloc(10 * MIB, b).unwrap();
@@ -205,28 +212,55 @@ fn without_virtual_memory_the_allocator_falls_back_to_whole_segments() {
         fn total_memory(&self) -> streamalloc_allocator::backend::BackendResult<u64> {
             self.0.total_memory()
         }
-        fn alloc_segment(&self, size: u64) -> streamalloc_allocator::backend::BackendResult<DevicePtr> {
+        fn alloc_segment(
+            &self,
+            size: u64,
+        ) -> streamalloc_allocator::backend::BackendResult<DevicePtr> {
             self.0.alloc_segment(size)
         }
-        fn free_segment(&self, ptr: DevicePtr, size: u64) -> streamalloc_allocator::backend::BackendResult<()> {
+        fn free_segment(
+            &self,
+            ptr: DevicePtr,
+            size: u64,
+        ) -> streamalloc_allocator::backend::BackendResult<()> {
             self.0.free_segment(ptr, size)
         }
-        fn create_event(&self) -> streamalloc_allocator::backend::BackendResult<streamalloc_allocator::EventHandle> {
+        fn create_event(
+            &self,
+        ) -> streamalloc_allocator::backend::BackendResult<streamalloc_allocator::EventHandle>
+        {
             self.0.create_event()
         }
-        fn destroy_event(&self, e: streamalloc_allocator::EventHandle) -> streamalloc_allocator::backend::BackendResult<()> {
+        fn destroy_event(
+            &self,
+            e: streamalloc_allocator::EventHandle,
+        ) -> streamalloc_allocator::backend::BackendResult<()> {
             self.0.destroy_event(e)
         }
-        fn record_event(&self, e: streamalloc_allocator::EventHandle, s: streamalloc_allocator::StreamId) -> streamalloc_allocator::backend::BackendResult<()> {
+        fn record_event(
+            &self,
+            e: streamalloc_allocator::EventHandle,
+            s: streamalloc_allocator::StreamId,
+        ) -> streamalloc_allocator::backend::BackendResult<()> {
             self.0.record_event(e, s)
         }
-        fn query_event(&self, e: streamalloc_allocator::EventHandle) -> streamalloc_allocator::backend::BackendResult<bool> {
+        fn query_event(
+            &self,
+            e: streamalloc_allocator::EventHandle,
+        ) -> streamalloc_allocator::backend::BackendResult<bool> {
             self.0.query_event(e)
         }
-        fn synchronize_event(&self, e: streamalloc_allocator::EventHandle) -> streamalloc_allocator::backend::BackendResult<()> {
+        fn synchronize_event(
+            &self,
+            e: streamalloc_allocator::EventHandle,
+        ) -> streamalloc_allocator::backend::BackendResult<()> {
             self.0.synchronize_event(e)
         }
-        fn stream_wait_event(&self, s: streamalloc_allocator::StreamId, e: streamalloc_allocator::EventHandle) -> streamalloc_allocator::backend::BackendResult<()> {
+        fn stream_wait_event(
+            &self,
+            s: streamalloc_allocator::StreamId,
+            e: streamalloc_allocator::EventHandle,
+        ) -> streamalloc_allocator::backend::BackendResult<()> {
             self.0.stream_wait_event(s, e)
         }
         fn synchronize_device(&self) -> streamalloc_allocator::backend::BackendResult<()> {
@@ -238,8 +272,13 @@ fn without_virtual_memory_the_allocator_falls_back_to_whole_segments() {
     }
     let sim = SimBackend::new(1 << 30);
     let backend = NoVmm(sim.clone());
-    assert!(backend.map_pages(DevicePtr(0), 2 * MIB).unwrap_err().to_string().contains("not supported"));
-    let allocator = Allocator::new(backend, Config::parse("expandable_segments:true").unwrap()).unwrap();
+    assert!(backend
+        .map_pages(DevicePtr(0), 2 * MIB)
+        .unwrap_err()
+        .to_string()
+        .contains("not supported"));
+    let allocator =
+        Allocator::new(backend, Config::parse("expandable_segments:true").unwrap()).unwrap();
     let block = allocator.malloc(3 * MIB, sim.create_stream()).unwrap();
     assert_eq!(sim.calls("alloc_segment"), 1);
     assert_eq!(sim.calls("map_pages"), 0);

@@ -44,15 +44,33 @@ fn check(name: &str, allocs: u64, peak_live_mib: f64, native_mib: f64) {
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     // The figures trace_stats.py gives (baselines/results.md).
     assert_eq!(report.allocs, allocs);
-    assert!((mib(report.peak_live_bytes) - peak_live_mib).abs() < 0.1, "{report:?}");
-    assert!((mib(report.native_peak_reserved_bytes) - native_mib).abs() < 0.1, "{report:?}");
+    assert!(
+        (mib(report.peak_live_bytes) - peak_live_mib).abs() < 0.1,
+        "{report:?}"
+    );
+    assert!(
+        (mib(report.native_peak_reserved_bytes) - native_mib).abs() < 0.1,
+        "{report:?}"
+    );
     assert_eq!(report.unknown_frees, 0);
-    println!("{name}: ours {:.4}, native {:.4}", report.ratio(), report.native_ratio());
+    println!(
+        "{name}: ours {:.4}, native {:.4}",
+        report.ratio(),
+        report.native_ratio()
+    );
     assert!(report.peak_reserved_bytes >= report.peak_live_bytes);
-    assert!(report.ratio() <= GOAL, "{name}: ratio {:.4} > {GOAL}", report.ratio());
+    assert!(
+        report.ratio() <= GOAL,
+        "{name}: ratio {:.4} > {GOAL}",
+        report.ratio()
+    );
     // The default configuration meets the goal too.
     let default = replay(&traces[0].entries, &Config::default(), &mut |_| {}).unwrap();
-    assert!(default.ratio() <= GOAL, "{name}: default ratio {:.4}", default.ratio());
+    assert!(
+        default.ratio() <= GOAL,
+        "{name}: default ratio {:.4}",
+        default.ratio()
+    );
 }
 
 #[test]
@@ -76,7 +94,12 @@ fn whole_segments_reproduce_the_native_allocator() {
     let config = Config::parse("expandable_segments:false").unwrap();
     let report = replay(&traces[0].entries, &config, &mut |_| {}).unwrap();
     let gap = (report.ratio() - report.native_ratio()).abs();
-    assert!(gap < 0.01, "classic {:.4}, native {:.4}", report.ratio(), report.native_ratio());
+    assert!(
+        gap < 0.01,
+        "classic {:.4}, native {:.4}",
+        report.ratio(),
+        report.native_ratio()
+    );
 }
 
 #[test]
@@ -89,7 +112,12 @@ fn bad_files_get_one_line_errors_naming_them() {
     std::fs::write(&corrupt_gzip, [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 1, 2]).unwrap();
     let bad_entry = dir.join("bad.json");
     std::fs::write(&bad_entry, r#"[{"action":"alloc","addr":1}]"#).unwrap();
-    for path in [&foreign, &corrupt_gzip, &bad_entry, &dir.join("missing.json")] {
+    for path in [
+        &foreign,
+        &corrupt_gzip,
+        &bad_entry,
+        &dir.join("missing.json"),
+    ] {
         let err = load_traces(path).unwrap_err().to_string();
         assert!(err.contains(&path.display().to_string()), "{err}");
         assert!(!err.contains('\n'), "{err}");
@@ -139,4 +167,62 @@ fn cli_reports_good_traces_past_bad_ones_and_fails_at_the_end() {
     assert!(row["peak_reserved_bytes"].as_u64().unwrap() >= 3_001_000);
     assert!(row["ns_per_op"].as_f64().unwrap() > 0.0);
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_snapshot_of_several_devices_gives_one_trace_per_device() {
+    use streamalloc_viz::pytorch::{write_pickle, TorchAction, TorchSnapshot, TorchTraceEntry};
+    let event = |action, addr, size, stream| TorchTraceEntry {
+        action,
+        addr,
+        size,
+        stream,
+        time_us: Some(1),
+        frames: Vec::new().into(),
+        device_free: None,
+    };
+    let device = |base: u64| {
+        vec![
+            event(TorchAction::SegmentAlloc, base, 20 << 20, 0),
+            event(TorchAction::Alloc, base, 3 << 20, 0),
+            event(TorchAction::Alloc, base + (3 << 20), 5 << 20, 9),
+            event(TorchAction::FreeRequested, base, 3 << 20, 0),
+            event(TorchAction::FreeCompleted, base, 3 << 20, 0),
+            event(TorchAction::Snapshot, 0, 0, 0),
+        ]
+    };
+    let snapshot = TorchSnapshot {
+        device_traces: vec![device(1 << 30), Vec::new(), device(2 << 30)],
+        ..TorchSnapshot::default()
+    };
+    let mut bytes = Vec::new();
+    write_pickle(&snapshot, &mut bytes).unwrap();
+    let path =
+        std::env::temp_dir().join(format!("streamalloc-devices-{}.pickle", std::process::id()));
+    std::fs::write(&path, bytes).unwrap();
+    let traces = load_traces(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    let names: Vec<&str> = traces.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            format!(
+                "streamalloc-devices-{}.pickle[device 0]",
+                std::process::id()
+            ),
+            format!(
+                "streamalloc-devices-{}.pickle[device 2]",
+                std::process::id()
+            ),
+        ]
+    );
+    for trace in &traces {
+        // The `snapshot` marker is dropped; the rest replays.
+        assert_eq!(trace.entries.len(), 5);
+        let report = replay(&trace.entries, &Config::default(), &mut |_| {}).unwrap();
+        assert_eq!((report.allocs, report.frees, report.live_at_end), (2, 1, 1));
+        assert_eq!(report.peak_live_bytes, 8 << 20);
+        assert_eq!(report.native_peak_reserved_bytes, 20 << 20);
+        assert!(report.peak_reserved_bytes >= 8 << 20);
+    }
 }

@@ -13,7 +13,7 @@
 //! | `max_split_size` | bytes: larger cached blocks are never split for smaller requests | none |
 //! | `trace_capacity` | entries kept in the trace ring; `0` turns tracing off | 65536 |
 //! | `event_batch` | outstanding events that trigger a batched completion query | 64 |
-//! | `expandable_segments` | `true`: reserve address space per stream and map 2 MiB pages on demand, unmapping wholly free pages before mapping new ones (needs a backend with virtual memory; others fall back to whole segments); `false`: whole segments | `false` |
+//! | `expandable_segments` | `true`: reserve address space per stream and map 2 MiB pages on demand, unmapping wholly free pages before mapping beyond the high-water mark (needs a backend with virtual memory; others fall back to whole segments); `false`: whole segments, PyTorch's rules | `true` |
 
 use crate::error::ConfigError;
 use serde::{Deserialize, Serialize};
@@ -63,7 +63,9 @@ fn default_expandable_segments() -> bool {
     DEFAULT_EXPANDABLE_SEGMENTS
 }
 
-/// Default of `expandable_segments`, chosen from the trace replays (see the README).
+/// Default of `expandable_segments`, chosen from the trace replays (README, "Trace replay"):
+/// peak reserved / peak live 1.001 and 1.002 on the shared traces against 1.047 and 1.150
+/// with whole segments, at the same cost on the cached path.
 const DEFAULT_EXPANDABLE_SEGMENTS: bool = true;
 
 impl Default for Config {

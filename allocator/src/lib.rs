@@ -57,6 +57,7 @@ mod allocator;
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod implementation;
 pub(crate) mod lifetime;
 pub mod pool;
 pub mod replay;
@@ -68,7 +69,6 @@ pub mod testing;
 pub mod trace;
 pub mod transport;
 pub mod types;
-pub mod implementation;
 mod util;
 
 pub use allocator::Allocator;

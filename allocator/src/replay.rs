@@ -105,12 +105,15 @@ pub fn replay(
     config: &Config,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ReplayReport, ReplayError> {
-    let allocator = Allocator::new(SimBackend::new(REPLAY_DEVICE_BYTES), config.clone()).map_err(|source| ReplayError::Alloc {
-        index: 0,
-        action: "create",
-        size: 0,
-        source,
-    })?;
+    let allocator =
+        Allocator::new(SimBackend::new(REPLAY_DEVICE_BYTES), config.clone()).map_err(|source| {
+            ReplayError::Alloc {
+                index: 0,
+                action: "create",
+                size: 0,
+                source,
+            }
+        })?;
     let mut report = replay_on(&allocator, events, progress)?;
     let device = allocator.backend();
     report.page_maps = device.calls("map_pages");
@@ -247,6 +250,55 @@ pub fn entry(action: TraceAction, addr: u64, size: u64, stream: u64) -> TraceEnt
         stream: StreamId(stream),
         time_ns: 0,
     }
+}
+
+/// A deterministic training-like trace of about `events` entries: steps of a forward pass
+/// allocating activations of varied sizes (small, medium, large), a backward pass freeing
+/// them in reverse while allocating gradients, and a few blocks used across two streams
+/// (free requested, completed later).
+pub fn training_trace(events: usize) -> Vec<TraceEntry> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut out = Vec::with_capacity(events + 1024);
+    let mut addr = 0x1000u64;
+    while out.len() < events {
+        let batch = 1 + next() % 4;
+        let mut live = Vec::new();
+        for layer in 0..200u64 {
+            let size = match next() % 10 {
+                0..=4 => 512 * (1 + next() % 2048),
+                5..=7 => (1 << 20) + (next() % (9 << 20)),
+                _ => (8 << 20) * batch + (layer % 7) * (1 << 20),
+            };
+            addr += 0x1000;
+            let stream = u64::from(next() % 16 == 0);
+            out.push(entry(TraceAction::Alloc, addr, size, stream));
+            live.push((addr, size, stream));
+        }
+        let mut deferred = Vec::new();
+        while let Some((block, size, stream)) = live.pop() {
+            addr += 0x1000;
+            let grad = size / 2 + 512;
+            out.push(entry(TraceAction::Alloc, addr, grad, 0));
+            out.push(entry(TraceAction::FreeRequested, block, size, stream));
+            if stream == 1 {
+                deferred.push((block, size, stream));
+            } else {
+                out.push(entry(TraceAction::FreeCompleted, block, size, stream));
+            }
+            out.push(entry(TraceAction::FreeRequested, addr, grad, 0));
+            out.push(entry(TraceAction::FreeCompleted, addr, grad, 0));
+        }
+        for (block, size, stream) in deferred {
+            out.push(entry(TraceAction::FreeCompleted, block, size, stream));
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -15,7 +15,6 @@
 
 use crate::types::{DevicePtr, StreamId};
 use serde::{Deserialize, Serialize};
-use std::collections::VecDeque;
 
 /// What happened. Serialised in snake_case, matching PyTorch's trace action names where
 /// PyTorch has one.
@@ -88,8 +87,11 @@ pub struct TraceEntry {
 /// The fixed-capacity ring. Capacity 0 turns tracing off at the cost of one branch.
 #[derive(Debug)]
 pub struct TraceRing {
-    /// Newest at the back. Never longer than `capacity`.
-    entries: VecDeque<TraceEntry>,
+    /// Grows on demand up to `capacity` (a large ring costs nothing until used), then is
+    /// overwritten in place: `entries[next]` is the oldest entry once full.
+    entries: Vec<TraceEntry>,
+    /// Where the next entry goes once the ring is full.
+    next: usize,
     /// Maximum number of entries kept.
     capacity: usize,
     /// Entries overwritten because the ring was full.
@@ -100,8 +102,8 @@ impl TraceRing {
     /// A ring keeping at most `capacity` entries.
     pub fn new(capacity: usize) -> Self {
         Self {
-            // Grown on demand: a large ring costs nothing until it is used.
-            entries: VecDeque::new(),
+            entries: Vec::new(),
+            next: 0,
             capacity,
             dropped: 0,
         }
@@ -110,14 +112,16 @@ impl TraceRing {
     /// Appends an entry, overwriting the oldest one when full.
     #[inline]
     pub fn push(&mut self, entry: TraceEntry) {
-        if self.capacity == 0 {
-            return;
-        }
-        if self.entries.len() == self.capacity {
-            self.entries.pop_front();
+        if self.entries.len() < self.capacity {
+            self.entries.push(entry);
+        } else if self.capacity != 0 {
+            self.entries[self.next] = entry;
+            self.next += 1;
+            if self.next == self.capacity {
+                self.next = 0;
+            }
             self.dropped += 1;
         }
-        self.entries.push_back(entry);
     }
 
     /// True if the ring records anything.
@@ -126,9 +130,24 @@ impl TraceRing {
         self.capacity != 0
     }
 
+    /// Time of the newest entry (0 if none).
+    #[inline]
+    pub fn last_time_ns(&self) -> u64 {
+        let newest = if self.entries.len() < self.capacity || self.next == 0 {
+            self.entries.last()
+        } else {
+            self.entries.get(self.next - 1)
+        };
+        newest.map_or(0, |entry| entry.time_ns)
+    }
+
     /// The entries, oldest first.
     pub fn entries(&self) -> impl ExactSizeIterator<Item = &TraceEntry> {
-        self.entries.iter()
+        let (newer, older) = self.entries.split_at(self.next);
+        OrderedEntries {
+            iter: older.iter().chain(newer.iter()),
+            len: self.entries.len(),
+        }
     }
 
     /// Entries lost to overwriting since creation.
@@ -141,6 +160,28 @@ impl TraceRing {
         self.capacity
     }
 }
+
+/// The ring's entries in age order (the chain of its two halves, with a known length).
+struct OrderedEntries<I> {
+    iter: I,
+    len: usize,
+}
+
+impl<'a, I: Iterator<Item = &'a TraceEntry>> Iterator for OrderedEntries<I> {
+    type Item = &'a TraceEntry;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let item = self.iter.next()?;
+        self.len -= 1;
+        Some(item)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.len, Some(self.len))
+    }
+}
+
+impl<'a, I: Iterator<Item = &'a TraceEntry>> ExactSizeIterator for OrderedEntries<I> {}
 
 #[cfg(test)]
 mod tests {
@@ -165,6 +206,13 @@ mod tests {
         let kept: Vec<u64> = ring.entries().map(|e| e.size).collect();
         assert_eq!(kept, vec![2, 3, 4]);
         assert_eq!(ring.dropped(), 2);
+        assert_eq!(ring.last_time_ns(), 4);
+        assert_eq!(ring.entries().len(), 3);
+        ring.push(entry(5));
+        ring.push(entry(6));
+        let kept: Vec<u64> = ring.entries().map(|e| e.size).collect();
+        assert_eq!(kept, vec![4, 5, 6]);
+        assert_eq!(ring.last_time_ns(), 6);
     }
 
     #[test]

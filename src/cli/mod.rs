@@ -4,6 +4,7 @@
 pub(crate) mod demo;
 pub(crate) mod p2p_sim;
 pub(crate) mod replay;
+pub(crate) mod run;
 
 /// An error a subcommand reports as one line on stderr, with exit code 2.
 #[derive(Debug, thiserror::Error)]

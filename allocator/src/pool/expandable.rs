@@ -42,6 +42,8 @@ pub(crate) struct ExpandableTable {
     unmapped: HashMap<SegmentKey, BTreeMap<u64, BlockKey>>,
     /// Bytes mapped over all expandable segments (part of `reserved_bytes`).
     pub(crate) mapped: u64,
+    /// The most bytes ever reserved: growth below it keeps cached pages mapped.
+    pub(crate) high_water: u64,
 }
 
 impl ExpandableTable {
@@ -54,6 +56,7 @@ impl ExpandableTable {
             by_owner: HashMap::new(),
             unmapped: HashMap::new(),
             mapped: 0,
+            high_water: 0,
         }
     }
 
@@ -72,10 +75,7 @@ impl ExpandableTable {
         head: BlockKey,
     ) {
         self.by_owner.insert((stream, pool), segment);
-        self.unmapped
-            .entry(segment)
-            .or_default()
-            .insert(addr, head);
+        self.unmapped.entry(segment).or_default().insert(addr, head);
     }
 
     /// Forgets a segment (its reservation was released).

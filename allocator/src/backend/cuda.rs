@@ -1,1 +1,0 @@
-//! The CUDA driver backend (feature `cuda`), filled in by the real-GPU work.

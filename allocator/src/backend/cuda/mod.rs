@@ -1,0 +1,492 @@
+//! The CUDA driver backend (feature `cuda`): the engine's [`Backend`] on a real GPU.
+//!
+//! # What it shares with its host process
+//! - **The primary context.** PyTorch (the CUDA runtime) works in each device's primary
+//!   context; the backend retains the same one (`cuDevicePrimaryCtxRetain`) and makes it
+//!   current only when it must: a thread with no current context gets it set (as
+//!   `cudaSetDevice` would); a thread whose current context is another one gets it pushed
+//!   for the call and popped after.
+//! - **Streams** are the caller's `CUstream` handles carried in [`StreamId`] (`0` is the
+//!   legacy default stream). The backend never creates or destroys a stream.
+//! - **Events** are created with `CU_EVENT_DISABLE_TIMING` (ordering only, the cheapest
+//!   kind) and pooled by the engine; cross-stream reuse is a `cuStreamWaitEvent`.
+//!
+//! # CUDA graphs
+//! A stream being captured is reported by [`Backend::is_capturing`]
+//! (`cuStreamIsCapturing`; the legacy stream answering "implicit capture" counts as
+//! capturing). The engine then never queries, waits or synchronises for that stream: it
+//! hands out ready blocks of the stream itself, or grows the pool. Growing calls
+//! `cuMemAlloc`, which the default (global) capture mode forbids, so segment allocation
+//! switches the calling thread to the relaxed mode (`cuThreadExchangeStreamCaptureMode`)
+//! for that one call and restores it. The memory is ordinary device memory that outlives
+//! the graph; it is not part of the graph.
+//!
+//! # Loading
+//! Nothing here touches the driver before [`driver::load`] succeeded, so a machine
+//! without CUDA gets a typed [`CudaError`], never a panic. [`registry`] holds one
+//! allocator per device for the C ABI and any other in-process user.
+
+pub mod driver;
+pub mod registry;
+mod vmm;
+
+pub use cudarc::driver::sys;
+
+use super::{Backend, BackendResult};
+use crate::error::BackendError;
+use crate::types::{DevicePtr, EventHandle, StreamId};
+use std::ffi::c_int;
+use std::time::Instant;
+
+pub use self::driver::DriverError;
+
+/// Why a [`CudaBackend`] could not be created.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CudaError {
+    /// The driver could not be loaded or initialised.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// The ordinal names no device.
+    #[error("CUDA device {ordinal} does not exist ({count} visible)")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: i32,
+        /// Devices visible to this process.
+        count: i32,
+    },
+    /// A driver call failed while setting the device up.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// The [`Backend`] of one CUDA device, in its primary context. See the module docs.
+#[derive(Debug)]
+pub struct CudaBackend {
+    ordinal: i32,
+    /// The device's primary context (retained, never released: like RMM's per-thread
+    /// events, driver calls during process teardown are undefined).
+    ctx: Context,
+    total: u64,
+    clock: Clock,
+    /// Page mapping for expandable segments; `None` where the device cannot map memory
+    /// (the engine then uses whole segments).
+    pages: Option<vmm::PageMap>,
+}
+
+/// A `CUcontext` that may be shared between threads (the driver allows it).
+#[derive(Debug, Clone, Copy)]
+struct Context(sys::CUcontext);
+
+// SAFETY: a CUDA context handle is an opaque token the driver lets any thread make
+// current; the backend never dereferences it.
+unsafe impl Send for Context {}
+// SAFETY: as above; it is only passed by value to driver calls.
+unsafe impl Sync for Context {}
+
+impl CudaBackend {
+    /// The backend for device `ordinal`, in its primary context.
+    pub fn new(ordinal: i32) -> Result<Self, CudaError> {
+        driver::load()?;
+        let mut count: c_int = 0;
+        // SAFETY: the driver is loaded and initialised; `count` is a valid out pointer.
+        driver::check(
+            unsafe { sys::cuDeviceGetCount(&mut count) },
+            "cuDeviceGetCount",
+        )?;
+        if ordinal < 0 || ordinal >= count {
+            return Err(CudaError::NoSuchDevice { ordinal, count });
+        }
+        let mut device: sys::CUdevice = 0;
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        let mut total: usize = 0;
+        // SAFETY: `ordinal` is in range; every out pointer is valid for the call.
+        unsafe {
+            driver::check(sys::cuDeviceGet(&mut device, ordinal), "cuDeviceGet")?;
+            driver::check(
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, device),
+                "cuDevicePrimaryCtxRetain",
+            )?;
+            driver::check(
+                sys::cuDeviceTotalMem_v2(&mut total, device),
+                "cuDeviceTotalMem",
+            )?;
+        }
+        let mut backend = Self {
+            ordinal,
+            ctx: Context(ctx),
+            total: total as u64,
+            clock: Clock::new(),
+            pages: None,
+        };
+        // Leave the context current on a thread that had none, as the runtime would.
+        drop(backend.enter()?);
+        backend.pages = vmm::PageMap::probe(ordinal, device);
+        tracing::debug!(ordinal, total, "CUDA backend ready");
+        Ok(backend)
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// The primary context's handle.
+    pub fn context(&self) -> sys::CUcontext {
+        self.ctx.0
+    }
+
+    /// Makes the primary context current for the duration of the returned guard.
+    fn enter(&self) -> BackendResult<CtxGuard> {
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out pointer; the driver is loaded (a backend exists).
+        driver::check(
+            unsafe { sys::cuCtxGetCurrent(&mut current) },
+            "cuCtxGetCurrent",
+        )?;
+        if current == self.ctx.0 {
+            return Ok(CtxGuard { pushed: false });
+        }
+        if current.is_null() {
+            // SAFETY: the context is retained for the life of the process.
+            driver::check(
+                unsafe { sys::cuCtxSetCurrent(self.ctx.0) },
+                "cuCtxSetCurrent",
+            )?;
+            return Ok(CtxGuard { pushed: false });
+        }
+        // SAFETY: as above; the guard pops it again.
+        driver::check(
+            unsafe { sys::cuCtxPushCurrent_v2(self.ctx.0) },
+            "cuCtxPushCurrent",
+        )?;
+        Ok(CtxGuard { pushed: true })
+    }
+}
+
+/// Pops a context pushed by [`CudaBackend::enter`].
+struct CtxGuard {
+    pushed: bool,
+}
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        if self.pushed {
+            let mut popped: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: this guard pushed exactly one context on this thread.
+            let code = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+            if code != sys::CUresult::CUDA_SUCCESS {
+                tracing::error!(error = %driver::describe(code), "cuCtxPopCurrent failed");
+            }
+        }
+    }
+}
+
+#[inline]
+fn stream(id: StreamId) -> sys::CUstream {
+    id.0 as usize as sys::CUstream
+}
+
+#[inline]
+fn event(handle: EventHandle) -> sys::CUevent {
+    handle.0 as usize as sys::CUevent
+}
+
+impl Backend for CudaBackend {
+    fn total_memory(&self) -> BackendResult<u64> {
+        Ok(self.total)
+    }
+
+    fn alloc_segment(&self, size: u64) -> BackendResult<DevicePtr> {
+        let _ctx = self.enter()?;
+        let _relaxed = RelaxedCapture::enter()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: valid out pointer; the primary context is current.
+        driver::check(
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, size as usize) },
+            "cuMemAlloc",
+        )?;
+        Ok(DevicePtr(ptr))
+    }
+
+    fn free_segment(&self, ptr: DevicePtr, _size: u64) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        // SAFETY: `ptr` came from `alloc_segment` and the engine synchronised the device
+        // before returning it (cuMemFree also synchronises).
+        driver::check(unsafe { sys::cuMemFree_v2(ptr.0) }, "cuMemFree")
+    }
+
+    fn create_event(&self) -> BackendResult<EventHandle> {
+        let _ctx = self.enter()?;
+        let mut handle: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: valid out pointer; the primary context is current.
+        driver::check(
+            unsafe {
+                sys::cuEventCreate(
+                    &mut handle,
+                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+                )
+            },
+            "cuEventCreate",
+        )?;
+        Ok(EventHandle(handle as usize as u64))
+    }
+
+    fn destroy_event(&self, handle: EventHandle) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        // SAFETY: the engine destroys only idle events it created here.
+        driver::check(
+            unsafe { sys::cuEventDestroy_v2(event(handle)) },
+            "cuEventDestroy",
+        )
+    }
+
+    fn record_event(&self, handle: EventHandle, on: StreamId) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        // SAFETY: a live event of this context; the stream is the caller's handle (0 is
+        // the current context's legacy stream, hence the context guard).
+        driver::check(
+            unsafe { sys::cuEventRecord(event(handle), stream(on)) },
+            "cuEventRecord",
+        )
+    }
+
+    fn query_event(&self, handle: EventHandle) -> BackendResult<bool> {
+        // SAFETY: a live event created by this backend.
+        let code = unsafe { sys::cuEventQuery(event(handle)) };
+        match code {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            _ => driver::check(code, "cuEventQuery").map(|()| false),
+        }
+    }
+
+    fn synchronize_event(&self, handle: EventHandle) -> BackendResult<()> {
+        // SAFETY: a live event created by this backend.
+        driver::check(
+            unsafe { sys::cuEventSynchronize(event(handle)) },
+            "cuEventSynchronize",
+        )
+    }
+
+    fn stream_wait_event(&self, on: StreamId, handle: EventHandle) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        // SAFETY: a live event; flags must be 0 for a plain wait.
+        driver::check(
+            unsafe { sys::cuStreamWaitEvent(stream(on), event(handle), 0) },
+            "cuStreamWaitEvent",
+        )
+    }
+
+    fn synchronize_device(&self) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        // SAFETY: the primary context is current.
+        driver::check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
+    }
+
+    fn is_capturing(&self, on: StreamId) -> BackendResult<bool> {
+        let _ctx = self.enter()?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: valid out pointer; the stream is the caller's handle.
+        let code = unsafe { sys::cuStreamIsCapturing(stream(on), &mut status) };
+        if code == sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT {
+            // The legacy stream while another stream captures in global mode.
+            return Ok(true);
+        }
+        driver::check(code, "cuStreamIsCapturing")?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    #[inline]
+    fn now_ns(&self) -> u64 {
+        self.clock.now_ns()
+    }
+
+    fn supports_virtual_memory(&self) -> bool {
+        self.pages.is_some()
+    }
+
+    fn page_size(&self) -> u64 {
+        self.pages.as_ref().map_or(2 << 20, vmm::PageMap::page_size)
+    }
+
+    fn reserve_address_space(&self, size: u64) -> BackendResult<DevicePtr> {
+        let _ctx = self.enter()?;
+        self.page_map("cuMemAddressReserve")?.reserve(size)
+    }
+
+    fn release_address_space(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        self.page_map("cuMemAddressFree")?.release(ptr, size)
+    }
+
+    fn map_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        // Mapping is no stream operation, but the default capture mode forbids it too.
+        let _relaxed = RelaxedCapture::enter()?;
+        self.page_map("cuMemMap")?.map(ptr, size)
+    }
+
+    fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        let _relaxed = RelaxedCapture::enter()?;
+        self.page_map("cuMemUnmap")?.unmap(ptr, size)
+    }
+}
+
+impl CudaBackend {
+    fn page_map(&self, operation: &'static str) -> BackendResult<&vmm::PageMap> {
+        self.pages.as_ref().ok_or_else(|| {
+            BackendError::new(
+                operation,
+                "this device does not support virtual memory management",
+            )
+        })
+    }
+}
+
+/// Switches the calling thread to the relaxed stream-capture mode, so `cuMemAlloc` is
+/// allowed while some stream captures; restores the previous mode on drop.
+struct RelaxedCapture {
+    previous: sys::CUstreamCaptureMode,
+}
+
+impl RelaxedCapture {
+    fn enter() -> BackendResult<Self> {
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: valid in/out pointer.
+        driver::check(
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) },
+            "cuThreadExchangeStreamCaptureMode",
+        )?;
+        Ok(Self { previous: mode })
+    }
+}
+
+impl Drop for RelaxedCapture {
+    fn drop(&mut self) {
+        let mut mode = self.previous;
+        // SAFETY: valid in/out pointer; restores the mode this guard replaced.
+        let code = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            tracing::error!(error = %driver::describe(code), "restoring the capture mode failed");
+        }
+    }
+}
+
+// ---- Clock ------------------------------------------------------------------------------
+
+/// Trace timestamps in nanoseconds since the backend was created. On x86-64 it reads the
+/// time-stamp counter (a few ns, against ~20 ns for `Instant::now`; the fast path takes
+/// up to three timestamps per malloc/free pair), scaled by a rate measured at creation.
+#[derive(Debug)]
+struct Clock {
+    start: Instant,
+    #[cfg(target_arch = "x86_64")]
+    tsc: TscRate,
+}
+
+#[cfg(target_arch = "x86_64")]
+#[derive(Debug)]
+struct TscRate {
+    start: u64,
+    /// Nanoseconds per tick, in 32.32 fixed point; 0 if the counter is unusable.
+    ns_per_tick_q32: u64,
+}
+
+impl Clock {
+    fn new() -> Self {
+        let start = Instant::now();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let tsc_start = rdtsc();
+            // Calibrate over ~2 ms: one-off, next to the ~100 ms of context creation.
+            while start.elapsed().as_micros() < 2_000 {
+                std::hint::spin_loop();
+            }
+            let (ticks, ns) = (
+                rdtsc().wrapping_sub(tsc_start),
+                start.elapsed().as_nanos() as u64,
+            );
+            let ns_per_tick_q32 = if ticks > 0 {
+                ((u128::from(ns) << 32) / u128::from(ticks)) as u64
+            } else {
+                0
+            };
+            Self {
+                start,
+                tsc: TscRate {
+                    start: tsc_start,
+                    ns_per_tick_q32,
+                },
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Self { start }
+    }
+
+    #[inline]
+    fn now_ns(&self) -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        if self.tsc.ns_per_tick_q32 != 0 {
+            let ticks = rdtsc().wrapping_sub(self.tsc.start);
+            return ((u128::from(ticks) * u128::from(self.tsc.ns_per_tick_q32)) >> 32) as u64;
+        }
+        self.start.elapsed().as_nanos() as u64
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn rdtsc() -> u64 {
+    // SAFETY: RDTSC is available on every x86-64 CPU and has no memory effects.
+    #[allow(unused_unsafe)]
+    unsafe {
+        core::arch::x86_64::_rdtsc()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clock_is_monotonic_and_close_to_instant() {
+        let clock = Clock::new();
+        let a = clock.now_ns();
+        let begin = Instant::now();
+        while begin.elapsed().as_millis() < 5 {
+            std::hint::spin_loop();
+        }
+        let b = clock.now_ns();
+        assert!(b > a);
+        let elapsed = b - a;
+        assert!(
+            (4_000_000..50_000_000).contains(&elapsed),
+            "5 ms measured as {elapsed} ns"
+        );
+    }
+
+    #[test]
+    fn no_driver_is_a_typed_error_not_a_panic() {
+        match CudaBackend::new(0) {
+            Ok(backend) => eprintln!(
+                "skipped: a CUDA device is present (device 0, {} bytes)",
+                backend.total_memory().unwrap()
+            ),
+            Err(err) => {
+                let text = err.to_string();
+                assert!(!text.is_empty());
+                // A second attempt answers the same way, without retrying the load.
+                assert_eq!(CudaBackend::new(0).unwrap_err().to_string(), text);
+            }
+        }
+    }
+
+    #[test]
+    fn bad_ordinal_is_rejected() {
+        match CudaBackend::new(-1) {
+            Err(CudaError::NoSuchDevice { ordinal: -1, .. }) | Err(CudaError::Driver(_)) => {}
+            other => panic!("expected an error, got {other:?}"),
+        }
+    }
+}

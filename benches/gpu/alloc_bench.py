@@ -1,0 +1,85 @@
+# What a PyTorch user gets from each allocator on the same work (adapted from
+# shared/baselines/alloc_bench.py: adds streamalloc through streamalloc.torch.install(),
+# fixed seeds and the training losses, so allocators can be compared loss for loss).
+#   python alloc_bench.py ALLOC WORK OUT.json
+# ALLOC: native | async | streamalloc | so:PATH:MALLOC:FREE (a bare pluggable .so, e.g. the hook floor)
+# WORK:  micro (random alloc/free mix, host ns per op) | gpt2 | resnet (step ms, peak memory, losses)
+import json, os, sys, time, random
+
+ALLOC, WORK, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
+if ALLOC == "async":
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
+import torch
+if ALLOC == "streamalloc":
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+    import streamalloc.torch
+    streamalloc.torch.install()  # also routes torch.cuda's memory stats to ours
+elif ALLOC.startswith("so:"):
+    _, path, mfn, ffn = ALLOC.split(":")
+    torch.cuda.memory.change_current_allocator(torch.cuda.memory.CUDAPluggableAllocator(path, mfn, ffn))
+
+def micro():
+    rng = random.Random(7)
+    def size():
+        r = rng.random()
+        if r < 0.6: return rng.randint(1, 1 << 18)
+        if r < 0.95: return rng.randint(1 << 18, 1 << 24)
+        return rng.randint(1 << 24, 1 << 26)
+    sizes = [size() for _ in range(20000)]
+    live = []
+    for rep in range(2):  # the first pass warms the cache
+        t0 = time.perf_counter(); ops = 0
+        for s in sizes:
+            live.append(torch.empty(s // 4 + 1, dtype=torch.float32, device="cuda")); ops += 1
+            if len(live) > 64:
+                live.pop(rng.randrange(len(live))); ops += 1
+        live.clear()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    return dict(ns_per_op=dt / ops * 1e9, ops=ops)
+
+def train(model, batch_fn, steps=6):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    times, losses = [], []
+    for i in range(steps):
+        if i == 2:
+            torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        loss = batch_fn(model)
+        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    r = dict(step_ms=sorted(times[2:])[len(times[2:]) // 2] * 1e3, losses=losses)
+    r["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    r["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
+    return r
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024)
+    m = GPT2LMHeadModel(cfg).cuda()
+    ids = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda")
+    return train(m, lambda m: m(input_ids=ids, labels=ids).loss)
+
+def resnet():
+    import torchvision
+    torch.manual_seed(0)
+    m = torchvision.models.resnet50().cuda()
+    x = torch.randn(64, 3, 224, 224, device="cuda"); y = torch.randint(0, 1000, (64,), device="cuda")
+    return train(m, lambda m: torch.nn.functional.cross_entropy(m(x), y))
+
+res = dict(alloc=ALLOC if not ALLOC.startswith("so:") else os.path.basename(ALLOC.split(":")[1]),
+           work=WORK, torch=torch.__version__)
+try:
+    res.update({"micro": micro, "gpt2": gpt2, "resnet": resnet}[WORK]())
+    if ALLOC == "streamalloc":
+        s = streamalloc.torch.raw_stats()["stats"]
+        res["streamalloc"] = {k: s[k] for k in ("cross_stream_waits", "events_recorded", "event_queries",
+                                                "segment_allocs", "ooms", "retries", "invalid_frees")}
+except Exception as e:  # record the failure, do not hide it
+    res["error"] = repr(e)[:500]
+with open(OUT, "w") as f:
+    json.dump(res, f)
+print(json.dumps(res))

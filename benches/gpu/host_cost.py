@@ -1,0 +1,77 @@
+# Host cost of malloc+free in C++ (no Python in the loop): PyTorch's native caching
+# allocator next to streamalloc's C ABI (dlopen'ed libstreamalloc.so), same patterns as
+# shared/baselines/alloc_cpp.py: same-size pairs (the cached fast path) and mixed sizes with
+# a window of 64 live blocks.
+#   python host_cost.py LIBSTREAMALLOC.so OUT.json
+import json, sys, torch
+from torch.utils.cpp_extension import load_inline
+LIB, OUT = sys.argv[1], sys.argv[2]
+src = r'''
+#include <torch/extension.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <chrono>
+#include <random>
+#include <stdexcept>
+#include <vector>
+using clk = std::chrono::steady_clock;
+static double ns(clk::time_point a, clk::time_point b, long n) { return std::chrono::duration<double, std::nano>(b - a).count() / n; }
+typedef void* (*malloc_fn)(size_t, int, cudaStream_t);
+typedef void (*free_fn)(void*, size_t, int, cudaStream_t);
+static malloc_fn sa_malloc; static free_fn sa_free;
+void sa_load(std::string path) {
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  if (!h) throw std::runtime_error(dlerror());
+  sa_malloc = (malloc_fn)dlsym(h, "streamalloc_malloc"); sa_free = (free_fn)dlsym(h, "streamalloc_free");
+}
+struct Sizes { std::mt19937_64 g{7}; long operator()() { double r = (g() % 1000) / 1000.0; if (r < .6) return (long)(g() % (1 << 20)) + 1; if (r < .95) return (long)(g() % (63 << 20)) + (1 << 20); return (long)(g() % (192 << 20)) + (64 << 20); } };
+double native_pair(long n, long size) {
+  auto s = c10::cuda::getCurrentCUDAStream().stream();
+  for (int i = 0; i < 1000; i++) c10::cuda::CUDACachingAllocator::raw_delete(c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(size, s));
+  auto a = clk::now();
+  for (long i = 0; i < n; i++) c10::cuda::CUDACachingAllocator::raw_delete(c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(size, s));
+  return ns(a, clk::now(), n);
+}
+double sa_pair(long n, long size) {
+  auto s = c10::cuda::getCurrentCUDAStream().stream();
+  for (int i = 0; i < 1000; i++) sa_free(sa_malloc(size, 0, s), size, 0, s);
+  auto a = clk::now();
+  for (long i = 0; i < n; i++) { void* p = sa_malloc(size, 0, s); sa_free(p, size, 0, s); }
+  return ns(a, clk::now(), n);
+}
+double native_mixed(long n) {
+  auto s = c10::cuda::getCurrentCUDAStream().stream(); Sizes size; std::mt19937_64 g(11); std::vector<void*> live; long ops = 0;
+  auto a = clk::now();
+  for (long i = 0; i < n; i++) {
+    live.push_back(c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(size(), s)); ops++;
+    if (live.size() > 64) { size_t k = g() % live.size(); c10::cuda::CUDACachingAllocator::raw_delete(live[k]); live[k] = live.back(); live.pop_back(); ops++; }
+  }
+  for (void* p : live) { c10::cuda::CUDACachingAllocator::raw_delete(p); ops++; }
+  return ns(a, clk::now(), ops);
+}
+double sa_mixed(long n) {
+  auto s = c10::cuda::getCurrentCUDAStream().stream(); Sizes size; std::mt19937_64 g(11); std::vector<void*> live; long ops = 0;
+  auto a = clk::now();
+  for (long i = 0; i < n; i++) {
+    void* p = sa_malloc(size(), 0, s); if (!p) throw std::runtime_error("streamalloc_malloc returned null"); live.push_back(p); ops++;
+    if (live.size() > 64) { size_t k = g() % live.size(); sa_free(live[k], 0, 0, s); live[k] = live.back(); live.pop_back(); ops++; }
+  }
+  for (void* p : live) { sa_free(p, 0, 0, s); ops++; }
+  return ns(a, clk::now(), ops);
+}
+'''
+m = load_inline("sa_host_cost", cpp_sources=src, functions=["sa_load", "native_pair", "sa_pair", "native_mixed", "sa_mixed"],
+                extra_ldflags=["-lcudart", "-ldl"], with_cuda=True, verbose=False)
+torch.cuda.init(); torch.empty(1, device="cuda")
+m.sa_load(LIB)
+r = {}
+for sz in (4096, 1 << 20, 64 << 20):
+    r[f"native_pair_{sz}"] = min(m.native_pair(200000, sz) for _ in range(3))
+    r[f"streamalloc_pair_{sz}"] = min(m.sa_pair(200000, sz) for _ in range(3))
+m.native_mixed(20000); m.sa_mixed(20000)
+r["native_mixed"] = min(m.native_mixed(100000) for _ in range(3))
+r["streamalloc_mixed"] = min(m.sa_mixed(100000) for _ in range(3))
+r = {k: round(v, 1) for k, v in r.items()}
+json.dump(r, open(OUT, "w")); print(json.dumps(r))

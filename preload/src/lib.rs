@@ -1,0 +1,360 @@
+//! # libstreamalloc_preload.so
+//!
+//! An `LD_PRELOAD` interposer that serves a program's `cudaMalloc`, `cudaFree`,
+//! `cudaMallocAsync` and `cudaFreeAsync` from streamalloc, without rebuilding the
+//! program. It reaches programs that call the **shared** CUDA runtime (`libcudart.so`):
+//! CUDA C built with `nvcc -cudart shared`, CuPy with its memory pool off, PyTorch with
+//! `PYTORCH_NO_CUDA_MEMORY_CACHING=1`.
+//!
+//! ```sh
+//! LD_PRELOAD=/path/to/libstreamalloc_preload.so STREAMALLOC_STATS_AT_EXIT=1 ./my_program
+//! streamalloc run --preload --stats -- ./my_program      # the same, found for you
+//! ```
+//!
+//! ## Why a separate library
+//! `libstreamalloc.so` is loaded by PyTorch's pluggable-allocator hook, which calls
+//! `cudaMalloc` underneath its own users; if that library also defined `cudaMalloc`, any
+//! loader that opened it with `RTLD_GLOBAL` would silently reroute every later library's
+//! allocations. Interposition is therefore opt-in, in its own file. It links the same
+//! engine and registry (one allocator per device), and re-exports the whole C ABI of
+//! `libstreamalloc.so` (`streamalloc_stats_json`, `streamalloc_dump_snapshot`, …) so a
+//! preloaded program can read its counters. Do not load both libraries into one process:
+//! each would have its own registry.
+//!
+//! ## What each call does
+//! - **`cudaMalloc(&p, n)`**: a block from the current device's allocator (`cudaGetDevice`
+//!   of the real runtime), tagged with the legacy default stream. `cudaMalloc` memory must
+//!   be usable at once from *any* stream, so if serving it made the engine order reuse
+//!   behind another stream's work (a block last freed by `cudaFreeAsync` on that stream),
+//!   the device is synchronised before the pointer is returned.
+//! - **`cudaFree(p)`**: the real `cudaFree` synchronises the device, and callers rely on it
+//!   (they free right after launching the last kernel that reads the buffer, on any
+//!   stream). The rule kept here is the simplest correct one: **synchronise the device that
+//!   owns the block, then return it to the pool**. After that nothing queued on any stream
+//!   can still touch it, so it is reusable at once by anyone.
+//! - **`cudaMallocAsync(&p, n, s)`**: stream-ordered: a block for stream `s`; reusing a
+//!   block of another stream is ordered after that stream's work by a device-side wait
+//!   (no host synchronisation), as the engine does for PyTorch.
+//! - **`cudaFreeAsync(p, s)`**: stream-ordered: the block's reuse is ordered after the work
+//!   queued on `s` up to this call (`record_use(p, s)` then `free`), whichever stream it
+//!   was allocated on. No synchronisation.
+//! - Pointers streamalloc did not hand out (made before the library loaded, by
+//!   `cudaMallocManaged`, `cudaMallocHost`, `cudaMallocPitch`, `cudaMalloc3D`, a pool, …)
+//!   go to the real `cudaFree` / `cudaFreeAsync` untouched; those allocation functions
+//!   are not interposed at all. `cudaFree(NULL)` is passed to the real runtime (programs
+//!   call it to create the context; it returns success). A zero-byte request is passed
+//!   to the real runtime too.
+//!
+//! The real functions come from `dlsym(RTLD_NEXT, …)`, resolved once.
+//!
+//! ## Errors
+//! No panic crosses into C (every entry point is guarded). An allocation streamalloc
+//! cannot serve returns `cudaErrorMemoryAllocation` (2) with the engine's report on
+//! stderr; a null out-pointer or a failed free returns `cudaErrorInvalidValue` (1). If the
+//! device's allocator cannot be created at all (no driver, a bad `STREAMALLOC_CONF`), that
+//! is reported once on stderr and the calls pass through to the real runtime, so the
+//! program still runs, on CUDA's allocator.
+//!
+//! ## Limits
+//! - A statically linked runtime (`nvcc`'s default `-cudart static`) calls its own copy of
+//!   `cudaMalloc`, which no preload can reach; nor can calls made through a handle from
+//!   `dlopen(..., RTLD_LOCAL)`, or the driver API (`cuMemAlloc`).
+//! - The per-thread default stream (`cudaStreamPerThread`) is one handle naming a
+//!   different stream in each thread; streamalloc sees one stream. Use explicit streams
+//!   with `cudaMallocAsync` across threads. Code compiled with `--default-stream
+//!   per-thread` calls `cudaMallocAsync_ptsz` / `cudaFreeAsync_ptsz`, which are not
+//!   interposed: those allocations (and their frees) stay CUDA's.
+//! - `cudaMemPool*` attributes and `cudaMallocFromPoolAsync` are not interposed.
+//!
+//! ## Exit hooks
+//! With `STREAMALLOC_STATS_AT_EXIT=1` the counters of every device used are printed on
+//! stderr at exit; with `STREAMALLOC_SNAPSHOT=PATH` each device's snapshot is written
+//! (see `streamalloc::process`).
+
+#![warn(missing_docs, rust_2018_idioms)]
+
+use std::ffi::{c_int, c_void, CStr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Once, OnceLock};
+use streamalloc::ffi::error::guard;
+use streamalloc_allocator::backend::cuda::registry::{self, CudaAllocator};
+use streamalloc_allocator::{AllocError, Backend, DevicePtr, StreamId};
+
+/// `cudaError_t`.
+pub type CudaError = c_int;
+/// `cudaSuccess`.
+pub const CUDA_SUCCESS: CudaError = 0;
+/// `cudaErrorInvalidValue`.
+pub const CUDA_ERROR_INVALID_VALUE: CudaError = 1;
+/// `cudaErrorMemoryAllocation`.
+pub const CUDA_ERROR_MEMORY_ALLOCATION: CudaError = 2;
+/// `cudaErrorInitializationError`: the real runtime function could not be found.
+pub const CUDA_ERROR_INITIALIZATION: CudaError = 3;
+
+type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> CudaError;
+type FreeFn = unsafe extern "C" fn(*mut c_void) -> CudaError;
+type MallocAsyncFn = unsafe extern "C" fn(*mut *mut c_void, usize, *mut c_void) -> CudaError;
+type FreeAsyncFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> CudaError;
+type GetDeviceFn = unsafe extern "C" fn(*mut c_int) -> CudaError;
+
+// ---- The real runtime ----
+
+/// Looks `name` up in the libraries loaded after this one (the real `libcudart.so`).
+fn next_symbol(name: &CStr) -> Option<*mut c_void> {
+    // SAFETY: `name` is NUL-terminated; RTLD_NEXT is valid from a shared object.
+    let found = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) };
+    if found.is_null() {
+        warn_once(
+            &MISSING_REAL,
+            format_args!(
+                "{} not found in the libraries after the preload (is the program linked against libcudart.so?)",
+                name.to_string_lossy()
+            ),
+        );
+        None
+    } else {
+        Some(found)
+    }
+}
+
+macro_rules! real {
+    ($name:ident, $ty:ty, $symbol:literal) => {
+        fn $name() -> Option<$ty> {
+            static SLOT: OnceLock<Option<usize>> = OnceLock::new();
+            let address = (*SLOT.get_or_init(|| next_symbol($symbol).map(|p| p as usize)))?;
+            // SAFETY: the address is the runtime's function of this name, whose C
+            // signature is `$ty` (CUDA runtime API).
+            Some(unsafe { std::mem::transmute::<usize, $ty>(address) })
+        }
+    };
+}
+
+real!(real_malloc, MallocFn, c"cudaMalloc");
+real!(real_free, FreeFn, c"cudaFree");
+real!(real_malloc_async, MallocAsyncFn, c"cudaMallocAsync");
+real!(real_free_async, FreeAsyncFn, c"cudaFreeAsync");
+real!(real_get_device, GetDeviceFn, c"cudaGetDevice");
+
+// ---- Reporting ----
+
+static MISSING_REAL: AtomicBool = AtomicBool::new(false);
+static UNAVAILABLE: AtomicBool = AtomicBool::new(false);
+static FAILED_FREE: AtomicBool = AtomicBool::new(false);
+
+#[cold]
+fn warn_once(flag: &AtomicBool, message: std::fmt::Arguments<'_>) {
+    if !flag.swap(true, Ordering::Relaxed) {
+        eprintln!("streamalloc preload: {message}");
+    }
+}
+
+extern "C" fn exit_hook() {
+    guard(0, streamalloc::process::at_exit);
+}
+
+/// Registers the exit hook on the first call that reaches the engine (after the runtime
+/// initialised, so the hook runs before the runtime's own teardown).
+fn register_exit_hook() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: registering a plain `extern "C" fn()`; it only reads host state.
+        unsafe { libc::atexit(exit_hook) };
+    });
+}
+
+// ---- Routing ----
+
+/// The current device's allocator, or the real runtime's error code. `Ok(None)`: the
+/// allocator cannot be created; the caller passes through.
+fn current_allocator() -> Result<Option<&'static CudaAllocator>, CudaError> {
+    let get_device = real_get_device().ok_or(CUDA_ERROR_INITIALIZATION)?;
+    let mut device: c_int = 0;
+    // SAFETY: a valid out pointer for the real cudaGetDevice.
+    let code = unsafe { get_device(&mut device) };
+    if code != CUDA_SUCCESS {
+        return Err(code);
+    }
+    match registry::global().device(device) {
+        Ok(allocator) => {
+            register_exit_hook();
+            Ok(Some(allocator))
+        }
+        Err(err) => {
+            warn_once(
+                &UNAVAILABLE,
+                format_args!("device {device}: {err}; using CUDA's own allocator"),
+            );
+            Ok(None)
+        }
+    }
+}
+
+/// The allocator that handed out `ptr`, if any.
+fn owner(ptr: *mut c_void) -> Option<&'static CudaAllocator> {
+    let ptr = DevicePtr(ptr as usize as u64);
+    registry::global()
+        .initialized()
+        .find(|(_, allocator)| allocator.owns(ptr))
+        .map(|(_, allocator)| allocator)
+}
+
+fn malloc_error(err: &AllocError) -> CudaError {
+    eprintln!("streamalloc preload: {err}");
+    CUDA_ERROR_MEMORY_ALLOCATION
+}
+
+/// Serves an allocation of `size` bytes for `stream` (`None`: `cudaMalloc`, usable from
+/// any stream at once).
+///
+/// # Safety
+/// `dev_ptr` is non-null and writable.
+unsafe fn allocate(
+    dev_ptr: *mut *mut c_void,
+    size: usize,
+    stream: Option<*mut c_void>,
+    allocator: &CudaAllocator,
+) -> CudaError {
+    let tag = StreamId(stream.map_or(0, |s| s as usize as u64));
+    let waits_before = stream
+        .is_none()
+        .then(|| allocator.stats().cross_stream_waits);
+    match allocator.malloc(size as u64, tag) {
+        Ok(block) => {
+            if let Some(before) = waits_before {
+                if allocator.stats().cross_stream_waits != before {
+                    // Reuse was ordered on the device behind another stream's work; a
+                    // cudaMalloc caller may use the block on any stream right away.
+                    if let Err(err) = allocator.backend().synchronize_device() {
+                        eprintln!("streamalloc preload: synchronising before reuse: {err}");
+                        let _ = allocator.free(block.ptr);
+                        return CUDA_ERROR_MEMORY_ALLOCATION;
+                    }
+                }
+            }
+            // SAFETY: non-null and writable (see # Safety).
+            unsafe { dev_ptr.write(block.ptr.0 as usize as *mut c_void) };
+            CUDA_SUCCESS
+        }
+        Err(err) => malloc_error(&err),
+    }
+}
+
+fn free_failed(ptr: *mut c_void, err: &dyn std::fmt::Display) -> CudaError {
+    warn_once(&FAILED_FREE, format_args!("free of {ptr:p}: {err}"));
+    CUDA_ERROR_INVALID_VALUE
+}
+
+// ---- The interposed functions ----
+
+/// `cudaError_t cudaMalloc(void** devPtr, size_t size)`, served by streamalloc.
+///
+/// # Safety
+/// As the CUDA runtime's: `dev_ptr` is null (rejected) or writable.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> CudaError {
+    if dev_ptr.is_null() {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    guard(CUDA_ERROR_MEMORY_ALLOCATION, || match current_allocator() {
+        Ok(Some(allocator)) if size > 0 => {
+            // SAFETY: checked non-null above; writable per the caller's contract.
+            unsafe { allocate(dev_ptr, size, None, allocator) }
+        }
+        Ok(_) => match real_malloc() {
+            // SAFETY: forwarding the caller's arguments unchanged.
+            Some(real) => unsafe { real(dev_ptr, size) },
+            None => CUDA_ERROR_INITIALIZATION,
+        },
+        Err(code) => code,
+    })
+}
+
+/// `cudaError_t cudaMallocAsync(void** devPtr, size_t size, cudaStream_t stream)`,
+/// served by streamalloc in stream order.
+///
+/// # Safety
+/// As the CUDA runtime's: `dev_ptr` is null (rejected) or writable; `stream` is a valid
+/// stream handle of the current device, or 0.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMallocAsync(
+    dev_ptr: *mut *mut c_void,
+    size: usize,
+    stream: *mut c_void,
+) -> CudaError {
+    if dev_ptr.is_null() {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    guard(CUDA_ERROR_MEMORY_ALLOCATION, || match current_allocator() {
+        Ok(Some(allocator)) if size > 0 => {
+            // SAFETY: checked non-null above; writable per the caller's contract.
+            unsafe { allocate(dev_ptr, size, Some(stream), allocator) }
+        }
+        Ok(_) => match real_malloc_async() {
+            // SAFETY: forwarding the caller's arguments unchanged.
+            Some(real) => unsafe { real(dev_ptr, size, stream) },
+            None => CUDA_ERROR_INITIALIZATION,
+        },
+        Err(code) => code,
+    })
+}
+
+/// `cudaError_t cudaFree(void* devPtr)`: our blocks are returned after synchronising
+/// their device (as the real `cudaFree` does); anything else goes to the real function.
+///
+/// # Safety
+/// As the CUDA runtime's.
+#[no_mangle]
+pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> CudaError {
+    guard(CUDA_ERROR_INVALID_VALUE, || {
+        let ours = if ptr.is_null() { None } else { owner(ptr) };
+        let Some(allocator) = ours else {
+            return match real_free() {
+                // SAFETY: forwarding the caller's pointer, which is not ours.
+                Some(real) => unsafe { real(ptr) },
+                None => CUDA_ERROR_INITIALIZATION,
+            };
+        };
+        if let Err(err) = allocator.backend().synchronize_device() {
+            return free_failed(ptr, &err);
+        }
+        match allocator.free(DevicePtr(ptr as usize as u64)) {
+            Ok(()) => CUDA_SUCCESS,
+            Err(err) => free_failed(ptr, &err),
+        }
+    })
+}
+
+/// `cudaError_t cudaFreeAsync(void* devPtr, cudaStream_t stream)`: our blocks become
+/// reusable after the work queued on `stream` so far; anything else goes to the real
+/// function.
+///
+/// # Safety
+/// As the CUDA runtime's.
+#[no_mangle]
+pub unsafe extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: *mut c_void) -> CudaError {
+    guard(CUDA_ERROR_INVALID_VALUE, || {
+        let ours = if ptr.is_null() { None } else { owner(ptr) };
+        let Some(allocator) = ours else {
+            return match real_free_async() {
+                // SAFETY: forwarding the caller's arguments; the pointer is not ours.
+                Some(real) => unsafe { real(ptr, stream) },
+                None => CUDA_ERROR_INITIALIZATION,
+            };
+        };
+        let block = DevicePtr(ptr as usize as u64);
+        let freed = allocator
+            .record_use(block, StreamId(stream as usize as u64))
+            .and_then(|()| allocator.free(block));
+        match freed {
+            Ok(()) => CUDA_SUCCESS,
+            Err(err) => free_failed(ptr, &err),
+        }
+    })
+}
+
+/// `int streamalloc_preload_active(void)`: 1. Lets a program check with
+/// `dlsym(RTLD_DEFAULT, "streamalloc_preload_active")` that the interposer is loaded.
+#[no_mangle]
+pub extern "C" fn streamalloc_preload_active() -> c_int {
+    1
+}

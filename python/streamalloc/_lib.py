@@ -1,0 +1,120 @@
+"""Finds ``libstreamalloc.so``, loads it once with ctypes and declares its C ABI.
+
+Search order: the ``STREAMALLOC_LIB`` environment variable (a file), then the package's
+own folder, its parent, and the Cargo build folders of a source checkout
+(``$CARGO_TARGET_DIR/release``, ``target/release``). The first file that exists wins; a
+missing library is a ``LibraryNotFound`` naming every place looked at.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from pathlib import Path
+
+ENV_VAR = "STREAMALLOC_LIB"
+LIB_NAME = "libstreamalloc.so"
+
+_lib: ctypes.CDLL | None = None
+_path: Path | None = None
+
+
+class LibraryNotFound(RuntimeError):
+    """libstreamalloc.so is nowhere this module looks."""
+
+
+class StreamallocStats(ctypes.Structure):
+    """``streamalloc_stats_t`` (src/ffi/stats.rs), field for field."""
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in (
+            "allocated_current", "allocated_peak", "requested_current", "requested_peak",
+            "reserved_current", "reserved_peak", "active_current", "active_peak",
+            "pending_free_current", "pending_free_peak", "allocs", "frees",
+            "segment_allocs", "segment_frees", "cross_stream_waits", "events_recorded",
+            "event_queries", "events_outstanding", "events_created", "events_destroyed",
+            "ooms", "retries", "invalid_frees", "memory_limit",
+        )
+    ]
+
+
+def _candidates() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    found = []
+    env = os.environ.get(ENV_VAR)
+    if env:
+        found.append(Path(env))
+    found += [here / LIB_NAME, here.parent / LIB_NAME]
+    target = os.environ.get("CARGO_TARGET_DIR")
+    if target:
+        found.append(Path(target) / "release" / LIB_NAME)
+    found.append(here.parent.parent / "target" / "release" / LIB_NAME)
+    return found
+
+
+def library_path() -> Path:
+    """The library file :func:`load` uses (or would use)."""
+    if _path is not None:
+        return _path
+    candidates = _candidates()
+    if os.environ.get(ENV_VAR) and not candidates[0].is_file():
+        raise LibraryNotFound(f"{ENV_VAR}={candidates[0]} is not a file")
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    raise LibraryNotFound(
+        f"{LIB_NAME} not found; looked at: {', '.join(map(str, candidates))}. "
+        f"Build it with `cargo build --release` or set {ENV_VAR}."
+    )
+
+
+def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
+    """Loads the library once (``path`` overrides the search) and returns it."""
+    global _lib, _path
+    if _lib is not None:
+        if path is not None and Path(path).resolve() != _path:
+            raise RuntimeError(f"streamalloc is already loaded from {_path}, not {path}")
+        return _lib
+    resolved = Path(path).resolve() if path is not None else library_path()
+    lib = ctypes.CDLL(str(resolved))
+    vp, i, sz, d = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_double
+    signatures = {
+        "streamalloc_malloc": ([sz, i, vp], vp),
+        "streamalloc_free": ([vp, sz, i, vp], None),
+        "streamalloc_record_stream": ([vp, vp], None),
+        "streamalloc_empty_cache": ([], None),
+        "streamalloc_set_memory_fraction": ([d, i], None),
+        "streamalloc_reset_peak_stats": ([i], i),
+        "streamalloc_get_stats": ([i, ctypes.POINTER(StreamallocStats)], i),
+        "streamalloc_stats_json": ([i], ctypes.c_char_p),
+        "streamalloc_dump_snapshot": ([ctypes.c_char_p, i], i),
+        "streamalloc_last_error": ([], ctypes.c_char_p),
+        "streamalloc_version": ([], ctypes.c_char_p),
+        "streamalloc_set_error_thrower": ([vp], None),
+    }
+    for name, (args, result) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    _lib, _path = lib, resolved
+    return lib
+
+
+def last_error() -> str:
+    """The last failure's message on this thread ("" if none)."""
+    return load().streamalloc_last_error().decode(errors="replace")
+
+
+def stats(device: int) -> dict:
+    """The engine's counters for ``device`` (see ``streamalloc_stats_json``)."""
+    text = load().streamalloc_stats_json(device)
+    if text is None:
+        raise RuntimeError(last_error())
+    return json.loads(text)
+
+
+def dump_snapshot(path: str | os.PathLike, device: int) -> None:
+    """Writes ``device``'s snapshot as JSON to ``path``."""
+    if load().streamalloc_dump_snapshot(os.fsencode(path), device) != 0:
+        raise RuntimeError(last_error())

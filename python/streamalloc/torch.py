@@ -1,0 +1,224 @@
+"""streamalloc as PyTorch's CUDA allocator.
+
+    import streamalloc.torch
+    streamalloc.torch.install()       # before the first CUDA tensor
+    ...
+    streamalloc.torch.memory_stats()  # or torch.cuda.memory_stats(): install() patches it
+    streamalloc.torch.dump_snapshot("snap.json")
+
+``install()`` hands PyTorch our ``streamalloc_malloc``/``streamalloc_free`` through
+``torch.cuda.memory.CUDAPluggableAllocator`` **and** registers the hooks that PyTorch
+otherwise drops silently for pluggable allocators: ``record_stream`` (without it, a
+tensor sent with ``isend`` could be reused while NCCL still reads it), ``empty_cache`` and
+``set_per_process_memory_fraction``.
+
+PyTorch's own statistics functions throw for pluggable allocators; this module provides
+them from our counters, under PyTorch's names and keys, and by default ``install()``
+puts them in place of ``torch.cuda``'s so unmodified programs keep working.
+
+Out of memory: PyTorch's pluggable hook does not check for a null pointer (it would make a
+tensor at address 0). ``install()`` therefore registers libc10's ``torchCheckFail`` as the
+library's error thrower: a failed allocation raises ``RuntimeError`` with our report (size,
+cached, largest free block, reserved, limit). The library also prints the report on
+stderr, and ``last_error()`` returns it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+
+from . import _lib
+
+__all__ = [
+    "InstallError", "install", "installed", "memory_stats", "memory_allocated",
+    "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+    "reset_peak_memory_stats", "empty_cache", "dump_snapshot", "last_error", "raw_stats",
+]
+
+# setter on PyTorch's _CUDAPluggableAllocator -> our symbol
+_HOOKS = {
+    "set_record_stream_fn": "streamalloc_record_stream",
+    "set_reset_fn": "streamalloc_empty_cache",
+    "set_memory_fraction_fn": "streamalloc_set_memory_fraction",
+}
+
+_PATCHED = (
+    "memory_stats", "memory_allocated", "max_memory_allocated", "memory_reserved",
+    "max_memory_reserved", "reset_peak_memory_stats", "reset_max_memory_allocated",
+)
+
+_allocator = None  # keeps PyTorch's wrapper (and its function pointers) alive
+
+
+class InstallError(RuntimeError):
+    """streamalloc could not become PyTorch's allocator."""
+
+
+def installed() -> bool:
+    """True once :func:`install` succeeded in this process."""
+    return _allocator is not None
+
+
+def install(path: str | os.PathLike | None = None, patch_torch: bool = True) -> None:
+    """Makes streamalloc PyTorch's CUDA allocator. Call it before any CUDA tensor exists.
+
+    ``path`` overrides where ``libstreamalloc.so`` is found; ``patch_torch`` replaces
+    ``torch.cuda``'s memory statistics functions with this module's. Calling it again is a
+    no-op.
+    """
+    global _allocator
+    if _allocator is not None:
+        return
+    import torch
+
+    lib = _lib.load(path)
+    so = str(_lib.library_path())
+    pluggable = torch.cuda.memory.CUDAPluggableAllocator(so, "streamalloc_malloc", "streamalloc_free")
+    raw = pluggable.allocator()
+    for setter, symbol in _HOOKS.items():
+        register = getattr(raw, setter, None)
+        if register is None:
+            raise InstallError(
+                f"PyTorch {torch.__version__} has no {setter} on its pluggable allocator; "
+                "streamalloc needs it (without record_stream, isend buffers could be reused early)"
+            )
+        register(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
+    thrower = _c10_thrower(torch)
+    if thrower is None:
+        warnings.warn(
+            "streamalloc: libc10's torchCheckFail not found; an out-of-memory will return a null "
+            "pointer to PyTorch (reported on stderr) instead of raising"
+        )
+    else:
+        lib.streamalloc_set_error_thrower(thrower)
+    try:
+        torch.cuda.memory.change_current_allocator(pluggable)
+    except RuntimeError as err:
+        raise InstallError(
+            "PyTorch has already initialised its own CUDA allocator (a CUDA tensor was created "
+            "before streamalloc.torch.install()); call install() first, e.g. at the top of the "
+            f"program. PyTorch said: {err}"
+        ) from err
+    _allocator = pluggable
+    if patch_torch:
+        _patch_torch(torch)
+
+
+# c10::detail::torchCheckFail(const char* func, const char* file, uint32_t line, const char* msg):
+# throws c10::Error, which PyTorch turns into a Python RuntimeError.
+_TORCH_CHECK_FAIL = "_ZN3c106detail14torchCheckFailEPKcS2_jS2_"
+
+
+def _c10_thrower(torch):
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    try:
+        c10 = ctypes.CDLL(path)
+        return ctypes.cast(getattr(c10, _TORCH_CHECK_FAIL), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def _patch_torch(torch) -> None:
+    mine = globals()
+    for name in _PATCHED:
+        for module in (torch.cuda, torch.cuda.memory):
+            if hasattr(module, name):
+                setattr(module, name, mine[name])
+
+
+def _device(device=None) -> int:
+    import torch
+
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        return device.index if device.index is not None else torch.cuda.current_device()
+    raise TypeError(f"not a CUDA device: {device!r}")
+
+
+def raw_stats(device=None) -> dict:
+    """Our counters, as the library reports them (``streamalloc_stats_json``)."""
+    return _lib.stats(_device(device))
+
+
+def memory_stats(device=None) -> dict:
+    """Counters under ``torch.cuda.memory_stats()``'s flat keys, plus ``streamalloc.*``."""
+    raw = raw_stats(device)
+    s = raw["stats"]
+    out = {}
+    for ours, theirs in (
+        ("allocated_bytes", "allocated_bytes"), ("reserved_bytes", "reserved_bytes"),
+        ("active_bytes", "active_bytes"), ("requested_bytes", "requested_bytes"),
+    ):
+        out[f"{theirs}.all.current"] = s[ours]["current"]
+        out[f"{theirs}.all.peak"] = s[ours]["peak"]
+    out["allocation.all.allocated"] = s["allocs"]
+    out["allocation.all.freed"] = s["frees"]
+    out["allocation.all.current"] = s["allocs"] - s["frees"]
+    out["segment.all.allocated"] = s["segment_allocs"]
+    out["segment.all.freed"] = s["segment_frees"]
+    out["segment.all.current"] = s["segment_allocs"] - s["segment_frees"]
+    out["num_alloc_retries"] = s["retries"]
+    out["num_ooms"] = s["ooms"]
+    out["num_device_alloc"] = s["segment_allocs"]
+    out["num_device_free"] = s["segment_frees"]
+    for key, value in s.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                out[f"streamalloc.{key}.{sub}"] = v
+        else:
+            out[f"streamalloc.{key}"] = value
+    out["streamalloc.memory_limit"] = raw["memory_limit"] or 0
+    out["streamalloc.process.invalid_frees"] = raw["process"]["invalid_frees"]
+    out["streamalloc.process.unknown_record_streams"] = raw["process"]["unknown_record_streams"]
+    return out
+
+
+def memory_allocated(device=None) -> int:
+    """Bytes in blocks handed to tensors (``torch.cuda.memory_allocated``)."""
+    return raw_stats(device)["stats"]["allocated_bytes"]["current"]
+
+
+def max_memory_allocated(device=None) -> int:
+    """Peak of :func:`memory_allocated` since the last reset."""
+    return raw_stats(device)["stats"]["allocated_bytes"]["peak"]
+
+
+def memory_reserved(device=None) -> int:
+    """Bytes obtained from the driver (``torch.cuda.memory_reserved``)."""
+    return raw_stats(device)["stats"]["reserved_bytes"]["current"]
+
+
+def max_memory_reserved(device=None) -> int:
+    """Peak of :func:`memory_reserved` since the last reset."""
+    return raw_stats(device)["stats"]["reserved_bytes"]["peak"]
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    """Sets every peak to its current value."""
+    if _lib.load().streamalloc_reset_peak_stats(_device(device)) != 0:
+        raise RuntimeError(_lib.last_error())
+
+
+reset_max_memory_allocated = reset_peak_memory_stats
+
+
+def empty_cache() -> None:
+    """Returns wholly free cached segments to the driver (every device in use)."""
+    _lib.load().streamalloc_empty_cache()
+
+
+def dump_snapshot(path: str | os.PathLike, device=None) -> None:
+    """Writes the device's snapshot (segments, blocks, trace ring, stats) as JSON."""
+    _lib.dump_snapshot(path, _device(device))
+
+
+def last_error() -> str:
+    """The library's last failure message on this thread (e.g. the out-of-memory report)."""
+    return _lib.last_error()

@@ -1,0 +1,337 @@
+//! `streamalloc run`: puts streamalloc into a program the user did not write.
+//!
+//! ```text
+//! streamalloc run [--conf KEY:VAL,...] [--snapshot PATH] [--stats] [--preload] -- COMMAND...
+//! ```
+//!
+//! The launcher checks everything it can before the program starts (the configuration
+//! parses, the library and the Python boot folder exist, the snapshot folder exists), so
+//! a mistake is one line on stderr and exit code 2 rather than a failure deep inside a
+//! training job. Then it runs COMMAND with this environment:
+//!
+//! | variable | value |
+//! | --- | --- |
+//! | `PYTHONPATH` | `<python>/streamalloc/_boot:<python>` before the existing value |
+//! | `STREAMALLOC_LIB` | the absolute path of `libstreamalloc.so` |
+//! | `STREAMALLOC_CONF` | `--conf`, when given |
+//! | `STREAMALLOC_SNAPSHOT` | `--snapshot`, made absolute |
+//! | `STREAMALLOC_STATS_AT_EXIT` | `1` with `--stats` |
+//! | `LD_PRELOAD` | `libstreamalloc_preload.so` first, with `--preload` |
+//!
+//! Every Python process started below it (torchrun's workers included: they inherit the
+//! environment) runs `_boot/sitecustomize.py` at start-up, which installs streamalloc as
+//! PyTorch's allocator the moment `torch` is imported, before any CUDA work, and registers
+//! the exit hook (`src/process.rs`).
+//!
+//! # Exit status and signals
+//! The launcher waits for the child and exits with its status; a child killed by signal
+//! `n` gives `128 + n`, as a shell reports it. SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to
+//! the launcher are forwarded to the child. SIGINT and SIGQUIT are ignored by the launcher
+//! while the child runs: a terminal delivers them to the whole foreground group, child
+//! included, and the launcher must outlive the child to report its status. A command that
+//! cannot be started gives 127 (not found) or 126 (not executable), like a shell.
+
+use super::CliError;
+use std::ffi::OsString;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::sync::atomic::{AtomicI32, Ordering};
+use streamalloc_allocator::Config;
+
+/// The shared library's file name.
+pub(crate) const LIB_NAME: &str = "libstreamalloc.so";
+/// The LD_PRELOAD interposer's file name (crate `preload/`).
+pub(crate) const PRELOAD_NAME: &str = "libstreamalloc_preload.so";
+/// Overrides where the library is found.
+pub(crate) const LIB_ENV: &str = "STREAMALLOC_LIB";
+/// Overrides where the preload interposer is found.
+pub(crate) const PRELOAD_ENV: &str = "STREAMALLOC_PRELOAD_LIB";
+/// Overrides where the Python package is found (the folder holding `streamalloc/`).
+pub(crate) const PYTHON_ENV: &str = "STREAMALLOC_PYTHON";
+/// The boot folder inside the Python package, put first on `PYTHONPATH`.
+const BOOT: &str = "streamalloc/_boot";
+
+/// Arguments of `streamalloc run`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct RunArgs {
+    /// Allocator configuration, as in STREAMALLOC_CONF (e.g. `reuse_policy:stream_wait,trace_capacity:65536`);
+    /// checked before the program starts and passed to every process.
+    #[arg(long, value_name = "KEY:VAL,...")]
+    conf: Option<String>,
+    /// Each process writes its snapshot here at exit; ranks (RANK / LOCAL_RANK) get
+    /// `PATH.rankN.json`, and a process using several devices `.devD`.
+    #[arg(long, value_name = "PATH")]
+    snapshot: Option<PathBuf>,
+    /// Each process prints its allocator counters on stderr at exit.
+    #[arg(long)]
+    stats: bool,
+    /// Also LD_PRELOAD the cudaMalloc/cudaFree interposer, for programs that call the CUDA
+    /// runtime's allocator themselves (CUDA C built with `-cudart shared`, CuPy without its
+    /// pool). Do not use it for PyTorch with its caching allocator.
+    #[arg(long)]
+    preload: bool,
+    /// The program and its arguments (after `--`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "COMMAND"
+    )]
+    command: Vec<OsString>,
+}
+
+/// Runs `args.command` under streamalloc; see the module docs.
+pub(crate) fn run(args: RunArgs) -> Result<ExitCode, CliError> {
+    let plan = Plan::new(&args)?;
+    let (program, rest) = args.command.split_first().ok_or_else(|| {
+        CliError::Message("run: no command given (usage: streamalloc run -- COMMAND...)".into())
+    })?;
+    let mut command = Command::new(program);
+    command.args(rest);
+    for (name, value) in &plan.env {
+        command.env(name, value);
+    }
+    tracing::debug!(?plan, "streamalloc run");
+    let mut child = match command.spawn() {
+        Ok(child) => child,
+        Err(err) => {
+            let code = match err.kind() {
+                std::io::ErrorKind::NotFound => 127,
+                _ => 126,
+            };
+            eprintln!(
+                "streamalloc: run: cannot start `{}`: {err}",
+                program.to_string_lossy()
+            );
+            return Ok(ExitCode::from(code));
+        }
+    };
+    let _forwarding = SignalForwarding::start(child.id());
+    let status = child
+        .wait()
+        .map_err(|err| CliError::Message(format!("run: waiting for the program: {err}")))?;
+    let code = match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(signal)) => 128 + signal,
+        (None, None) => 1,
+    };
+    Ok(ExitCode::from(code as u8))
+}
+
+/// What the child gets: environment variables to set. Built and checked before anything
+/// runs.
+#[derive(Debug)]
+struct Plan {
+    env: Vec<(&'static str, OsString)>,
+}
+
+impl Plan {
+    fn new(args: &RunArgs) -> Result<Self, CliError> {
+        let mut env = Vec::new();
+        // The configuration: --conf, else whatever STREAMALLOC_CONF the user already has;
+        // either way it must parse, or every process would fail on its first allocation.
+        match &args.conf {
+            Some(text) => {
+                Config::parse(text).map_err(|err| {
+                    let err = err.to_string();
+                    let err = err.strip_prefix("STREAMALLOC_CONF: ").unwrap_or(&err);
+                    CliError::Message(format!("run: bad --conf: {err}"))
+                })?;
+                env.push(("STREAMALLOC_CONF", OsString::from(text)));
+            }
+            None => {
+                if let Ok(text) = std::env::var("STREAMALLOC_CONF") {
+                    Config::parse(&text).map_err(|err| {
+                        CliError::Message(format!("run: bad STREAMALLOC_CONF: {err}"))
+                    })?;
+                }
+            }
+        }
+        let exe_dir = exe_dir()?;
+        let lib = find_file(LIB_ENV, LIB_NAME, &exe_dir, "cargo build --release")?;
+        env.push((LIB_ENV, lib.into_os_string()));
+
+        let python = find_python(&exe_dir)?;
+        let mut path =
+            std::env::join_paths([python.join(BOOT), python.clone()]).map_err(|err| {
+                CliError::Message(format!("run: cannot use {}: {err}", python.display()))
+            })?;
+        if let Some(existing) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
+            path.push(":");
+            path.push(existing);
+        }
+        env.push(("PYTHONPATH", path));
+
+        if let Some(snapshot) = &args.snapshot {
+            env.push((
+                "STREAMALLOC_SNAPSHOT",
+                absolute_snapshot(snapshot)?.into_os_string(),
+            ));
+        }
+        if args.stats {
+            env.push(("STREAMALLOC_STATS_AT_EXIT", OsString::from("1")));
+        }
+        if args.preload {
+            let preload = find_file(
+                PRELOAD_ENV,
+                PRELOAD_NAME,
+                &exe_dir,
+                "cargo build --release -p streamalloc-preload",
+            )?;
+            let mut value = preload.into_os_string();
+            if let Some(existing) = std::env::var_os("LD_PRELOAD").filter(|p| !p.is_empty()) {
+                value.push(":");
+                value.push(existing);
+            }
+            env.push(("LD_PRELOAD", value));
+        }
+        Ok(Self { env })
+    }
+}
+
+/// The folder of the running `streamalloc` executable (symbolic links resolved).
+fn exe_dir() -> Result<PathBuf, CliError> {
+    let exe = std::env::current_exe()
+        .and_then(std::fs::canonicalize)
+        .map_err(|err| {
+            CliError::Message(format!(
+                "run: cannot locate the streamalloc executable: {err}"
+            ))
+        })?;
+    Ok(exe.parent().map(Path::to_path_buf).unwrap_or_default())
+}
+
+/// `name` from the variable `env` (which must then name a file), else next to the
+/// executable or in `../lib`.
+fn find_file(env: &str, name: &str, exe_dir: &Path, build: &str) -> Result<PathBuf, CliError> {
+    if let Some(value) = std::env::var_os(env).filter(|v| !v.is_empty()) {
+        let path = PathBuf::from(&value);
+        return match std::fs::canonicalize(&path) {
+            Ok(path) if path.is_file() => Ok(path),
+            _ => Err(CliError::Message(format!(
+                "run: {env}={} is not a file",
+                path.display()
+            ))),
+        };
+    }
+    let candidates = [exe_dir.join(name), exe_dir.join("../lib").join(name)];
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .and_then(|p| std::fs::canonicalize(p).ok())
+        .ok_or_else(|| {
+            CliError::Message(format!(
+                "run: {name} not found (looked at {}); build it with `{build}` or set {env}",
+                join_display(&candidates)
+            ))
+        })
+}
+
+/// The folder that holds the `streamalloc` Python package with its boot module:
+/// `STREAMALLOC_PYTHON`, else `python/` next to the executable, in its parent, in
+/// `../share/streamalloc/`, or in the source checkout it was built from.
+fn find_python(exe_dir: &Path) -> Result<PathBuf, CliError> {
+    let has_boot = |dir: &Path| dir.join(BOOT).join("sitecustomize.py").is_file();
+    if let Some(value) = std::env::var_os(PYTHON_ENV).filter(|v| !v.is_empty()) {
+        let dir = PathBuf::from(&value);
+        return match std::fs::canonicalize(&dir) {
+            Ok(dir) if has_boot(&dir) => Ok(dir),
+            _ => Err(CliError::Message(format!(
+                "run: {PYTHON_ENV}={} does not hold {BOOT}/sitecustomize.py",
+                dir.display()
+            ))),
+        };
+    }
+    let candidates = [
+        exe_dir.join("python"),
+        exe_dir.join("../python"),
+        exe_dir.join("../share/streamalloc/python"),
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("python"),
+    ];
+    candidates
+        .iter()
+        .find(|dir| has_boot(dir))
+        .and_then(|dir| std::fs::canonicalize(dir).ok())
+        .ok_or_else(|| {
+            CliError::Message(format!(
+                "run: the streamalloc Python package was not found (looked for {BOOT}/sitecustomize.py in {}); set {PYTHON_ENV}",
+                join_display(&candidates)
+            ))
+        })
+}
+
+/// `--snapshot` made absolute (children may change folder), its folder checked to exist.
+fn absolute_snapshot(path: &Path) -> Result<PathBuf, CliError> {
+    let absolute = std::path::absolute(path).map_err(|err| {
+        CliError::Message(format!("run: bad --snapshot {}: {err}", path.display()))
+    })?;
+    let parent = absolute.parent().unwrap_or(Path::new("/"));
+    if !parent.is_dir() {
+        return Err(CliError::Message(format!(
+            "run: --snapshot {}: folder {} does not exist",
+            path.display(),
+            parent.display()
+        )));
+    }
+    if absolute.file_name().is_none() || path.as_os_str().to_string_lossy().ends_with('/') {
+        return Err(CliError::Message(format!(
+            "run: --snapshot {} names a folder, not a file",
+            path.display()
+        )));
+    }
+    Ok(absolute)
+}
+
+fn join_display(paths: &[PathBuf]) -> String {
+    let shown: Vec<_> = paths.iter().map(|p| p.display().to_string()).collect();
+    shown.join(", ")
+}
+
+// ---- Signals ----
+
+/// The child's pid for the signal handler (0: none).
+static CHILD: AtomicI32 = AtomicI32::new(0);
+
+const FORWARDED: [libc::c_int; 4] = [libc::SIGTERM, libc::SIGHUP, libc::SIGUSR1, libc::SIGUSR2];
+const IGNORED: [libc::c_int; 2] = [libc::SIGINT, libc::SIGQUIT];
+
+extern "C" fn forward(signal: libc::c_int) {
+    let pid = CHILD.load(Ordering::Relaxed);
+    if pid > 0 {
+        // SAFETY: kill is async-signal-safe; the pid is our child's, which we have not
+        // reaped yet (the guard clears CHILD after wait returns).
+        unsafe { libc::kill(pid, signal) };
+    }
+}
+
+/// Forwards signals to the child while alive; restores the defaults when dropped.
+#[derive(Debug)]
+struct SignalForwarding;
+
+impl SignalForwarding {
+    fn start(pid: u32) -> Self {
+        CHILD.store(pid as i32, Ordering::Relaxed);
+        let handler = forward as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        for signal in FORWARDED {
+            // SAFETY: installing a handler that only does an atomic load and kill(2).
+            unsafe { libc::signal(signal, handler) };
+        }
+        for signal in IGNORED {
+            // SAFETY: ignoring a signal in this process only (set after the child was
+            // spawned, so the child keeps the default disposition).
+            unsafe { libc::signal(signal, libc::SIG_IGN) };
+        }
+        Self
+    }
+}
+
+impl Drop for SignalForwarding {
+    fn drop(&mut self) {
+        CHILD.store(0, Ordering::Relaxed);
+        for signal in FORWARDED.into_iter().chain(IGNORED) {
+            // SAFETY: restoring the default disposition.
+            unsafe { libc::signal(signal, libc::SIG_DFL) };
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! Errors across the C ABI: a thread-local last-error string, panic containment, and
+//! warnings printed once per kind.
+//!
+//! C callers see failures as a null pointer or a negative return code; the message is
+//! then read with `streamalloc_last_error()`, which, like `errno`, is only meaningful right
+//! after a call that failed on the same thread. Nothing here runs on the success path.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, CString};
+use std::fmt::Display;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Stores `message` as this thread's last error.
+#[cold]
+pub fn set(message: impl Display) {
+    let text = message.to_string().replace('\0', " ");
+    let text = CString::new(text).unwrap_or_default();
+    LAST_ERROR.with(|slot| *slot.borrow_mut() = text);
+}
+
+/// This thread's last error ("" if none), valid until the next failing call on this
+/// thread.
+pub fn last() -> *const c_char {
+    LAST_ERROR.with(|slot| slot.borrow().as_ptr())
+}
+
+/// This thread's last error as a Rust string.
+pub fn last_string() -> String {
+    LAST_ERROR.with(|slot| slot.borrow().to_string_lossy().into_owned())
+}
+
+/// Runs `body`, turning a panic into `fallback` plus a last error: no panic may unwind
+/// into C.
+#[inline]
+pub fn guard<T>(fallback: T, body: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(value) => value,
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            set(format_args!("streamalloc internal error (panic): {what}"));
+            fallback
+        }
+    }
+}
+
+/// Kinds of misuse reported once per process, then only counted.
+#[derive(Clone, Copy, Debug)]
+pub enum Once {
+    /// A device's allocator could not be created.
+    Unavailable = 0,
+    /// `free` of a pointer no allocator handed out, or already freed.
+    InvalidFree = 1,
+    /// `free` naming another device than the pointer's.
+    WrongDevice = 2,
+    /// `record_stream` on a pointer no allocator knows.
+    UnknownRecordStream = 3,
+}
+
+static WARNED: [AtomicBool; 4] = [const { AtomicBool::new(false) }; 4];
+
+/// Prints `message` on stderr (and to `tracing`) the first time `kind` happens.
+#[cold]
+pub fn warn_once(kind: Once, message: impl Display) {
+    if !WARNED[kind as usize].swap(true, Ordering::Relaxed) {
+        tracing::warn!(%message, "streamalloc");
+        eprintln!(
+            "streamalloc: {message} (reported once; later cases are only counted in the stats)"
+        );
+    }
+}
