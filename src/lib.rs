@@ -10,5 +10,6 @@ pub mod ffi;
 pub mod process;
 
 pub use streamalloc_allocator as allocator;
+pub mod ffi_p2p;
 
 pub mod replay;

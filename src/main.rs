@@ -18,6 +18,8 @@ struct Cli {
 enum Command {
     /// Run a simulated workload (no GPU needed) and print what the allocator did.
     Demo(cli::demo::DemoArgs),
+    /// Run a staged many-tensor exchange between simulated ranks and check every byte.
+    P2pSim(cli::p2p_sim::P2pSimArgs),
     /// Replay allocation traces (PyTorch snapshots or streamalloc JSON) on the simulated
     /// device and compare peak reserved memory with the recording allocator's.
     Replay(cli::replay::ReplayArgs),
@@ -39,6 +41,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(args) => cli::demo::run(args),
+        Command::P2pSim(args) => cli::p2p_sim::run(args),
         Command::Replay(args) => cli::replay::run(args),
         Command::Run(args) => cli::run::run(args),
         Command::Snapshot(args) => cli::snapshot::run(args),

@@ -63,9 +63,11 @@ pub mod pool;
 pub mod replay;
 pub mod scenarios;
 pub mod snapshot;
+pub mod staging;
 pub mod stats;
 pub mod testing;
 pub mod trace;
+pub mod transport;
 pub mod types;
 mod util;
 

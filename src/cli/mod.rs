@@ -3,6 +3,7 @@
 
 pub(crate) mod demo;
 pub(crate) mod plot;
+pub(crate) mod p2p_sim;
 pub(crate) mod replay;
 pub(crate) mod run;
 pub(crate) mod snapshot;

@@ -1,0 +1,852 @@
+//! The planner: every rank's tensor lists in, the same rounds out on every rank.
+//!
+//! The plan is a pure function of the [`Description`] (every rank's send and receive lists,
+//! gathered from all ranks) and the [`StagingConfig`], so every rank that holds the same
+//! inputs computes the same plan, byte for byte; its [`Plan::digest`] lets ranks check that
+//! before any data moves.
+//!
+//! # How rounds are built
+//! 1. Pairing: the circle method (round-robin tournament) splits the `world·(world−1)/2`
+//!    unordered pairs into steps in which every rank has at most one partner. Both
+//!    directions of a pair travel in the same step, in one group per round, so no rank ever
+//!    waits on a rank that waits on a third: there is no cycle to deadlock on.
+//! 2. Messages: the list a rank sends to a peer is cut into messages. A tensor of at least
+//!    `zero_copy_min` bytes is a message of its own, sent straight from the tensor
+//!    (zero-copy). Smaller tensors are packed, in order, into messages of at most one
+//!    staging buffer: back to back while the dtype stays the same (so a run of same-dtype
+//!    tensors is one contiguous typed region, packed and unpacked by one batched copy), at
+//!    the next [`ALIGN`]-byte offset when it changes. A tensor that does not fit the room
+//!    left is split across two (or more) buffers, so every packed message but the last is
+//!    full. Offsets within a same-dtype run stay multiples of the element size, because
+//!    every run starts aligned, tensors are whole elements and buffers are multiples of
+//!    [`ALIGN`].
+//! 3. Rounds: round `k` of a step carries message `k` of each direction of each pair of the
+//!    step. So in a round each ordered pair exchanges at most one message, and each rank
+//!    posts at most one send and one receive: two operations per group, whatever the
+//!    number of tensors.
+//!
+//! Staging memory per rank is at most `buffers_per_direction` buffers for sending and as
+//! many for receiving, each at most [`StagingConfig::buffer_bytes`]: within the budget by
+//! construction ([`Plan::staging_need`]).
+
+use super::StagingError;
+
+/// Byte alignment of the start of every same-dtype run in a staging buffer, so that the run
+/// can be viewed in place with its own dtype (16 covers every PyTorch dtype).
+pub const ALIGN: u64 = 16;
+
+/// Smallest staging buffer the planner accepts.
+pub const MIN_BUFFER_BYTES: u64 = 4096;
+
+/// Version of the plan format and algorithm, mixed into the digest: ranks running different
+/// planners disagree loudly instead of exchanging garbage.
+const PLAN_VERSION: u64 = 1;
+
+/// Magic number opening an encoded [`LocalDescription`].
+const DESCRIPTION_MAGIC: u32 = 0x5350_3250; // "SP2P"
+
+/// Sizing of the staging pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingConfig {
+    /// Most staging bytes one rank holds at once, send and receive buffers together.
+    pub budget_bytes: u64,
+    /// Buffers per direction (≥ 2: packing round k+1 overlaps sending round k).
+    pub buffers_per_direction: u32,
+    /// Tensors of at least this many bytes are sent zero-copy; `None` means one buffer.
+    pub zero_copy_min: Option<u64>,
+}
+
+impl Default for StagingConfig {
+    fn default() -> Self {
+        Self {
+            budget_bytes: 128 << 20,
+            buffers_per_direction: 2,
+            zero_copy_min: None,
+        }
+    }
+}
+
+impl StagingConfig {
+    /// A configuration with `budget_bytes` and the other settings at their defaults.
+    pub fn with_budget(budget_bytes: u64) -> Self {
+        Self {
+            budget_bytes,
+            ..Self::default()
+        }
+    }
+
+    /// Bytes of one staging buffer: the budget split over both directions'
+    /// buffers, rounded down to [`ALIGN`].
+    pub fn buffer_bytes(&self) -> u64 {
+        let buffers = 2 * u64::from(self.buffers_per_direction.max(1));
+        (self.budget_bytes / buffers) / ALIGN * ALIGN
+    }
+
+    /// The zero-copy threshold in force.
+    pub fn zero_copy_threshold(&self) -> u64 {
+        self.zero_copy_min.unwrap_or_else(|| self.buffer_bytes())
+    }
+
+    /// Checks the configuration, with a message naming what to change.
+    pub fn validate(&self) -> Result<(), StagingError> {
+        if self.buffers_per_direction < 2 {
+            return Err(StagingError::BadConfig(format!(
+                "buffers_per_direction must be at least 2 (got {})",
+                self.buffers_per_direction
+            )));
+        }
+        let min = 2 * u64::from(self.buffers_per_direction) * MIN_BUFFER_BYTES;
+        if self.budget_bytes < min {
+            return Err(StagingError::BadConfig(format!(
+                "staging budget of {} bytes is too small: need at least {min} bytes \
+                 ({} buffers per direction of at least {MIN_BUFFER_BYTES} bytes)",
+                self.budget_bytes, self.buffers_per_direction
+            )));
+        }
+        if self.zero_copy_min == Some(0) {
+            return Err(StagingError::BadConfig(
+                "zero_copy_min must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+// ---- Description ----
+
+/// One tensor as the planner sees it: a byte count and an opaque dtype code that sender
+/// and receiver must agree on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TensorMeta {
+    /// Bytes of the tensor.
+    pub bytes: u64,
+    /// Dtype code (any numbering, as long as every rank uses the same one).
+    pub dtype: u32,
+}
+
+/// What one rank knows: its send and receive lists, one per peer (index = peer rank,
+/// including itself). This is what ranks all-gather before planning.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalDescription {
+    /// This rank.
+    pub rank: u32,
+    /// Number of ranks.
+    pub world: u32,
+    /// `sends[p]`: tensors sent to rank `p`, in order.
+    pub sends: Vec<Vec<TensorMeta>>,
+    /// `recvs[p]`: tensors received from rank `p`, in order.
+    pub recvs: Vec<Vec<TensorMeta>>,
+}
+
+impl LocalDescription {
+    /// An empty description (nothing sent or received) for `rank` of `world`.
+    pub fn empty(rank: u32, world: u32) -> Self {
+        Self {
+            rank,
+            world,
+            sends: vec![Vec::new(); world as usize],
+            recvs: vec![Vec::new(); world as usize],
+        }
+    }
+
+    /// The compact little-endian encoding all-gathered between ranks.
+    pub fn encode(&self) -> Vec<u8> {
+        let tensors: usize = self.sends.iter().chain(&self.recvs).map(Vec::len).sum();
+        let mut out = Vec::with_capacity(12 + 8 * self.world as usize + 12 * tensors);
+        out.extend_from_slice(&DESCRIPTION_MAGIC.to_le_bytes());
+        out.extend_from_slice(&self.rank.to_le_bytes());
+        out.extend_from_slice(&self.world.to_le_bytes());
+        for lists in [&self.sends, &self.recvs] {
+            for list in lists {
+                out.extend_from_slice(&(list.len() as u32).to_le_bytes());
+                for t in list {
+                    out.extend_from_slice(&t.bytes.to_le_bytes());
+                    out.extend_from_slice(&t.dtype.to_le_bytes());
+                }
+            }
+        }
+        out
+    }
+
+    /// Decodes [`LocalDescription::encode`]'s output.
+    pub fn decode(bytes: &[u8]) -> Result<Self, StagingError> {
+        let mut reader = Reader { bytes, pos: 0 };
+        if reader.u32()? != DESCRIPTION_MAGIC {
+            return Err(StagingError::Malformed(
+                "not a streamalloc p2p description (bad magic)".into(),
+            ));
+        }
+        let rank = reader.u32()?;
+        let world = reader.u32()?;
+        if world == 0 || rank >= world {
+            return Err(StagingError::Malformed(format!(
+                "rank {rank} out of range for world size {world}"
+            )));
+        }
+        let mut lists = || -> Result<Vec<Vec<TensorMeta>>, StagingError> {
+            (0..world)
+                .map(|_| {
+                    let n = reader.u32()? as usize;
+                    if n > reader.remaining() / 12 {
+                        return Err(StagingError::Malformed("truncated tensor list".into()));
+                    }
+                    (0..n)
+                        .map(|_| {
+                            Ok(TensorMeta {
+                                bytes: reader.u64()?,
+                                dtype: reader.u32()?,
+                            })
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        let sends = lists()?;
+        let recvs = lists()?;
+        if reader.remaining() != 0 {
+            return Err(StagingError::Malformed("trailing bytes".into()));
+        }
+        Ok(Self {
+            rank,
+            world,
+            sends,
+            recvs,
+        })
+    }
+}
+
+/// A cursor over an encoded description.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+impl Reader<'_> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], StagingError> {
+        let end = self.pos + N;
+        let chunk = self
+            .bytes
+            .get(self.pos..end)
+            .ok_or_else(|| StagingError::Malformed("truncated description".into()))?;
+        self.pos = end;
+        Ok(chunk.try_into().expect("slice of length N"))
+    }
+    fn u32(&mut self) -> Result<u32, StagingError> {
+        Ok(u32::from_le_bytes(self.take()?))
+    }
+    fn u64(&mut self) -> Result<u64, StagingError> {
+        Ok(u64::from_le_bytes(self.take()?))
+    }
+    fn remaining(&self) -> usize {
+        self.bytes.len() - self.pos
+    }
+}
+
+/// The global picture: what every rank sends to every rank, checked against what every
+/// receiver expects.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Description {
+    world: u32,
+    /// `sends[src][dst]`: the tensors `src` sends to `dst`, in order.
+    sends: Vec<Vec<Vec<TensorMeta>>>,
+}
+
+impl Description {
+    /// Checks every rank's lists against its peers' and builds the global picture. Every
+    /// rank that calls this with the same gathered descriptions gets the same result, error
+    /// included: a mismatch names the first disagreeing pair in (sender, receiver) order.
+    pub fn from_locals(locals: &[LocalDescription]) -> Result<Self, StagingError> {
+        let world = locals.len() as u32;
+        if world == 0 {
+            return Err(StagingError::Malformed("no ranks".into()));
+        }
+        for (i, local) in locals.iter().enumerate() {
+            if local.world != world || local.rank != i as u32 {
+                return Err(StagingError::Malformed(format!(
+                    "description #{i} claims rank {} of world {}, expected rank {i} of {world}",
+                    local.rank, local.world
+                )));
+            }
+            if local.sends.len() != world as usize || local.recvs.len() != world as usize {
+                return Err(StagingError::Malformed(format!(
+                    "rank {i} lists {} send and {} receive peers, expected {world}",
+                    local.sends.len(),
+                    local.recvs.len()
+                )));
+            }
+        }
+        for src in 0..world as usize {
+            for dst in 0..world as usize {
+                check_pair(src, dst, &locals[src].sends[dst], &locals[dst].recvs[src])?;
+            }
+        }
+        Ok(Self {
+            world,
+            sends: locals.iter().map(|l| l.sends.clone()).collect(),
+        })
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> u32 {
+        self.world
+    }
+
+    /// The tensors `src` sends to `dst`.
+    pub fn sends(&self, src: u32, dst: u32) -> &[TensorMeta] {
+        &self.sends[src as usize][dst as usize]
+    }
+}
+
+/// Compares one ordered pair's send list with the receiver's expectation.
+fn check_pair(
+    src: usize,
+    dst: usize,
+    sent: &[TensorMeta],
+    expected: &[TensorMeta],
+) -> Result<(), StagingError> {
+    let mismatch = |detail: String| StagingError::Mismatch {
+        src: src as u32,
+        dst: dst as u32,
+        detail,
+    };
+    if sent.len() != expected.len() {
+        return Err(mismatch(format!(
+            "rank {src} sends {} tensors to rank {dst}, which expects {}",
+            sent.len(),
+            expected.len()
+        )));
+    }
+    if let Some((k, (s, e))) = sent
+        .iter()
+        .zip(expected)
+        .enumerate()
+        .find(|(_, (s, e))| s != e)
+    {
+        return Err(mismatch(format!(
+            "tensor #{k}: sender has {} bytes of dtype {}, receiver expects {} bytes of dtype {}",
+            s.bytes, s.dtype, e.bytes, e.dtype
+        )));
+    }
+    Ok(())
+}
+
+// ---- Plan ----
+
+/// A contiguous piece of a tensor placed in a staging buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Segment {
+    /// Index of the tensor in the pair's list.
+    pub tensor: u32,
+    /// First byte of the piece within the tensor.
+    pub tensor_offset: u64,
+    /// Where the piece sits in the staging buffer (a multiple of [`ALIGN`] where the dtype
+    /// changes; right after the previous piece otherwise).
+    pub buffer_offset: u64,
+    /// Bytes of the piece.
+    pub len: u64,
+}
+
+/// What one message carries.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Payload {
+    /// Pieces of small tensors packed into a staging buffer; the message is the buffer's
+    /// first `len` bytes.
+    Packed {
+        /// The pieces, in buffer order.
+        segments: Vec<Segment>,
+        /// Bytes on the wire.
+        len: u64,
+    },
+    /// One large tensor sent straight from (and received straight into) its memory.
+    ZeroCopy {
+        /// Index of the tensor in the pair's list.
+        tensor: u32,
+        /// Bytes of the tensor.
+        len: u64,
+    },
+}
+
+impl Payload {
+    /// Bytes on the wire.
+    pub fn wire_len(&self) -> u64 {
+        match self {
+            Payload::Packed { len, .. } | Payload::ZeroCopy { len, .. } => *len,
+        }
+    }
+
+    /// Tensor bytes carried (the wire length less alignment padding).
+    pub fn tensor_bytes(&self) -> u64 {
+        match self {
+            Payload::Packed { segments, .. } => segments.iter().map(|s| s.len).sum(),
+            Payload::ZeroCopy { len, .. } => *len,
+        }
+    }
+}
+
+/// One message of a round.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Transfer {
+    /// Sending rank.
+    pub src: u32,
+    /// Receiving rank.
+    pub dst: u32,
+    /// What travels.
+    pub payload: Payload,
+}
+
+/// A round: every transfer in it runs in one group on each rank involved.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Round {
+    /// The pairing step (circle-method round) this round belongs to.
+    pub step: u32,
+    /// The messages; at most one per ordered pair.
+    pub transfers: Vec<Transfer>,
+}
+
+/// One rank's part of a round: indexes into [`Round::transfers`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RankRound {
+    /// Index of the round in [`Plan::rounds`].
+    pub round: u32,
+    /// The transfer this rank sends, if any.
+    pub send: Option<u32>,
+    /// The transfer this rank receives, if any.
+    pub recv: Option<u32>,
+}
+
+/// Staging buffers one rank needs to run its part of a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct StagingNeed {
+    /// Send buffers (≤ buffers per direction; 0 if nothing is packed).
+    pub send_buffers: u32,
+    /// Bytes of each send buffer (the largest packed message sent).
+    pub send_buffer_bytes: u64,
+    /// Receive buffers.
+    pub recv_buffers: u32,
+    /// Bytes of each receive buffer.
+    pub recv_buffer_bytes: u64,
+}
+
+impl StagingNeed {
+    /// Total staging bytes.
+    pub fn total(&self) -> u64 {
+        u64::from(self.send_buffers) * self.send_buffer_bytes
+            + u64::from(self.recv_buffers) * self.recv_buffer_bytes
+    }
+}
+
+/// The schedule every rank follows. Build it with [`Plan::build`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    world: u32,
+    config: StagingConfig,
+    rounds: Vec<Round>,
+    /// `per_rank[r]`: the rounds rank `r` takes part in, in order.
+    per_rank: Vec<Vec<RankRound>>,
+    /// `self_copies[r]`: tensors rank `r` sends to itself (copied locally, no rounds).
+    self_copies: Vec<u32>,
+    digest: u64,
+}
+
+impl Plan {
+    /// Plans the exchange described by `description`.
+    pub fn build(description: &Description, config: StagingConfig) -> Result<Self, StagingError> {
+        config.validate()?;
+        let world = description.world;
+        let buffer = config.buffer_bytes();
+        let zero_copy_min = config.zero_copy_threshold();
+        let mut rounds = Vec::new();
+        for (step, pairs) in circle_steps(world).into_iter().enumerate() {
+            let mut lanes: Vec<(u32, u32, std::vec::IntoIter<Payload>)> = Vec::new();
+            for (a, b) in pairs {
+                for (src, dst) in [(a, b), (b, a)] {
+                    let messages = cut_messages(description.sends(src, dst), buffer, zero_copy_min);
+                    if !messages.is_empty() {
+                        lanes.push((src, dst, messages.into_iter()));
+                    }
+                }
+            }
+            loop {
+                let transfers: Vec<Transfer> = lanes
+                    .iter_mut()
+                    .filter_map(|(src, dst, messages)| {
+                        messages.next().map(|payload| Transfer {
+                            src: *src,
+                            dst: *dst,
+                            payload,
+                        })
+                    })
+                    .collect();
+                if transfers.is_empty() {
+                    break;
+                }
+                rounds.push(Round {
+                    step: step as u32,
+                    transfers,
+                });
+            }
+        }
+        let mut per_rank: Vec<Vec<RankRound>> = vec![Vec::new(); world as usize];
+        for (index, round) in rounds.iter().enumerate() {
+            for (t, transfer) in round.transfers.iter().enumerate() {
+                for (rank, is_send) in [(transfer.src, true), (transfer.dst, false)] {
+                    let list = &mut per_rank[rank as usize];
+                    if list.last().is_none_or(|r| r.round != index as u32) {
+                        list.push(RankRound {
+                            round: index as u32,
+                            send: None,
+                            recv: None,
+                        });
+                    }
+                    let entry = list.last_mut().expect("pushed above");
+                    let slot = if is_send {
+                        &mut entry.send
+                    } else {
+                        &mut entry.recv
+                    };
+                    debug_assert!(slot.is_none(), "two messages for one rank and direction");
+                    *slot = Some(t as u32);
+                }
+            }
+        }
+        let self_copies = (0..world)
+            .map(|r| description.sends(r, r).len() as u32)
+            .collect();
+        let mut plan = Self {
+            world,
+            config,
+            rounds,
+            per_rank,
+            self_copies,
+            digest: 0,
+        };
+        plan.digest = plan.compute_digest(description);
+        Ok(plan)
+    }
+
+    /// Number of ranks.
+    pub fn world(&self) -> u32 {
+        self.world
+    }
+
+    /// The configuration the plan was built with.
+    pub fn config(&self) -> &StagingConfig {
+        &self.config
+    }
+
+    /// Every round, in order.
+    pub fn rounds(&self) -> &[Round] {
+        &self.rounds
+    }
+
+    /// The rounds `rank` takes part in.
+    pub fn rank_rounds(&self, rank: u32) -> &[RankRound] {
+        &self.per_rank[rank as usize]
+    }
+
+    /// Tensors `rank` sends to itself.
+    pub fn self_copies(&self, rank: u32) -> u32 {
+        self.self_copies[rank as usize]
+    }
+
+    /// A 64-bit digest of the plan and the description it came from (FNV-1a). Equal on
+    /// every rank when the plans are equal.
+    pub fn digest(&self) -> u64 {
+        self.digest
+    }
+
+    /// Most operations (sends plus receives) any rank posts in one group.
+    pub fn max_ops_per_group(&self) -> u32 {
+        self.per_rank
+            .iter()
+            .flatten()
+            .map(|r| u32::from(r.send.is_some()) + u32::from(r.recv.is_some()))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Tensor bytes that cross between distinct ranks.
+    pub fn bytes_moved(&self) -> u64 {
+        self.rounds
+            .iter()
+            .flat_map(|r| &r.transfers)
+            .map(|t| t.payload.tensor_bytes())
+            .sum()
+    }
+
+    /// The staging buffers `rank` needs: as many as the plan can use (up to
+    /// `buffers_per_direction`), each as large as its largest packed message.
+    pub fn staging_need(&self, rank: u32) -> StagingNeed {
+        let mut need = StagingNeed::default();
+        let (mut sends, mut recvs) = (0u64, 0u64);
+        for rr in self.rank_rounds(rank) {
+            let round = &self.rounds[rr.round as usize];
+            for (slot, count, bytes) in [
+                (rr.send, &mut sends, &mut need.send_buffer_bytes),
+                (rr.recv, &mut recvs, &mut need.recv_buffer_bytes),
+            ] {
+                if let Some(t) = slot {
+                    if let Payload::Packed { len, .. } = round.transfers[t as usize].payload {
+                        *count += 1;
+                        *bytes = (*bytes).max(len);
+                    }
+                }
+            }
+        }
+        let per_direction = u64::from(self.config.buffers_per_direction);
+        need.send_buffers = sends.min(per_direction) as u32;
+        need.recv_buffers = recvs.min(per_direction) as u32;
+        need
+    }
+
+    fn compute_digest(&self, description: &Description) -> u64 {
+        let mut h = Fnv::default();
+        h.u64(PLAN_VERSION);
+        h.u64(u64::from(self.world));
+        h.u64(self.config.budget_bytes);
+        h.u64(u64::from(self.config.buffers_per_direction));
+        h.u64(self.config.zero_copy_threshold());
+        for src in 0..self.world {
+            for dst in 0..self.world {
+                let list = description.sends(src, dst);
+                h.u64(list.len() as u64);
+                for t in list {
+                    h.u64(t.bytes);
+                    h.u64(u64::from(t.dtype));
+                }
+            }
+        }
+        h.u64(self.rounds.len() as u64);
+        for round in &self.rounds {
+            h.u64(u64::from(round.step));
+            h.u64(round.transfers.len() as u64);
+            for t in &round.transfers {
+                h.u64(u64::from(t.src) << 32 | u64::from(t.dst));
+                match &t.payload {
+                    Payload::ZeroCopy { tensor, len } => {
+                        h.u64(1);
+                        h.u64(u64::from(*tensor));
+                        h.u64(*len);
+                    }
+                    Payload::Packed { segments, len } => {
+                        h.u64(2);
+                        h.u64(*len);
+                        h.u64(segments.len() as u64);
+                        for s in segments {
+                            h.u64(u64::from(s.tensor));
+                            h.u64(s.tensor_offset);
+                            h.u64(s.buffer_offset);
+                            h.u64(s.len);
+                        }
+                    }
+                }
+            }
+        }
+        h.0
+    }
+}
+
+/// FNV-1a over 64-bit words: deterministic across platforms and runs (std's hasher is
+/// randomly seeded per process, so it cannot be compared between ranks).
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn u64(&mut self, value: u64) {
+        for byte in value.to_le_bytes() {
+            self.0 ^= u64::from(byte);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+/// The circle method: steps of disjoint pairs `(a, b)`, `a < b`, covering every unordered
+/// pair of `0..world` exactly once. With an odd world a phantom rank is added and whoever
+/// it meets sits the step out.
+pub fn circle_steps(world: u32) -> Vec<Vec<(u32, u32)>> {
+    if world < 2 {
+        return Vec::new();
+    }
+    let m = world + world % 2; // even
+    let spin = m - 1;
+    (0..spin)
+        .map(|r| {
+            let mut pairs = vec![(r, m - 1)];
+            for k in 1..m / 2 {
+                pairs.push(((r + k) % spin, (r + spin - k) % spin));
+            }
+            pairs
+                .into_iter()
+                .filter(|&(a, b)| a < world && b < world)
+                .map(|(a, b)| (a.min(b), a.max(b)))
+                .collect()
+        })
+        .collect()
+}
+
+/// Cuts one ordered pair's list into messages (see the module docs).
+fn cut_messages(list: &[TensorMeta], buffer: u64, zero_copy_min: u64) -> Vec<Payload> {
+    let mut out = Vec::new();
+    let mut segments = Vec::new();
+    let mut fill = 0u64;
+    // The dtype of the last piece in the open buffer (None: buffer empty).
+    let mut last_dtype: Option<u32> = None;
+    let flush = |segments: &mut Vec<Segment>,
+                 fill: &mut u64,
+                 last: &mut Option<u32>,
+                 out: &mut Vec<Payload>| {
+        if !segments.is_empty() {
+            out.push(Payload::Packed {
+                segments: std::mem::take(segments),
+                len: *fill,
+            });
+        }
+        *fill = 0;
+        *last = None;
+    };
+    for (index, tensor) in list.iter().enumerate() {
+        let size = tensor.bytes;
+        if size == 0 {
+            continue;
+        }
+        if size >= zero_copy_min {
+            out.push(Payload::ZeroCopy {
+                tensor: index as u32,
+                len: size,
+            });
+            continue;
+        }
+        let mut offset = 0;
+        while offset < size {
+            let start = if last_dtype == Some(tensor.dtype) {
+                fill
+            } else {
+                fill.div_ceil(ALIGN) * ALIGN
+            };
+            if start >= buffer {
+                flush(&mut segments, &mut fill, &mut last_dtype, &mut out);
+                continue;
+            }
+            last_dtype = Some(tensor.dtype);
+            let len = (buffer - start).min(size - offset);
+            segments.push(Segment {
+                tensor: index as u32,
+                tensor_offset: offset,
+                buffer_offset: start,
+                len,
+            });
+            offset += len;
+            fill = start + len;
+            if fill == buffer {
+                flush(&mut segments, &mut fill, &mut last_dtype, &mut out);
+            }
+        }
+    }
+    flush(&mut segments, &mut fill, &mut last_dtype, &mut out);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(bytes: u64) -> TensorMeta {
+        TensorMeta { bytes, dtype: 0 }
+    }
+
+    #[test]
+    fn circle_method_covers_every_pair_once_with_disjoint_steps() {
+        for world in 1..=9 {
+            let steps = circle_steps(world);
+            let mut seen = std::collections::HashSet::new();
+            for step in &steps {
+                let mut busy = std::collections::HashSet::new();
+                for &(a, b) in step {
+                    assert!(busy.insert(a) && busy.insert(b), "rank twice in a step");
+                    assert!(seen.insert((a, b)), "pair twice");
+                }
+            }
+            assert_eq!(seen.len() as u32, world * world.saturating_sub(1) / 2);
+        }
+    }
+
+    #[test]
+    fn small_tensors_pack_and_split_at_buffer_boundaries() {
+        let mut list = [meta(3000), meta(3000), meta(0), meta(100)];
+        list[1].dtype = 1;
+        let messages = cut_messages(&list, 4096, 4096);
+        assert_eq!(messages.len(), 2);
+        let Payload::Packed { segments, len } = &messages[0] else {
+            panic!("packed expected")
+        };
+        assert_eq!(*len, 4096);
+        assert_eq!(segments[1].buffer_offset, 3008); // aligned
+        assert_eq!(segments[1].len, 4096 - 3008);
+        let Payload::Packed { segments, .. } = &messages[1] else {
+            panic!("packed expected")
+        };
+        assert_eq!(segments[0].tensor_offset, 4096 - 3008);
+        assert_eq!(segments[1].tensor, 3);
+        // Tensor 3 has the dtype of tensor 0, not of the piece before it: aligned.
+        assert_eq!(
+            segments[1].buffer_offset,
+            (3000u64 - (4096 - 3008)).div_ceil(16) * 16
+        );
+    }
+
+    #[test]
+    fn same_dtype_tensors_pack_back_to_back() {
+        let messages = cut_messages(&[meta(6), meta(10), meta(4)], 4096, 4096);
+        let Payload::Packed { segments, len } = &messages[0] else {
+            panic!("packed expected")
+        };
+        let offsets: Vec<u64> = segments.iter().map(|s| s.buffer_offset).collect();
+        assert_eq!(offsets, [0, 6, 16]);
+        assert_eq!(*len, 20);
+    }
+
+    #[test]
+    fn large_tensors_go_zero_copy() {
+        let messages = cut_messages(&[meta(10), meta(1 << 20), meta(10)], 4096, 4096);
+        assert!(matches!(
+            messages[0],
+            Payload::ZeroCopy {
+                tensor: 1,
+                len: 1048576
+            }
+        ));
+        assert_eq!(messages.len(), 2);
+    }
+
+    #[test]
+    fn description_round_trips_through_its_encoding() {
+        let mut local = LocalDescription::empty(1, 3);
+        local.sends[0] = vec![meta(5), TensorMeta { bytes: 7, dtype: 9 }];
+        local.recvs[2] = vec![meta(0)];
+        assert_eq!(LocalDescription::decode(&local.encode()).unwrap(), local);
+        assert!(LocalDescription::decode(&local.encode()[..10]).is_err());
+    }
+
+    #[test]
+    fn a_count_mismatch_names_the_pair() {
+        let mut a = LocalDescription::empty(0, 2);
+        let b = LocalDescription::empty(1, 2);
+        a.sends[1] = vec![meta(5)];
+        let err = Description::from_locals(&[a, b]).unwrap_err().to_string();
+        assert!(
+            err.contains("rank 0 sends 1 tensors to rank 1, which expects 0"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_tiny_budget_is_refused_clearly() {
+        let err = StagingConfig::with_budget(1000).validate().unwrap_err();
+        assert!(err.to_string().contains("too small"), "{err}");
+    }
+}

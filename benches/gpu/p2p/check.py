@@ -1,0 +1,156 @@
+# Correctness of streamalloc.p2p.exchange on real GPUs (torchrun --nproc_per_node=N):
+#   1. mixed dtypes and shapes (0-d, empty, bool, complex), self-sends, tiny and default
+#      budgets (tiny forces splitting and many rounds);
+#   2. empty lists;
+#   3. a mismatched rank: every rank raises the same P2PError, quickly;
+#   4. a different budget on one rank: the same digest-mismatch error everywhere;
+#   5. the first seed's pattern at scale: >= 10,000 tensors per rank to every peer in
+#      random order, intact.
+# Prints one JSON line per check from rank 0 and exits non-zero on any failure.
+import json, os, random, sys, time
+import torch
+import torch.distributed as dist
+from streamalloc import p2p
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int64, torch.bool,
+          torch.complex64, torch.uint8, torch.float64]
+
+
+def value(shape, dtype, src, dst, i, device):
+    n = 1
+    for s in shape:
+        n *= s
+    base = torch.arange(n, device=device, dtype=torch.int64) * (i + 3) + src * 7 + dst * 13
+    if dtype == torch.bool:
+        t = (base % 3) == 0
+    elif dtype.is_complex:
+        t = torch.complex((base % 1000).float(), -(base % 777).float()).to(dtype)
+    elif dtype.is_floating_point:
+        t = (base % 2048).to(dtype)
+    else:
+        t = (base % 100).to(dtype)
+    return t.reshape(shape)
+
+
+def shapes_for(src, dst, count, seed):
+    rng = random.Random(seed * 1000003 + src * 1009 + dst)
+    out = []
+    for _ in range(count):
+        nd = rng.choice([0, 1, 1, 2, 3])
+        r = rng.random()
+        numel = rng.randint(1, 8) if r < 0.6 else (rng.randint(8, 4096) if r < 0.9 else rng.randint(4096, 1 << 21))
+        if rng.random() < 0.05:
+            numel = 0
+        shape = []
+        for _ in range(max(nd - 1, 0)):
+            d = rng.randint(1, 4)
+            shape.append(d)
+        rest = 1
+        for d in shape:
+            rest *= d
+        shape = tuple(shape + [max(numel // rest, 0)]) if nd > 0 else ()
+        out.append((shape, rng.choice(DTYPES)))
+    return out
+
+
+def mixed(rank, world, dev, budget_mib, seed, count=200):
+    sends, recvs, expect = {}, {}, {}
+    for p in range(world):
+        sends[p] = [value(s, d, rank, p, i, dev) for i, (s, d) in enumerate(shapes_for(rank, p, count, seed))]
+        meta = shapes_for(p, rank, count, seed)
+        recvs[p] = [torch.empty(s, dtype=d, device=dev) for s, d in meta]
+        expect[p] = [value(s, d, p, rank, i, dev) for i, (s, d) in enumerate(meta)]
+    stats = p2p.exchange(sends, recvs, budget_mib=budget_mib)
+    torch.cuda.synchronize()
+    ok = all(torch.equal(a, b) for p in recvs for a, b in zip(recvs[p], expect[p]))
+    return ok, stats
+
+
+def expect_error(fn):
+    t0 = time.perf_counter()
+    try:
+        fn()
+        return None, time.perf_counter() - t0
+    except p2p.P2PError as e:
+        return str(e), time.perf_counter() - t0
+
+
+def seed_pattern(rank, world, dev, budget_mib):
+    g = torch.Generator().manual_seed(42)
+    T = (10_000 + torch.randint(0, 5_000, (world, world), generator=g)).tolist()
+    sz = lambda i, j, k: 256 + ((i * 7919 + j * 104729 + k * 31) % 16384)
+    def order(i, j):
+        idx = list(range(T[i][j]))
+        random.Random(i * 131 + j).shuffle(idx)
+        return idx
+    sends = {j: [torch.full((sz(rank, j, k),), float((rank + 1) * (j + 1) + k % 7), device=dev)
+                 for k in order(rank, j)] for j in range(world) if j != rank}
+    recvs = {j: [torch.empty(sz(j, rank, k), device=dev) for k in order(j, rank)]
+             for j in range(world) if j != rank}
+    torch.cuda.synchronize(); dist.barrier()
+    t0 = time.perf_counter()
+    stats = p2p.exchange(sends, recvs, budget_mib=budget_mib)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    ok = True
+    for j, ts in recvs.items():
+        for k, t in zip(order(j, rank), ts):
+            ok &= bool((t == float((j + 1) * (rank + 1) + k % 7)).all())
+    n = sum(len(v) for v in sends.values())
+    return ok, dict(stats, seconds=dt, tensors_sent=n)
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    results = []
+
+    def report(name, ok, **info):
+        oks = [None] * world
+        dist.all_gather_object(oks, bool(ok))
+        results.append(all(oks))
+        if rank == 0:
+            print(json.dumps(dict(check=name, ok=all(oks), **info)), flush=True)
+
+    for budget in (1, 128):
+        ok, stats = mixed(rank, world, dev, budget, seed=budget)
+        report(f"mixed dtypes/shapes, budget {budget} MiB", ok, rounds=stats["rounds"],
+               max_ops_per_group=stats["max_ops_per_group"])
+
+    stats = p2p.exchange({}, {})
+    report("empty lists", stats["rounds"] == 0)
+
+    def mismatched():
+        sends = {p: [torch.ones(10, device=dev)] * 3 for p in range(world) if p != rank}
+        recvs = {p: [torch.empty(10, device=dev) for _ in range(3 - (rank == 1 and p == 0))]
+                 for p in range(world) if p != rank}
+        p2p.exchange(sends, recvs)
+    err, dt = expect_error(mismatched)
+    errs = [None] * world
+    dist.all_gather_object(errs, err)
+    report("mismatched rank: same error everywhere", err is not None and "mismatch" in err
+           and all(e == errs[0] for e in errs) and dt < 30, error=err, seconds=dt)
+
+    def other_budget():
+        sends = {p: [torch.ones(10, device=dev)] for p in range(world) if p != rank}
+        recvs = {p: [torch.empty(10, device=dev)] for p in range(world) if p != rank}
+        p2p.exchange(sends, recvs, budget_mib=64 if rank == 0 else 128)
+    err, dt = expect_error(other_budget)
+    errs = [None] * world
+    dist.all_gather_object(errs, err)
+    report("different budget: digest mismatch everywhere", err is not None and "digest" in err
+           and all(e == errs[0] for e in errs), error=err)
+
+    ok, info = seed_pattern(rank, world, dev, 128)
+    report("seed pattern, >=10,000 tensors per rank, random order", ok, **info)
+
+    dist.barrier()
+    dist.destroy_process_group()
+    if not all(results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

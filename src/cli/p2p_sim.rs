@@ -1,0 +1,282 @@
+//! `streamalloc p2p-sim`: a staged many-tensor exchange between simulated ranks.
+//!
+//! Every rank (a thread) sends `--tensors` parameter-shaped tensors, in random order and to
+//! random peers, through the planner, the staging pool (on a simulated device, through the
+//! engine's allocator) and the simulated transport; every received byte is then checked.
+//! Needs no GPU: it shows what the plan does with a given budget (rounds, group sizes,
+//! staging memory) and that it delivers.
+
+use super::CliError;
+use clap::Args;
+use std::process::ExitCode;
+use std::thread;
+use std::time::{Duration, Instant};
+use streamalloc_allocator::backend::sim::SimBackend;
+use streamalloc_allocator::config::format_bytes;
+use streamalloc_allocator::staging::exec::{agree_on_plan, execute_with_progress};
+use streamalloc_allocator::staging::plan::{LocalDescription, StagingConfig, TensorMeta};
+use streamalloc_allocator::staging::{ExecStats, StagingPool};
+use streamalloc_allocator::transport::{sim::SimTransport, Transport};
+use streamalloc_allocator::{Allocator, Config};
+
+/// Arguments of `streamalloc p2p-sim`.
+#[derive(Args, Debug)]
+pub(crate) struct P2pSimArgs {
+    /// Number of ranks (threads).
+    #[arg(long, default_value_t = 4)]
+    ranks: u32,
+    /// Tensors each rank sends (spread over random peers).
+    #[arg(long, default_value_t = 1000)]
+    tensors: u64,
+    /// Staging budget per rank, MiB.
+    #[arg(long, default_value_t = 128)]
+    budget_mib: u64,
+    /// Seed of the random sizes, peers and order.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Largest tensor, KiB (parameter shapes are scaled down to it; real bytes are moved
+    /// in host memory).
+    #[arg(long, default_value_t = 256)]
+    max_tensor_kib: u64,
+    /// Refuse runs needing more host memory than this, MiB (send and receive copies).
+    #[arg(long, default_value_t = 4096)]
+    max_total_mib: u64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// splitmix64, for reproducible workloads without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo).max(1)
+    }
+}
+
+/// A GPT-like mix of element counts (norms and biases, medium matrices, a few large ones),
+/// as in the baseline `p2p.py`, with dtypes f32 / bf16 / u8; capped at `max_bytes`.
+fn parameter_tensor(rng: &mut Rng, max_bytes: u64) -> TensorMeta {
+    let elements = match rng.next() % 100 {
+        0..=49 => rng.range(256, 8192),
+        50..=84 => rng.range(65_536, 1 << 21),
+        _ => rng.range(1 << 22, 1 << 25),
+    };
+    let (dtype, width) = [(0u32, 4u64), (1, 2), (2, 1)][(rng.next() % 3) as usize];
+    let bytes = (elements * width).min(max_bytes / width * width);
+    TensorMeta { bytes, dtype }
+}
+
+/// The byte at `at` of tensor `index` sent from `src` to `dst`.
+#[inline]
+fn pattern(src: u32, dst: u32, index: usize, at: usize) -> u8 {
+    let seed = (u64::from(src) << 48) ^ (u64::from(dst) << 32) ^ index as u64;
+    let word = (seed ^ (at as u64 >> 3)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (word >> (8 * (at & 7))) as u8
+}
+
+/// What one rank reports.
+struct RankOutcome {
+    stats: ExecStats,
+    rounds_total: usize,
+    max_ops_per_group: u32,
+    bytes_moved: u64,
+    intact: bool,
+}
+
+pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
+    let bad = |m: &str| Err(CliError::Message(m.to_string()));
+    if args.ranks == 0 || args.ranks > 256 {
+        return bad("--ranks must be between 1 and 256");
+    }
+    if args.budget_mib == 0 {
+        return bad("--budget-mib must be positive");
+    }
+    if args.max_tensor_kib == 0 {
+        return bad("--max-tensor-kib must be positive");
+    }
+    let config = StagingConfig::with_budget(args.budget_mib << 20);
+    config
+        .validate()
+        .map_err(|e| CliError::Message(e.to_string()))?;
+    let world = args.ranks;
+
+    // The workload: each rank's tensors, to random peers, in random order.
+    let mut rng = Rng(args.seed);
+    let mut locals: Vec<LocalDescription> = (0..world)
+        .map(|r| LocalDescription::empty(r, world))
+        .collect();
+    let mut total_bytes = 0u64;
+    if world > 1 {
+        for src in 0..world {
+            for _ in 0..args.tensors {
+                let dst = (src + 1 + (rng.next() % u64::from(world - 1)) as u32) % world;
+                let meta = parameter_tensor(&mut rng, args.max_tensor_kib << 10);
+                total_bytes += meta.bytes;
+                if 2 * total_bytes > args.max_total_mib << 20 {
+                    return Err(CliError::Message(format!(
+                        "this workload needs more than {} of host memory (send and receive \
+                         copies), over --max-total-mib {}; lower --tensors or --max-tensor-kib, \
+                         or raise --max-total-mib",
+                        format_bytes(2 * total_bytes),
+                        args.max_total_mib
+                    )));
+                }
+                locals[src as usize].sends[dst as usize].push(meta);
+                locals[dst as usize].recvs[src as usize].push(meta);
+            }
+        }
+    }
+    let start = Instant::now();
+    let json = args.json;
+    let handles: Vec<_> = SimTransport::mesh(world, Duration::from_secs(60))
+        .into_iter()
+        .zip(locals)
+        .map(|(mut transport, local)| {
+            thread::spawn(move || rank_main(&mut transport, local, config, json))
+        })
+        .collect();
+    let mut outcomes = Vec::with_capacity(handles.len());
+    for handle in handles {
+        let outcome = handle
+            .join()
+            .map_err(|_| CliError::Message("a simulated rank panicked".into()))?
+            .map_err(|e| CliError::Message(e.to_string()))?;
+        outcomes.push(outcome);
+    }
+    let seconds = start.elapsed().as_secs_f64();
+
+    let rounds = outcomes[0].rounds_total;
+    let max_ops = outcomes
+        .iter()
+        .map(|o| o.max_ops_per_group)
+        .max()
+        .unwrap_or(0);
+    let peak = outcomes
+        .iter()
+        .map(|o| o.stats.peak_staging_bytes)
+        .max()
+        .unwrap_or(0);
+    let bytes_moved = outcomes[0].bytes_moved;
+    let received: u64 = outcomes.iter().map(|o| o.stats.tensor_bytes_received).sum();
+    let intact = outcomes.iter().all(|o| o.intact) && received == bytes_moved;
+    let tensors = u64::from(world) * args.tensors;
+    if args.json {
+        let value = serde_json::json!({
+            "ranks": world,
+            "tensors": if world > 1 { tensors } else { 0 },
+            "rounds": rounds,
+            "max_ops_per_group": max_ops,
+            "peak_staging_bytes": peak,
+            "budget_bytes": config.budget_bytes,
+            "bytes_moved": bytes_moved,
+            "intact": intact,
+            "seconds": seconds,
+        });
+        println!("{value}");
+    } else {
+        println!(
+            "{world} ranks, {} tensors ({}), staging budget {} per rank",
+            if world > 1 { tensors } else { 0 },
+            format_bytes(total_bytes),
+            format_bytes(config.budget_bytes)
+        );
+        println!("rounds              {rounds}");
+        println!("max ops per group   {max_ops}");
+        println!(
+            "peak staging        {} ({:.1}% of budget)",
+            format_bytes(peak),
+            100.0 * peak as f64 / config.budget_bytes as f64
+        );
+        println!("bytes moved         {}", format_bytes(bytes_moved));
+        println!("intact              {}", if intact { "yes" } else { "NO" });
+        println!("wall time           {seconds:.2} s");
+    }
+    Ok(if intact {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// One simulated rank: agree on the plan, run it with real bytes, check what arrived.
+fn rank_main(
+    transport: &mut SimTransport,
+    local: LocalDescription,
+    config: StagingConfig,
+    quiet: bool,
+) -> Result<RankOutcome, streamalloc_allocator::staging::StagingError> {
+    let rank = transport.rank();
+    let plan = agree_on_plan(transport, &local, config)?;
+    let sends: Vec<Vec<Vec<u8>>> = local
+        .sends
+        .iter()
+        .enumerate()
+        .map(|(dst, list)| {
+            list.iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    (0..m.bytes as usize)
+                        .map(|at| pattern(rank, dst as u32, i, at))
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    let mut recvs: Vec<Vec<Vec<u8>>> = local
+        .recvs
+        .iter()
+        .map(|list| list.iter().map(|m| vec![0u8; m.bytes as usize]).collect())
+        .collect();
+    let device = SimBackend::new(1 << 40);
+    let allocator = Allocator::new(device.clone(), Config::default())
+        .map_err(streamalloc_allocator::staging::StagingError::Alloc)?;
+    let mut pool = StagingPool::new(&allocator, device.create_stream(), config.budget_bytes);
+    let send_refs: Vec<Vec<&[u8]>> = sends
+        .iter()
+        .map(|l| l.iter().map(Vec::as_slice).collect())
+        .collect();
+    let mut recv_refs: Vec<Vec<&mut [u8]>> = recvs
+        .iter_mut()
+        .map(|l| l.iter_mut().map(Vec::as_mut_slice).collect())
+        .collect();
+    let mut last = Instant::now();
+    let stats = execute_with_progress(
+        transport,
+        &plan,
+        &local,
+        &mut pool,
+        &send_refs,
+        &mut recv_refs,
+        |done, total| {
+            if rank == 0 && !quiet && last.elapsed() > Duration::from_secs(1) {
+                eprintln!("p2p-sim: rank 0 at round {done}/{total}");
+                last = Instant::now();
+            }
+        },
+    )?;
+    drop(recv_refs);
+    let intact = recvs.iter().enumerate().all(|(src, list)| {
+        list.iter().enumerate().all(|(i, bytes)| {
+            bytes
+                .iter()
+                .enumerate()
+                .all(|(at, &b)| b == pattern(src as u32, rank, i, at))
+        })
+    });
+    Ok(RankOutcome {
+        stats,
+        rounds_total: plan.rounds().len(),
+        max_ops_per_group: plan.max_ops_per_group().max(stats.max_ops_per_group),
+        bytes_moved: plan.bytes_moved(),
+        intact,
+    })
+}
