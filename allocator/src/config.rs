@@ -63,10 +63,11 @@ fn default_expandable_segments() -> bool {
     DEFAULT_EXPANDABLE_SEGMENTS
 }
 
-/// Default of `expandable_segments`, chosen from the trace replays (README, "Trace replay"):
-/// peak reserved / peak live 1.001 and 1.002 on the shared traces against 1.047 and 1.150
-/// with whole segments, at the same cost on the cached path.
-const DEFAULT_EXPANDABLE_SEGMENTS: bool = true;
+/// Default of `expandable_segments`: off. On the trace replays it takes peak reserved /
+/// peak live from 1.047 and 1.150 down to 1.001 and 1.002, but on an H200 the page
+/// remapping it needs to stay that close made GPT-2 steps 1.34x and ResNet-50 steps 2.2x
+/// slower (README, "Expandable segments"), so it is an opt-in, as in PyTorch.
+const DEFAULT_EXPANDABLE_SEGMENTS: bool = false;
 
 impl Default for Config {
     fn default() -> Self {
