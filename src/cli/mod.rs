@@ -2,8 +2,8 @@
 //! `run(args) -> Result<ExitCode, CliError>`.
 
 pub(crate) mod demo;
-pub(crate) mod plot;
 pub(crate) mod p2p_sim;
+pub(crate) mod plot;
 pub(crate) mod replay;
 pub(crate) mod run;
 pub(crate) mod snapshot;
