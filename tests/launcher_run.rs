@@ -8,10 +8,22 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// The `libstreamalloc.so` this test run built. `cargo build` puts it next to the launcher,
+/// where the launcher looks; `cargo test` alone leaves it in `deps/`, so name it explicitly.
+fn built_library() -> PathBuf {
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_streamalloc")).parent().unwrap();
+    let beside = bin_dir.join("libstreamalloc.so");
+    if beside.is_file() {
+        beside
+    } else {
+        bin_dir.join("deps/libstreamalloc.so")
+    }
+}
+
 fn streamalloc() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_streamalloc"));
+    command.env("STREAMALLOC_LIB", built_library());
     for name in [
-        "STREAMALLOC_LIB",
         "STREAMALLOC_CONF",
         "STREAMALLOC_PYTHON",
         "STREAMALLOC_SNAPSHOT",
