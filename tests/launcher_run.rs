@@ -11,7 +11,9 @@ use std::process::{Command, Output};
 /// The `libstreamalloc.so` this test run built. `cargo build` puts it next to the launcher,
 /// where the launcher looks; `cargo test` alone leaves it in `deps/`, so name it explicitly.
 fn built_library() -> PathBuf {
-    let bin_dir = Path::new(env!("CARGO_BIN_EXE_streamalloc")).parent().unwrap();
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_streamalloc"))
+        .parent()
+        .unwrap();
     let beside = bin_dir.join("libstreamalloc.so");
     if beside.is_file() {
         beside

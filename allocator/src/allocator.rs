@@ -247,10 +247,7 @@ impl State {
             self.arena.blocks[key].hot = false;
             return Ok(self.hand_out(backend, key, slot, size, requested));
         }
-        if let Some((_, _, key)) =
-            self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)
-        {
-            self.unlist(key);
+        if let Some(key) = self.take_ready(slot, pool, size, max_size) {
             return Ok(self.hand_out(backend, key, slot, size, requested));
         }
         self.malloc_slow(backend, config, requested, size, pool, max_size, slot)
@@ -272,10 +269,7 @@ impl State {
         let stream = self.streams.id(slot);
         // Hot blocks are invisible to best fit and to other streams: merge them back first.
         if self.flush_hot() {
-            if let Some((_, _, key)) =
-                self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)
-            {
-                self.unlist(key);
+            if let Some(key) = self.take_ready(slot, pool, size, max_size) {
                 return Ok(self.hand_out(backend, key, slot, size, requested));
             }
         }
@@ -287,10 +281,7 @@ impl State {
             let due = config.reuse_policy == ReusePolicy::Pytorch
                 || self.events.outstanding() >= config.event_batch;
             if due && self.collect_completed(backend)? {
-                if let Some((_, _, key)) =
-                    self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)
-                {
-                    self.unlist(key);
+                if let Some(key) = self.take_ready(slot, pool, size, max_size) {
                     return Ok(self.hand_out(backend, key, slot, size, requested));
                 }
             }
@@ -575,6 +566,21 @@ impl State {
 
     // ---- Free lists -------------------------------------------------------------------
 
+    /// Takes the best-fitting ready block of `slot`'s own list out of it: reuse that needs no
+    /// synchronisation at all.
+    #[inline]
+    fn take_ready(
+        &mut self,
+        slot: StreamSlot,
+        pool: PoolKind,
+        size: u64,
+        max_size: u64,
+    ) -> Option<BlockKey> {
+        let (_, _, key) = self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)?;
+        self.unlist(key);
+        Some(key)
+    }
+
     /// Parks a ready block in its owner's hot list, evicting the oldest into the free lists.
     #[inline]
     fn push_hot(&mut self, key: BlockKey, owner: StreamSlot) {
@@ -750,9 +756,9 @@ impl State {
     /// Room for a rounded `size` in `slot`'s expandable segment of `pool`, unlisted and
     /// owned by `slot`; `None` if the limit, the device or the address space refuses.
     ///
-    /// First, unless the stream is capturing a graph: if mapping would raise reserved memory
-    /// above its high-water mark (or the limit) and a ready free block covers a whole
-    /// page, synchronise the device (unmapping does not synchronise, and the pages' last
+    /// First, unless the stream is capturing a graph: if mapping would take reserved memory
+    /// more than 1% past the live peak (or past the limit) and a ready free block covers a
+    /// whole page, synchronise the device (unmapping does not synchronise, and the pages' last
     /// users may be any stream), settle every event, retry the caller's free list, then unmap
     /// every wholly free page. Then map the fewest pages that give room, right after a free block
     /// of the caller when one borders an unmapped stretch, so the request packs against it.
@@ -778,17 +784,14 @@ impl State {
         // training is in its steady state, reclaims stop after the first steps.
         let after = self.stats.reserved_bytes.current + size.div_ceil(vmm.page) * vmm.page;
         let live_peak = vmm
-            .high_water
+            .live_peak_at_growth
             .max(self.stats.allocated_bytes.current + size);
         let budget = live_peak + live_peak / RECLAIM_SLACK_DIVISOR;
         let over_limit = after > budget || self.limit.is_some_and(|limit| after > limit);
         if !capturing && over_limit && self.has_unmappable_pages() {
             backend.synchronize_device()?;
             self.settle_after_sync(backend);
-            if let Some((_, _, key)) =
-                self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)
-            {
-                self.unlist(key);
+            if let Some(key) = self.take_ready(slot, pool, size, max_size) {
                 return Ok(Some(key));
             }
             self.unmap_free_pages(backend)?;
@@ -893,8 +896,8 @@ impl State {
             hole
         };
         vmm.mapped += map;
-        vmm.high_water = vmm
-            .high_water
+        vmm.live_peak_at_growth = vmm
+            .live_peak_at_growth
             .max(self.stats.allocated_bytes.current + size);
         let block = &mut self.arena.blocks[mapped];
         block.unmapped = false;

@@ -44,7 +44,7 @@ pub(crate) struct ExpandableTable {
     pub(crate) mapped: u64,
     /// The most bytes live (allocated plus the request) at any growth: the live peak that
     /// reclaiming is measured against.
-    pub(crate) high_water: u64,
+    pub(crate) live_peak_at_growth: u64,
 }
 
 impl ExpandableTable {
@@ -57,7 +57,7 @@ impl ExpandableTable {
             by_owner: HashMap::new(),
             unmapped: HashMap::new(),
             mapped: 0,
-            high_water: 0,
+            live_peak_at_growth: 0,
         }
     }
 
