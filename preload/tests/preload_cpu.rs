@@ -72,10 +72,16 @@ fn cc(args: &[&str]) -> bool {
 }
 
 fn preload_library() -> PathBuf {
-    // target/<profile>/deps/preload_cpu-<hash> → target/<profile>/libstreamalloc_preload.so
+    // The test runs as target/<profile>/deps/preload_cpu-<hash>.
     let exe = std::env::current_exe().unwrap();
-    let profile = exe.parent().and_then(Path::parent).unwrap();
-    profile.join("libstreamalloc_preload.so")
+    let deps = exe.parent().unwrap();
+    let uplifted = deps.parent().unwrap().join("libstreamalloc_preload.so");
+    // `cargo build` copies the library up a level; `cargo test` alone leaves it in deps/.
+    if uplifted.is_file() {
+        uplifted
+    } else {
+        deps.join("libstreamalloc_preload.so")
+    }
 }
 
 #[test]
