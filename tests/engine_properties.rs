@@ -9,9 +9,12 @@
 //! and at the end, after freeing everything and `empty_cache`, nothing is reserved and no
 //! event is outstanding. Failures shrink to short programs.
 
+use common::harness_op;
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
-use streamalloc_allocator::testing::{Harness, Op, STREAMS};
+use streamalloc_allocator::testing::{Harness, Op};
+
+mod common;
 use streamalloc_allocator::{Config, ReusePolicy};
 
 /// The model: the configuration under test and how many blocks the program holds.
@@ -54,20 +57,7 @@ impl ReferenceStateMachine for EngineMachine {
     }
 
     fn transitions(_model: &Model) -> BoxedStrategy<Op> {
-        let stream = 0..STREAMS as u8;
-        let duration = 0u32..2_000_000;
-        prop_oneof![
-            6 => (stream.clone(), size(), duration.clone())
-                .prop_map(|(stream, size, duration)| Op::Malloc { stream, size, duration }),
-            4 => any::<u16>().prop_map(|block| Op::Free { block }),
-            3 => (any::<u16>(), stream.clone(), duration.clone())
-                .prop_map(|(block, stream, duration)| Op::Use { block, stream, duration }),
-            2 => (any::<u16>(), duration).prop_map(|(block, duration)| Op::Work { block, duration }),
-            2 => (0u32..3_000_000).prop_map(|ns| Op::AdvanceHost { ns }),
-            1 => stream.prop_map(|stream| Op::SyncStream { stream }),
-            1 => Just(Op::EmptyCache),
-        ]
-        .boxed()
+        harness_op(size())
     }
 
     fn preconditions(model: &Model, op: &Op) -> bool {

@@ -7,10 +7,13 @@
 //!   unmapped while a stream may still use it;
 //! - the simulator itself reports unmapping in-use pages and touching unmapped ones.
 
+use common::harness_op;
 use proptest::prelude::*;
 use streamalloc_allocator::backend::sim::{Access, RaceKind, SimBackend};
 use streamalloc_allocator::replay::{entry, replay_on};
-use streamalloc_allocator::testing::{Harness, Op, STREAMS};
+use streamalloc_allocator::testing::{Harness, Op};
+
+mod common;
 use streamalloc_allocator::trace::{TraceAction, TraceEntry};
 use streamalloc_allocator::{Allocator, Backend, Config, DevicePtr, ReusePolicy};
 
@@ -129,19 +132,7 @@ proptest! {
 }
 
 fn op() -> impl Strategy<Value = Op> {
-    let stream = 0..STREAMS as u8;
-    let duration = 0u32..2_000_000;
-    prop_oneof![
-        6 => (stream.clone(), size(), duration.clone())
-            .prop_map(|(stream, size, duration)| Op::Malloc { stream, size, duration }),
-        4 => any::<u16>().prop_map(|block| Op::Free { block }),
-        3 => (any::<u16>(), stream.clone(), duration.clone())
-            .prop_map(|(block, stream, duration)| Op::Use { block, stream, duration }),
-        2 => (any::<u16>(), duration).prop_map(|(block, duration)| Op::Work { block, duration }),
-        2 => (0u32..3_000_000).prop_map(|ns| Op::AdvanceHost { ns }),
-        1 => stream.prop_map(|stream| Op::SyncStream { stream }),
-        1 => Just(Op::EmptyCache),
-    ]
+    harness_op(size())
 }
 
 #[test]
