@@ -38,8 +38,10 @@ pub const REPLAY_DEVICE_BYTES: u64 = 1 << 40;
 /// What a replay measured.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct ReplayReport {
-    /// Events in the trace.
+    /// Events replayed (the trace's, times `steps`).
     pub events: u64,
+    /// Passes over the trace ([`replay_steps`]).
+    pub steps: u64,
     /// Allocations replayed.
     pub allocs: u64,
     /// Frees replayed (at `free_completed`, or at `free_requested` when none follows).
@@ -64,6 +66,16 @@ pub struct ReplayReport {
     /// Device-wide synchronisations the allocator made, on the simulator (each is a host
     /// stall on a real GPU).
     pub device_syncs: u64,
+    /// `page_maps` of the last pass alone: non-zero in a steady state means remapping.
+    pub last_step_page_maps: u64,
+    /// `page_unmaps` of the last pass alone.
+    pub last_step_page_unmaps: u64,
+    /// `device_syncs` of the last pass alone.
+    pub last_step_device_syncs: u64,
+    /// Bytes of pages mapped in the last pass.
+    pub last_step_page_map_bytes: u64,
+    /// Bytes of pages unmapped in the last pass.
+    pub last_step_page_unmap_bytes: u64,
     /// Host nanoseconds per replayed operation (malloc or free), engine calls only.
     pub ns_per_op: f64,
 }
@@ -105,6 +117,22 @@ pub fn replay(
     config: &Config,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ReplayReport, ReplayError> {
+    replay_steps(events, config, 1, progress)
+}
+
+/// Replays `events` `steps` times back to back through one fresh allocator, as `steps`
+/// iterations of the recorded training step: a block still live at the end of one pass is
+/// freed when the next pass allocates its address again. One pass shows how the allocator
+/// copes with a step it has never seen; later passes show its steady state, where a good
+/// allocator neither grows nor remaps (`last_step_*` count the final pass alone). The
+/// native figure comes from the first pass (the recording allocator's segments).
+pub fn replay_steps(
+    events: &[TraceEntry],
+    config: &Config,
+    steps: usize,
+    progress: &mut dyn FnMut(usize),
+) -> Result<ReplayReport, ReplayError> {
+    let steps = steps.max(1);
     let allocator =
         Allocator::new(SimBackend::new(REPLAY_DEVICE_BYTES), config.clone()).map_err(|source| {
             ReplayError::Alloc {
@@ -114,11 +142,39 @@ pub fn replay(
                 source,
             }
         })?;
-    let mut report = replay_on(&allocator, events, progress)?;
     let device = allocator.backend();
-    report.page_maps = device.calls("map_pages");
-    report.page_unmaps = device.calls("unmap_pages");
-    report.device_syncs = device.calls("synchronize_device");
+    let counts = || {
+        [
+            device.calls("map_pages"),
+            device.calls("unmap_pages"),
+            device.calls("synchronize_device"),
+        ]
+    };
+    let mut pass = Pass::new(events.len() as u64 * steps as u64);
+    let mut before_last = [0; 3];
+    let mut bytes_before_last = (0, 0);
+    let started = Instant::now();
+    for step in 0..steps {
+        if step + 1 == steps {
+            before_last = counts();
+            let stats = allocator.stats();
+            bytes_before_last = (stats.page_map_bytes, stats.page_unmap_bytes);
+        }
+        let offset = step * events.len();
+        pass.run(&allocator, events, step == 0, &mut |done| {
+            progress(offset + done)
+        })?;
+    }
+    let mut report = pass.finish(&allocator, started);
+    let [maps, unmaps, syncs] = counts();
+    report.steps = steps as u64;
+    (report.page_maps, report.page_unmaps, report.device_syncs) = (maps, unmaps, syncs);
+    report.last_step_page_maps = maps - before_last[0];
+    report.last_step_page_unmaps = unmaps - before_last[1];
+    report.last_step_device_syncs = syncs - before_last[2];
+    let stats = allocator.stats();
+    report.last_step_page_map_bytes = stats.page_map_bytes - bytes_before_last.0;
+    report.last_step_page_unmap_bytes = stats.page_unmap_bytes - bytes_before_last.1;
     Ok(report)
 }
 
@@ -129,86 +185,138 @@ pub fn replay_on<B: Backend>(
     events: &[TraceEntry],
     progress: &mut dyn FnMut(usize),
 ) -> Result<ReplayReport, ReplayError> {
-    let free_at_request = frees_at_request(events);
-    let mut live: HashMap<u64, (DevicePtr, u64)> = HashMap::with_capacity(1024);
-    let mut report = ReplayReport {
-        events: events.len() as u64,
-        allocs: 0,
-        frees: 0,
-        unknown_frees: 0,
-        live_at_end: 0,
-        peak_live_bytes: 0,
-        peak_reserved_bytes: 0,
-        native_peak_reserved_bytes: 0,
-        segment_events: 0,
-        page_maps: 0,
-        page_unmaps: 0,
-        device_syncs: 0,
-        ns_per_op: 0.0,
-    };
-    let (mut live_bytes, mut native) = (0u64, 0u64);
-    let before = allocator.stats();
+    let mut pass = Pass::new(events.len() as u64);
     let started = Instant::now();
-    for (index, event) in events.iter().enumerate() {
-        if index % 4096 == 0 {
-            progress(index);
-        }
-        let fail = |source| ReplayError::Alloc {
-            index,
-            action: event.action.name(),
-            size: event.size,
-            source,
-        };
-        match event.action {
-            TraceAction::Alloc => {
-                if let Some((ptr, size)) = live.remove(&event.addr.0) {
-                    // Allocated again without a recorded free: free the old block first.
-                    allocator.free(ptr).map_err(fail)?;
-                    live_bytes -= size;
-                    report.frees += 1;
-                }
-                let block = allocator
-                    .malloc(event.size.max(1), event.stream)
-                    .map_err(fail)?;
-                live.insert(event.addr.0, (block.ptr, event.size));
-                live_bytes += event.size;
-                report.peak_live_bytes = report.peak_live_bytes.max(live_bytes);
-                report.allocs += 1;
-            }
-            TraceAction::FreeRequested | TraceAction::FreeCompleted => {
-                let due = event.action == TraceAction::FreeCompleted || free_at_request[index];
-                if !due {
-                    continue;
-                }
-                match live.remove(&event.addr.0) {
-                    Some((ptr, size)) => {
-                        allocator.free(ptr).map_err(fail)?;
-                        live_bytes -= size;
-                        report.frees += 1;
-                    }
-                    None => report.unknown_frees += 1,
-                }
-            }
-            TraceAction::SegmentAlloc | TraceAction::SegmentMap => {
-                native += event.size;
-                report.native_peak_reserved_bytes = report.native_peak_reserved_bytes.max(native);
-            }
-            TraceAction::SegmentFree | TraceAction::SegmentUnmap => {
-                native = native.saturating_sub(event.size);
-            }
-            _ => {}
+    pass.run(allocator, events, true, progress)?;
+    Ok(pass.finish(allocator, started))
+}
+
+/// The state of a replay carried from one pass over the trace to the next.
+struct Pass {
+    /// Recorded address → our block and its recorded size.
+    live: HashMap<u64, (DevicePtr, u64)>,
+    report: ReplayReport,
+    live_bytes: u64,
+    /// The recording allocator's reserved bytes, from its segment events.
+    native: u64,
+    /// Our segment counters before the first pass.
+    before: Option<(u64, u64)>,
+}
+
+impl Pass {
+    fn new(events: u64) -> Self {
+        Self {
+            live: HashMap::with_capacity(1024),
+            report: ReplayReport {
+                events,
+                steps: 1,
+                allocs: 0,
+                frees: 0,
+                unknown_frees: 0,
+                live_at_end: 0,
+                peak_live_bytes: 0,
+                peak_reserved_bytes: 0,
+                native_peak_reserved_bytes: 0,
+                segment_events: 0,
+                page_maps: 0,
+                page_unmaps: 0,
+                device_syncs: 0,
+                last_step_page_maps: 0,
+                last_step_page_unmaps: 0,
+                last_step_device_syncs: 0,
+                last_step_page_map_bytes: 0,
+                last_step_page_unmap_bytes: 0,
+                ns_per_op: 0.0,
+            },
+            live_bytes: 0,
+            native: 0,
+            before: None,
         }
     }
-    let elapsed = started.elapsed();
-    progress(events.len());
-    let stats = allocator.stats();
-    report.live_at_end = live.len() as u64;
-    report.peak_reserved_bytes = stats.reserved_bytes.peak;
-    report.segment_events = (stats.segment_allocs - before.segment_allocs)
-        + (stats.segment_frees - before.segment_frees);
-    let ops = (report.allocs + report.frees).max(1);
-    report.ns_per_op = elapsed.as_nanos() as f64 / ops as f64;
-    Ok(report)
+
+    /// One pass over `events`; `first` passes also rebuild the native figure.
+    fn run<B: Backend>(
+        &mut self,
+        allocator: &Allocator<B>,
+        events: &[TraceEntry],
+        first: bool,
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<(), ReplayError> {
+        if self.before.is_none() {
+            let stats = allocator.stats();
+            self.before = Some((stats.segment_allocs, stats.segment_frees));
+        }
+        let free_at_request = frees_at_request(events);
+        let (live, report) = (&mut self.live, &mut self.report);
+        for (index, event) in events.iter().enumerate() {
+            if index % 4096 == 0 {
+                progress(index);
+            }
+            let fail = |source| ReplayError::Alloc {
+                index,
+                action: event.action.name(),
+                size: event.size,
+                source,
+            };
+            match event.action {
+                TraceAction::Alloc => {
+                    if let Some((ptr, size)) = live.remove(&event.addr.0) {
+                        // Allocated again without a recorded free: free the old block first.
+                        allocator.free(ptr).map_err(fail)?;
+                        self.live_bytes -= size;
+                        report.frees += 1;
+                    }
+                    let block = allocator
+                        .malloc(event.size.max(1), event.stream)
+                        .map_err(fail)?;
+                    live.insert(event.addr.0, (block.ptr, event.size));
+                    self.live_bytes += event.size;
+                    report.peak_live_bytes = report.peak_live_bytes.max(self.live_bytes);
+                    report.allocs += 1;
+                }
+                TraceAction::FreeRequested | TraceAction::FreeCompleted => {
+                    let due = event.action == TraceAction::FreeCompleted || free_at_request[index];
+                    if !due {
+                        continue;
+                    }
+                    match live.remove(&event.addr.0) {
+                        Some((ptr, size)) => {
+                            allocator.free(ptr).map_err(fail)?;
+                            self.live_bytes -= size;
+                            report.frees += 1;
+                        }
+                        None => report.unknown_frees += 1,
+                    }
+                }
+                TraceAction::SegmentAlloc | TraceAction::SegmentMap if first => {
+                    self.native += event.size;
+                    report.native_peak_reserved_bytes =
+                        report.native_peak_reserved_bytes.max(self.native);
+                }
+                TraceAction::SegmentFree | TraceAction::SegmentUnmap if first => {
+                    self.native = self.native.saturating_sub(event.size);
+                }
+                _ => {}
+            }
+        }
+        progress(events.len());
+        Ok(())
+    }
+
+    /// The report after the last pass, timed from `started`.
+    fn finish<B: Backend>(mut self, allocator: &Allocator<B>, started: Instant) -> ReplayReport {
+        let elapsed = started.elapsed();
+        let stats = allocator.stats();
+        let (allocs_before, frees_before) = self.before.unwrap_or_default();
+        let report = &mut self.report;
+        report.live_at_end = self.live.len() as u64;
+        report.peak_reserved_bytes = stats.reserved_bytes.peak;
+        report.segment_events =
+            (stats.segment_allocs - allocs_before) + (stats.segment_frees - frees_before);
+        let ops = (report.allocs + report.frees).max(1);
+        report.ns_per_op = elapsed.as_nanos() as f64 / ops as f64;
+        self.report
+    }
 }
 
 /// For each event, true if it is a `free_requested` that no `free_completed` of the same

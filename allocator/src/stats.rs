@@ -76,4 +76,11 @@ pub struct Stats {
     pub retries: u64,
     /// Frees of pointers the allocator did not hand out (or already freed).
     pub invalid_frees: u64,
+    /// Device-wide synchronisations the allocator made (emptying the cache, or reclaiming
+    /// pages of expandable segments): each one stalls the host until the GPU is idle.
+    pub device_syncs: u64,
+    /// Bytes of physical pages mapped into expandable segments, over the allocator's life.
+    pub page_map_bytes: u64,
+    /// Bytes of physical pages unmapped from expandable segments, over its life.
+    pub page_unmap_bytes: u64,
 }

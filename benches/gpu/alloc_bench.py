@@ -38,19 +38,38 @@ def micro():
         dt = time.perf_counter() - t0
     return dict(ns_per_op=dt / ops * 1e9, ops=ops)
 
-def train(model, batch_fn, steps=6):
+# CAPTURE=PATH (native allocator only): also write steps 2.. as a PyTorch memory snapshot
+# (.pickle.gz) for `streamalloc replay --steps N`; recording slows those steps.
+CAPTURE = os.environ.get("CAPTURE")
+CHURN = ("page_map_bytes", "page_unmap_bytes", "device_syncs", "segment_allocs", "cross_stream_waits", "retries")
+
+def train(model, batch_fn, steps=int(os.environ.get("STEPS", 6))):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times, losses = [], []
     for i in range(steps):
         if i == 2:
             torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+            if ALLOC == "streamalloc":  # the allocator's own work in the timed steps
+                churn0 = {k: streamalloc.torch.raw_stats()["stats"][k] for k in CHURN}
+            if CAPTURE:  # record steps 2.. as a PyTorch memory snapshot for `streamalloc replay`
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None)
         t0 = time.perf_counter()
         loss = batch_fn(model)
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+    if CAPTURE:
+        import gzip, pickle
+        with gzip.open(CAPTURE, "wb") as f:
+            pickle.dump(torch.cuda.memory._snapshot(), f)
+        torch.cuda.memory._record_memory_history(enabled=None)
     r = dict(step_ms=sorted(times[2:])[len(times[2:]) // 2] * 1e3, losses=losses)
+    if ALLOC == "streamalloc" and os.environ.get("SNAPSHOT"):  # our trace, for `streamalloc replay`
+        streamalloc.torch.dump_snapshot(os.environ["SNAPSHOT"])
+    if ALLOC == "streamalloc" and steps > 2:
+        s = streamalloc.torch.raw_stats()["stats"]
+        r["per_timed_step"] = {k: (s[k] - churn0[k]) / (steps - 2) for k in CHURN}
     r["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     r["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
     return r

@@ -12,7 +12,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use streamalloc::replay::load_traces;
-use streamalloc_allocator::replay::{replay, ReplayReport};
+use streamalloc_allocator::replay::{replay_steps, ReplayReport};
 use streamalloc_allocator::Config;
 
 /// Arguments of `streamalloc replay`.
@@ -27,6 +27,10 @@ pub(crate) struct ReplayArgs {
     /// Print one JSON object per trace instead of the table.
     #[arg(long)]
     json: bool,
+    /// Replay each trace this many times back to back, as that many training steps, to
+    /// see the steady state (the last step's page maps, unmaps and syncs are printed).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    steps: u32,
 }
 
 /// Traces with at least this many events get a progress bar (on a terminal).
@@ -67,13 +71,13 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
             }
         };
         for trace in traces {
-            let bar = progress_bar(trace.entries.len());
+            let bar = progress_bar(trace.entries.len() * args.steps as usize);
             let mut progress = |done: usize| {
                 if let Some(bar) = &bar {
                     bar.set_position(done as u64);
                 }
             };
-            let result = replay(&trace.entries, &config, &mut progress);
+            let result = replay_steps(&trace.entries, &config, args.steps as usize, &mut progress);
             if let Some(bar) = bar {
                 bar.finish_and_clear();
             }
@@ -116,6 +120,17 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
                     report.device_syncs,
                     report.segment_events
                 );
+                if report.steps > 1 {
+                    println!(
+                        "  last of {} steps: {} page maps ({}), {} page unmaps ({}), {} device syncs",
+                        report.steps,
+                        report.last_step_page_maps,
+                        mib(report.last_step_page_map_bytes),
+                        report.last_step_page_unmaps,
+                        mib(report.last_step_page_unmap_bytes),
+                        report.last_step_device_syncs
+                    );
+                }
                 if report.unknown_frees > 0 {
                     println!(
                         "  {} frees of blocks allocated before recording began were ignored",
