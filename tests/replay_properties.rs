@@ -140,7 +140,11 @@ fn the_simulator_reports_unmapping_pages_in_use_and_touching_unmapped_ones() {
     let device = SimBackend::new(1 << 30);
     let stream = device.create_stream();
     let base = device.reserve_address_space(64 * MIB).unwrap();
-    device.map_pages(base, 4 * MIB).unwrap();
+    // Two mappings (two physical allocations) side by side.
+    device.map_pages(base, 2 * MIB).unwrap();
+    device
+        .map_pages(DevicePtr(base.0 + 2 * MIB), 2 * MIB)
+        .unwrap();
     assert_eq!(device.reserved(), 4 * MIB);
     device.launch(stream, &[Access::write(base, 4 * MIB)], 1_000_000, "kernel");
     // The host has not seen the kernel finish: unmapping now is a race.
@@ -157,9 +161,14 @@ fn the_simulator_reports_unmapping_pages_in_use_and_touching_unmapped_ones() {
     // Touching an unmapped page is out of bounds.
     device.launch(stream, &[Access::read(base, 512)], 1, "late read");
     assert_eq!(device.races().last().unwrap().kind, RaceKind::OutOfBounds);
-    // Misuse is a typed error.
+    // Misuse is a typed error: unaligned, already unmapped, or part of a mapping
+    // (`cuMemUnmap` takes whole mappings only).
     assert!(device.map_pages(DevicePtr(base.0 + 512), 2 * MIB).is_err());
     assert!(device.unmap_pages(base, 2 * MIB).is_err());
+    device.map_pages(base, 4 * MIB).unwrap();
+    let partial = device.unmap_pages(base, 2 * MIB).unwrap_err();
+    assert!(partial.to_string().contains("whole mappings"), "{partial}");
+    device.unmap_pages(base, 4 * MIB).unwrap();
     device.release_address_space(base, 64 * MIB).unwrap();
     assert_eq!(device.reserved(), 0);
 }

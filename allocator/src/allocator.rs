@@ -37,9 +37,13 @@ use std::collections::HashMap;
 /// (PyTorch's `kLargeBuffer`), so oversize blocks are not wasted on much smaller requests.
 const OVERSIZE_SLACK: u64 = 20 << 20;
 
-/// Expandable segments may map this fraction (1/N) beyond the live peak before
-/// reclaiming free pages.
-const RECLAIM_SLACK_DIVISOR: u64 = 100;
+/// Expandable segments first map up to this much (in 1/10,000) beyond the live peak
+/// before reclaiming free pages; each reclaim widens the slack by a quarter, up to
+/// [`MAX_RECLAIM_SLACK_BP`].
+const RECLAIM_SLACK_BP: u64 = 100;
+
+/// The widest reclaim slack, in 1/10,000 of the live peak.
+const MAX_RECLAIM_SLACK_BP: u64 = 2_500;
 
 /// A caching allocator for one device over backend `B`. `Send + Sync` when `B` is; every
 /// method may be called from any thread.
@@ -88,6 +92,7 @@ impl<B: Backend> Allocator<B> {
             Some(ExpandableTable::new(
                 backend.page_size(),
                 backend.total_memory()?,
+                RECLAIM_SLACK_BP,
             ))
         } else {
             // Info, not a warning: expandable segments are the default, and a backend
@@ -757,11 +762,12 @@ impl State {
     /// owned by `slot`; `None` if the limit, the device or the address space refuses.
     ///
     /// First, unless the stream is capturing a graph: if mapping would take reserved memory
-    /// more than 1% past the live peak (or past the limit) and a ready free block covers a
-    /// whole page, synchronise the device (unmapping does not synchronise, and the pages' last
-    /// users may be any stream), settle every event, retry the caller's free list, then unmap
-    /// every wholly free page. Then map the fewest pages that give room, right after a free block
-    /// of the caller when one borders an unmapped stretch, so the request packs against it.
+    /// past the live peak plus the slack (1% at first, see below) or past the limit, and a
+    /// ready free block covers a whole mapping, synchronise the device (unmapping does not
+    /// synchronise, and the memory's last users may be any stream), settle every event,
+    /// retry the caller's free list, then unmap free mappings until the excess is gone.
+    /// Then map the fewest pages that give room, right after a free block of the caller
+    /// when one borders an unmapped stretch, so the request packs against it.
     #[allow(clippy::too_many_arguments)]
     fn grow_expandable<B: Backend>(
         &mut self,
@@ -775,26 +781,35 @@ impl State {
         let Some(vmm) = self.vmm.as_ref() else {
             return Ok(None);
         };
-        // Reclaim (synchronise, unmap every wholly free page, map where there is room) only
-        // when mapping would take reserved memory past the live peak plus a slack, or past
-        // the limit. Each reclaim is a device synchronisation plus unmapping and remapping
-        // (tens of µs a page): reclaiming at every new high-water mark reached the lowest
-        // peaks on replays but made GPT-2 steps 1.42x slower on an H200, because the peak
-        // creeps up a little every step. Against the live peak, which is stable once
-        // training is in its steady state, reclaims stop after the first steps.
+        // Reclaim (synchronise, unmap free mappings, map where there is room) only when
+        // mapping would take reserved memory past the live peak plus a slack, or past the
+        // limit. Measured on an H200 (GPT-2 small), what a reclaim costs decides the policy:
+        // - reclaiming at every new high-water mark made steps 1.42x slower: the peak creeps
+        //   up a little every step; against the live peak, stable in a steady state, it
+        //   stops;
+        // - unmapping every free page then remapped 4.7 GB a step (1.34x): unmap only the
+        //   excess;
+        // - a workload whose free memory is scattered differently at every peak (GPT-2's
+        //   1.5 GB logits find no hole big enough) still remapped 1.4 GB a step: each reclaim
+        //   widens the slack by a quarter, so reclaims die out where they would recur.
+        // Mapping in large pieces (`ExpandableTable::pieces`) makes what remains cheap.
         let after = self.stats.reserved_bytes.current + size.div_ceil(vmm.page) * vmm.page;
         let live_peak = vmm
             .live_peak_at_growth
             .max(self.stats.allocated_bytes.current + size);
-        let budget = live_peak + live_peak / RECLAIM_SLACK_DIVISOR;
+        let budget = live_peak + live_peak / 10_000 * vmm.slack_bp;
         let over_limit = after > budget || self.limit.is_some_and(|limit| after > limit);
         if !capturing && over_limit && self.has_unmappable_pages() {
             backend.synchronize_device()?;
+            self.stats.device_syncs += 1;
             self.settle_after_sync(backend);
             if let Some(key) = self.take_ready(slot, pool, size, max_size) {
                 return Ok(Some(key));
             }
-            self.unmap_free_pages(backend)?;
+            let excess = after.saturating_sub(self.limit.map_or(budget, |limit| limit.min(budget)));
+            self.unmap_free_pages_upto(backend, excess)?;
+            let vmm = self.vmm.as_mut().expect("expandable segments");
+            vmm.slack_bp = (vmm.slack_bp * 5 / 4 + 1).min(MAX_RECLAIM_SLACK_BP);
         }
         let segment = match self.vmm.as_ref().and_then(|v| v.segment_of(slot, pool)) {
             Some(segment) => segment,
@@ -875,10 +890,29 @@ impl State {
                 return Ok(None);
             }
         }
-        match backend.map_pages(DevicePtr(addr), map) {
-            Ok(()) => {}
-            Err(err) if err.out_of_memory => return Ok(None),
-            Err(err) => return Err(err.into()),
+        // One physical allocation per piece; on failure, undo the pieces already mapped
+        // (untouched, so unmapping them needs no synchronisation).
+        let pieces: Vec<_> = self
+            .vmm
+            .as_ref()
+            .expect("expandable segments")
+            .pieces(addr, map)
+            .collect();
+        for (index, &(at, len)) in pieces.iter().enumerate() {
+            if let Err(err) = backend.map_pages(DevicePtr(at), len) {
+                for &(done, done_len) in &pieces[..index] {
+                    backend.unmap_pages(DevicePtr(done), done_len)?;
+                }
+                return if err.out_of_memory {
+                    Ok(None)
+                } else {
+                    Err(err.into())
+                };
+            }
+        }
+        let vmm = self.vmm.as_mut().expect("expandable segments");
+        for &(at, len) in &pieces {
+            vmm.add_mapping(at, len);
         }
         // Cut the mapped part out of the stretch; what stays unmapped stays indexed.
         let vmm = self.vmm.as_mut().expect("expandable segments");
@@ -896,6 +930,7 @@ impl State {
             hole
         };
         vmm.mapped += map;
+        self.stats.page_map_bytes += map;
         vmm.live_peak_at_growth = vmm
             .live_peak_at_growth
             .max(self.stats.allocated_bytes.current + size);
@@ -936,9 +971,9 @@ impl State {
         Ok(segment)
     }
 
-    /// True if some ready free block of an expandable segment covers a whole page. Blocks
-    /// awaiting other streams' events do not count: synchronising for them would be the
-    /// host wait the lifetime model avoids.
+    /// True if some ready free block of an expandable segment covers a whole mapping.
+    /// Blocks awaiting other streams' events do not count: synchronising for them would be
+    /// the host wait the lifetime model avoids.
     fn has_unmappable_pages(&self) -> bool {
         let Some(vmm) = self.vmm.as_ref() else {
             return false;
@@ -948,18 +983,17 @@ impl State {
                 list.keys_at_least(vmm.page).any(|key| {
                     let block = &self.arena.blocks[key];
                     self.arena.segments[block.segment].expandable
-                        && vmm.whole_pages(block.addr, block.size).is_some()
+                        && vmm.has_whole_mapping(block.addr, block.size)
                 })
             })
         })
     }
 
-    /// Unmaps every whole page inside a ready free block of an expandable segment. Only
-    /// valid when no stream can still use those blocks: right after a device-wide
-    /// synchronisation.
-    fn unmap_free_pages<B: Backend>(&mut self, backend: &B) -> Result<(), BackendError> {
+    /// Per ready free block of an expandable segment, the mappings lying wholly inside it,
+    /// lowest first (contiguous: the block lies on mapped memory).
+    fn unmappable(&self) -> Vec<(BlockKey, Vec<(u64, u64)>)> {
         let Some(vmm) = self.vmm.as_ref() else {
-            return Ok(());
+            return Vec::new();
         };
         let mut victims = Vec::new();
         for state in &self.streams.states {
@@ -969,14 +1003,55 @@ impl State {
                     if !self.arena.segments[block.segment].expandable {
                         continue;
                     }
-                    if let Some((start, len)) = vmm.whole_pages(block.addr, block.size) {
-                        victims.push((key, start, len));
+                    let mappings = vmm.whole_mappings(block.addr, block.size);
+                    if !mappings.is_empty() {
+                        victims.push((key, mappings));
                     }
                 }
             }
         }
-        for (key, start, len) in victims {
-            self.unmap_block_pages(backend, key, start, len)?;
+        victims
+    }
+
+    /// Unmaps every whole mapping inside a ready free block of an expandable segment. Only
+    /// valid when no stream can still use those blocks: right after a device-wide
+    /// synchronisation.
+    fn unmap_free_pages<B: Backend>(&mut self, backend: &B) -> Result<(), BackendError> {
+        for (key, mappings) in self.unmappable() {
+            let start = mappings[0].0;
+            let end = mappings.last().map_or(start, |&(at, len)| at + len);
+            self.unmap_block_pages(backend, key, start, end - start)?;
+        }
+        Ok(())
+    }
+
+    /// Unmaps at least `bytes` of the whole mappings inside ready free blocks of expandable
+    /// segments, or all of them if there are fewer: highest addresses first, so what stays
+    /// mapped stays low and compact, where placement looks first. Only valid right after a
+    /// device-wide synchronisation.
+    fn unmap_free_pages_upto<B: Backend>(
+        &mut self,
+        backend: &B,
+        bytes: u64,
+    ) -> Result<(), BackendError> {
+        let mut victims = self.unmappable();
+        victims.sort_unstable_by_key(|(_, mappings)| std::cmp::Reverse(mappings[0].0));
+        let mut left = bytes;
+        for (key, mappings) in victims {
+            if left == 0 {
+                break;
+            }
+            // Whole mappings from the top of the block down, until enough.
+            let end = mappings.last().map_or(0, |&(at, len)| at + len);
+            let mut start = end;
+            for &(at, len) in mappings.iter().rev() {
+                if left == 0 {
+                    break;
+                }
+                start = at;
+                left = left.saturating_sub(len);
+            }
+            self.unmap_block_pages(backend, key, start, end - start)?;
         }
         Ok(())
     }
@@ -991,6 +1066,10 @@ impl State {
         len: u64,
     ) -> Result<(), BackendError> {
         backend.unmap_pages(DevicePtr(start), len)?;
+        self.vmm
+            .as_mut()
+            .expect("expandable segments")
+            .remove_mappings(start, len);
         self.unlist(key);
         let (addr, size, segment, owner) = {
             let block = &self.arena.blocks[key];
@@ -1007,6 +1086,7 @@ impl State {
         }
         self.arena.blocks[middle].unmapped = true;
         self.stats.reserved_bytes.sub(len);
+        self.stats.page_unmap_bytes += len;
         self.note(backend, TraceAction::SegmentUnmap, start, len, owner);
         let vmm = self.vmm.as_mut().expect("expandable segments");
         vmm.mapped -= len;
@@ -1061,6 +1141,7 @@ impl State {
     fn release_cached<B: Backend>(&mut self, backend: &B) -> Result<u64, BackendError> {
         let reserved_before = self.stats.reserved_bytes.current;
         backend.synchronize_device()?;
+        self.stats.device_syncs += 1;
         self.settle_after_sync(backend);
         self.coalesce_across_streams();
         self.unmap_free_pages(backend)?;

@@ -28,6 +28,8 @@
 //! [`RaceKind::OutOfBounds`]). Unmapping is the host releasing memory with no implicit
 //! synchronisation, as `cuMemUnmap` does: any earlier access to the pages that the host
 //! has not observed complete is reported as a [`RaceKind::Unordered`] race with the unmap.
+//! Each `map_pages` call is one mapping of one physical allocation, and `unmap_pages` must
+//! cover whole mappings, as `cuMemUnmap` requires.
 //!
 //! The simulator also checks CUDA-graph capture rules: while a stream captures, device
 //! synchronisation, event queries and waits on the capturing stream are reported.
@@ -156,6 +158,9 @@ struct SimState {
     reservations: BTreeMap<u64, u64>,
     /// Mapped ranges inside reservations, coalesced: start → end.
     mapped: BTreeMap<u64, u64>,
+    /// Each `map_pages` call's range, start → end: like `cuMemUnmap`, an unmap must cover
+    /// whole mappings (one physical allocation each), never part of one.
+    mappings: BTreeMap<u64, u64>,
     /// Bytes mapped (also counted in `reserved`).
     mapped_bytes: u64,
     streams: Vec<SimStream>,
@@ -656,6 +661,7 @@ impl Backend for SimBackend {
             new_end = next_end;
         }
         state.mapped.insert(new_start, new_end);
+        state.mappings.insert(start, end);
         state.mapped_bytes += size;
         state.reserved += size;
         Ok(())
@@ -676,6 +682,27 @@ impl Backend for SimBackend {
                 format!("[{start:#x}, {end:#x}) is not wholly mapped"),
             ));
         };
+        let mut covered = start;
+        for (&mapping_start, &mapping_end) in state.mappings.range(start..end) {
+            if mapping_start != covered || mapping_end > end {
+                break;
+            }
+            covered = mapping_end;
+        }
+        if covered != end {
+            return Err(BackendError::new(
+                "cuMemUnmap",
+                format!("[{start:#x}, {end:#x}) does not cover whole mappings"),
+            ));
+        }
+        let whole: Vec<u64> = state
+            .mappings
+            .range(start..end)
+            .map(|(&at, _)| at)
+            .collect();
+        for at in whole {
+            state.mappings.remove(&at);
+        }
         // No implicit synchronisation: every earlier use must be known complete on the host.
         let label = format!("unmap_pages [{start:#x}, {end:#x}) (host)");
         let op = OpRef {
