@@ -419,7 +419,9 @@ class Link:
         self._handles: list = []
         self.wait_flags = CU_STREAM_WAIT_VALUE_GEQ
 
-    def export(self, buffers: int, buffer_bytes: int, recv_rounds: list, flush: bool) -> dict:
+    def export(self, buffers: int, buffer_bytes: int, recv_from: list, flush: bool) -> dict:
+        """Allocates and exports this rank's region; ``recv_from``: the sender of each
+        message this rank receives, in order (peers derive their slots from it)."""
         import torch
 
         d = driver()
@@ -434,7 +436,7 @@ class Link:
         if flush:
             self.wait_flags = CU_STREAM_WAIT_VALUE_GEQ | CU_STREAM_WAIT_VALUE_FLUSH
         return {"handle": handle, "offset": offset, "buffers": buffers,
-                "buffer_bytes": buffer_bytes, "recv_rounds": recv_rounds}
+                "buffer_bytes": buffer_bytes, "recv_from": recv_from}
 
     def connect(self, records: list, peers) -> None:
         d = driver()

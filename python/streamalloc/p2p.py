@@ -206,7 +206,6 @@ class _Run:
 class _Msg:
     peer: int  # global rank for P2POp
     rank: int = -1  # the peer's rank in the group
-    round: int = -1  # the plan's round number
     zero_copy: object = None  # the tensor's uint8 view
     length: int = 0
     runs: list = field(default_factory=list)
@@ -243,8 +242,7 @@ def _prepare(rows, tensors, sizes, to_global):
         t = tensors[direction][peer][ti]
         msg = slot[direction]
         if msg is None:
-            msg = slot[direction] = _Msg(peer=to_global(peer), rank=peer, round=rnd,
-                                         length=wire)
+            msg = slot[direction] = _Msg(peer=to_global(peer), rank=peer, length=wire)
         if kind == 1:
             msg.zero_copy = _bytes_view(t)
             continue
@@ -404,7 +402,7 @@ class Exchange:
         link = _ce.Link(self.device, self.rank, world, self._bpd)
         try:
             record = link.export(s["recv_buffers"], s["recv_buffer_bytes"],
-                                 [m.round for m in recvs], bool(probe and probe.get("flush")))
+                                 [m.rank for m in recvs], bool(probe and probe.get("flush")))
         except _ce.CeError as err:
             record = str(err)
         records = [None] * world
@@ -548,15 +546,20 @@ class Exchange:
             msg.filled_flag = base + layout.filled(slot.buffer)
             peer_base, peer_layout = link.peers[nxt]
             msg.free_flag = peer_base + peer_layout.free(self.rank, slot.buffer)
-        # Sending: the slot each message takes in its receiver's buffers.
-        positions, peer_slots = {}, {}
+        # Sending: the slot each message takes in its receiver's buffers. The messages of
+        # one ordered pair arrive in the order they are sent, so this rank's j-th message to
+        # R is the j-th that R's list of senders attributes to this rank.
+        positions, peer_slots, sent = {}, {}, {}
         for r, rec in enumerate(self._records):
             if r in link.peers:
-                positions[r] = {k: u for u, k in enumerate(rec["recv_rounds"])}
-                peer_slots[r] = _ce.receive_slots(len(rec["recv_rounds"]), rec["buffers"])
+                senders = rec["recv_from"]
+                positions[r] = [u for u, s in enumerate(senders) if s == self.rank]
+                peer_slots[r] = _ce.receive_slots(len(senders), rec["buffers"])
         packed = 0
         for msg in self._ce_sends():
-            slot = peer_slots[msg.rank][positions[msg.rank][msg.round]]
+            j = sent.get(msg.rank, 0)
+            sent[msg.rank] = j + 1
+            slot = peer_slots[msg.rank][positions[msg.rank][j]]
             peer_base, peer_layout = link.peers[msg.rank]
             msg.slot = slot
             remote = peer_base + peer_layout.buffer(slot.buffer)
