@@ -323,11 +323,13 @@ class Driver:
         self.check(self._ipc_get(ctypes.byref(handle), base.value),
                    "cuIpcGetMemHandle (is the staging memory from cuMemAlloc? expandable "
                    "segments cannot be shared this way)")
-        return bytes(handle.reserved), address - base.value
+        # bytes(handle), not handle.reserved: a c_char array field stops at the first NUL.
+        return bytes(handle), address - base.value
 
     def ipc_open(self, handle: bytes) -> int:
-        h = _IpcHandle()
-        ctypes.memmove(ctypes.byref(h), handle, 64)
+        if len(handle) != ctypes.sizeof(_IpcHandle):
+            raise CeError(f"an IPC handle of {len(handle)} bytes (expected 64)")
+        h = _IpcHandle.from_buffer_copy(handle)
         out = ctypes.c_uint64()
         self.check(self._ipc_open(ctypes.byref(out), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
                    "cuIpcOpenMemHandle")

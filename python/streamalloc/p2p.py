@@ -18,6 +18,15 @@ across nodes) and without one concatenated buffer per peer (doubles memory):
    buffers rotate (two per direction by default), ordered with events, so packing round
    k+1 and unpacking round k-1 overlap the transfer of round k.
 
+Step 4 above is the ``"nccl"`` transport (the process group's backend; gloo on CPU). When
+every rank of the group is on one host and the GPUs have peer access, the ``"ce"``
+transport (``streamalloc._ce``; ``transport="auto"``, the default, picks it) moves each
+message with one copy-engine copy straight into the receiver's staging buffer over CUDA
+IPC, ordered by flags that the streams write and wait on (no NCCL launch per round, no host
+wait). Every rank must ask for the same transport; the choice is part of what the ranks
+agree on before any data moves, and a failure to set the copy engine up is either the same
+:class:`P2PError` everywhere (``"ce"``) or the same fallback to ``"nccl"`` (``"auto"``).
+
 Staging memory is at most ``budget_mib`` per rank, whatever the number and size of the
 tensors. :class:`Exchange` keeps the agreed plan to run the same exchange again (weight
 sync every step) without planning again.

@@ -231,6 +231,11 @@ check(len(log) == 2, "still mapped while used")
 m.release(b"x"); m.release(b"y")
 check(log[2:] == [("close", a1), ("close", b1)] and len(m) == 0, "closed with the last user")
 
+# ---- 6. IPC handles survive the trip through all_gather_object whole ----
+raw = b"ab\0cd" + bytes(range(59))
+h = _ce._IpcHandle.from_buffer_copy(raw)
+check(bytes(h) == raw and len(bytes(h)) == 64, "a 64-byte handle with NUL bytes round-trips")
+
 if failures:
     sys.exit(f"ce unit check FAILED ({len(failures)} failures)")
 print(f"ce unit check ok ({cases} protocol simulations)")
