@@ -591,7 +591,11 @@ class Exchange:
 
     def _run_ce(self, cur):
         """One run over the copy engine: the host enqueues everything, the streams order
-        themselves with the flags (see ``streamalloc._ce``)."""
+        themselves with the flags (see ``streamalloc._ce``). Each round's send is enqueued
+        before its receive, so every wait depends only on work enqueued earlier (the
+        no-deadlock argument in ``streamalloc._ce``). The loop is the host's whole cost of
+        a run, so it switches PyTorch's current stream with ``set_stream`` rather than
+        stream contexts and calls the driver directly."""
         import torch
 
         d = _ce.driver()
@@ -601,29 +605,44 @@ class Exchange:
         for s in (pack, copy, unpack):
             s.wait_stream(cur)
         cs, us = copy.cuda_stream, unpack.cuda_stream
-        memcpy, write, wait = d.memcpy, d.write32, d.wait32
-        wait_flags = self._link.wait_flags
+        memcpy, write, wait = d._memcpy, d._write32, d._wait32
+        geq, wait_flags = _ce.CU_STREAM_WAIT_VALUE_GEQ, self._link.wait_flags
+        set_stream = torch.cuda.set_stream
         copied = [None] * len(self._buffers[0])
-        for send, recv in self._rounds:
-            if send is not None:
-                if send.buffer >= 0:
-                    with torch.cuda.stream(pack):
+        active = None
+        try:
+            for send, recv in self._rounds:
+                if send is not None:
+                    slot = send.slot
+                    if send.buffer >= 0:
+                        if active is not pack:
+                            set_stream(pack)
+                            active = pack
                         if copied[send.buffer] is not None:
                             pack.wait_event(copied[send.buffer])
                         _pack(send)
                         copy.wait_event(pack.record_event())
-                slot = send.slot
-                wait(cs, send.free_flag, slot.free_wait(run), _ce.CU_STREAM_WAIT_VALUE_GEQ)
-                memcpy(send.dst, send.src, send.nbytes, cs)
-                write(cs, send.filled_flag, slot.seq(run))
-                if send.buffer >= 0:
-                    copied[send.buffer] = copy.record_event()
-            if recv is not None:
-                seq = recv.slot.seq(run)
-                wait(us, recv.filled_flag, seq, wait_flags)
-                with torch.cuda.stream(unpack):
+                    rc = (wait(cs, send.free_flag, slot.free_wait(run), geq)
+                          or memcpy(send.dst, send.src, send.nbytes, cs)
+                          or write(cs, send.filled_flag, slot.seq(run), 0))
+                    if rc:
+                        d.check(rc, "enqueueing a copy-engine send")
+                    if send.buffer >= 0:
+                        copied[send.buffer] = copy.record_event()
+                if recv is not None:
+                    seq = recv.slot.seq(run)
+                    rc = wait(us, recv.filled_flag, seq, wait_flags)
+                    if rc:
+                        d.check(rc, "cuStreamWaitValue32")
+                    if active is not unpack:
+                        set_stream(unpack)
+                        active = unpack
                     _unpack(recv)
-                write(us, recv.free_flag, seq)
+                    rc = write(us, recv.free_flag, seq, 0)
+                    if rc:
+                        d.check(rc, "cuStreamWriteValue32")
+        finally:
+            set_stream(cur)
         for s in (pack, copy, unpack):
             cur.wait_stream(s)
 
@@ -781,11 +800,18 @@ def _unpack(msg):
         piece.copy_(staged)
 
 
-def exchange(sends: dict, recvs: dict, budget_mib: float = 128, group=None, **options) -> dict:
+def exchange(sends: dict, recvs: dict, budget_mib: float = 128, group=None,
+             transport: str = "nccl", **options) -> dict:
     """Sends ``sends[peer]`` to each peer and fills ``recvs[peer]`` from each, through at
     most ``budget_mib`` of staging memory. A collective: every rank of ``group`` calls it.
-    Returns this rank's plan figures (rounds, max ops per group, bytes moved, buffers)."""
-    ex = Exchange(sends, recvs, budget_mib=budget_mib, group=group, **options)
+    Returns this rank's plan figures (rounds, max ops per group, bytes moved, buffers).
+
+    One call sets everything up and tears it down, so its transport defaults to
+    ``"nccl"``: the copy engine's IPC mapping and collective release cost more than they
+    save in one run (``benches/gpu/p2p/RESULTS.md``). To move the same tensors again, keep
+    an :class:`Exchange` (default ``transport="auto"``)."""
+    ex = Exchange(sends, recvs, budget_mib=budget_mib, group=group, transport=transport,
+                  **options)
     try:
         return ex.run()
     finally:

@@ -29,19 +29,27 @@ class FakeStream:
 
 
 class HostDriver:
-    """Runs the transport's per-round driver calls at once on the host."""
-    def memcpy(self, dst, src, n, stream):
+    """Runs the transport's per-round driver calls at once on the host (same signatures
+    and return codes as the libcuda entry points that _ce.Driver binds)."""
+    def _memcpy(self, dst, src, n, stream):
         ctypes.memmove(dst, src, n)
+        return 0
 
-    def write32(self, stream, address, value):
+    def _write32(self, stream, address, value, flags):
         ctypes.c_uint32.from_address(address).value = value
+        return 0
 
-    def wait32(self, stream, address, value, flags):
+    def _wait32(self, stream, address, value, flags):
         t0 = time.monotonic()
         while not _ce.cyclic_geq(ctypes.c_uint32.from_address(address).value, value):
             if time.monotonic() - t0 > 10:
                 raise RuntimeError(f"flag wait for {value} never satisfied (hang)")
             time.sleep(0)
+        return 0
+
+    def check(self, rc, what):
+        if rc:
+            raise _ce.CeError(f"{what} failed: {rc}")
 
 
 class FileLink(_ce.Link):
@@ -87,6 +95,7 @@ def install_fakes(rank):
     drv = HostDriver()
     _ce.driver = lambda: drv
     torch.cuda.stream = lambda s: contextlib.nullcontext()
+    torch.cuda.set_stream = lambda s: None
     torch.cuda.device = lambda d: contextlib.nullcontext()
     torch.cuda.current_stream = lambda d=None: FakeStream()
 

@@ -1,4 +1,5 @@
-# Where the time of a first call (p2p.exchange: construct, run, release) goes, per transport:
+# Where the time of a first call (p2p.exchange: construct, run, release) goes, per transport
+# (and for ce once more with new tensors every call, as bench.py does):
 # wraps the phases of streamalloc.p2p with host timers (no change to the library) and prints
 # rank 0's milliseconds per phase, best of the last 3 of 4 calls, for the parameter-shaped
 # workload of bench.py (torchrun --nproc_per_node=2).
@@ -36,6 +37,9 @@ for owner, name, label in [
     (p2p.Exchange, "release", "release (total)"),
     (p2p.Exchange, "_release_ce", "  ce: sync streams + gather + close"),
     (_ce.Link, "close", "    ce: close peer handles"),
+    (_ce.Driver, "export", "      cuMemGetAddressRange + cuIpcGetMemHandle"),
+    (_ce.Driver, "ipc_open", "      cuIpcOpenMemHandle"),
+    (_ce.Driver, "ipc_close", "      cuIpcCloseMemHandle"),
 ]:
     timed(owner, name, label)
 
@@ -46,16 +50,21 @@ def main():
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     peer = 1 - rank
-    sends = {peer: [torch.ones(n, dtype=torch.bfloat16, device=dev) for n in param_sizes(1024, rank)]}
-    recvs = {peer: [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in param_sizes(1024, peer)]}
+    make = lambda: ({peer: [torch.ones(n, dtype=torch.bfloat16, device=dev) for n in param_sizes(1024, rank)]},
+                    {peer: [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in param_sizes(1024, peer)]})
+    sends, recvs = make()
     out = {}
-    for transport in ("nccl", "ce"):
+    # "fresh": new tensors every call, as bench.py makes them (the freed ones stay cached).
+    for transport in ("nccl", "ce", "ce fresh"):
         best = None
         for it in range(4):
+            if transport.endswith("fresh"):
+                del sends, recvs
+                sends, recvs = make()
             TIMES.clear()
             torch.cuda.synchronize(); dist.barrier(); torch.cuda.synchronize()
             t0 = time.perf_counter()
-            p2p.exchange(sends, recvs, transport=transport)
+            p2p.exchange(sends, recvs, transport=transport.split()[0])
             torch.cuda.synchronize()
             total = time.perf_counter() - t0
             if it and (best is None or total < best[0]):
