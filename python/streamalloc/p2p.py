@@ -650,8 +650,12 @@ class Exchange:
         """Returns the staging buffers (kept between runs otherwise; at most the budget).
         With the copy-engine transport a collective: peers write into this rank's memory
         until they are done, so every rank waits for every rank before letting go."""
-        if self._link is not None:
-            self._release_ce()
+        link = self._link
+        if link is not None:
+            for s in (self._pack_stream, self._copy_stream, self._unpack_stream):
+                s.synchronize()
+        # Local buffers go first: the barrier below (an all-gather through device memory)
+        # then allocates on top of the shared region alone, not of all the staging.
         self._buffers = None
         for pair in self._rounds:
             for msg in pair:
@@ -660,16 +664,15 @@ class Exchange:
                     msg.staged = None
                     for run in msg.runs:
                         run.view = run.parts = None
+        if link is not None:
+            self._release_ce()
 
     def _release_ce(self):
         import torch.distributed as dist
 
-        for s in (self._pack_stream, self._copy_stream, self._unpack_stream):
-            s.synchronize()
         done = [None] * self.world
         dist.all_gather_object(done, True, group=self._group)  # a host-blocking barrier
         link, self._link = self._link, None
-        self._buffers = None
         try:
             link.close()
         except _ce.CeError as err:

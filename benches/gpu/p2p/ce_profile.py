@@ -35,7 +35,7 @@ for owner, name, label in [
     (p2p.Exchange, "run", "run (total)"),
     (p2p.Exchange, "_setup_buffers", "  buffers and views"),
     (p2p.Exchange, "release", "release (total)"),
-    (p2p.Exchange, "_release_ce", "  ce: sync streams + gather + close"),
+    (p2p.Exchange, "_release_ce", "  ce: barrier (gather) + close"),
     (_ce.Link, "close", "    ce: close peer handles"),
     (_ce.Driver, "export", "      cuMemGetAddressRange + cuIpcGetMemHandle"),
     (_ce.Driver, "ipc_open", "      cuIpcOpenMemHandle"),
