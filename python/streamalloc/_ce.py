@@ -452,7 +452,3 @@ class Link:
         self.region = None
         if errors:
             raise CeError("; ".join(errors))
-
-    @property
-    def region_bytes(self) -> int:
-        return self.layout.size if self.layout is not None else 0

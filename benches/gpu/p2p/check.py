@@ -11,7 +11,8 @@
 #      (the copy engine's counters carry across runs; its mappings are made again);
 #   7. ranks asking for different transports: the same P2PError everywhere; "auto" picks
 #      the copy engine here (all ranks on one host with peer access).
-# Prints one JSON line per check from rank 0 and exits non-zero on any failure.
+# Prints one JSON line per check from rank 0 and exits non-zero on any failure. SMOKE=1 runs
+# only two quick copy-engine checks (a first look before the whole suite).
 import json, os, random, sys, time
 import torch
 import torch.distributed as dist
