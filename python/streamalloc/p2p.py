@@ -18,6 +18,15 @@ across nodes) and without one concatenated buffer per peer (doubles memory):
    buffers rotate (two per direction by default), ordered with events, so packing round
    k+1 and unpacking round k-1 overlap the transfer of round k.
 
+Step 4 above is the ``"nccl"`` transport (the process group's backend; gloo on CPU). When
+every rank of the group is on one host and the GPUs have peer access, the ``"ce"``
+transport (``streamalloc._ce``; ``transport="auto"``, the default, picks it) moves each
+message with one copy-engine copy straight into the receiver's staging buffer over CUDA
+IPC, ordered by flags that the streams write and wait on (no NCCL launch per round, no host
+wait). Every rank must ask for the same transport; the choice is part of what the ranks
+agree on before any data moves, and a failure to set the copy engine up is either the same
+:class:`P2PError` everywhere (``"ce"``) or the same fallback to ``"nccl"`` (``"auto"``).
+
 Staging memory is at most ``budget_mib`` per rank, whatever the number and size of the
 tensors. :class:`Exchange` keeps the agreed plan to run the same exchange again (weight
 sync every step) without planning again.
@@ -31,6 +40,8 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass, field
+
+from . import _ce
 
 __all__ = ["exchange", "Exchange", "P2PError"]
 
@@ -203,6 +214,7 @@ class _Run:
 @dataclass
 class _Msg:
     peer: int  # global rank for P2POp
+    rank: int = -1  # the peer's rank in the group
     zero_copy: object = None  # the tensor's uint8 view
     length: int = 0
     runs: list = field(default_factory=list)
@@ -210,6 +222,14 @@ class _Msg:
     buffer: int = -1  # index of the staging buffer it uses (packed only)
     wire: object = None  # the staging bytes on the wire (set on first run)
     staged: list = None  # the staging slices of ``pieces`` (set on first run)
+    # Copy-engine transport (set on first run): the slot in the receiver's buffers, the
+    # addresses of the copy and of the two flags, and the bytes copied.
+    slot: object = None
+    dst: int = 0
+    src: int = 0
+    nbytes: int = 0
+    filled_flag: int = 0
+    free_flag: int = 0
 
 
 def _flat(t):
@@ -231,7 +251,7 @@ def _prepare(rows, tensors, sizes, to_global):
         t = tensors[direction][peer][ti]
         msg = slot[direction]
         if msg is None:
-            msg = slot[direction] = _Msg(peer=to_global(peer), length=wire)
+            msg = slot[direction] = _Msg(peer=to_global(peer), rank=peer, length=wire)
         if kind == 1:
             msg.zero_copy = _bytes_view(t)
             continue
@@ -255,10 +275,19 @@ def _prepare(rows, tensors, sizes, to_global):
 
 class Exchange:
     """An agreed exchange between the ranks of ``group``: construct it on every rank (a
-    collective), then :meth:`run` it, as often as the same tensors need moving."""
+    collective), then :meth:`run` it, as often as the same tensors need moving.
+
+    ``transport``: ``"nccl"`` moves each round with one ``batch_isend_irecv`` group of the
+    process group's backend; ``"ce"`` with one copy-engine copy into the receiver's buffer
+    over CUDA IPC (every rank on one host, GPUs with peer access; see
+    ``streamalloc._ce``); ``"auto"`` (default) picks ``"ce"`` when every rank can, else
+    ``"nccl"``. Every rank must pass the same value; the choice is agreed before any data
+    moves (``self.transport``, and ``self.transport_note`` says why ``"auto"`` did not pick
+    ``"ce"``)."""
 
     def __init__(self, sends: dict, recvs: dict, budget_mib: float = 128, group=None,
-                 rounds_per_group: int = 1, zero_copy_min: int | None = None):
+                 rounds_per_group: int = 1, zero_copy_min: int | None = None,
+                 transport: str = "auto"):
         import torch
         import torch.distributed as dist
 
@@ -266,33 +295,83 @@ class Exchange:
         # that packing the next group overlaps sending this one.
         buffers_per_direction = 2 * rounds_per_group
         self._per_group = rounds_per_group
+        self._bpd = buffers_per_direction
         self._buffers = None
+        self._link = None
+        self._runs = 0
         self._group = group
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         self.rank, self.world = rank, world
         # Local checks fail on every rank alike: their verdict travels with the description,
         # so no rank is left waiting in a collective that another rank has abandoned.
+        probe = None
         try:
             if rounds_per_group < 1:
                 raise P2PError(f"rounds_per_group must be at least 1 (got {rounds_per_group})")
+            if transport not in _ce.TRANSPORTS:
+                raise P2PError(f"transport must be one of {', '.join(_ce.TRANSPORTS)} "
+                               f"(got {transport!r})")
             send_lists, recv_lists, metas, description = self._describe(sends, recvs, rank, world)
-            local = (None, description)
+            if transport != "nccl":
+                probe = _ce.probe(self.device)
+            local = (None, description, transport, probe)
         except P2PError as err:
-            local = (str(err), b"")
+            local = (str(err), b"", transport, None)
         gathered = [None] * world
         dist.all_gather_object(gathered, local, group=group)
-        for r, (error, _) in enumerate(gathered):
+        for r, (error, *_) in enumerate(gathered):
             if error is not None:
                 raise P2PError(f"rank {r} cannot take part in the p2p exchange: {error}")
-        gathered = [d for _, d in gathered]
+        requests = [g[2] for g in gathered]
+        if any(t != requests[0] for t in requests):
+            listed = ", ".join(f"rank {r}: {t}" for r, t in enumerate(requests))
+            raise P2PError(f"p2p transport mismatch across ranks ({listed}): pass the same "
+                           "transport= on every rank")
         budget = int(budget_mib * 2**20)
+        chosen, why = _ce.resolve_transport(transport, [g[3] for g in gathered], world, budget,
+                                            buffers_per_direction)
+        if chosen is None:
+            raise P2PError(f"p2p transport 'ce' is not possible: {why}")
+        self.transport_note = why
+        descriptions = [g[1] for g in gathered]
+        to_global = (lambda p: p) if group is None else (lambda p: dist.get_global_rank(group, p))
+        sizes = [[[m[0] for m in ms] for ms in side] for side in metas]
+        lists = (send_lists, recv_lists)
+        self.budget_bytes = budget
+        if chosen == "ce":
+            self._agree(descriptions, budget - _ce.reserve_bytes(buffers_per_direction, world),
+                        _ce.NO_ZERO_COPY, "ce", lists, sizes, to_global)
+            if self.summary["rounds"]:
+                failure = self._establish_ce(probe)
+                if failure is not None:
+                    if transport == "ce":
+                        raise P2PError(f"p2p transport 'ce' failed: {failure}")
+                    # Every rank saw the same failures: every rank falls back.
+                    self.transport_note = failure
+                    chosen = None
+        if chosen != "ce":
+            self._agree(descriptions, budget, zero_copy_min, "nccl", lists, sizes, to_global)
+        self._self_copies = (
+            [_flat(t) for t in recv_lists[rank]], [_flat(t) for t in send_lists[rank]]
+        )
+        if self.device.type == "cuda":
+            self._pack_stream = torch.cuda.Stream(self.device)
+            self._unpack_stream = torch.cuda.Stream(self.device)
+            if self.transport == "ce":
+                self._copy_stream = torch.cuda.Stream(self.device)
+
+    def _agree(self, descriptions, budget, zero_copy_min, transport, lists, sizes, to_global):
+        """Plans, and checks that every rank planned the same (digest and transport)."""
+        import torch.distributed as dist
+
+        world, group = self.world, self._group
         plan, vote = None, None
         try:
-            plan = Plan(gathered, budget, buffers_per_direction, zero_copy_min)
-            vote = (0, plan.digest)
+            plan = Plan(descriptions, budget, self._bpd, zero_copy_min)
+            vote = (0, plan.digest, transport)
         except P2PError as err:
-            vote = (1, str(err))
+            vote = (1, str(err), transport)
         votes = [None] * world
         dist.all_gather_object(votes, vote, group=group)
         failures = [(r, v[1]) for r, v in enumerate(votes) if v[0] == 1]
@@ -301,6 +380,9 @@ class Exchange:
                 raise P2PError(failures[0][1])
             r, message = failures[0]
             raise P2PError(f"rank {r} could not plan the p2p exchange: {message}")
+        if any(v[2] != votes[0][2] for v in votes):
+            listed = ", ".join(f"rank {r}: {v[2]}" for r, v in enumerate(votes))
+            raise P2PError(f"p2p transport mismatch across ranks ({listed})")
         digests = [v[1] for v in votes]
         if any(d != digests[0] for d in digests):
             listed = ", ".join(f"{d:016x}" for d in digests)
@@ -308,18 +390,52 @@ class Exchange:
                 f"p2p plan digest mismatch across ranks [{listed}]: ranks planned differently "
                 "(different staging budgets or streamalloc versions)"
             )
+        if self._link is not None:
+            self._link.close()
+            self._link = None
         self.plan = plan
-        self.summary = plan.summary(rank)
-        self.budget_bytes = budget
-        to_global = (lambda p: p) if group is None else (lambda p: dist.get_global_rank(group, p))
-        sizes = [[[m[0] for m in ms] for ms in side] for side in metas]
-        self._rounds = _prepare(plan.rows(rank), (send_lists, recv_lists), sizes, to_global)
-        self._self_copies = (
-            [_flat(t) for t in recv_lists[rank]], [_flat(t) for t in send_lists[rank]]
-        )
-        if self.device.type == "cuda":
-            self._pack_stream = torch.cuda.Stream(self.device)
-            self._unpack_stream = torch.cuda.Stream(self.device)
+        self.transport = transport
+        self.summary = dict(plan.summary(self.rank), transport=transport)
+        self._plan_budget = budget
+        self._rounds = _prepare(plan.rows(self.rank), lists, sizes, to_global)
+
+    def _establish_ce(self, probe) -> str | None:
+        """Exports this rank's region, maps the peers' (a collective). Returns None, or the
+        first failure (the same on every rank)."""
+        import torch.distributed as dist
+
+        world, group = self.world, self._group
+        recvs = [m for _, m in self._rounds if m is not None]
+        peers = {m.rank for pair in self._rounds for m in pair if m is not None}
+        s = self.summary
+        link = _ce.Link(self.device, self.rank, world, self._bpd)
+        try:
+            record = link.export(s["recv_buffers"], s["recv_buffer_bytes"],
+                                 [m.rank for m in recvs], bool(probe and probe.get("flush")))
+        except _ce.CeError as err:
+            record = str(err)
+        records = [None] * world
+        dist.all_gather_object(records, record, group=group)
+        failure = next((f"rank {r}: {x}" for r, x in enumerate(records) if isinstance(x, str)),
+                       None)
+        if failure is None:
+            try:
+                link.connect(records, peers)
+                ok = None
+            except _ce.CeError as err:
+                ok = str(err)
+            oks = [None] * world
+            dist.all_gather_object(oks, ok, group=group)
+            failure = next((f"rank {r}: {x}" for r, x in enumerate(oks) if x), None)
+        if failure is not None:
+            try:
+                link.close()
+            except _ce.CeError:
+                pass  # the failure reported is the first one
+            return failure
+        self._link = link
+        self._records = records
+        return None
 
     def _describe(self, sends, recvs, rank, world):
         """Checks this rank's lists and encodes its description."""
@@ -361,6 +477,8 @@ class Exchange:
     @property
     def staging_bytes(self) -> int:
         """Staging bytes one :meth:`run` holds (at most the budget)."""
+        if self.transport == "ce":
+            return self._ce_staging_bytes()
         s = self.summary
         return (s["send_buffers"] * s["send_buffer_bytes"]
                 + s["recv_buffers"] * s["recv_buffer_bytes"])
@@ -370,6 +488,8 @@ class Exchange:
         buffer each packed message takes is fixed by its order, so this is done once."""
         import torch
 
+        if self.transport == "ce":
+            return self._setup_ce()
         s = self.summary
         u8 = torch.uint8
         sbufs = [torch.empty(s["send_buffer_bytes"], dtype=u8, device=self.device)
@@ -384,17 +504,158 @@ class Exchange:
                 bufs = sbufs if direction == 0 else rbufs
                 msg.buffer = counters[direction] % len(bufs)
                 counters[direction] += 1
-                buf = bufs[msg.buffer]
-                msg.wire = buf[:msg.length]
-                for run in msg.runs:
-                    run.view = buf[run.start:run.end].view(run.dtype)
-                    if direction == 1 and len(run.tensors) > 1:
-                        run.parts = list(torch.split(run.view, run.numels))
-                msg.staged = [buf[o:o + n] for _, o, n in msg.pieces]
+                _bind(msg, bufs[msg.buffer], direction)
         self._buffers = (sbufs, rbufs)
 
+    # ---- Copy-engine transport ----
+
+    def _ce_sends(self):
+        return [m for m, _ in self._rounds if m is not None]
+
+    @staticmethod
+    def _direct(msg) -> bool:
+        """A message that is one contiguous region of one tensor: copied from the tensor."""
+        return ((not msg.pieces and len(msg.runs) == 1 and len(msg.runs[0].tensors) == 1)
+                or (not msg.runs and len(msg.pieces) == 1))
+
+    def _ce_send_buffers(self):
+        """(count, bytes) of the local send buffers: only messages of several tensors (or
+        pieces) are packed locally before their one copy."""
+        packed = [m.length for m in self._ce_sends() if not self._direct(m)]
+        if not packed:
+            return 0, 0
+        return min(len(packed), self.summary["send_buffers"]), max(packed)
+
+    def _ce_staging_bytes(self) -> int:
+        count, nbytes = self._ce_send_buffers()
+        region = _ce.Layout(self.summary["recv_buffers"], self.summary["recv_buffer_bytes"],
+                            self._bpd, self.world).size
+        return count * nbytes + (region if self.summary["rounds"] else 0)
+
+    def _setup_ce(self):
+        import torch
+
+        link = self._link
+        if self.staging_bytes > self.budget_bytes:  # reserve_bytes() keeps this from happening
+            raise P2PError(f"copy-engine staging of {self.staging_bytes} bytes exceeds the "
+                           f"budget of {self.budget_bytes}")
+        count, nbytes = self._ce_send_buffers()
+        sbufs = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                 for _ in range(count)]
+        layout, region, base = link.layout, link.region, link.base
+        rbufs = [region[layout.buffer(b):layout.buffer(b) + layout.buffer_bytes]
+                 for b in range(layout.buffers)]
+        # Receiving: the slots of this rank's messages, and who writes each buffer next.
+        recvs = [m for _, m in self._rounds if m is not None]
+        slots = _ce.receive_slots(len(recvs), layout.buffers)
+        nexts = _ce.next_users([m.rank for m in recvs], layout.buffers)
+        for msg, slot, nxt in zip(recvs, slots, nexts):
+            msg.slot, msg.buffer = slot, slot.buffer
+            _bind(msg, rbufs[slot.buffer], 1)
+            msg.filled_flag = base + layout.filled(slot.buffer)
+            peer_base, peer_layout = link.peers[nxt]
+            msg.free_flag = peer_base + peer_layout.free(self.rank, slot.buffer)
+        # Sending: the slot each message takes in its receiver's buffers. The messages of
+        # one ordered pair arrive in the order they are sent, so this rank's j-th message to
+        # R is the j-th that R's list of senders attributes to this rank.
+        positions, peer_slots, sent = {}, {}, {}
+        for r, rec in enumerate(self._records):
+            if r in link.peers:
+                senders = rec["recv_from"]
+                positions[r] = [u for u, s in enumerate(senders) if s == self.rank]
+                peer_slots[r] = _ce.receive_slots(len(senders), rec["buffers"])
+        packed = 0
+        for msg in self._ce_sends():
+            j = sent.get(msg.rank, 0)
+            sent[msg.rank] = j + 1
+            slot = peer_slots[msg.rank][positions[msg.rank][j]]
+            peer_base, peer_layout = link.peers[msg.rank]
+            msg.slot = slot
+            remote = peer_base + peer_layout.buffer(slot.buffer)
+            msg.filled_flag = peer_base + peer_layout.filled(slot.buffer)
+            msg.free_flag = base + layout.free(msg.rank, slot.buffer)
+            if self._direct(msg):
+                msg.buffer = -1
+                if msg.runs:
+                    run = msg.runs[0]
+                    src, off, n = run.tensors[0], run.start, run.end - run.start
+                else:
+                    src, off, n = msg.pieces[0]
+                msg.src, msg.dst, msg.nbytes = src.data_ptr(), remote + off, n
+            else:
+                msg.buffer = packed % count
+                packed += 1
+                _bind(msg, sbufs[msg.buffer], 0)
+                msg.src, msg.dst, msg.nbytes = msg.wire.data_ptr(), remote, msg.length
+        self._buffers = (sbufs, rbufs)
+
+    def _run_ce(self, cur):
+        """One run over the copy engine: the host enqueues everything, the streams order
+        themselves with the flags (see ``streamalloc._ce``). Each round's send is enqueued
+        before its receive, so every wait depends only on work enqueued earlier (the
+        no-deadlock argument in ``streamalloc._ce``). The loop is the host's whole cost of
+        a run, so it switches PyTorch's current stream with ``set_stream`` rather than
+        stream contexts and calls the driver directly."""
+        import torch
+
+        d = _ce.driver()
+        run = self._runs
+        self._runs += 1
+        pack, copy, unpack = self._pack_stream, self._copy_stream, self._unpack_stream
+        for s in (pack, copy, unpack):
+            s.wait_stream(cur)
+        cs, us = copy.cuda_stream, unpack.cuda_stream
+        memcpy, write, wait = d._memcpy, d._write32, d._wait32
+        geq, wait_flags = _ce.CU_STREAM_WAIT_VALUE_GEQ, self._link.wait_flags
+        set_stream = torch.cuda.set_stream
+        copied = [None] * len(self._buffers[0])
+        active = None
+        try:
+            for send, recv in self._rounds:
+                if send is not None:
+                    slot = send.slot
+                    if send.buffer >= 0:
+                        if active is not pack:
+                            set_stream(pack)
+                            active = pack
+                        if copied[send.buffer] is not None:
+                            pack.wait_event(copied[send.buffer])
+                        _pack(send)
+                        copy.wait_event(pack.record_event())
+                    rc = (wait(cs, send.free_flag, slot.free_wait(run), geq)
+                          or memcpy(send.dst, send.src, send.nbytes, cs)
+                          or write(cs, send.filled_flag, slot.seq(run), 0))
+                    if rc:
+                        d.check(rc, "enqueueing a copy-engine send")
+                    if send.buffer >= 0:
+                        copied[send.buffer] = copy.record_event()
+                if recv is not None:
+                    seq = recv.slot.seq(run)
+                    rc = wait(us, recv.filled_flag, seq, wait_flags)
+                    if rc:
+                        d.check(rc, "cuStreamWaitValue32")
+                    if active is not unpack:
+                        set_stream(unpack)
+                        active = unpack
+                    _unpack(recv)
+                    rc = write(us, recv.free_flag, seq, 0)
+                    if rc:
+                        d.check(rc, "cuStreamWriteValue32")
+        finally:
+            set_stream(cur)
+        for s in (pack, copy, unpack):
+            cur.wait_stream(s)
+
     def release(self):
-        """Returns the staging buffers (kept between runs otherwise; at most the budget)."""
+        """Returns the staging buffers (kept between runs otherwise; at most the budget).
+        With the copy-engine transport a collective: peers write into this rank's memory
+        until they are done, so every rank waits for every rank before letting go."""
+        link = self._link
+        if link is not None:
+            for s in (self._pack_stream, self._copy_stream, self._unpack_stream):
+                s.synchronize()
+        # Local buffers go first: the barrier below (an all-gather through device memory)
+        # then allocates on top of the shared region alone, not of all the staging.
         self._buffers = None
         for pair in self._rounds:
             for msg in pair:
@@ -403,6 +664,19 @@ class Exchange:
                     msg.staged = None
                     for run in msg.runs:
                         run.view = run.parts = None
+        if link is not None:
+            self._release_ce()
+
+    def _release_ce(self):
+        import torch.distributed as dist
+
+        done = [None] * self.world
+        dist.all_gather_object(done, True, group=self._group)  # a host-blocking barrier
+        link, self._link = self._link, None
+        try:
+            link.close()
+        except _ce.CeError as err:
+            raise P2PError(f"p2p transport 'ce': {err}") from None
 
     def run(self) -> dict:
         """Moves the bytes. Returns the plan's figures for this rank."""
@@ -412,7 +686,18 @@ class Exchange:
         dst, src = self._self_copies
         if dst:
             torch._foreach_copy_(dst, src)
-        if not self._rounds:
+        if not self._rounds and (self.transport != "ce" or not self.summary["rounds"]):
+            return dict(self.summary)
+        if self.transport == "ce":
+            if self._link is None:  # after release(): map the peers again (collective)
+                self._runs = 0
+                failure = self._establish_ce(_ce.probe(self.device))
+                if failure is not None:
+                    raise P2PError(f"p2p transport 'ce' failed: {failure}")
+            if self._buffers is None:
+                self._setup_buffers()
+            with torch.cuda.device(self.device):
+                self._run_ce(torch.cuda.current_stream(self.device))
             return dict(self.summary)
         if self._buffers is None:
             self._setup_buffers()
@@ -482,6 +767,18 @@ class Exchange:
         return dict(self.summary)
 
 
+def _bind(msg, buf, direction):
+    """Caches the views of staging buffer ``buf`` that packing or unpacking ``msg`` uses."""
+    import torch
+
+    msg.wire = buf[:msg.length]
+    for run in msg.runs:
+        run.view = buf[run.start:run.end].view(run.dtype)
+        if direction == 1 and len(run.tensors) > 1:
+            run.parts = list(torch.split(run.view, run.numels))
+    msg.staged = [buf[o:o + n] for _, o, n in msg.pieces]
+
+
 def _pack(msg):
     import torch
 
@@ -506,11 +803,18 @@ def _unpack(msg):
         piece.copy_(staged)
 
 
-def exchange(sends: dict, recvs: dict, budget_mib: float = 128, group=None, **options) -> dict:
+def exchange(sends: dict, recvs: dict, budget_mib: float = 128, group=None,
+             transport: str = "nccl", **options) -> dict:
     """Sends ``sends[peer]`` to each peer and fills ``recvs[peer]`` from each, through at
     most ``budget_mib`` of staging memory. A collective: every rank of ``group`` calls it.
-    Returns this rank's plan figures (rounds, max ops per group, bytes moved, buffers)."""
-    ex = Exchange(sends, recvs, budget_mib=budget_mib, group=group, **options)
+    Returns this rank's plan figures (rounds, max ops per group, bytes moved, buffers).
+
+    One call sets everything up and tears it down, so its transport defaults to
+    ``"nccl"``: the copy engine's IPC mapping and collective release cost more than they
+    save in one run (``benches/gpu/p2p/RESULTS.md``). To move the same tensors again, keep
+    an :class:`Exchange` (default ``transport="auto"``)."""
+    ex = Exchange(sends, recvs, budget_mib=budget_mib, group=group, transport=transport,
+                  **options)
     try:
         return ex.run()
     finally:

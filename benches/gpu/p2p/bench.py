@@ -5,7 +5,9 @@
 #      shared/baselines/seed000_scale.py: exchange time and extra peak memory.
 # Modes: one P2POp per tensor; one merged buffer per peer; streamalloc.p2p.exchange (first
 # call: gathers descriptions, plans, checks the digest, runs); streamalloc.p2p.Exchange
-# reused (the plan agreed once, then run() timed: weight sync every step).
+# reused (the plan agreed once, then run() timed: weight sync every step). The streamalloc
+# modes run under both transports: "nccl" (batch_isend_irecv per round) and "ce" (one
+# copy-engine copy per round over CUDA IPC, device-side flags).
 # Every mode's result is checked. Rank 0 prints a markdown table and writes JSON to $1.
 import json, os, random, sys, time
 import torch
@@ -107,6 +109,28 @@ def nccl_sweep(rank, world, dev):
     return out
 
 
+def ce_sweep(rank, world, dev):
+    """The ce transport's own curve: one tensor each way, Exchange reused (budget
+    BUDGET_MIB, so tensors above a buffer are split into buffer-sized copies)."""
+    out = {}
+    peer = 1 - rank
+    for mib in (1, 8, 32, 128, 512):
+        a = torch.empty(mib << 20, dtype=torch.uint8, device=dev)
+        b = torch.empty(mib << 20, dtype=torch.uint8, device=dev)
+        ex = p2p.Exchange({peer: [a]}, {peer: [b]}, budget_mib=BUDGET_MIB, transport="ce")
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize(); dist.barrier()
+            t0 = time.perf_counter()
+            ex.run()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        ex.release()
+        out[mib] = (mib << 20) / min(times[1:]) / 1e9
+        del a, b
+    return out
+
+
 def recvs_zero(recvs):
     for ts in recvs.values():
         for t in ts:
@@ -144,6 +168,7 @@ def measure(make, modes, rank, world):
             nbytes = sum(t.numel() * t.element_size() for v in sends.values() for t in v)
             del sends, recvs
             if reused:
+                fn.ex.release()  # collective with the copy engine: peers write into our memory
                 fn.ex = None
         t = min(times)
         out[name] = dict(seconds=t, host_issue_seconds=min(issues), gb_per_s=nbytes / t / 1e9, extra_peak_mib=extra / 2**20,
@@ -158,7 +183,8 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    staged = lambda s, r: p2p.exchange(s, r, budget_mib=BUDGET_MIB)
+    staged = lambda s, r: p2p.exchange(s, r, budget_mib=BUDGET_MIB, transport="nccl")
+    staged_ce = lambda s, r: p2p.exchange(s, r, budget_mib=BUDGET_MIB, transport="ce")
 
     def make_params():
         fill = lambda src, dst: float((src + 1) * (dst + 1) % 251)
@@ -172,9 +198,15 @@ def main():
     sweep = nccl_sweep(rank, world, dev)
     if rank == 0:
         print("nccl one op each way, GB/s by MiB (and as 4 ops in one group):", json.dumps(sweep), flush=True)
-    extra_modes = [("staged_reused_k4", Reused(rounds_per_group=4)),
-                   ("staged_reused_512MiB", Reused(budget_mib=512))]
-    modes = [("per_tensor", per_tensor), ("merged", merged), ("staged", staged), ("staged_reused", Reused())] + extra_modes
+    ce_sweep_out = ce_sweep(rank, world, dev)
+    if rank == 0:
+        print("ce transport, one tensor each way, Exchange reused, GB/s by MiB:", json.dumps(ce_sweep_out), flush=True)
+    extra_modes = [("staged_reused_k4", Reused(rounds_per_group=4, transport="nccl")),
+                   ("staged_reused_512MiB", Reused(budget_mib=512, transport="nccl")),
+                   ("ce_reused_k2", Reused(rounds_per_group=2, transport="ce"))]
+    ce_modes = [("staged_ce", staged_ce), ("staged_reused_ce", Reused(transport="ce"))]
+    modes = [("per_tensor", per_tensor), ("merged", merged), ("staged", staged),
+             ("staged_reused", Reused(transport="nccl"))] + ce_modes + extra_modes
     a = measure(make_params, modes, rank, world)
 
     g = torch.Generator().manual_seed(42)
@@ -200,7 +232,8 @@ def main():
 
     seed_modes = [("per_tensor", per_tensor_random),
                   ("merged_no_unpack", lambda s, r: merged(s, r, unpack=False)),
-                  ("merged", merged), ("staged", staged), ("staged_reused", Reused())] + extra_modes
+                  ("merged", merged), ("staged", staged), ("staged_reused", Reused(transport="nccl"))
+                  ] + ce_modes + extra_modes
     b = measure(make_seed, seed_modes, rank, world)
 
     allres = [None] * world
@@ -214,13 +247,16 @@ def main():
         nA = len(param_sizes(TOTAL_MIB, 1000))
         print()
         print(f"2 ranks, budget {BUDGET_MIB} MiB; slowest rank shown; 'ok' = every byte checked")
-        print("| workload | per-tensor P2POp | merged buffer | streamalloc exchange() | streamalloc Exchange reused | goal |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| workload | per-tensor P2POp | merged buffer | exchange() nccl | Exchange reused nccl "
+              "| exchange() ce | Exchange reused ce | goal |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         print(f"| ~{nA} parameter-shaped tensors, {A[0]['staged']['bytes_sent']/1e6:.0f} MB each way "
               f"| {gbs('per_tensor'):.0f} GB/s, +{mib(A,'per_tensor'):.0f} MiB "
               f"| {gbs('merged'):.0f} GB/s, +{mib(A,'merged'):.0f} MiB "
               f"| {gbs('staged'):.0f} GB/s, +{mib(A,'staged'):.0f} MiB "
               f"| {gbs('staged_reused'):.0f} GB/s, +{mib(A,'staged_reused'):.0f} MiB "
+              f"| {gbs('staged_ce'):.0f} GB/s, +{mib(A,'staged_ce'):.0f} MiB "
+              f"| {gbs('staged_reused_ce'):.0f} GB/s, +{mib(A,'staged_reused_ce'):.0f} MiB "
               f"| >= 250 GB/s, <= {BUDGET_MIB} MiB |")
         nB = int(T.sum())
         print(f"| seed000_scale SCALE={SCALE}: {nB} tensors, {B[0]['staged']['bytes_sent']/1e6:.0f} MB (rank 0 sends) "
@@ -228,7 +264,14 @@ def main():
               f"| {ms('merged'):.1f} ms (no unpack: {ms('merged_no_unpack'):.1f}), +{mib(B,'merged'):.0f} MiB "
               f"| {ms('staged'):.1f} ms, +{mib(B,'staged'):.0f} MiB "
               f"| {ms('staged_reused'):.1f} ms, +{mib(B,'staged_reused'):.0f} MiB "
+              f"| {ms('staged_ce'):.1f} ms, +{mib(B,'staged_ce'):.0f} MiB "
+              f"| {ms('staged_reused_ce'):.1f} ms, +{mib(B,'staged_reused_ce'):.0f} MiB "
               f"| <= 12 ms, <= {BUDGET_MIB} MiB |")
+        print("other settings (slowest rank): "
+              f"nccl rounds_per_group=4: {gbs('staged_reused_k4'):.0f} GB/s, {ms('staged_reused_k4'):.1f} ms; "
+              f"nccl 512 MiB budget: {gbs('staged_reused_512MiB'):.0f} GB/s, {ms('staged_reused_512MiB'):.1f} ms; "
+              f"ce rounds_per_group=2 (4 x 16 MiB buffers per direction): {gbs('ce_reused_k2'):.0f} GB/s, "
+              f"{ms('ce_reused_k2'):.1f} ms")
         print("all correct:", all(ok(A, m) for m in A[0]) and all(ok(B, m) for m in B[0]))
         if len(sys.argv) > 1:
             with open(sys.argv[1], "w") as f:

@@ -2,7 +2,7 @@
 # on GPUs, minus the streams, so the Python side can be checked on a machine with no GPU.
 #   python benches/gpu/p2p/cpu_check.py [WORLD]   (PYTHONPATH=python, STREAMALLOC_LIB set)
 # Exits non-zero on any failure; with PROFILE=1 also times the phases of a 15,000-tensor
-# exchange.
+# exchange. The copy-engine transport's own logic is checked by ce_unit_check.py.
 import os, random, sys, time
 import torch
 import torch.distributed as dist
@@ -71,6 +71,31 @@ def worker(rank, world, port, failures):
         ok &= all(x == errs[0] for x in errs) and "not contiguous" in errs[0]
         if rank == 0:
             print("local error:", errs[0], flush=True)
+    # Transports: ranks asking for different ones, and "ce" where it cannot work (CPU
+    # tensors), fail alike everywhere before any data moves; "auto" on CPU is "nccl".
+    for name, choice, expect in [
+        ("transport mismatch", "ce" if rank == 0 else "nccl", "transport mismatch"),
+        ("ce on cpu", "ce", "transport 'ce' is not possible"),
+    ]:
+        try:
+            p2p.exchange({(rank + 1) % world: [torch.ones(3)]},
+                         {(rank - 1) % world: [torch.empty(3)]}, transport=choice)
+            ok = False
+        except p2p.P2PError as e:
+            errs = [None] * world
+            dist.all_gather_object(errs, str(e))
+            ok &= all(x == errs[0] for x in errs) and expect in errs[0]
+            if rank == 0:
+                print(f"{name}:", errs[0], flush=True)
+    src = torch.arange(5.0) + rank
+    dst = torch.zeros(5)
+    ex = p2p.Exchange({(rank + 1) % world: [src]}, {(rank - 1) % world: [dst]})
+    ok &= ex.transport == "nccl" and "cpu" in (ex.transport_note or "")
+    for i in range(2):  # an exchange runs again with new values
+        src += 10
+        ex.run()
+        ok &= torch.equal(dst, torch.arange(5.0) + (rank - 1) % world + 10 * (i + 1))
+    ex.release()
     if os.environ.get("PROFILE"):
         profile(rank, world)
     dist.destroy_process_group()

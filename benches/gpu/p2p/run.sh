@@ -7,8 +7,9 @@ N=${1:-2}; OUT=${2:-.}
 HERE=$(cd "$(dirname "$0")" && pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 rc=0
-timeout 120 torchrun --nproc_per_node="$N" "$HERE/check.py" > "$OUT/check.log" 2>&1 || rc=1
+python3 "$HERE/ce_unit_check.py" || rc=1
+timeout 150 torchrun --nproc_per_node="$N" "$HERE/check.py" > "$OUT/check.log" 2>&1 || rc=1
 grep -v "^W1\|^\[W\|^\[rank.*W" "$OUT/check.log" | tail -40
-timeout 200 torchrun --nproc_per_node="$N" "$HERE/bench.py" "$OUT/p2p_bench.json" > "$OUT/bench.log" 2>&1 || rc=1
+timeout 240 torchrun --nproc_per_node="$N" "$HERE/bench.py" "$OUT/p2p_bench.json" > "$OUT/bench.log" 2>&1 || rc=1
 grep -v "^W1\|^\[W\|^\[rank.*W" "$OUT/bench.log" | tail -40
 exit $rc

@@ -1,0 +1,170 @@
+# The copy-engine transport of streamalloc.p2p end to end on CPU processes (gloo), no GPU:
+# the real Exchange code (plan, agreement, slots, views, packing, one copy per message,
+# flags, unpacking, release) with three stand-ins for what only a GPU has:
+#   - the shared region is a file in /dev/shm mapped by every rank (instead of CUDA IPC);
+#   - the "driver" runs each operation at once on the host: a copy is memmove, a flag write
+#     a store, a flag wait spins (10 s limit) until the peer's store arrives;
+#   - streams and events are no-ops (the host executes in enqueue order).
+# Because run() enqueues each round's send before its receive and every wait depends only on
+# earlier work, host order is a valid schedule: a wrong slot, offset, counter or view shows
+# up as corrupted data or a wait that never ends.
+#   PYTHONPATH=python STREAMALLOC_LIB=... python benches/gpu/p2p/ce_cpu_sim.py [WORLD]
+import contextlib, ctypes, os, random, sys, tempfile, time
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from streamalloc import p2p, _ce
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_check import tensor  # noqa: E402  (the same random tensors as the gloo check)
+
+
+class FakeStream:
+    cuda_stream = 0
+
+    def wait_stream(self, other): pass
+    def wait_event(self, event): pass
+    def record_event(self): return None
+    def synchronize(self): pass
+
+
+class HostDriver:
+    """Runs the transport's per-round driver calls at once on the host (same signatures
+    and return codes as the libcuda entry points that _ce.Driver binds)."""
+    def _memcpy(self, dst, src, n, stream):
+        ctypes.memmove(dst, src, n)
+        return 0
+
+    def _write32(self, stream, address, value, flags):
+        ctypes.c_uint32.from_address(address).value = value
+        return 0
+
+    def _wait32(self, stream, address, value, flags):
+        t0 = time.monotonic()
+        while not _ce.cyclic_geq(ctypes.c_uint32.from_address(address).value, value):
+            if time.monotonic() - t0 > 10:
+                raise RuntimeError(f"flag wait for {value} never satisfied (hang)")
+            time.sleep(0)
+        return 0
+
+    def check(self, rc, what):
+        if rc:
+            raise _ce.CeError(f"{what} failed: {rc}")
+
+
+class FileLink(_ce.Link):
+    """A Link whose region is a shared file instead of IPC-exported GPU memory."""
+    opened = 0
+
+    def export(self, buffers, buffer_bytes, recv_from, flush):
+        layout = _ce.Layout(buffers, buffer_bytes, self.bpd, self.world)
+        fd, path = tempfile.mkstemp(prefix="ce_sim_", dir="/dev/shm")
+        os.close(fd)
+        region = torch.from_file(path, shared=True, size=layout.size, dtype=torch.uint8)
+        region.zero_()
+        self.region, self.layout, self.base, self._path = region, layout, region.data_ptr(), path
+        return {"handle": path.encode(), "offset": 0, "buffers": buffers,
+                "buffer_bytes": buffer_bytes, "recv_from": recv_from}
+
+    def connect(self, records, peers):
+        self._maps = []
+        for p in sorted(peers):
+            rec = records[p]
+            size = _ce.Layout(rec["buffers"], rec["buffer_bytes"], self.bpd, self.world).size
+            m = torch.from_file(rec["handle"].decode(), shared=True, size=size, dtype=torch.uint8)
+            self._maps.append(m)
+            FileLink.opened += 1
+            self.peers[p] = (m.data_ptr() + rec["offset"],
+                             _ce.Layout(rec["buffers"], rec["buffer_bytes"], self.bpd, self.world))
+
+    def close(self):
+        FileLink.opened -= len(getattr(self, "_maps", []))
+        self._maps = []
+        self.peers = {}
+        self.region = None
+        if getattr(self, "_path", None):
+            os.unlink(self._path)
+            self._path = None
+
+
+def install_fakes(rank):
+    probe = {"ok": True, "reason": "", "host": "sim", "pci": f"gpu{rank}", "peers": {},
+             "flush": False}
+    _ce.probe = lambda device: dict(probe, peers={f"gpu{r}": True for r in range(64)})
+    _ce.Link = FileLink
+    drv = HostDriver()
+    _ce.driver = lambda: drv
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    torch.cuda.set_stream = lambda s: None
+    torch.cuda.device = lambda d: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda d=None: FakeStream()
+
+
+def make(ex):
+    ex._pack_stream, ex._copy_stream, ex._unpack_stream = FakeStream(), FakeStream(), FakeStream()
+    return ex
+
+
+def worker(rank, world, port, failures):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    install_fakes(rank)
+    ok = True
+    for seed, budget, k in [(1, 0.05, 1), (2, 1, 1), (3, 0.05, 2), (4, 128, 1), (5, 0.1, 1)]:
+        counts = random.Random(seed)
+        n = {(s, d): counts.randint(0, 60) for s in range(world) for d in range(world)}
+        if seed == 5:  # large tensors split across many messages, sent straight from the tensor
+            n = {(s, d): 3 for s in range(world) for d in range(world)}
+        sends = {d: [tensor(rank, d, i, seed) for i in range(n[(rank, d)])] for d in range(world)}
+        if seed == 5:
+            sends = {d: [torch.arange(100_000 + 7 * i, dtype=torch.float32) + rank + d
+                         for i in range(3)] for d in range(world)}
+        recvs = {s: [torch.empty_like(t) for t in
+                     ([tensor(s, rank, i, seed) for i in range(n[(s, rank)])] if seed != 5
+                      else [torch.arange(100_000 + 7 * i, dtype=torch.float32) for i in range(3)])]
+                 for s in range(world)}
+        ex = make(p2p.Exchange(sends, recvs, budget_mib=budget, rounds_per_group=k,
+                               transport="ce"))
+        ok &= ex.transport == "ce"
+        ok &= ex.staging_bytes <= ex.budget_bytes
+        for it in range(3):  # the counters carry across runs; the data changes each run
+            for ts in sends.values():
+                for t in ts:
+                    if t.dtype != torch.bool and t.numel():
+                        t.add_(1)
+            for ts in recvs.values():
+                for t in ts:
+                    t.zero_()
+            ex.run()
+            for s in range(world):
+                for i, t in enumerate(recvs[s]):
+                    if seed == 5:
+                        want = torch.arange(100_000 + 7 * i, dtype=torch.float32) + s + rank + it + 1
+                    else:
+                        want = tensor(s, rank, i, seed)
+                        if want.dtype != torch.bool and want.numel():
+                            want = want + (it + 1)
+                    if not torch.equal(t, want.to(t.dtype)):
+                        print(f"rank {rank}: seed {seed} run {it} tensor {i} from {s} differs",
+                              flush=True)
+                        ok = False
+        if ex.summary["rounds"] and rank == 0 and seed in (1, 5):
+            print(f"seed {seed}: {ex.summary['rounds']} rounds, staging {ex.staging_bytes} of "
+                  f"{ex.budget_bytes} bytes", flush=True)
+        ex.release()
+        ok &= FileLink.opened == 0
+        # Run again after release: the peers' regions are mapped again (collective).
+        ex.run()
+        ex.release()
+    if not ok:
+        failures.put(rank)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    failures = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(world, 29500 + random.randint(0, 999), failures), nprocs=world)
+    if not failures.empty():
+        sys.exit("ce cpu simulation FAILED")
+    print(f"ce cpu simulation: {world} ranks ok")
