@@ -1017,12 +1017,7 @@ impl State {
     /// valid when no stream can still use those blocks: right after a device-wide
     /// synchronisation.
     fn unmap_free_pages<B: Backend>(&mut self, backend: &B) -> Result<(), BackendError> {
-        for (key, mappings) in self.unmappable() {
-            let start = mappings[0].0;
-            let end = mappings.last().map_or(start, |&(at, len)| at + len);
-            self.unmap_block_pages(backend, key, start, end - start)?;
-        }
-        Ok(())
+        self.unmap_free_pages_upto(backend, u64::MAX)
     }
 
     /// Unmaps at least `bytes` of the whole mappings inside ready free blocks of expandable

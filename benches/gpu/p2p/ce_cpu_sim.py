@@ -12,11 +12,10 @@
 import contextlib, ctypes, os, random, sys, tempfile, time
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from streamalloc import p2p, _ce
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_check import tensor  # noqa: E402  (the same random tensors as the gloo check)
+from cpu_check import spawn_ranks, tensor  # noqa: E402  (the same random tensors as the gloo check)
 
 
 class FakeStream:
@@ -162,9 +161,4 @@ def worker(rank, world, port, failures):
 
 
 if __name__ == "__main__":
-    world = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    failures = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(worker, args=(world, 29500 + random.randint(0, 999), failures), nprocs=world)
-    if not failures.empty():
-        sys.exit("ce cpu simulation FAILED")
-    print(f"ce cpu simulation: {world} ranks ok")
+    spawn_ranks(worker, "ce cpu simulation")

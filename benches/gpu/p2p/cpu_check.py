@@ -124,10 +124,16 @@ def profile(rank, world):
         pstats.Stats(pr).sort_stats("tottime").print_stats(12)
 
 
-if __name__ == "__main__":
+def spawn_ranks(worker, name):
+    """Runs ``worker(rank, world, port, failures)`` on ``argv[1]`` (default 3) CPU ranks;
+    exits non-zero if any rank reported a failure."""
     world = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     failures = mp.get_context("spawn").SimpleQueue()
     mp.spawn(worker, args=(world, 29500 + random.randint(0, 999), failures), nprocs=world)
     if not failures.empty():
-        sys.exit("p2p cpu check FAILED")
-    print(f"p2p cpu check: {world} ranks ok")
+        sys.exit(f"{name} FAILED")
+    print(f"{name}: {world} ranks ok")
+
+
+if __name__ == "__main__":
+    spawn_ranks(worker, "p2p cpu check")
