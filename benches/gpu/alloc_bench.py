@@ -45,7 +45,7 @@ CHURN = ("page_map_bytes", "page_unmap_bytes", "device_syncs", "segment_allocs",
 
 def train(model, batch_fn, steps=int(os.environ.get("STEPS", 6))):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times, losses = [], []
+    times, losses, steps_churn = [], [], []
     for i in range(steps):
         if i == 2:
             torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
@@ -59,12 +59,18 @@ def train(model, batch_fn, steps=int(os.environ.get("STEPS", 6))):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        if ALLOC == "streamalloc":  # per-step syncs and mapped MiB, to see where time went
+            st = streamalloc.torch.raw_stats()["stats"]
+            steps_churn.append((st["device_syncs"], st["page_map_bytes"] >> 20))
     if CAPTURE:
         import gzip, pickle
         with gzip.open(CAPTURE, "wb") as f:
             pickle.dump(torch.cuda.memory._snapshot(), f)
         torch.cuda.memory._record_memory_history(enabled=None)
-    r = dict(step_ms=sorted(times[2:])[len(times[2:]) // 2] * 1e3, losses=losses)
+    r = dict(step_ms=sorted(times[2:])[len(times[2:]) // 2] * 1e3, losses=losses,
+             steps_ms=[round(t * 1e3, 1) for t in times])
+    if steps_churn:
+        r["steps_syncs_mapped_mib"] = steps_churn
     if ALLOC == "streamalloc" and os.environ.get("SNAPSHOT"):  # our trace, for `streamalloc replay`
         streamalloc.torch.dump_snapshot(os.environ["SNAPSHOT"])
     if ALLOC == "streamalloc" and steps > 2:
