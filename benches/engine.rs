@@ -95,6 +95,16 @@ fn cached_same_stream(c: &mut Criterion) {
         let workload = HostCostMixed::new(HOST_COST_MALLOCS);
         // host_cost.py warms up with one run before timing.
         workload.run(&allocator, stream);
+        let before = allocator.stats();
+        workload.run(&allocator, stream);
+        let after = allocator.stats();
+        // Each segment alloc/free is a driver call (cuMemAlloc ~66 µs) on a GPU.
+        println!(
+            "{name}: per warm run of {} ops, {} segment allocs, {} frees",
+            workload.ops(),
+            after.segment_allocs - before.segment_allocs,
+            after.segment_frees - before.segment_frees
+        );
         group.throughput(Throughput::Elements(workload.ops()));
         group.bench_function(name, |b| b.iter(|| workload.run(&allocator, stream)));
     }

@@ -616,8 +616,10 @@ impl State {
         size: u64,
         max_size: u64,
     ) -> Option<BlockKey> {
-        let (_, _, key) = self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)?;
-        self.unlist(key);
+        // What `unlist` would do for a ready block: no pending bytes to count.
+        let (_, _, key) =
+            self.streams.get_mut(slot).ready[pool as usize].take_best_fit(size, max_size)?;
+        debug_assert!(self.arena.blocks[key].pending.is_empty());
         Some(key)
     }
 

@@ -136,20 +136,47 @@ impl FreeList {
         }
     }
 
+    /// Where the best fit for `size` is: its class and index there.
+    #[inline]
+    fn find_best_fit(&self, size: u64) -> Option<(usize, usize)> {
+        let class = class_of(size);
+        if let Some(entries) = self.classes.get(class) {
+            let at = entries.partition_point(|e| e.size < size);
+            if at < entries.len() {
+                return Some((class, at));
+            }
+        }
+        Some((self.next_nonempty(class + 1)?, 0))
+    }
+
     /// The smallest block of at least `size` bytes, lowest address first among equals,
     /// and no larger than `max_size`.
     #[inline]
     pub(crate) fn best_fit(&self, size: u64, max_size: u64) -> Option<(u64, u64, BlockKey)> {
-        let class = class_of(size);
-        let own = self.classes.get(class).and_then(|entries| {
-            let at = entries.partition_point(|e| e.size < size);
-            entries.get(at)
-        });
-        let found = match own {
-            Some(entry) => entry,
-            None => self.classes[self.next_nonempty(class + 1)?].first()?,
-        };
+        let (class, at) = self.find_best_fit(size)?;
+        let found = &self.classes[class][at];
         (found.size <= max_size).then_some((found.size, found.addr, found.key))
+    }
+
+    /// [`FreeList::best_fit`], taken out of the list.
+    #[inline]
+    pub(crate) fn take_best_fit(
+        &mut self,
+        size: u64,
+        max_size: u64,
+    ) -> Option<(u64, u64, BlockKey)> {
+        let (class, at) = self.find_best_fit(size)?;
+        let entries = &mut self.classes[class];
+        if entries[at].size > max_size {
+            return None;
+        }
+        let found = entries.remove(at);
+        if entries.is_empty() {
+            self.nonempty[class / 64] &= !(1 << (class % 64));
+        }
+        self.len -= 1;
+        self.bytes -= found.size;
+        Some((found.size, found.addr, found.key))
     }
 
     pub(crate) fn contains(&self, size: u64, addr: u64, key: BlockKey) -> bool {
@@ -270,6 +297,8 @@ mod tests {
         Remove(usize),
         /// Ask for a best fit, with a cap.
         Fit(u64, u64),
+        /// Take the best fit out, with a cap.
+        Take(u64, u64),
     }
 
     /// Sizes around class boundaries, in the small and large ranges, and huge ones.
@@ -288,6 +317,7 @@ mod tests {
             3 => size().prop_map(Step::Insert),
             2 => any::<usize>().prop_map(Step::Remove),
             3 => (size(), prop_oneof![Just(u64::MAX), size()]).prop_map(|(s, m)| Step::Fit(s, m)),
+            1 => (size(), prop_oneof![Just(u64::MAX), size()]).prop_map(|(s, m)| Step::Take(s, m)),
         ]
     }
 
@@ -329,6 +359,17 @@ mod tests {
                         let modelled: Vec<_> =
                             model.range((size, 0, 0)..).map(|e| e.2).collect();
                         prop_assert_eq!(at_least, modelled);
+                    }
+                    Step::Take(size, max) => {
+                        let expected = model
+                            .range((size, 0, 0)..)
+                            .next()
+                            .copied()
+                            .filter(|(found, _, _)| *found <= max);
+                        if let Some(found) = expected {
+                            model.remove(&found);
+                        }
+                        prop_assert_eq!(list.take_best_fit(size, max), expected);
                     }
                 }
                 prop_assert_eq!(list.len(), model.len());
