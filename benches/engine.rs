@@ -8,6 +8,8 @@
 //! - `two_threads_two_streams`: the cached pair from two threads at once, one stream each
 //!   (reported per pair per thread).
 //! - `mixed_sizes_64_live`: PyTorch's micro-benchmark pattern, per operation.
+//! - `crowded_size_class`: pairs whose best fit is the lowest-addressed of 20,000 free
+//!   blocks of one size (the free list's worst case for shifting).
 //! - `host_cost_mixed`: `benches/gpu/host_cost.py`'s mixed workload exactly (the same
 //!   `mt19937_64` sequences: 60% of sizes uniform in 1 B–1 MiB, 35% in 1–64 MiB, 5% in
 //!   64–256 MiB; 64 live blocks, a random one freed after each malloc), per operation, so
@@ -86,6 +88,27 @@ fn cached_same_stream(c: &mut Criterion) {
             BatchSize::SmallInput,
         )
     });
+    // Worst case for a free list kept in sorted vectors: 20,000 free blocks of one size,
+    // each request (15 sizes in turn, so the hot list never serves it) splitting the
+    // lowest-addressed one, and each free merging one back there.
+    let (device, allocator) = sim_allocator(Config::default());
+    let stream = device.create_stream();
+    let blocks: Vec<_> = (0..40_000)
+        .map(|_| allocator.malloc(8192, stream).unwrap().ptr)
+        .collect();
+    for ptr in blocks.iter().step_by(2) {
+        allocator.free(*ptr).unwrap();
+    }
+    let mut turn = 0u64;
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("crowded_size_class", |b| {
+        b.iter(|| {
+            turn = turn % 15 + 1;
+            let block = allocator.malloc(black_box(512 * turn), stream).unwrap();
+            allocator.free(block.ptr).unwrap();
+        })
+    });
+
     for (name, trace_capacity) in [("host_cost_mixed", 65_536), ("host_cost_mixed_no_trace", 0)] {
         let (device, allocator) = sim_allocator(Config {
             trace_capacity,
