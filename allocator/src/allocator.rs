@@ -30,6 +30,7 @@ use crate::trace::{CompactRing, TraceAction, NO_STREAM};
 use crate::types::{Allocation, DevicePtr, PoolKind, StreamId};
 use crate::util::BuildAddrHasher;
 use parking_lot::Mutex;
+use std::collections::hash_map::Entry as MapEntry;
 use std::collections::HashMap;
 
 /// Requests at least `max_split_size` may use a cached block at most this much larger
@@ -520,13 +521,21 @@ impl State {
 
     #[inline]
     fn free<B: Backend>(&mut self, backend: &B, ptr: DevicePtr) -> Result<(), AllocError> {
-        let Some(key) = self.allocated_key(ptr.0) else {
-            self.stats.invalid_frees += 1;
-            return Err(AllocError::UnknownPointer(ptr));
+        // One map lookup; the entry stays while the block is hot (see `allocated`).
+        let entry = match self.allocated.entry(ptr.0) {
+            MapEntry::Occupied(entry) if self.arena.blocks[*entry.get()].allocated => entry,
+            _ => {
+                self.stats.invalid_frees += 1;
+                return Err(AllocError::UnknownPointer(ptr));
+            }
         };
+        let key = *entry.get();
         let block = &mut self.arena.blocks[key];
         let (size, requested, owner) = (block.size, block.requested, block.stream);
         let uses = std::mem::take(&mut block.uses);
+        if !uses.is_empty() {
+            entry.remove();
+        }
         block.allocated = false;
         block.requested = 0;
         let stats = &mut self.stats;
@@ -543,11 +552,9 @@ impl State {
                 let now = backend.now_ns();
                 self.trace.push_free_completed(ptr.0, size, owner, now);
             }
-            // Stays in the allocated map while hot.
             self.push_hot(key, owner, size);
             return Ok(());
         }
-        self.allocated.remove(&ptr.0);
         self.note(backend, TraceAction::FreeRequested, ptr.0, size, owner);
         if let Err(err) = self.record_uses(backend, key, &uses) {
             // Without the events the block's reuse cannot be ordered: keep it out of
@@ -1550,5 +1557,117 @@ fn max_block_for(size: u64, config: &Config) -> u64 {
         None => u64::MAX,
         Some(max_split) if size < max_split => max_split - 1,
         Some(_) => size + OVERSIZE_SLACK,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::sim::SimBackend;
+
+    fn sim(trace_capacity: usize) -> (SimBackend, Allocator<SimBackend>) {
+        let device = SimBackend::new(1 << 30);
+        let config = Config {
+            trace_capacity,
+            ..Config::default()
+        };
+        (device.clone(), Allocator::new(device, config).unwrap())
+    }
+
+    #[test]
+    fn a_hot_block_is_free_to_callers_and_reused_without_the_map_changing() {
+        let (device, allocator) = sim(64);
+        let stream = device.create_stream();
+        let block = allocator.malloc(4096, stream).unwrap();
+        assert!(allocator.owns(block.ptr));
+        allocator.free(block.ptr).unwrap();
+        // Hot now: still in the address map, but freed as far as any caller can tell.
+        assert!(!allocator.owns(block.ptr));
+        assert_eq!(
+            allocator.record_use(block.ptr, stream),
+            Err(AllocError::UnknownPointer(block.ptr))
+        );
+        assert_eq!(
+            allocator.free(block.ptr),
+            Err(AllocError::UnknownPointer(block.ptr))
+        );
+        allocator.check_invariants().unwrap();
+        let again = allocator.malloc(4096, stream).unwrap();
+        assert_eq!(again.ptr, block.ptr);
+        assert!(allocator.owns(again.ptr));
+        allocator.check_invariants().unwrap();
+        allocator.free(again.ptr).unwrap();
+        assert_eq!(allocator.stats().invalid_frees, 1);
+        // Flushed out of the hot list by a slow path: out of the map as well.
+        allocator.empty_cache().unwrap();
+        assert!(!allocator.owns(block.ptr));
+        allocator.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_trace_reads_back_pytorch_entries() {
+        let (device, allocator) = sim(64);
+        let (compute, comm) = (device.create_stream(), device.create_stream());
+        device.advance_host(100);
+        let a = allocator.malloc(4096, compute).unwrap();
+        device.advance_host(50);
+        allocator.free(a.ptr).unwrap();
+        let b = allocator.malloc(1 << 20, compute).unwrap();
+        allocator.record_use(b.ptr, comm).unwrap();
+        device.advance_host(10);
+        allocator.free(b.ptr).unwrap();
+        allocator.trace_event(TraceAction::StagingAcquire, DevicePtr(7), 8, comm);
+        let entries: Vec<_> = allocator
+            .snapshot()
+            .trace
+            .iter()
+            .map(|e| (e.action, e.addr, e.size, e.stream, e.time_ns))
+            .collect();
+        use TraceAction::*;
+        let (sa, sb) = (a.size, b.size);
+        let segment = entries[0];
+        assert_eq!(
+            (segment.0, segment.3, segment.4),
+            (SegmentAlloc, compute, 100)
+        );
+        assert_eq!(
+            entries[1..],
+            [
+                (Alloc, a.ptr, sa, compute, 100),
+                (FreeRequested, a.ptr, sa, compute, 150),
+                (FreeCompleted, a.ptr, sa, compute, 150),
+                (Alloc, b.ptr, sb, compute, 150),
+                // Used by another stream: requested now, completed only once its event is
+                // seen complete.
+                (FreeRequested, b.ptr, sb, compute, 160),
+                (StagingAcquire, DevicePtr(7), 8, comm, 160),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_full_trace_drops_whole_entries_oldest_first() {
+        let (device, allocator) = sim(4);
+        let stream = device.create_stream();
+        for _ in 0..3 {
+            let block = allocator.malloc(4096, stream).unwrap();
+            device.advance_host(1);
+            allocator.free(block.ptr).unwrap();
+        }
+        let snapshot = allocator.snapshot();
+        let actions: Vec<_> = snapshot.trace.iter().map(|e| e.action).collect();
+        // segment_alloc + 3 × (alloc, free_requested, free_completed) = 10 entries, 4 kept:
+        // the second free's completion survives without its request.
+        assert_eq!(
+            actions,
+            [
+                TraceAction::FreeCompleted,
+                TraceAction::Alloc,
+                TraceAction::FreeRequested,
+                TraceAction::FreeCompleted
+            ]
+        );
+        assert_eq!(snapshot.trace_dropped, 6);
+        assert_eq!(snapshot.trace[0].time_ns, 2);
     }
 }

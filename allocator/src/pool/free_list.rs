@@ -329,11 +329,14 @@ impl FreeList {
 
     /// Blocks of at least `size` bytes, smallest first (lowest address first among equals).
     pub(crate) fn keys_at_least(&self, size: u64) -> impl Iterator<Item = BlockKey> + '_ {
-        let first = class_of(size);
-        self.classes
-            .iter()
-            .skip(first)
-            .flat_map(move |entries| entries.iter_at_least(size).map(|e| e.key))
+        let mut next = class_of(size);
+        // Only the non-empty classes, found through the bitmap.
+        let classes = std::iter::from_fn(move || {
+            let class = self.next_nonempty(next)?;
+            next = class + 1;
+            Some(&self.classes[class])
+        });
+        classes.flat_map(move |entries| entries.iter_at_least(size).map(|e| e.key))
     }
 
     pub(crate) fn len(&self) -> usize {
