@@ -50,14 +50,34 @@ fn class_of(size: u64) -> usize {
 }
 
 /// One free block. Ordered by `(size, addr, key)`; `(size, addr)` alone is unique.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Entry {
     size: u64,
     addr: u64,
     key: BlockKey,
 }
 
+impl Ord for Entry {
+    #[inline]
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.order(), self.key).cmp(&(other.order(), other.key))
+    }
+}
+
+impl PartialOrd for Entry {
+    #[inline]
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
 impl Entry {
+    /// `(size, addr)` as one number, compared in one step.
+    #[inline]
+    fn order(&self) -> u128 {
+        (u128::from(self.size) << 64) | u128::from(self.addr)
+    }
+
     /// The first entry of at least `size` bytes sorts at or after this one.
     fn lowest_of(size: u64) -> Self {
         Entry {
@@ -131,8 +151,8 @@ impl Class {
     fn insert(&mut self, entry: Entry) -> bool {
         match self {
             Class::Short(entries) => {
-                let at = entries.partition_point(|e| *e < entry);
-                if entries.get(at) == Some(&entry) {
+                let at = entries.partition_point(|e| e.order() < entry.order());
+                if entries.get(at).is_some_and(|e| e.order() == entry.order()) {
                     return false;
                 }
                 entries.insert(at, entry);
@@ -150,7 +170,7 @@ impl Class {
     fn remove(&mut self, entry: &Entry) -> bool {
         match self {
             Class::Short(entries) => {
-                let at = entries.partition_point(|e| e < entry);
+                let at = entries.partition_point(|e| e.order() < entry.order());
                 if entries.get(at) != Some(entry) {
                     return false;
                 }
@@ -172,7 +192,10 @@ impl Class {
 
     fn contains(&self, entry: &Entry) -> bool {
         match self {
-            Class::Short(entries) => entries.binary_search(entry).is_ok(),
+            Class::Short(entries) => {
+                let at = entries.partition_point(|e| e.order() < entry.order());
+                entries.get(at) == Some(entry)
+            }
             Class::Long(entries) => entries.contains(entry),
         }
     }
