@@ -8,6 +8,12 @@
 //! - `two_threads_two_streams`: the cached pair from two threads at once, one stream each
 //!   (reported per pair per thread).
 //! - `mixed_sizes_64_live`: PyTorch's micro-benchmark pattern, per operation.
+//! - `crowded_size_class`: pairs whose best fit is the lowest-addressed of 20,000 free
+//!   blocks of one size (the free list's worst case for shifting).
+//! - `host_cost_mixed`: `benches/gpu/host_cost.py`'s mixed workload exactly (the same
+//!   `mt19937_64` sequences: 60% of sizes uniform in 1 B–1 MiB, 35% in 1–64 MiB, 5% in
+//!   64–256 MiB; 64 live blocks, a random one freed after each malloc), per operation, so
+//!   that local figures track the GPU host's. The random numbers are drawn before timing.
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use std::hint::black_box;
@@ -16,7 +22,7 @@ use std::time::{Duration, Instant};
 use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::config::format_bytes;
 use streamalloc_allocator::scenarios::record_stream_pipeline;
-use streamalloc_allocator::{Allocator, Config, ReusePolicy};
+use streamalloc_allocator::{Allocator, Config, ReusePolicy, StreamId};
 
 fn sim_allocator(config: Config) -> (SimBackend, Allocator<SimBackend>) {
     let device = SimBackend::new(1 << 40);
@@ -82,6 +88,49 @@ fn cached_same_stream(c: &mut Criterion) {
             BatchSize::SmallInput,
         )
     });
+    // Worst case for a free list kept in sorted vectors: 20,000 free blocks of one size,
+    // each request (15 sizes in turn, so the hot list never serves it) splitting the
+    // lowest-addressed one, and each free merging one back there.
+    let (device, allocator) = sim_allocator(Config::default());
+    let stream = device.create_stream();
+    let blocks: Vec<_> = (0..40_000)
+        .map(|_| allocator.malloc(8192, stream).unwrap().ptr)
+        .collect();
+    for ptr in blocks.iter().step_by(2) {
+        allocator.free(*ptr).unwrap();
+    }
+    let mut turn = 0u64;
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("crowded_size_class", |b| {
+        b.iter(|| {
+            turn = turn % 15 + 1;
+            let block = allocator.malloc(black_box(512 * turn), stream).unwrap();
+            allocator.free(block.ptr).unwrap();
+        })
+    });
+
+    for (name, trace_capacity) in [("host_cost_mixed", 65_536), ("host_cost_mixed_no_trace", 0)] {
+        let (device, allocator) = sim_allocator(Config {
+            trace_capacity,
+            ..Config::default()
+        });
+        let stream = device.create_stream();
+        let workload = HostCostMixed::new(HOST_COST_MALLOCS);
+        // host_cost.py warms up with one run before timing.
+        workload.run(&allocator, stream);
+        let before = allocator.stats();
+        workload.run(&allocator, stream);
+        let after = allocator.stats();
+        // Each segment alloc/free is a driver call (cuMemAlloc ~66 µs) on a GPU.
+        println!(
+            "{name}: per warm run of {} ops, {} segment allocs, {} frees",
+            workload.ops(),
+            after.segment_allocs - before.segment_allocs,
+            after.segment_frees - before.segment_frees
+        );
+        group.throughput(Throughput::Elements(workload.ops()));
+        group.bench_function(name, |b| b.iter(|| workload.run(&allocator, stream)));
+    }
     group.finish();
 
     c.bench_function("engine/two_threads_two_streams", |b| {
@@ -111,6 +160,120 @@ fn cached_same_stream(c: &mut Criterion) {
                 .unwrap_or(Duration::ZERO)
         })
     });
+}
+
+/// Mallocs per run of [`HostCostMixed`] (host_cost.py times 100,000 per run; fewer keep a
+/// criterion sample short, and the per-operation cost is the same once warm).
+const HOST_COST_MALLOCS: usize = 20_000;
+
+/// The mixed workload of `benches/gpu/host_cost.py` (`Sizes` and `sa_mixed`), drawn from the
+/// same generators with the same seeds.
+struct HostCostMixed {
+    /// Request sizes, in order.
+    sizes: Vec<u64>,
+    /// For the malloc at each index, the live-window index freed after it, if any.
+    victims: Vec<Option<usize>>,
+}
+
+impl HostCostMixed {
+    fn new(mallocs: usize) -> Self {
+        check_mt19937_64();
+        let mut size_gen = Mt19937_64::new(7);
+        let mut victim_gen = Mt19937_64::new(11);
+        let mut live = 0usize;
+        let mut sizes = Vec::with_capacity(mallocs);
+        let mut victims = Vec::with_capacity(mallocs);
+        for _ in 0..mallocs {
+            // `double r = (g() % 1000) / 1000.0;` then the three ranges, as in host_cost.py.
+            let r = (size_gen.next() % 1000) as f64 / 1000.0;
+            let size = if r < 0.6 {
+                size_gen.next() % (1 << 20) + 1
+            } else if r < 0.95 {
+                size_gen.next() % (63 << 20) + (1 << 20)
+            } else {
+                size_gen.next() % (192 << 20) + (64 << 20)
+            };
+            sizes.push(size);
+            live += 1;
+            victims.push((live > 64).then(|| {
+                let k = (victim_gen.next() % live as u64) as usize;
+                live -= 1;
+                k
+            }));
+        }
+        Self { sizes, victims }
+    }
+
+    /// Mallocs plus frees in one run.
+    fn ops(&self) -> u64 {
+        2 * self.sizes.len() as u64
+    }
+
+    /// One run: every malloc, the frees after them, then the remaining live blocks freed.
+    fn run(&self, allocator: &Allocator<SimBackend>, stream: StreamId) {
+        let mut live = Vec::with_capacity(65);
+        for (&size, &victim) in self.sizes.iter().zip(&self.victims) {
+            live.push(allocator.malloc(black_box(size), stream).unwrap().ptr);
+            if let Some(k) = victim {
+                allocator.free(live.swap_remove(k)).unwrap();
+            }
+        }
+        for ptr in live {
+            allocator.free(ptr).unwrap();
+        }
+    }
+}
+
+/// The 64-bit Mersenne Twister (`std::mt19937_64`), so the workload matches the C++ one
+/// number for number.
+struct Mt19937_64 {
+    state: [u64; 312],
+    index: usize,
+}
+
+impl Mt19937_64 {
+    fn new(seed: u64) -> Self {
+        let mut state = [0u64; 312];
+        state[0] = seed;
+        for i in 1..312 {
+            let prev = state[i - 1];
+            state[i] = 6_364_136_223_846_793_005u64
+                .wrapping_mul(prev ^ (prev >> 62))
+                .wrapping_add(i as u64);
+        }
+        Self { state, index: 312 }
+    }
+
+    fn next(&mut self) -> u64 {
+        const UPPER: u64 = 0xFFFF_FFFF_8000_0000;
+        const LOWER: u64 = 0x7FFF_FFFF;
+        if self.index == 312 {
+            for i in 0..312 {
+                let x = (self.state[i] & UPPER) | (self.state[(i + 1) % 312] & LOWER);
+                let mut xa = x >> 1;
+                if x & 1 != 0 {
+                    xa ^= 0xB502_6F5A_A966_19E9;
+                }
+                self.state[i] = self.state[(i + 156) % 312] ^ xa;
+            }
+            self.index = 0;
+        }
+        let mut y = self.state[self.index];
+        self.index += 1;
+        y ^= (y >> 29) & 0x5555_5555_5555_5555;
+        y ^= (y << 17) & 0x71D6_7FFF_EDA6_0000;
+        y ^= (y << 37) & 0xFFF7_EEE0_0000_0000;
+        y ^ (y >> 43)
+    }
+}
+
+/// Checks the generator against the C++ standard, which requires the 10000th draw of a
+/// default-seeded (5489) `mt19937_64` to be 9981545732273789042. Run before the workload
+/// is drawn, so a wrong generator cannot silently change what is measured.
+fn check_mt19937_64() {
+    let mut g = Mt19937_64::new(5489);
+    let last = (0..10_000).map(|_| g.next()).last();
+    assert_eq!(last, Some(9_981_545_732_273_789_042), "mt19937_64 is wrong");
 }
 
 /// Not a timing: the memory the record_stream scenario needs under each policy.

@@ -18,7 +18,6 @@
 use crate::backend::Backend;
 use crate::config::{Config, ReusePolicy};
 use crate::error::{AllocError, BackendError, OutOfMemory};
-use crate::lifetime::streams::HOT_SLOTS;
 use crate::lifetime::{EventKey, EventTable, StreamTable};
 use crate::pool::arena::{Arena, BlockKey, StreamSlot};
 use crate::pool::expandable::ExpandableTable;
@@ -27,10 +26,11 @@ use crate::pool::size::{
 };
 use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 use crate::stats::Stats;
-use crate::trace::{TraceAction, TraceEntry, TraceRing};
+use crate::trace::{CompactRing, TraceAction, NO_STREAM};
 use crate::types::{Allocation, DevicePtr, PoolKind, StreamId};
 use crate::util::BuildAddrHasher;
 use parking_lot::Mutex;
+use std::collections::hash_map::Entry as MapEntry;
 use std::collections::HashMap;
 
 /// Requests at least `max_split_size` may use a cached block at most this much larger
@@ -63,12 +63,15 @@ struct State {
     streams: StreamTable,
     /// Recorded events and the idle event pool.
     events: EventTable,
-    /// Address → block, for blocks handed out.
+    /// Address → block, for blocks handed out and for hot blocks (freed and parked in their
+    /// stream's hot list, so that a same-size malloc+free pair touches the map not at all);
+    /// [`State::allocated_key`] tells the two apart by `Block::allocated`. A quarantined
+    /// block is allocated but absent.
     allocated: HashMap<u64, BlockKey, BuildAddrHasher>,
     /// Counters.
     stats: Stats,
     /// Recent events.
-    trace: TraceRing,
+    trace: CompactRing,
     /// Reserved bytes never exceeded (from `memory_limit`, `memory_fraction` or
     /// [`Allocator::set_memory_limit`]).
     limit: Option<u64>,
@@ -108,7 +111,7 @@ impl<B: Backend> Allocator<B> {
             events: EventTable::default(),
             allocated: HashMap::default(),
             stats: Stats::default(),
-            trace: TraceRing::new(config.trace_capacity),
+            trace: CompactRing::new(config.trace_capacity),
             limit,
             vmm,
         };
@@ -147,7 +150,7 @@ impl<B: Backend> Allocator<B> {
 
     /// True if `ptr` is a block this allocator handed out and that is not yet freed.
     pub fn owns(&self, ptr: DevicePtr) -> bool {
-        self.state.lock().allocated.contains_key(&ptr.0)
+        self.state.lock().allocated_key(ptr.0).is_some()
     }
 
     /// Notes that `stream` uses the block at `ptr` (PyTorch's `record_stream`): when the
@@ -243,14 +246,9 @@ impl State {
         let slot = self.streams.slot(stream);
         // 1. A ready block of the stream: stream order makes reuse safe, no event needed.
         //    First the hot list (same size freed recently: no split, no merge).
-        let hot = &mut self.streams.get_mut(slot).hot;
-        if let Some(position) = hot
-            .iter()
-            .rposition(|&key| self.arena.blocks[key].size == size)
-        {
-            let key = hot.remove(position);
+        if let Some(key) = self.streams.get_mut(slot).hot.take(size) {
             self.arena.blocks[key].hot = false;
-            return Ok(self.hand_out(backend, key, slot, size, requested));
+            return Ok(self.hand_out_hot(backend, key, slot, requested));
         }
         if let Some(key) = self.take_ready(slot, pool, size, max_size) {
             return Ok(self.hand_out(backend, key, slot, size, requested));
@@ -439,6 +437,49 @@ impl State {
         )))
     }
 
+    /// Gives the hot block `key`, of exactly the size asked for, back to its owner `slot`:
+    /// nothing to split, no events, and its address is still in the allocated map.
+    #[inline]
+    fn hand_out_hot<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        slot: StreamSlot,
+        requested: u64,
+    ) -> Allocation {
+        let block = &mut self.arena.blocks[key];
+        debug_assert!(block.stream == slot && block.pending.is_empty());
+        block.allocated = true;
+        block.requested = requested;
+        let (addr, size) = (block.addr, block.size);
+        debug_assert_eq!(self.allocated.get(&addr), Some(&key));
+        self.account_alloc(backend, addr, size, slot, requested)
+    }
+
+    /// Counts and traces a block of `size` bytes at `addr` handed to `slot`.
+    #[inline]
+    fn account_alloc<B: Backend>(
+        &mut self,
+        backend: &B,
+        addr: u64,
+        size: u64,
+        slot: StreamSlot,
+        requested: u64,
+    ) -> Allocation {
+        let stats = &mut self.stats;
+        stats.allocated_bytes.add(size);
+        stats.requested_bytes.add(requested);
+        stats.active_bytes.add(size);
+        stats.allocs += 1;
+        self.note(backend, TraceAction::Alloc, addr, size, slot);
+        Allocation {
+            ptr: DevicePtr(addr),
+            requested,
+            size,
+            stream: self.streams.id(slot),
+        }
+    }
+
     /// Gives the unlisted free block `key` (synchronisation already done) to `slot`,
     /// splitting off what it does not need.
     #[inline]
@@ -478,31 +519,28 @@ impl State {
         block.requested = requested;
         let (addr, size) = (block.addr, block.size);
         self.allocated.insert(addr, key);
-        let stats = &mut self.stats;
-        stats.allocated_bytes.add(size);
-        stats.requested_bytes.add(requested);
-        stats.active_bytes.add(size);
-        stats.allocs += 1;
-        self.note(backend, TraceAction::Alloc, addr, size, slot);
-        Allocation {
-            ptr: DevicePtr(addr),
-            requested,
-            size,
-            stream: self.streams.id(slot),
-        }
+        self.account_alloc(backend, addr, size, slot, requested)
     }
 
     // ---- Free -------------------------------------------------------------------------
 
     #[inline]
     fn free<B: Backend>(&mut self, backend: &B, ptr: DevicePtr) -> Result<(), AllocError> {
-        let Some(key) = self.allocated.remove(&ptr.0) else {
-            self.stats.invalid_frees += 1;
-            return Err(AllocError::UnknownPointer(ptr));
+        // One map lookup; the entry stays while the block is hot (see `allocated`).
+        let entry = match self.allocated.entry(ptr.0) {
+            MapEntry::Occupied(entry) if self.arena.blocks[*entry.get()].allocated => entry,
+            _ => {
+                self.stats.invalid_frees += 1;
+                return Err(AllocError::UnknownPointer(ptr));
+            }
         };
+        let key = *entry.get();
         let block = &mut self.arena.blocks[key];
         let (size, requested, owner) = (block.size, block.requested, block.stream);
         let uses = std::mem::take(&mut block.uses);
+        if !uses.is_empty() {
+            entry.remove();
+        }
         block.allocated = false;
         block.requested = 0;
         let stats = &mut self.stats;
@@ -510,13 +548,20 @@ impl State {
         stats.requested_bytes.sub(requested);
         stats.active_bytes.sub(size);
         stats.frees += 1;
+        if uses.is_empty() {
+            // No other stream used it, and an allocated block carries no pending events:
+            // ready for its owner at once. The request and its completion are one trace
+            // record, read back as PyTorch's `free_requested` + `free_completed`.
+            debug_assert!(self.arena.blocks[key].pending.is_empty());
+            if self.trace.enabled() {
+                let now = backend.now_ns();
+                self.trace.push_free_completed(ptr.0, size, owner, now);
+            }
+            self.push_hot(key, owner, size);
+            return Ok(());
+        }
         self.note(backend, TraceAction::FreeRequested, ptr.0, size, owner);
-        let recorded = if uses.is_empty() {
-            Ok(())
-        } else {
-            self.record_uses(backend, key, &uses)
-        };
-        if let Err(err) = recorded {
+        if let Err(err) = self.record_uses(backend, key, &uses) {
             // Without the events the block's reuse cannot be ordered: keep it out of
             // circulation (leaked until empty_cache synchronises) rather than risk a race.
             tracing::error!(%err, ?ptr, "recording a use event failed; block quarantined until empty_cache");
@@ -524,14 +569,17 @@ impl State {
             self.list_quarantined(key);
             return Err(err.into());
         }
-        if self.arena.blocks[key].pending.is_empty() {
-            // Same instant as the request: no second clock read on the fast path.
-            self.note_same_time(TraceAction::FreeCompleted, ptr.0, size, owner);
-            self.push_hot(key, owner);
-        } else {
-            self.insert_free(key);
-        }
+        // One event per use stream: pending until they complete or are waited on.
+        debug_assert!(!self.arena.blocks[key].pending.is_empty());
+        self.insert_free(key);
         Ok(())
+    }
+
+    /// The block handed out at `addr`, if any (hot blocks share the map; see `allocated`).
+    #[inline]
+    fn allocated_key(&self, addr: u64) -> Option<BlockKey> {
+        let key = *self.allocated.get(&addr)?;
+        self.arena.blocks[key].allocated.then_some(key)
     }
 
     /// One event on each use stream, now; the block and the stream's in-flight queue each
@@ -557,9 +605,8 @@ impl State {
     }
 
     fn record_use(&mut self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
-        let key = *self
-            .allocated
-            .get(&ptr.0)
+        let key = self
+            .allocated_key(ptr.0)
             .ok_or(AllocError::UnknownPointer(ptr))?;
         let slot = self.streams.slot(stream);
         let block = &mut self.arena.blocks[key];
@@ -581,21 +628,21 @@ impl State {
         size: u64,
         max_size: u64,
     ) -> Option<BlockKey> {
-        let (_, _, key) = self.streams.get(slot).ready[pool as usize].best_fit(size, max_size)?;
-        self.unlist(key);
+        // What `unlist` would do for a ready block: no pending bytes to count.
+        let (_, _, key) =
+            self.streams.get_mut(slot).ready[pool as usize].take_best_fit(size, max_size)?;
+        debug_assert!(self.arena.blocks[key].pending.is_empty());
         Some(key)
     }
 
-    /// Parks a ready block in its owner's hot list, evicting the oldest into the free lists.
+    /// Parks a ready block of `size` bytes in its owner's hot list, evicting the oldest into
+    /// the free lists.
     #[inline]
-    fn push_hot(&mut self, key: BlockKey, owner: StreamSlot) {
-        let hot = &mut self.streams.get_mut(owner).hot;
-        let evicted = (hot.len() == HOT_SLOTS).then(|| hot.remove(0));
-        hot.push(key);
+    fn push_hot(&mut self, key: BlockKey, owner: StreamSlot, size: u64) {
+        let evicted = self.streams.get_mut(owner).hot.push(size, key);
         self.arena.blocks[key].hot = true;
         if let Some(evicted) = evicted {
-            self.arena.blocks[evicted].hot = false;
-            self.insert_free(evicted);
+            self.unhot(evicted);
         }
     }
 
@@ -603,13 +650,22 @@ impl State {
     fn flush_hot(&mut self) -> bool {
         let mut any = false;
         for index in 0..self.streams.len() {
-            for key in std::mem::take(&mut self.streams.states[index].hot) {
-                self.arena.blocks[key].hot = false;
-                self.insert_free(key);
+            for key in std::mem::take(&mut self.streams.states[index].hot).keys() {
+                self.unhot(key);
                 any = true;
             }
         }
         any
+    }
+
+    /// Moves a block taken out of its hot list out of the allocated map and into the free
+    /// lists, merging it.
+    fn unhot(&mut self, key: BlockKey) {
+        let block = &mut self.arena.blocks[key];
+        block.hot = false;
+        let addr = block.addr;
+        self.allocated.remove(&addr);
+        self.insert_free(key);
     }
 
     /// Two free blocks may merge if the result needs no more synchronisation than either:
@@ -1268,22 +1324,9 @@ impl State {
         report
     }
 
-    /// Records an event at the time of the previous one (for events of one call).
+    /// Records an event now. The ring keeps `slot`, turned into the stream's handle only when
+    /// read; a slot no stream has (`empty_cache` before any allocation) reads as stream 0.
     #[inline]
-    fn note_same_time(&mut self, action: TraceAction, addr: u64, size: u64, slot: StreamSlot) {
-        if self.trace.enabled() {
-            let stream = self.streams.id(slot);
-            let time_ns = self.trace.last_time_ns();
-            self.trace.push(TraceEntry {
-                action,
-                addr: DevicePtr(addr),
-                size,
-                stream,
-                time_ns,
-            });
-        }
-    }
-
     fn note<B: Backend>(
         &mut self,
         backend: &B,
@@ -1293,18 +1336,12 @@ impl State {
         slot: StreamSlot,
     ) {
         if self.trace.enabled() {
-            let stream = if (slot as usize) < self.streams.len() {
-                self.streams.id(slot)
+            let slot = if (slot as usize) < self.streams.len() {
+                slot
             } else {
-                StreamId(0)
+                NO_STREAM
             };
-            self.trace.push(TraceEntry {
-                action,
-                addr: DevicePtr(addr),
-                size,
-                stream,
-                time_ns: backend.now_ns(),
-            });
+            self.trace.push(action, addr, size, slot, backend.now_ns());
         }
     }
 
@@ -1351,7 +1388,7 @@ impl State {
             config: config.clone(),
             stats: self.stats,
             segments,
-            trace: self.trace.entries().copied().collect(),
+            trace: self.trace.entries(|slot| self.streams.id(slot)),
             trace_dropped: self.trace.dropped(),
             time_ns: backend.now_ns(),
         }
@@ -1387,7 +1424,7 @@ impl State {
             }
             if block.hot {
                 let hot = &self.streams.get(block.stream).hot;
-                if !block.pending.is_empty() || hot.iter().filter(|k| **k == key).count() != 1 {
+                if !block.pending.is_empty() || hot.keys().filter(|k| *k == key).count() != 1 {
                     return Err(format!(
                         "hot block {key} is not once in its owner's hot list, or is pending"
                     ));
@@ -1429,6 +1466,28 @@ impl State {
         if total_hot != hot_blocks {
             return Err(format!(
                 "{total_hot} blocks in hot lists, {hot_blocks} hot blocks exist"
+            ));
+        }
+        // The allocated map holds exactly the handed-out (unquarantined) and hot blocks, each
+        // at its own address.
+        for (&addr, &key) in &self.allocated {
+            match self.arena.blocks.get(key) {
+                Some(block) if block.addr == addr && (block.allocated || block.hot) => {}
+                _ => return Err(format!("allocated map sends {addr:#x} to block {key}")),
+            }
+            if self.arena.blocks[key].hot && self.arena.blocks[key].allocated {
+                return Err(format!("hot block {key} is allocated"));
+            }
+        }
+        let hot_unmapped = self
+            .arena
+            .blocks
+            .iter()
+            .filter(|(key, block)| block.hot && self.allocated.get(&block.addr) != Some(key))
+            .count();
+        if hot_unmapped != 0 {
+            return Err(format!(
+                "{hot_unmapped} hot blocks missing from the allocated map"
             ));
         }
         if total_listed != listed {
@@ -1574,5 +1633,117 @@ fn max_block_for(size: u64, config: &Config) -> u64 {
         None => u64::MAX,
         Some(max_split) if size < max_split => max_split - 1,
         Some(_) => size + OVERSIZE_SLACK,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::sim::SimBackend;
+
+    fn sim(trace_capacity: usize) -> (SimBackend, Allocator<SimBackend>) {
+        let device = SimBackend::new(1 << 30);
+        let config = Config {
+            trace_capacity,
+            ..Config::default()
+        };
+        (device.clone(), Allocator::new(device, config).unwrap())
+    }
+
+    #[test]
+    fn a_hot_block_is_free_to_callers_and_reused_without_the_map_changing() {
+        let (device, allocator) = sim(64);
+        let stream = device.create_stream();
+        let block = allocator.malloc(4096, stream).unwrap();
+        assert!(allocator.owns(block.ptr));
+        allocator.free(block.ptr).unwrap();
+        // Hot now: still in the address map, but freed as far as any caller can tell.
+        assert!(!allocator.owns(block.ptr));
+        assert_eq!(
+            allocator.record_use(block.ptr, stream),
+            Err(AllocError::UnknownPointer(block.ptr))
+        );
+        assert_eq!(
+            allocator.free(block.ptr),
+            Err(AllocError::UnknownPointer(block.ptr))
+        );
+        allocator.check_invariants().unwrap();
+        let again = allocator.malloc(4096, stream).unwrap();
+        assert_eq!(again.ptr, block.ptr);
+        assert!(allocator.owns(again.ptr));
+        allocator.check_invariants().unwrap();
+        allocator.free(again.ptr).unwrap();
+        assert_eq!(allocator.stats().invalid_frees, 1);
+        // Flushed out of the hot list by a slow path: out of the map as well.
+        allocator.empty_cache().unwrap();
+        assert!(!allocator.owns(block.ptr));
+        allocator.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_trace_reads_back_pytorch_entries() {
+        let (device, allocator) = sim(64);
+        let (compute, comm) = (device.create_stream(), device.create_stream());
+        device.advance_host(100);
+        let a = allocator.malloc(4096, compute).unwrap();
+        device.advance_host(50);
+        allocator.free(a.ptr).unwrap();
+        let b = allocator.malloc(1 << 20, compute).unwrap();
+        allocator.record_use(b.ptr, comm).unwrap();
+        device.advance_host(10);
+        allocator.free(b.ptr).unwrap();
+        allocator.trace_event(TraceAction::StagingAcquire, DevicePtr(7), 8, comm);
+        let entries: Vec<_> = allocator
+            .snapshot()
+            .trace
+            .iter()
+            .map(|e| (e.action, e.addr, e.size, e.stream, e.time_ns))
+            .collect();
+        use TraceAction::*;
+        let (sa, sb) = (a.size, b.size);
+        let segment = entries[0];
+        assert_eq!(
+            (segment.0, segment.3, segment.4),
+            (SegmentAlloc, compute, 100)
+        );
+        assert_eq!(
+            entries[1..],
+            [
+                (Alloc, a.ptr, sa, compute, 100),
+                (FreeRequested, a.ptr, sa, compute, 150),
+                (FreeCompleted, a.ptr, sa, compute, 150),
+                (Alloc, b.ptr, sb, compute, 150),
+                // Used by another stream: requested now, completed only once its event is
+                // seen complete.
+                (FreeRequested, b.ptr, sb, compute, 160),
+                (StagingAcquire, DevicePtr(7), 8, comm, 160),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_full_trace_drops_whole_entries_oldest_first() {
+        let (device, allocator) = sim(4);
+        let stream = device.create_stream();
+        for _ in 0..3 {
+            let block = allocator.malloc(4096, stream).unwrap();
+            device.advance_host(1);
+            allocator.free(block.ptr).unwrap();
+        }
+        let snapshot = allocator.snapshot();
+        let actions: Vec<_> = snapshot.trace.iter().map(|e| e.action).collect();
+        // segment_alloc + 3 × (alloc, free_requested, free_completed) = 10 entries, 4 kept:
+        // the second free's completion survives without its request.
+        assert_eq!(
+            actions,
+            [
+                TraceAction::FreeCompleted,
+                TraceAction::Alloc,
+                TraceAction::FreeRequested,
+                TraceAction::FreeCompleted
+            ]
+        );
+        assert_eq!(snapshot.trace_dropped, 6);
+        assert_eq!(snapshot.trace[0].time_ns, 2);
     }
 }

@@ -6,15 +6,16 @@
 //! - A free block is in exactly one place: its owner stream's **hot list** (recently
 //!   freed, ready, unmerged), its owner's **ready** list for its pool, or its owner's
 //!   **pending** list (it carries events of other streams). Allocated blocks are in the
-//!   address map only.
+//!   address map only; hot blocks stay in it too (flagged free), so that a same-size
+//!   free and malloc leave the map alone.
 //! - Counting invariants, checked by [`crate::Allocator::check_invariants`]:
 //!   `allocated + Σ free == reserved`, `active == allocated + pending_free`,
 //!   `event objects created − destroyed == outstanding + idle`.
 //!
 //! # Why per-stream lists
 //! Reuse on the stream that freed a block is ordered by the stream itself, so the fast
-//! path needs no event at all: a hash lookup for the stream, a scan of at most eight hot
-//! blocks for the same size, or a best-fit lookup in a `BTreeSet`. Only when the stream
+//! path needs no event at all: a scan of at most eight hot blocks for the same size, or
+//! a best-fit lookup in size classes with a bitmap (`pool::free_list`). Only when the stream
 //! has nothing suitable does the slow path look at pending blocks and other streams, and
 //! only there does it talk to the driver.
 //!

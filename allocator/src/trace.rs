@@ -12,6 +12,16 @@
 //! `segment_free`, `segment_map`, `segment_unmap`, `oom`) plus streamalloc's own
 //! (`cross_stream_wait`, `staging_acquire`, `staging_release`, `empty_cache`), so `viz/`
 //! can write both PyTorch-compatible pickles and our JSON from the same records.
+//!
+//! # The engine's ring
+//! The allocator keeps a [`CompactRing`] rather than a [`TraceRing`]: its records hold the
+//! stream's slot in the allocator's stream table instead of the 64-bit handle, and a free
+//! that completes at once (no other stream used the block) is one record standing for both
+//! `free_requested` and `free_completed` at the same instant. A same-stream malloc+free pair
+//! thus costs two 32-byte records and two clock reads instead of three 40-byte entries.
+//! Records are expanded back into [`TraceEntry`]s when read, and capacity and `dropped`
+//! still count entries, so snapshots see exactly what a [`TraceRing`] of the same capacity
+//! fed the expanded entries would hold (the property test below checks this).
 
 use crate::types::{DevicePtr, StreamId};
 use serde::{Deserialize, Serialize};
@@ -183,9 +193,219 @@ impl<'a, I: Iterator<Item = &'a TraceEntry>> Iterator for OrderedEntries<I> {
 
 impl<'a, I: Iterator<Item = &'a TraceEntry>> ExactSizeIterator for OrderedEntries<I> {}
 
+// ---- The engine's compact ring ---------------------------------------------------------
+
+/// The slot recorded for an event that concerns no registered stream; read back as
+/// `StreamId(0)`.
+pub(crate) const NO_STREAM: u32 = u32::MAX;
+
+/// One record of a [`CompactRing`]: one entry, or two for a free completed at once.
+/// Aligned to its size, so that writing one touches a single cache line.
+#[derive(Clone, Copy, Debug)]
+#[repr(align(32))]
+struct Record {
+    addr: u64,
+    size: u64,
+    time_ns: u64,
+    /// The stream's slot in the allocator's stream table, or [`NO_STREAM`].
+    slot: u32,
+    /// What happened; `FreeRequested` for a completed free.
+    action: TraceAction,
+    /// A `free_requested` followed by its `free_completed` at the same instant: two entries.
+    completed: bool,
+}
+
+const _: () = assert!(std::mem::size_of::<Record>() == 32);
+
+impl Record {
+    /// Entries this record stands for.
+    #[inline]
+    fn weight(&self) -> usize {
+        1 + usize::from(self.completed)
+    }
+}
+
+/// The allocator's trace ring: [`TraceRing`]'s semantics (capacity and `dropped` count
+/// entries; the oldest entries go first) over compact records. See the module docs.
+#[derive(Debug)]
+pub(crate) struct CompactRing {
+    /// A circular buffer of records, oldest at `head`. Grows on demand up to `capacity`
+    /// slots (a large ring costs nothing until used), which is enough: every record holds
+    /// at least one kept entry, so at most `capacity` are live.
+    records: Vec<Record>,
+    /// Slot of the oldest record.
+    head: usize,
+    /// Records held, from `head` on (wrapping at `capacity`).
+    count: usize,
+    /// Entries the records stand for, less the one dropped from the front if
+    /// `front_half_dropped`; at most `capacity`.
+    entries: usize,
+    /// The oldest record is a completed free whose `free_requested` entry was overwritten.
+    front_half_dropped: bool,
+    /// Maximum number of entries kept.
+    capacity: usize,
+    /// Entries overwritten because the ring was full.
+    dropped: u64,
+}
+
+impl CompactRing {
+    /// A ring keeping at most `capacity` entries; 0 records nothing.
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self {
+            records: Vec::new(),
+            head: 0,
+            count: 0,
+            entries: 0,
+            front_half_dropped: false,
+            capacity,
+            dropped: 0,
+        }
+    }
+
+    /// True if the ring records anything.
+    #[inline]
+    pub(crate) fn enabled(&self) -> bool {
+        self.capacity != 0
+    }
+
+    /// Appends one entry for the stream in `slot` (or [`NO_STREAM`]).
+    #[inline]
+    pub(crate) fn push(
+        &mut self,
+        action: TraceAction,
+        addr: u64,
+        size: u64,
+        slot: u32,
+        time_ns: u64,
+    ) {
+        self.push_record(Record {
+            addr,
+            size,
+            time_ns,
+            slot,
+            action,
+            completed: false,
+        });
+    }
+
+    /// Appends `free_requested` then `free_completed` for the same block at the same
+    /// instant, as one record.
+    #[inline]
+    pub(crate) fn push_free_completed(&mut self, addr: u64, size: u64, slot: u32, time_ns: u64) {
+        self.push_record(Record {
+            addr,
+            size,
+            time_ns,
+            slot,
+            action: TraceAction::FreeRequested,
+            completed: true,
+        });
+    }
+
+    #[inline(always)]
+    fn push_record(&mut self, record: Record) {
+        if self.capacity == 0 {
+            return;
+        }
+        let weight = record.weight();
+        // Make room first: live records never reach the slot written next.
+        while self.entries + weight > self.capacity && self.count != 0 {
+            self.drop_oldest_entry();
+        }
+        let mut at = self.head + self.count;
+        if at >= self.capacity {
+            at -= self.capacity;
+        }
+        // Until the buffer first wraps, the next slot is its end.
+        if at == self.records.len() {
+            self.records.push(record);
+        } else {
+            self.records[at] = record;
+        }
+        self.count += 1;
+        self.entries += weight;
+        if self.entries > self.capacity {
+            // Capacity 1 and a completed free: only its `free_completed` fits.
+            self.drop_oldest_entry();
+        }
+    }
+
+    /// Drops the oldest entry: the first half of a completed free, or a whole record.
+    #[inline]
+    fn drop_oldest_entry(&mut self) {
+        if self.records[self.head].completed && !self.front_half_dropped {
+            self.front_half_dropped = true;
+        } else {
+            self.head += 1;
+            if self.head == self.capacity {
+                self.head = 0;
+            }
+            self.count -= 1;
+            self.front_half_dropped = false;
+        }
+        self.entries -= 1;
+        self.dropped += 1;
+    }
+
+    /// The records, oldest first.
+    fn ordered(&self) -> impl Iterator<Item = &Record> {
+        let end = self.head + self.count;
+        let (wrapped, unwrapped) = if end > self.capacity {
+            (end - self.capacity, self.capacity)
+        } else {
+            (0, end)
+        };
+        self.records[self.head..unwrapped]
+            .iter()
+            .chain(self.records[..wrapped].iter())
+    }
+
+    /// Time of the newest entry (0 if none).
+    #[cfg(test)]
+    fn last_time_ns(&self) -> u64 {
+        self.ordered().last().map_or(0, |record| record.time_ns)
+    }
+
+    /// The entries, oldest first, with each slot turned into its stream by `stream`
+    /// ([`NO_STREAM`] becomes `StreamId(0)`).
+    pub(crate) fn entries(&self, stream: impl Fn(u32) -> StreamId) -> Vec<TraceEntry> {
+        let mut out = Vec::with_capacity(self.entries);
+        for (index, record) in self.ordered().enumerate() {
+            let entry = TraceEntry {
+                action: record.action,
+                addr: DevicePtr(record.addr),
+                size: record.size,
+                stream: if record.slot == NO_STREAM {
+                    StreamId(0)
+                } else {
+                    stream(record.slot)
+                },
+                time_ns: record.time_ns,
+            };
+            if !(index == 0 && self.front_half_dropped) {
+                out.push(entry);
+            }
+            if record.completed {
+                out.push(TraceEntry {
+                    action: TraceAction::FreeCompleted,
+                    ..entry
+                });
+            }
+        }
+        debug_assert_eq!(out.len(), self.entries);
+        out
+    }
+
+    /// Entries lost to overwriting since creation.
+    pub(crate) fn dropped(&self) -> u64 {
+        self.dropped
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn entry(i: u64) -> TraceEntry {
         TraceEntry {
@@ -221,5 +441,93 @@ mod tests {
         ring.push(entry(1));
         assert_eq!(ring.entries().len(), 0);
         assert!(!ring.enabled());
+    }
+
+    #[test]
+    fn compact_ring_expands_completed_frees_and_drops_half_records() {
+        let stream = |slot: u32| StreamId(100 + u64::from(slot));
+        let mut ring = CompactRing::new(3);
+        ring.push(TraceAction::Alloc, 0x10, 512, 0, 1);
+        ring.push_free_completed(0x10, 512, 0, 2);
+        let actions: Vec<_> = ring.entries(stream).iter().map(|e| e.action).collect();
+        assert_eq!(
+            actions,
+            [
+                TraceAction::Alloc,
+                TraceAction::FreeRequested,
+                TraceAction::FreeCompleted
+            ]
+        );
+        assert_eq!(ring.entries(stream)[2].stream, StreamId(100));
+        assert_eq!(ring.entries(stream)[2].time_ns, 2);
+        // One more entry pushes out the alloc; two more, the free_requested half too.
+        ring.push(TraceAction::Oom, 0, 7, NO_STREAM, 3);
+        ring.push(TraceAction::Alloc, 0x20, 512, 1, 4);
+        let entries = ring.entries(stream);
+        let actions: Vec<_> = entries.iter().map(|e| e.action).collect();
+        assert_eq!(
+            actions,
+            [
+                TraceAction::FreeCompleted,
+                TraceAction::Oom,
+                TraceAction::Alloc
+            ]
+        );
+        assert_eq!(entries[1].stream, StreamId(0));
+        assert_eq!(entries[2].stream, StreamId(101));
+        assert_eq!(ring.dropped(), 2);
+        assert_eq!(ring.last_time_ns(), 4);
+    }
+
+    #[test]
+    fn compact_ring_of_one_keeps_the_completion() {
+        let mut ring = CompactRing::new(1);
+        ring.push_free_completed(0x10, 512, 0, 9);
+        let entries = ring.entries(|_| StreamId(5));
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].action, TraceAction::FreeCompleted);
+        assert_eq!(ring.dropped(), 1);
+        assert!(!CompactRing::new(0).enabled());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        /// Whatever is pushed, the compact ring reads back exactly what a [`TraceRing`] of
+        /// the same capacity holds when fed the expanded entries: same entries, same
+        /// `dropped`, same newest time.
+        #[test]
+        fn compact_ring_matches_the_entry_ring(
+            capacity in prop_oneof![0usize..8, 8usize..64],
+            pushes in proptest::collection::vec((any::<bool>(), 0u32..4, 0u64..1000), 0..200),
+        ) {
+            let stream = |slot: u32| StreamId(7 + u64::from(slot));
+            let mut compact = CompactRing::new(capacity);
+            let mut model = TraceRing::new(capacity);
+            for (i, (completed, slot, size)) in pushes.into_iter().enumerate() {
+                let (addr, time_ns) = (0x1000 + i as u64 * 512, i as u64);
+                let slot = if slot == 3 { NO_STREAM } else { slot };
+                let id = if slot == NO_STREAM { StreamId(0) } else { stream(slot) };
+                let entry = |action| TraceEntry {
+                    action,
+                    addr: DevicePtr(addr),
+                    size,
+                    stream: id,
+                    time_ns,
+                };
+                if completed {
+                    compact.push_free_completed(addr, size, slot, time_ns);
+                    model.push(entry(TraceAction::FreeRequested));
+                    model.push(entry(TraceAction::FreeCompleted));
+                } else {
+                    compact.push(TraceAction::SegmentAlloc, addr, size, slot, time_ns);
+                    model.push(entry(TraceAction::SegmentAlloc));
+                }
+                prop_assert_eq!(compact.dropped(), model.dropped());
+                prop_assert_eq!(compact.last_time_ns(), model.last_time_ns());
+            }
+            let expected: Vec<TraceEntry> = model.entries().copied().collect();
+            prop_assert_eq!(compact.entries(stream), expected);
+        }
     }
 }

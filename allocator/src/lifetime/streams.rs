@@ -26,16 +26,64 @@ pub(crate) struct StreamState {
     pub(crate) ready: [FreeList; 2],
     /// Blocks awaiting other streams' events, by pool.
     pub(crate) pending: [FreeList; 2],
-    /// The stream's most recently freed ready blocks, newest last, at most
-    /// [`HOT_SLOTS`]: kept unmerged so that the common pattern — free a block and allocate
-    /// the same size again on the same stream — costs a short scan instead of a merge and a
-    /// split. Flushed into the free lists (with merging) on any slow path, so they never
-    /// cause growth or fragmentation.
-    pub(crate) hot: Vec<BlockKey>,
+    /// The stream's most recently freed ready blocks: kept unmerged so that the common
+    /// pattern — free a block and allocate the same size again on the same stream — costs a
+    /// short scan instead of a merge and a split. Flushed into the free lists (with merging)
+    /// on any slow path, so they never cause growth or fragmentation.
+    pub(crate) hot: HotList,
     /// Events recorded on this stream and not yet seen complete, oldest first. Events on
     /// one stream complete in order, so a completion pass stops at the first incomplete
     /// one: each event is queried about once.
     pub(crate) in_flight: VecDeque<EventKey>,
+}
+
+/// At most [`HOT_SLOTS`] free blocks with their sizes, oldest first, in place (no heap, no
+/// block lookups to scan). A block's size cannot change while it is hot: hot blocks are
+/// never merged or split.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct HotList {
+    /// `(size, block)`; the first `len` are in use.
+    slots: [(u64, BlockKey); HOT_SLOTS],
+    len: usize,
+}
+
+impl HotList {
+    /// Takes out the newest block of exactly `size` bytes.
+    #[inline]
+    pub(crate) fn take(&mut self, size: u64) -> Option<BlockKey> {
+        let position = self.slots[..self.len]
+            .iter()
+            .rposition(|&(hot_size, _)| hot_size == size)?;
+        let key = self.slots[position].1;
+        self.slots.copy_within(position + 1..self.len, position);
+        self.len -= 1;
+        Some(key)
+    }
+
+    /// Adds `key` as the newest block; returns the oldest if the list was full.
+    #[inline]
+    pub(crate) fn push(&mut self, size: u64, key: BlockKey) -> Option<BlockKey> {
+        let evicted = if self.len == HOT_SLOTS {
+            let oldest = self.slots[0].1;
+            self.slots.copy_within(1.., 0);
+            self.len -= 1;
+            Some(oldest)
+        } else {
+            None
+        };
+        self.slots[self.len] = (size, key);
+        self.len += 1;
+        evicted
+    }
+
+    /// The blocks, oldest first.
+    pub(crate) fn keys(&self) -> impl Iterator<Item = BlockKey> + '_ {
+        self.slots[..self.len].iter().map(|&(_, key)| key)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
 }
 
 impl StreamState {
@@ -53,24 +101,33 @@ impl StreamState {
 pub(crate) struct StreamTable {
     pub(crate) states: Vec<StreamState>,
     index: HashMap<StreamId, StreamSlot, BuildAddrHasher>,
+    /// The stream looked up last, which is nearly always the next one asked for.
+    last: Option<(StreamId, StreamSlot)>,
 }
 
 impl StreamTable {
     /// The slot of `id`, registering the stream on first sight.
     #[inline]
     pub(crate) fn slot(&mut self, id: StreamId) -> StreamSlot {
-        if let Some(slot) = self.index.get(&id) {
-            return *slot;
+        if let Some((last, slot)) = self.last {
+            if last == id {
+                return slot;
+            }
+        }
+        if let Some(&slot) = self.index.get(&id) {
+            self.last = Some((id, slot));
+            return slot;
         }
         let slot = self.states.len() as StreamSlot;
         self.states.push(StreamState {
             id,
             ready: Default::default(),
             pending: Default::default(),
-            hot: Vec::with_capacity(HOT_SLOTS),
+            hot: HotList::default(),
             in_flight: VecDeque::new(),
         });
         self.index.insert(id, slot);
+        self.last = Some((id, slot));
         slot
     }
 
@@ -90,5 +147,42 @@ impl StreamTable {
 
     pub(crate) fn len(&self) -> usize {
         self.states.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hot_list_takes_the_newest_of_a_size_and_evicts_the_oldest() {
+        let mut hot = HotList::default();
+        for key in 0..HOT_SLOTS {
+            assert_eq!(hot.push(512 * (key as u64 % 3 + 1), key), None);
+        }
+        // Sizes 512, 1024, 1536, 512, ...: the newest 1024 is block 7.
+        assert_eq!(hot.take(1024), Some(7));
+        assert_eq!(hot.take(4096), None);
+        assert_eq!(hot.len(), HOT_SLOTS - 1);
+        assert_eq!(hot.push(4096, 8), None);
+        assert_eq!(hot.push(4096, 9), Some(0));
+        let keys: Vec<_> = hot.keys().collect();
+        assert_eq!(keys, [1, 2, 3, 4, 5, 6, 8, 9]);
+        assert_eq!(hot.take(4096), Some(9));
+        assert_eq!(hot.take(4096), Some(8));
+        assert_eq!(hot.take(512), Some(6));
+        assert_eq!(hot.keys().collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
+    }
+
+    #[test]
+    fn stream_slots_are_stable_and_first_seen_order() {
+        let mut table = StreamTable::default();
+        assert_eq!(table.slot(StreamId(40)), 0);
+        assert_eq!(table.slot(StreamId(7)), 1);
+        assert_eq!(table.slot(StreamId(40)), 0);
+        assert_eq!(table.slot(StreamId(40)), 0);
+        assert_eq!(table.slot(StreamId(7)), 1);
+        assert_eq!(table.id(1), StreamId(7));
+        assert_eq!(table.len(), 2);
     }
 }

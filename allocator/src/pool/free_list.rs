@@ -4,72 +4,374 @@
 //! lifetime layer owns one of these per stream, pool and readiness class and decides
 //! which list a block belongs in. Ordering by address among equal sizes makes the choice
 //! deterministic and packs reuse toward low addresses, which keeps segments emptiable.
+//!
+//! # Structure
+//! Segregated size classes in the manner of TLSF, but with an *exact* best fit: sizes are
+//! binned by octave of 512-byte units, each octave cut into [`SUBS`] equal classes (sizes
+//! below `SUBS` units get one class each). A class holds its blocks sorted by
+//! `(size, address)` — in a vector while it has few, in a B-tree once it has many — and a
+//! bitmap marks the non-empty classes. Classes are monotone in size, so the global order is
+//! the classes' order, then each class's order:
+//!
+//! - best fit: in the request's own class, the first entry of at least the requested size
+//!   (a binary search); failing that, the first entry of the next non-empty class (a bit
+//!   scan). Same answer as a `BTreeSet<(size, addr, key)>`'s `range((size, 0, 0)..)`.
+//! - insert and remove: a binary search and a shift within one class, which usually holds
+//!   a few blocks of sizes within 1/8 of each other; O(log n) in a crowded class.
+//!
+//! The previous structure, one `BTreeSet<(u64, u64, BlockKey)>`, spent about 40% of a
+//! mixed-size malloc+free in B-tree node searches, splits and shifts; it is the reference
+//! model in the property tests below.
 
 use super::arena::BlockKey;
 use std::collections::BTreeSet;
 
+/// Classes per octave of sizes (a power of two).
+const SUB_BITS: u32 = 3;
+const SUBS: usize = 1 << SUB_BITS;
+/// Sizes are counted in units of `1 << UNIT_SHIFT` bytes (the minimum block size) when
+/// choosing a class; any size is accepted.
+const UNIT_SHIFT: u32 = 9;
+/// Classes needed for every `u64` size: the highest unit count has exponent 54.
+const CLASSES: usize = (64 - UNIT_SHIFT as usize - SUB_BITS as usize + 1) * SUBS;
+/// Words of the non-empty-class bitmap.
+const WORDS: usize = CLASSES.div_ceil(64);
+
+/// The class of a size: monotone non-decreasing in `size`.
+#[inline]
+fn class_of(size: u64) -> usize {
+    let units = size >> UNIT_SHIFT;
+    if units < SUBS as u64 {
+        return units as usize;
+    }
+    let exponent = 63 - units.leading_zeros();
+    let sub = (units >> (exponent - SUB_BITS)) as usize - SUBS;
+    (exponent - SUB_BITS + 1) as usize * SUBS + sub
+}
+
+/// One free block. Ordered by `(size, addr, key)`; `(size, addr)` alone is unique.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Entry {
+    size: u64,
+    addr: u64,
+    key: BlockKey,
+}
+
+impl Ord for Entry {
+    #[inline]
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.order(), self.key).cmp(&(other.order(), other.key))
+    }
+}
+
+impl PartialOrd for Entry {
+    #[inline]
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Entry {
+    /// `(size, addr)` as one number, compared in one step.
+    #[inline]
+    fn order(&self) -> u128 {
+        (u128::from(self.size) << 64) | u128::from(self.addr)
+    }
+
+    /// The first entry of at least `size` bytes sorts at or after this one.
+    fn lowest_of(size: u64) -> Self {
+        Entry {
+            size,
+            addr: 0,
+            key: 0,
+        }
+    }
+}
+
+/// A class that reaches this many blocks becomes a B-tree...
+const LONG_AT: usize = 128;
+/// ...and a B-tree that falls to this many becomes a vector again (the gap keeps a class
+/// near the boundary from converting back and forth).
+const SHORT_AT: usize = 32;
+
+/// The blocks of one size class in order: a sorted vector while short (a binary search
+/// and a shift of a few entries, no allocation), a B-tree once long, so that a class
+/// crowded with thousands of same-size blocks costs O(log n) per change instead of a shift
+/// of all of them (`benches/engine.rs`, `crowded_size_class`).
+#[derive(Debug)]
+enum Class {
+    Short(Vec<Entry>),
+    Long(BTreeSet<Entry>),
+}
+
+impl Default for Class {
+    fn default() -> Self {
+        Class::Short(Vec::new())
+    }
+}
+
+impl Class {
+    #[inline]
+    fn len(&self) -> usize {
+        match self {
+            Class::Short(entries) => entries.len(),
+            Class::Long(entries) => entries.len(),
+        }
+    }
+
+    /// The first entry of at least `size` bytes.
+    #[inline]
+    fn first_at_least(&self, size: u64) -> Option<Entry> {
+        match self {
+            Class::Short(entries) => {
+                let at = entries.partition_point(|e| e.size < size);
+                entries.get(at).copied()
+            }
+            Class::Long(entries) => entries.range(Entry::lowest_of(size)..).next().copied(),
+        }
+    }
+
+    #[inline]
+    fn first(&self) -> Option<Entry> {
+        match self {
+            Class::Short(entries) => entries.first().copied(),
+            Class::Long(entries) => entries.first().copied(),
+        }
+    }
+
+    fn last(&self) -> Option<Entry> {
+        match self {
+            Class::Short(entries) => entries.last().copied(),
+            Class::Long(entries) => entries.last().copied(),
+        }
+    }
+
+    /// Adds `entry`; false if it was there already.
+    #[inline]
+    fn insert(&mut self, entry: Entry) -> bool {
+        match self {
+            Class::Short(entries) => {
+                let at = entries.partition_point(|e| e.order() < entry.order());
+                if entries.get(at).is_some_and(|e| e.order() == entry.order()) {
+                    return false;
+                }
+                entries.insert(at, entry);
+                if entries.len() >= LONG_AT {
+                    *self = Class::Long(entries.drain(..).collect());
+                }
+                true
+            }
+            Class::Long(entries) => entries.insert(entry),
+        }
+    }
+
+    /// Removes `entry`; false if it was not there.
+    #[inline]
+    fn remove(&mut self, entry: &Entry) -> bool {
+        match self {
+            Class::Short(entries) => {
+                let at = entries.partition_point(|e| e.order() < entry.order());
+                if entries.get(at) != Some(entry) {
+                    return false;
+                }
+                entries.remove(at);
+                true
+            }
+            Class::Long(entries) => {
+                if !entries.remove(entry) {
+                    return false;
+                }
+                if entries.len() <= SHORT_AT {
+                    // A BTreeSet iterates in order: the vector comes out sorted.
+                    *self = Class::Short(std::mem::take(entries).into_iter().collect());
+                }
+                true
+            }
+        }
+    }
+
+    fn contains(&self, entry: &Entry) -> bool {
+        match self {
+            Class::Short(entries) => {
+                let at = entries.partition_point(|e| e.order() < entry.order());
+                entries.get(at) == Some(entry)
+            }
+            Class::Long(entries) => entries.contains(entry),
+        }
+    }
+
+    /// Entries of at least `size` bytes, in order.
+    fn iter_at_least(&self, size: u64) -> impl Iterator<Item = &Entry> {
+        let (short, long) = match self {
+            Class::Short(entries) => {
+                let at = entries.partition_point(|e| e.size < size);
+                (Some(entries[at..].iter()), None)
+            }
+            Class::Long(entries) => (None, Some(entries.range(Entry::lowest_of(size)..))),
+        };
+        short
+            .into_iter()
+            .flatten()
+            .chain(long.into_iter().flatten())
+    }
+}
+
 /// Free blocks of one class, best fit first.
 #[derive(Debug, Default)]
 pub(crate) struct FreeList {
-    /// `(size, address, block)`; the address makes every entry unique.
-    entries: BTreeSet<(u64, u64, BlockKey)>,
+    /// Per size class, the blocks in `(size, address)` order. Grown on demand up to the
+    /// highest class used.
+    classes: Vec<Class>,
+    /// Bit `c` set ⇔ `classes[c]` is non-empty.
+    nonempty: [u64; WORDS],
+    /// Blocks listed.
+    len: usize,
     /// Sum of the sizes, kept so stats and OOM reports need no walk.
     bytes: u64,
 }
 
 impl FreeList {
     pub(crate) fn insert(&mut self, size: u64, addr: u64, key: BlockKey) {
-        let fresh = self.entries.insert((size, addr, key));
+        let class = class_of(size);
+        if class >= self.classes.len() {
+            self.classes.resize_with(class + 1, Class::default);
+        }
+        let fresh = self.classes[class].insert(Entry { size, addr, key });
         debug_assert!(fresh, "block {key} inserted twice");
-        self.bytes += size;
+        if fresh {
+            self.nonempty[class / 64] |= 1 << (class % 64);
+            self.len += 1;
+            self.bytes += size;
+        }
     }
 
     pub(crate) fn remove(&mut self, size: u64, addr: u64, key: BlockKey) {
-        let present = self.entries.remove(&(size, addr, key));
+        let class = class_of(size);
+        let present = self
+            .classes
+            .get_mut(class)
+            .is_some_and(|entries| entries.remove(&Entry { size, addr, key }));
         debug_assert!(present, "block {key} not in this free list");
+        if present {
+            self.removed(class, size);
+        }
+    }
+
+    /// Bookkeeping after an entry of `size` bytes left `class`.
+    #[inline]
+    fn removed(&mut self, class: usize, size: u64) {
+        if self.classes[class].len() == 0 {
+            self.nonempty[class / 64] &= !(1 << (class % 64));
+        }
+        self.len -= 1;
         self.bytes -= size;
+    }
+
+    /// The first non-empty class at or above `class`.
+    #[inline]
+    fn next_nonempty(&self, class: usize) -> Option<usize> {
+        let mut word = class / 64;
+        if word >= WORDS {
+            return None;
+        }
+        let mut bits = self.nonempty[word] & (u64::MAX << (class % 64));
+        loop {
+            if bits != 0 {
+                return Some(word * 64 + bits.trailing_zeros() as usize);
+            }
+            word += 1;
+            if word == WORDS {
+                return None;
+            }
+            bits = self.nonempty[word];
+        }
+    }
+
+    /// The best fit for `size` and its class.
+    #[inline]
+    fn find_best_fit(&self, size: u64) -> Option<(usize, Entry)> {
+        let class = class_of(size);
+        if let Some(found) = self.classes.get(class).and_then(|c| c.first_at_least(size)) {
+            return Some((class, found));
+        }
+        let class = self.next_nonempty(class + 1)?;
+        Some((class, self.classes[class].first()?))
     }
 
     /// The smallest block of at least `size` bytes, lowest address first among equals,
     /// and no larger than `max_size`.
     #[inline]
     pub(crate) fn best_fit(&self, size: u64, max_size: u64) -> Option<(u64, u64, BlockKey)> {
-        self.entries
-            .range((size, 0, 0)..)
-            .next()
-            .copied()
-            .filter(|(found, _, _)| *found <= max_size)
+        let (_, found) = self.find_best_fit(size)?;
+        (found.size <= max_size).then_some((found.size, found.addr, found.key))
+    }
+
+    /// [`FreeList::best_fit`], taken out of the list.
+    #[inline]
+    pub(crate) fn take_best_fit(
+        &mut self,
+        size: u64,
+        max_size: u64,
+    ) -> Option<(u64, u64, BlockKey)> {
+        let (class, found) = self.find_best_fit(size)?;
+        if found.size > max_size {
+            return None;
+        }
+        let present = self.classes[class].remove(&found);
+        debug_assert!(present);
+        self.removed(class, found.size);
+        Some((found.size, found.addr, found.key))
     }
 
     pub(crate) fn contains(&self, size: u64, addr: u64, key: BlockKey) -> bool {
-        self.entries.contains(&(size, addr, key))
+        self.classes
+            .get(class_of(size))
+            .is_some_and(|entries| entries.contains(&Entry { size, addr, key }))
     }
 
     pub(crate) fn largest(&self) -> u64 {
-        self.entries.last().map_or(0, |(size, _, _)| *size)
+        let top = self
+            .nonempty
+            .iter()
+            .enumerate()
+            .rev()
+            .find(|(_, bits)| **bits != 0)
+            .map(|(word, bits)| word * 64 + 63 - bits.leading_zeros() as usize);
+        top.and_then(|class| self.classes[class].last())
+            .map_or(0, |entry| entry.size)
     }
 
     pub(crate) fn bytes(&self) -> u64 {
         self.bytes
     }
 
+    /// Every block, smallest first (lowest address first among equals).
     pub(crate) fn keys(&self) -> impl Iterator<Item = BlockKey> + '_ {
-        self.entries.iter().map(|(_, _, key)| *key)
+        self.keys_at_least(0)
     }
 
-    /// Blocks of at least `size` bytes, smallest first.
+    /// Blocks of at least `size` bytes, smallest first (lowest address first among equals).
     pub(crate) fn keys_at_least(&self, size: u64) -> impl Iterator<Item = BlockKey> + '_ {
-        self.entries.range((size, 0, 0)..).map(|(_, _, key)| *key)
+        let mut next = class_of(size);
+        // Only the non-empty classes, found through the bitmap.
+        let classes = std::iter::from_fn(move || {
+            let class = self.next_nonempty(next)?;
+            next = class + 1;
+            Some(&self.classes[class])
+        });
+        classes.flat_map(move |entries| entries.iter_at_least(size).map(|e| e.key))
     }
 
     pub(crate) fn len(&self) -> usize {
-        self.entries.len()
+        self.len
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
 
     #[test]
     fn best_fit_prefers_the_smallest_then_the_lowest_address() {
@@ -85,5 +387,204 @@ mod tests {
         list.remove(2048, 0x1000, 1);
         assert_eq!(list.best_fit(1024, u64::MAX), Some((2048, 0x2000, 2)));
         assert_eq!(list.largest(), 4096);
+        assert_eq!(list.len(), 2);
+    }
+
+    #[test]
+    fn classes_are_monotone_and_cover_every_size() {
+        let mut previous = 0;
+        for exponent in 0..64 {
+            let low = 1u64 << exponent;
+            for size in [low, low + 1, low | (low - 1)] {
+                let class = class_of(size);
+                assert!(class < CLASSES, "{size} in class {class}");
+                assert!(class >= previous, "class of {size} went down");
+                previous = class;
+            }
+        }
+        assert_eq!(class_of(u64::MAX), CLASSES - 1);
+        // Below SUBS units every unit count has its own class; above, eight per octave.
+        assert_eq!(class_of(512), 1);
+        assert_eq!(class_of(7 * 512), 7);
+        assert_eq!(class_of(8 * 512), 8);
+        assert_eq!(class_of(9 * 512), 9);
+        assert_eq!(class_of(16 * 512), 16);
+        assert_eq!(class_of(17 * 512), 16);
+        assert_eq!(class_of(18 * 512), 17);
+    }
+
+    #[test]
+    fn search_crosses_empty_classes_and_bitmap_words() {
+        let mut list = FreeList::default();
+        list.insert(1 << 40, 0x10, 7);
+        list.insert(512, 0x20, 8);
+        assert_eq!(list.best_fit(1024, u64::MAX), Some((1 << 40, 0x10, 7)));
+        assert_eq!(list.best_fit((1 << 40) + 1, u64::MAX), None);
+        assert_eq!(list.largest(), 1 << 40);
+        assert_eq!(list.keys().collect::<Vec<_>>(), [8, 7]);
+        list.insert(1 << 62, 0x30, 9);
+        assert_eq!(
+            list.best_fit((1 << 40) + 1, u64::MAX),
+            Some((1 << 62, 0x30, 9))
+        );
+        list.remove(1 << 62, 0x30, 9);
+        list.remove(1 << 40, 0x10, 7);
+        list.remove(512, 0x20, 8);
+        assert_eq!((list.len(), list.bytes(), list.largest()), (0, 0, 0));
+        assert_eq!(list.best_fit(1, u64::MAX), None);
+    }
+
+    /// One step against the list and the model.
+    #[derive(Clone, Debug)]
+    enum Step {
+        /// Insert a block of `size` at a fresh address.
+        Insert(u64),
+        /// Remove the listed block at this index (modulo the count) of the model's order.
+        Remove(usize),
+        /// Ask for a best fit, with a cap.
+        Fit(u64, u64),
+        /// Take the best fit out, with a cap.
+        Take(u64, u64),
+    }
+
+    /// Sizes around class boundaries, in the small and large ranges, and huge ones.
+    fn size() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            (1u64..64).prop_map(|units| units * 512),
+            (1u64..4096).prop_map(|units| units * 512),
+            (1u64..(1 << 20)).prop_map(|units| units * 512),
+            (20u32..56).prop_map(|exponent| 1u64 << exponent),
+            1u64..(1 << 56),
+        ]
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            3 => size().prop_map(Step::Insert),
+            2 => any::<usize>().prop_map(Step::Remove),
+            3 => (size(), prop_oneof![Just(u64::MAX), size()]).prop_map(|(s, m)| Step::Fit(s, m)),
+            1 => (size(), prop_oneof![Just(u64::MAX), size()]).prop_map(|(s, m)| Step::Take(s, m)),
+        ]
+    }
+
+    /// Runs `steps` against a list and a `BTreeSet<(size, addr, key)>` model and checks
+    /// they answer alike: best fits, takes, iteration orders, largest, count and bytes.
+    fn check_against_model(steps: Vec<Step>) -> Result<(), TestCaseError> {
+        let mut list = FreeList::default();
+        let mut model: BTreeSet<(u64, u64, BlockKey)> = BTreeSet::new();
+        let (mut next_addr, mut model_bytes) = (0u64, 0u64);
+        for step in steps {
+            match step {
+                Step::Insert(size) => {
+                    next_addr += 512;
+                    let key = next_addr as usize / 512;
+                    list.insert(size, next_addr, key);
+                    model.insert((size, next_addr, key));
+                    model_bytes += size;
+                }
+                Step::Remove(index) => {
+                    if let Some(&(size, addr, key)) = model.iter().nth(index % model.len().max(1)) {
+                        list.remove(size, addr, key);
+                        model.remove(&(size, addr, key));
+                        model_bytes -= size;
+                        prop_assert!(!list.contains(size, addr, key));
+                    }
+                }
+                Step::Fit(size, max) => {
+                    let expected = model
+                        .range((size, 0, 0)..)
+                        .next()
+                        .copied()
+                        .filter(|(found, _, _)| *found <= max);
+                    prop_assert_eq!(list.best_fit(size, max), expected);
+                    let at_least: Vec<_> = list.keys_at_least(size).collect();
+                    let modelled: Vec<_> = model.range((size, 0, 0)..).map(|e| e.2).collect();
+                    prop_assert_eq!(at_least, modelled);
+                }
+                Step::Take(size, max) => {
+                    let expected = model
+                        .range((size, 0, 0)..)
+                        .next()
+                        .copied()
+                        .filter(|(found, _, _)| *found <= max);
+                    if let Some(found) = expected {
+                        model.remove(&found);
+                        model_bytes -= found.0;
+                    }
+                    prop_assert_eq!(list.take_best_fit(size, max), expected);
+                }
+            }
+            prop_assert_eq!(list.len(), model.len());
+            prop_assert_eq!(list.bytes(), model_bytes);
+            prop_assert_eq!(list.largest(), model.last().map_or(0, |e| e.0));
+        }
+        let keys: Vec<_> = list.keys().collect();
+        let modelled: Vec<_> = model.iter().map(|e| e.2).collect();
+        prop_assert_eq!(keys, modelled);
+        for &(size, addr, key) in &model {
+            prop_assert!(list.contains(size, addr, key));
+        }
+        Ok(())
+    }
+
+    /// Sizes of one class (64 to 71 units), so that it grows past [`LONG_AT`] blocks.
+    fn crowded_size() -> impl Strategy<Value = u64> {
+        (64u64..72).prop_map(|units| units * 512)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        /// Spread over many classes, each short.
+        #[test]
+        fn matches_the_btreeset_model(steps in proptest::collection::vec(step(), 1..300)) {
+            check_against_model(steps)?;
+        }
+
+        /// One class filled past [`LONG_AT`] (a B-tree), then drained below [`SHORT_AT`]
+        /// (a vector again), with searches from below, inside and above it throughout.
+        #[test]
+        fn a_crowded_class_matches_the_btreeset_model(
+            fill in proptest::collection::vec(crowded_size().prop_map(Step::Insert), 130..300),
+            churn in proptest::collection::vec(prop_oneof![
+                1 => crowded_size().prop_map(Step::Insert),
+                4 => any::<usize>().prop_map(Step::Remove),
+                2 => (prop_oneof![Just(512u64), crowded_size(), Just(1 << 20)], Just(u64::MAX))
+                    .prop_map(|(s, m)| Step::Fit(s, m)),
+                2 => (crowded_size(), prop_oneof![Just(u64::MAX), crowded_size()])
+                    .prop_map(|(s, m)| Step::Take(s, m)),
+            ], 0..600),
+        ) {
+            let steps: Vec<Step> = fill.into_iter().chain(churn).collect();
+            check_against_model(steps)?;
+        }
+    }
+
+    #[test]
+    fn a_class_converts_both_ways_and_keeps_its_order() {
+        let mut list = FreeList::default();
+        let class = class_of(64 * 512);
+        for i in 0..LONG_AT as u64 {
+            // Sizes descending, addresses ascending: the order is by size first.
+            list.insert((71 - i % 8) * 512, 0x10_0000 + i * 512, i as usize);
+        }
+        assert!(matches!(list.classes[class], Class::Long(_)));
+        assert_eq!(
+            list.best_fit(64 * 512, u64::MAX),
+            Some((64 * 512, 0x10_0000 + 7 * 512, 7))
+        );
+        let mut taken = 0;
+        while list.len() > SHORT_AT {
+            assert!(list.take_best_fit(1, u64::MAX).is_some());
+            taken += 1;
+        }
+        assert!(matches!(list.classes[class], Class::Short(_)));
+        assert_eq!(taken, LONG_AT - SHORT_AT);
+        let sizes: Vec<u64> = list.classes[class]
+            .iter_at_least(0)
+            .map(|e| e.size)
+            .collect();
+        assert!(sizes.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(list.largest(), 71 * 512);
     }
 }
