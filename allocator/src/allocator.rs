@@ -10,8 +10,8 @@
 //! 3. (`stream_wait` policy) the best-fitting block of the caller's pending list or of any
 //!    other stream: the caller's stream waits for it on the device;
 //! 4. grow the pool by a new segment, within the memory limit; with expandable segments,
-//!    map pages into the stream's address reservation instead, after synchronising and
-//!    unmapping every wholly free page (so reserved memory follows what is live);
+//!    map memory into the stream's address reservation instead, first (past the live peak
+//!    plus a slack) synchronising and unmapping free mappings until the excess is gone;
 //! 5. synchronise, return every cached segment to the device, and grow again;
 //! 6. a typed out-of-memory error with a fragmentation report.
 

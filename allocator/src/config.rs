@@ -13,7 +13,7 @@
 //! | `max_split_size` | bytes: larger cached blocks are never split for smaller requests | none |
 //! | `trace_capacity` | entries kept in the trace ring; `0` turns tracing off | 65536 |
 //! | `event_batch` | outstanding events that trigger a batched completion query | 64 |
-//! | `expandable_segments` | `true`: reserve address space per stream and map 2 MiB pages on demand, unmapping wholly free pages before mapping beyond the high-water mark (needs a backend with virtual memory; others fall back to whole segments); `false`: whole segments, PyTorch's rules | `true` |
+//! | `expandable_segments` | `true`: reserve address space per stream and map memory on demand (mappings of up to 128 MiB), unmapping free mappings when mapping would go past the live peak plus a slack (needs a backend with virtual memory; others fall back to whole segments); `false`: whole segments, PyTorch's rules | `false` |
 
 use crate::error::ConfigError;
 use serde::{Deserialize, Serialize};
@@ -63,10 +63,11 @@ fn default_expandable_segments() -> bool {
     DEFAULT_EXPANDABLE_SEGMENTS
 }
 
-/// Default of `expandable_segments`: off. On the trace replays it takes peak reserved /
-/// peak live from 1.047 and 1.150 down to 1.001 and 1.002, but on an H200 the page
-/// remapping it needs to stay that close made GPT-2 steps 1.34x and ResNet-50 steps 2.2x
-/// slower (README, "Expandable segments"), so it is an opt-in, as in PyTorch.
+/// Default of `expandable_segments`: off, as in PyTorch. On an H200 it takes GPT-2 and
+/// ResNet-50 from 1.047 and 1.185 peak reserved / allocated to 1.009 and 1.040 at the same
+/// step time (README, "Expandable segments"), but its memory cannot be shared over CUDA
+/// IPC (the p2p copy-engine transport needs that) and mixed-size calls cost more on the
+/// host, so it is an opt-in.
 const DEFAULT_EXPANDABLE_SEGMENTS: bool = false;
 
 impl Default for Config {
