@@ -160,6 +160,19 @@ fn load_uncached() -> Result<i32, NcclError> {
     Ok(version)
 }
 
+/// Number of CUDA devices visible to this process (loading the driver first). Never
+/// panics: no driver is [`NcclError::Driver`].
+pub fn device_count() -> Result<i32, NcclError> {
+    driver::load()?;
+    let mut count: c_int = 0;
+    // SAFETY: the driver is loaded; `count` is a valid out-pointer.
+    cuda(
+        unsafe { cu::cuDeviceGetCount(&mut count) },
+        "cuDeviceGetCount",
+    )?;
+    Ok(count)
+}
+
 /// NCCL's name for a result code. Only called once the library is loaded.
 fn error_string(code: nc::ncclResult_t) -> String {
     // SAFETY: the library is loaded; the call returns a static string or null.
