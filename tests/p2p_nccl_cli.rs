@@ -55,6 +55,7 @@ fn bad_arguments_are_one_line_errors() {
         &["--timeout-s", "0"][..],
         &["--ranks", "2", "--mismatch-rank", "2"][..],
         &["--ranks", "1", "--mismatch-rank", "0"][..],
+        &["--ranks", "2", "--absent-rank", "3"][..],
         &["--worker-rank", "0"][..],
         &[
             "--ranks",

@@ -11,7 +11,8 @@
 //! agreement must fail: the launcher then shows every rank's error (they should be the
 //! same) and how long the ranks took to fail. Every wait inside a worker is bounded by
 //! `--timeout-s`, and the launcher kills workers still running after
-//! `--launcher-timeout-s`.
+//! `--launcher-timeout-s`. `--absent-rank R` never starts rank `R`, to show the others
+//! giving up at the rendezvous within `--timeout-s` instead of hanging.
 //!
 //! Without NCCL, a CUDA driver or any device it prints `SKIP: why` and exits 0, like
 //! `streamalloc-gpu-test`.
@@ -58,6 +59,10 @@ pub(crate) struct P2pNcclArgs {
     /// same mismatch error.
     #[arg(long)]
     mismatch_rank: Option<u32>,
+    /// Do not start this rank at all: the others must give up within --timeout-s (a
+    /// timeout, not a hang) while waiting for it at the rendezvous.
+    #[arg(long)]
+    absent_rank: Option<u32>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -98,6 +103,14 @@ pub(crate) fn run(args: P2pNcclArgs) -> Result<ExitCode, CliError> {
         if r >= args.ranks || args.ranks < 2 {
             return bad(format!(
                 "--mismatch-rank {r} needs at least 2 ranks and a rank below --ranks {}",
+                args.ranks
+            ));
+        }
+    }
+    if let Some(r) = args.absent_rank {
+        if r >= args.ranks || args.ranks < 2 {
+            return bad(format!(
+                "--absent-rank {r} needs at least 2 ranks and a rank below --ranks {}",
                 args.ranks
             ));
         }
@@ -174,7 +187,7 @@ fn launch_in(
         .map_err(|e| CliError::Message(format!("cannot find this program's path: {e}")))?;
     let start = Instant::now();
     let mut children: Vec<(u32, Child)> = Vec::new();
-    for rank in 0..args.ranks {
+    for rank in (0..args.ranks).filter(|&r| Some(r) != args.absent_rank) {
         let mut command = Command::new(&exe);
         command
             .arg("p2p-nccl")
@@ -277,12 +290,11 @@ fn launch_in(
         for (rank, error) in &errors {
             eprintln!("p2p-nccl: rank {rank} failed: {error}");
         }
-        let same = errors.len() == args.ranks as usize
-            && errors.windows(2).all(|pair| pair[0].1 == pair[1].1);
+        let started = args.ranks as usize - usize::from(args.absent_rank.is_some());
+        let same = errors.len() == started && errors.windows(2).all(|pair| pair[0].1 == pair[1].1);
         return Err(CliError::Message(format!(
-            "{} of {} ranks failed{} after {seconds:.2} s",
+            "{} of {started} started ranks failed{} after {seconds:.2} s",
             errors.len(),
-            args.ranks,
             if same {
                 ", every rank with the same error,"
             } else {

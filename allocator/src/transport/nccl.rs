@@ -21,7 +21,7 @@
 //!   construction, per call); past it the communicator is aborted (`ncclCommAbort`, which
 //!   also stops NCCL's kernels) and the call returns [`TransportError::Timeout`]. NCCL does
 //!   not say which peer is missing: a group names its first peer, an all-gather this rank's
-//!   ring predecessor, the rendezvous rank 0.
+//!   ring predecessor, the rendezvous rank 0 (rank 0 itself names rank 1).
 //! - NCCL failures become [`TransportError::Backend`] with NCCL's own message
 //!   (`ncclGetErrorString` and `ncclGetLastError`). After any failure the communicator is
 //!   aborted and every later call fails at once.
@@ -403,7 +403,9 @@ impl NcclTransport {
         if code != nc::ncclResult_t::ncclSuccess && code != nc::ncclResult_t::ncclInProgress {
             return Err(transport.fail("ncclCommInitRankConfig", code).into());
         }
-        transport.wait_comm("communicator initialisation", 0, deadline)?;
+        // Rank 0 hosts the rendezvous and waits for everyone: it names rank 1.
+        let awaited = if rank == 0 { 1.min(world - 1) } else { 0 };
+        transport.wait_comm("communicator initialisation", awaited, deadline)?;
         tracing::debug!(rank, world, device, version, "NCCL communicator ready");
         Ok(transport)
     }
@@ -424,7 +426,6 @@ impl NcclTransport {
         }
         // SAFETY: `ctx` is the retained primary context.
         cuda(unsafe { cu::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
-            .map_err(TransportError::from)
     }
 
     /// Aborts the communicator (if any) and remembers why.
@@ -533,7 +534,7 @@ impl NcclTransport {
                 other => {
                     let err = cuda(other, "cuEventQuery").unwrap_err();
                     self.abort(err.to_string());
-                    return Err(err.into());
+                    return Err(err);
                 }
             }
             let mut state = nc::ncclResult_t::ncclSuccess;
