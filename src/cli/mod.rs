@@ -2,6 +2,7 @@
 //! `run(args) -> Result<ExitCode, CliError>`.
 
 pub(crate) mod demo;
+pub(crate) mod p2p_nccl;
 pub(crate) mod p2p_sim;
 pub(crate) mod plot;
 pub(crate) mod replay;

@@ -15,7 +15,7 @@ use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::config::format_bytes;
 use streamalloc_allocator::staging::exec::{agree_on_plan, execute_with_progress};
 use streamalloc_allocator::staging::plan::{LocalDescription, StagingConfig, TensorMeta};
-use streamalloc_allocator::staging::{ExecStats, StagingPool};
+use streamalloc_allocator::staging::StagingPool;
 use streamalloc_allocator::transport::{sim::SimTransport, Transport};
 use streamalloc_allocator::{Allocator, Config};
 
@@ -83,13 +83,58 @@ fn pattern(src: u32, dst: u32, index: usize, at: usize) -> u8 {
     (word >> (8 * (at & 7))) as u8
 }
 
-/// What one rank reports.
-struct RankOutcome {
-    stats: ExecStats,
-    rounds_total: usize,
-    max_ops_per_group: u32,
-    bytes_moved: u64,
-    intact: bool,
+/// What one rank reports (also what a `p2p-nccl` worker process prints for its launcher).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(crate) struct RankOutcome {
+    pub(crate) rounds_total: usize,
+    pub(crate) max_ops_per_group: u32,
+    pub(crate) peak_staging_bytes: u64,
+    pub(crate) tensor_bytes_received: u64,
+    pub(crate) bytes_moved: u64,
+    pub(crate) intact: bool,
+    /// Seconds spent agreeing on the plan and executing it (not filling or checking).
+    pub(crate) exchange_seconds: f64,
+}
+
+/// The random workload every rank's description is drawn from: `tensors`
+/// parameter-shaped tensors per rank (at most `max_tensor_bytes` each), to random peers, in
+/// random order. The same arguments give the same lists, so separate processes can each
+/// rebuild it and take their own rank's part. Returns the descriptions, by rank, and the
+/// bytes sent in all; fails if the send and receive copies would need more than
+/// `max_total_bytes` of host memory.
+pub(crate) fn workload(
+    world: u32,
+    tensors: u64,
+    max_tensor_bytes: u64,
+    max_total_bytes: u64,
+    seed: u64,
+) -> Result<(Vec<LocalDescription>, u64), CliError> {
+    let mut rng = Rng(seed);
+    let mut locals: Vec<LocalDescription> = (0..world)
+        .map(|r| LocalDescription::empty(r, world))
+        .collect();
+    let mut total_bytes = 0u64;
+    if world > 1 {
+        for src in 0..world {
+            for _ in 0..tensors {
+                let dst = (src + 1 + (rng.next() % u64::from(world - 1)) as u32) % world;
+                let meta = parameter_tensor(&mut rng, max_tensor_bytes);
+                total_bytes += meta.bytes;
+                if 2 * total_bytes > max_total_bytes {
+                    return Err(CliError::Message(format!(
+                        "this workload needs more than {} of host memory (send and receive \
+                         copies), over --max-total-mib {}; lower --tensors or --max-tensor-kib, \
+                         or raise --max-total-mib",
+                        format_bytes(2 * total_bytes),
+                        max_total_bytes >> 20
+                    )));
+                }
+                locals[src as usize].sends[dst as usize].push(meta);
+                locals[dst as usize].recvs[src as usize].push(meta);
+            }
+        }
+    }
+    Ok((locals, total_bytes))
 }
 
 pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
@@ -110,38 +155,20 @@ pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
     let world = args.ranks;
 
     // The workload: each rank's tensors, to random peers, in random order.
-    let mut rng = Rng(args.seed);
-    let mut locals: Vec<LocalDescription> = (0..world)
-        .map(|r| LocalDescription::empty(r, world))
-        .collect();
-    let mut total_bytes = 0u64;
-    if world > 1 {
-        for src in 0..world {
-            for _ in 0..args.tensors {
-                let dst = (src + 1 + (rng.next() % u64::from(world - 1)) as u32) % world;
-                let meta = parameter_tensor(&mut rng, args.max_tensor_kib << 10);
-                total_bytes += meta.bytes;
-                if 2 * total_bytes > args.max_total_mib << 20 {
-                    return Err(CliError::Message(format!(
-                        "this workload needs more than {} of host memory (send and receive \
-                         copies), over --max-total-mib {}; lower --tensors or --max-tensor-kib, \
-                         or raise --max-total-mib",
-                        format_bytes(2 * total_bytes),
-                        args.max_total_mib
-                    )));
-                }
-                locals[src as usize].sends[dst as usize].push(meta);
-                locals[dst as usize].recvs[src as usize].push(meta);
-            }
-        }
-    }
+    let (locals, total_bytes) = workload(
+        world,
+        args.tensors,
+        args.max_tensor_kib << 10,
+        args.max_total_mib << 20,
+        args.seed,
+    )?;
     let start = Instant::now();
     let json = args.json;
     let handles: Vec<_> = SimTransport::mesh(world, Duration::from_secs(60))
         .into_iter()
         .zip(locals)
         .map(|(mut transport, local)| {
-            thread::spawn(move || rank_main(&mut transport, local, config, json))
+            thread::spawn(move || rank_main(&mut transport, local, config, json, "p2p-sim"))
         })
         .collect();
     let mut outcomes = Vec::with_capacity(handles.len());
@@ -153,8 +180,31 @@ pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
         outcomes.push(outcome);
     }
     let seconds = start.elapsed().as_secs_f64();
+    Ok(report(
+        &outcomes,
+        args.tensors,
+        total_bytes,
+        config,
+        seconds,
+        args.json,
+        &[],
+    ))
+}
 
-    let rounds = outcomes[0].rounds_total;
+/// Prints the run's summary from every rank's outcome (text, or one JSON object with
+/// `rounds`, `max_ops_per_group`, `peak_staging_bytes`, `budget_bytes`, `bytes_moved`,
+/// `intact`, `seconds`); success if every byte arrived intact.
+pub(crate) fn report(
+    outcomes: &[RankOutcome],
+    tensors_per_rank: u64,
+    total_bytes: u64,
+    config: StagingConfig,
+    seconds: f64,
+    json: bool,
+    extra: &[(&str, serde_json::Value)],
+) -> ExitCode {
+    let world = outcomes.len() as u32;
+    let rounds = outcomes.first().map_or(0, |o| o.rounds_total);
     let max_ops = outcomes
         .iter()
         .map(|o| o.max_ops_per_group)
@@ -162,15 +212,15 @@ pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
         .unwrap_or(0);
     let peak = outcomes
         .iter()
-        .map(|o| o.stats.peak_staging_bytes)
+        .map(|o| o.peak_staging_bytes)
         .max()
         .unwrap_or(0);
-    let bytes_moved = outcomes[0].bytes_moved;
-    let received: u64 = outcomes.iter().map(|o| o.stats.tensor_bytes_received).sum();
+    let bytes_moved = outcomes.first().map_or(0, |o| o.bytes_moved);
+    let received: u64 = outcomes.iter().map(|o| o.tensor_bytes_received).sum();
     let intact = outcomes.iter().all(|o| o.intact) && received == bytes_moved;
-    let tensors = u64::from(world) * args.tensors;
-    if args.json {
-        let value = serde_json::json!({
+    let tensors = u64::from(world) * tensors_per_rank;
+    if json {
+        let mut value = serde_json::json!({
             "ranks": world,
             "tensors": if world > 1 { tensors } else { 0 },
             "rounds": rounds,
@@ -181,6 +231,9 @@ pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
             "intact": intact,
             "seconds": seconds,
         });
+        for (key, extra) in extra {
+            value[*key] = extra.clone();
+        }
         println!("{value}");
     } else {
         println!(
@@ -199,23 +252,31 @@ pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
         println!("bytes moved         {}", format_bytes(bytes_moved));
         println!("intact              {}", if intact { "yes" } else { "NO" });
         println!("wall time           {seconds:.2} s");
+        for (key, extra) in extra {
+            println!("{:<19} {extra}", key.replace('_', " "));
+        }
     }
-    Ok(if intact {
+    if intact {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
-    })
+    }
 }
 
-/// One simulated rank: agree on the plan, run it with real bytes, check what arrived.
-fn rank_main(
-    transport: &mut SimTransport,
+/// One rank, over any transport: agree on the plan, run it with real bytes (staging
+/// through the engine's allocator on a simulated device), check what arrived. `label`
+/// prefixes rank 0's progress lines.
+pub(crate) fn rank_main<T: Transport + ?Sized>(
+    transport: &mut T,
     local: LocalDescription,
     config: StagingConfig,
     quiet: bool,
+    label: &str,
 ) -> Result<RankOutcome, streamalloc_allocator::staging::StagingError> {
     let rank = transport.rank();
+    let agreeing = Instant::now();
     let plan = agree_on_plan(transport, &local, config)?;
+    let mut exchange_seconds = agreeing.elapsed().as_secs_f64();
     let sends: Vec<Vec<Vec<u8>>> = local
         .sends
         .iter()
@@ -249,6 +310,7 @@ fn rank_main(
         .map(|l| l.iter_mut().map(Vec::as_mut_slice).collect())
         .collect();
     let mut last = Instant::now();
+    let executing = Instant::now();
     let stats = execute_with_progress(
         transport,
         &plan,
@@ -258,11 +320,12 @@ fn rank_main(
         &mut recv_refs,
         |done, total| {
             if rank == 0 && !quiet && last.elapsed() > Duration::from_secs(1) {
-                eprintln!("p2p-sim: rank 0 at round {done}/{total}");
+                eprintln!("{label}: rank 0 at round {done}/{total}");
                 last = Instant::now();
             }
         },
     )?;
+    exchange_seconds += executing.elapsed().as_secs_f64();
     drop(recv_refs);
     let intact = recvs.iter().enumerate().all(|(src, list)| {
         list.iter().enumerate().all(|(i, bytes)| {
@@ -273,10 +336,12 @@ fn rank_main(
         })
     });
     Ok(RankOutcome {
-        stats,
+        peak_staging_bytes: stats.peak_staging_bytes,
+        tensor_bytes_received: stats.tensor_bytes_received,
         rounds_total: plan.rounds().len(),
         max_ops_per_group: plan.max_ops_per_group().max(stats.max_ops_per_group),
         bytes_moved: plan.bytes_moved(),
         intact,
+        exchange_seconds,
     })
 }
