@@ -291,7 +291,9 @@ fn launch_in(
             eprintln!("p2p-nccl: rank {rank} failed: {error}");
         }
         let started = args.ranks as usize - usize::from(args.absent_rank.is_some());
-        let same = errors.len() == started && errors.windows(2).all(|pair| pair[0].1 == pair[1].1);
+        let same = errors.len() == started
+            && started > 1
+            && errors.windows(2).all(|pair| pair[0].1 == pair[1].1);
         return Err(CliError::Message(format!(
             "{} of {started} started ranks failed{} after {seconds:.2} s",
             errors.len(),
