@@ -17,7 +17,7 @@
 //! Without NCCL, a CUDA driver or any device it prints `SKIP: why` and exits 0, like
 //! `streamalloc-gpu-test`.
 
-use super::p2p_sim::{rank_main, workload, RankOutcome};
+use super::p2p_sim::{rank_main, workload, RankOutcome, WorkloadArgs};
 use super::CliError;
 use clap::Args;
 use std::io::Read;
@@ -33,18 +33,8 @@ pub(crate) struct P2pNcclArgs {
     /// Number of ranks (processes, one GPU each: rank r uses device r).
     #[arg(long, default_value_t = 2)]
     ranks: u32,
-    /// Tensors each rank sends (spread over random peers).
-    #[arg(long, default_value_t = 1000)]
-    tensors: u64,
-    /// Staging budget per rank, MiB.
-    #[arg(long, default_value_t = 128)]
-    budget_mib: u64,
-    /// Seed of the random sizes, peers and order.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Largest tensor, KiB.
-    #[arg(long, default_value_t = 256)]
-    max_tensor_kib: u64,
+    #[command(flatten)]
+    workload: WorkloadArgs,
     /// Refuse runs needing more host memory than this, MiB (send and receive copies of
     /// all ranks together).
     #[arg(long, default_value_t = 16384)]
@@ -87,12 +77,6 @@ pub(crate) fn run(args: P2pNcclArgs) -> Result<ExitCode, CliError> {
     if args.ranks == 0 || args.ranks > 64 {
         return bad("--ranks must be between 1 and 64".into());
     }
-    if args.budget_mib == 0 {
-        return bad("--budget-mib must be positive".into());
-    }
-    if args.max_tensor_kib == 0 {
-        return bad("--max-tensor-kib must be positive".into());
-    }
     if !(args.timeout_s > 0.0 && args.timeout_s.is_finite()) {
         return bad("--timeout-s must be a positive number of seconds".into());
     }
@@ -115,10 +99,7 @@ pub(crate) fn run(args: P2pNcclArgs) -> Result<ExitCode, CliError> {
             ));
         }
     }
-    let config = StagingConfig::with_budget(args.budget_mib << 20);
-    config
-        .validate()
-        .map_err(|e| CliError::Message(e.to_string()))?;
+    let config = args.workload.staging()?;
     match (args.worker_rank, &args.id_file) {
         (Some(rank), Some(path)) => {
             if rank >= args.ranks {
@@ -158,10 +139,10 @@ fn launch(args: &P2pNcclArgs, config: StagingConfig) -> Result<ExitCode, CliErro
     // Validates the memory bound before any process starts.
     let (_, total_bytes) = workload(
         args.ranks,
-        args.tensors,
-        args.max_tensor_kib << 10,
+        args.workload.tensors,
+        args.workload.max_tensor_kib << 10,
         args.max_total_mib << 20,
-        args.seed,
+        args.workload.seed,
     )?;
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -192,10 +173,13 @@ fn launch_in(
         command
             .arg("p2p-nccl")
             .args(["--ranks", &args.ranks.to_string()])
-            .args(["--tensors", &args.tensors.to_string()])
-            .args(["--budget-mib", &args.budget_mib.to_string()])
-            .args(["--seed", &args.seed.to_string()])
-            .args(["--max-tensor-kib", &args.max_tensor_kib.to_string()])
+            .args(["--tensors", &args.workload.tensors.to_string()])
+            .args(["--budget-mib", &args.workload.budget_mib.to_string()])
+            .args(["--seed", &args.workload.seed.to_string()])
+            .args([
+                "--max-tensor-kib",
+                &args.workload.max_tensor_kib.to_string(),
+            ])
             .args(["--max-total-mib", &args.max_total_mib.to_string()])
             .args(["--timeout-s", &args.timeout_s.to_string()])
             .args(["--worker-rank", &rank.to_string()])
@@ -310,7 +294,7 @@ fn launch_in(
         .fold(0.0f64, f64::max);
     Ok(super::p2p_sim::report(
         &outcomes,
-        args.tensors,
+        args.workload.tensors,
         total_bytes,
         config,
         seconds,
@@ -349,10 +333,10 @@ fn worker(args: &P2pNcclArgs, rank: u32, id_file: &Path, config: StagingConfig) 
     let result = (|| -> Result<RankOutcome, String> {
         let (mut locals, _) = workload(
             args.ranks,
-            args.tensors,
-            args.max_tensor_kib << 10,
+            args.workload.tensors,
+            args.workload.max_tensor_kib << 10,
             args.max_total_mib << 20,
-            args.seed,
+            args.workload.seed,
         )
         .map_err(|e| e.to_string())?;
         let mut local = locals.swap_remove(rank as usize);

@@ -25,25 +25,51 @@ pub(crate) struct P2pSimArgs {
     /// Number of ranks (threads).
     #[arg(long, default_value_t = 4)]
     ranks: u32,
-    /// Tensors each rank sends (spread over random peers).
-    #[arg(long, default_value_t = 1000)]
-    tensors: u64,
-    /// Staging budget per rank, MiB.
-    #[arg(long, default_value_t = 128)]
-    budget_mib: u64,
-    /// Seed of the random sizes, peers and order.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Largest tensor, KiB (parameter shapes are scaled down to it; real bytes are moved
-    /// in host memory).
-    #[arg(long, default_value_t = 256)]
-    max_tensor_kib: u64,
+    #[command(flatten)]
+    workload: WorkloadArgs,
     /// Refuse runs needing more host memory than this, MiB (send and receive copies).
     #[arg(long, default_value_t = 4096)]
     max_total_mib: u64,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+}
+
+/// The random workload of `p2p-sim` and `p2p-nccl`: the same arguments give every rank the
+/// same tensors, peers and order in both.
+#[derive(Args, Debug)]
+pub(crate) struct WorkloadArgs {
+    /// Tensors each rank sends (spread over random peers).
+    #[arg(long, default_value_t = 1000)]
+    pub(crate) tensors: u64,
+    /// Staging budget per rank, MiB.
+    #[arg(long, default_value_t = 128)]
+    pub(crate) budget_mib: u64,
+    /// Seed of the random sizes, peers and order.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// Largest tensor, KiB (parameter shapes are scaled down to it; real bytes are moved
+    /// in host memory).
+    #[arg(long, default_value_t = 256)]
+    pub(crate) max_tensor_kib: u64,
+}
+
+impl WorkloadArgs {
+    /// The staging configuration, after checking the arguments.
+    pub(crate) fn staging(&self) -> Result<StagingConfig, CliError> {
+        let bad = |m: &str| Err(CliError::Message(m.to_string()));
+        if self.budget_mib == 0 {
+            return bad("--budget-mib must be positive");
+        }
+        if self.max_tensor_kib == 0 {
+            return bad("--max-tensor-kib must be positive");
+        }
+        let config = StagingConfig::with_budget(self.budget_mib << 20);
+        config
+            .validate()
+            .map_err(|e| CliError::Message(e.to_string()))?;
+        Ok(config)
+    }
 }
 
 /// splitmix64, for reproducible workloads without a dependency.
@@ -142,25 +168,16 @@ pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
     if args.ranks == 0 || args.ranks > 256 {
         return bad("--ranks must be between 1 and 256");
     }
-    if args.budget_mib == 0 {
-        return bad("--budget-mib must be positive");
-    }
-    if args.max_tensor_kib == 0 {
-        return bad("--max-tensor-kib must be positive");
-    }
-    let config = StagingConfig::with_budget(args.budget_mib << 20);
-    config
-        .validate()
-        .map_err(|e| CliError::Message(e.to_string()))?;
+    let config = args.workload.staging()?;
     let world = args.ranks;
 
     // The workload: each rank's tensors, to random peers, in random order.
     let (locals, total_bytes) = workload(
         world,
-        args.tensors,
-        args.max_tensor_kib << 10,
+        args.workload.tensors,
+        args.workload.max_tensor_kib << 10,
         args.max_total_mib << 20,
-        args.seed,
+        args.workload.seed,
     )?;
     let start = Instant::now();
     let json = args.json;
@@ -182,7 +199,7 @@ pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
     let seconds = start.elapsed().as_secs_f64();
     Ok(report(
         &outcomes,
-        args.tensors,
+        args.workload.tensors,
         total_bytes,
         config,
         seconds,
