@@ -12,33 +12,15 @@ use streamalloc::allocator::staging::plan::{
     LocalDescription, Payload, Plan, StagingConfig, TensorMeta, ALIGN,
 };
 use streamalloc::allocator::staging::{StagingError, StagingPool};
+use streamalloc::allocator::testing::SplitMix64;
 use streamalloc::allocator::trace::TraceAction;
 use streamalloc::allocator::transport::{sim::SimTransport, Transport};
 use streamalloc::allocator::{Allocator, Config};
 
-/// splitmix64: a tiny deterministic generator driven by a proptest seed.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next() % n
-        }
-    }
-}
-
 /// Every rank's description for `total` tensors spread at random over the ordered pairs
 /// (self included), sizes up to `max_bytes`, mostly small (parameter-like).
 fn random_locals(world: u32, total: u64, max_bytes: u64, seed: u64) -> Vec<LocalDescription> {
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64(seed);
     let mut locals: Vec<_> = (0..world)
         .map(|r| LocalDescription::empty(r, world))
         .collect();
@@ -253,7 +235,7 @@ proptest! {
         how in 0u8..3,
     ) {
         let mut locals = random_locals(world, total, 1 << 20, seed);
-        let mut rng = Rng(seed ^ 0xABCD);
+        let mut rng = SplitMix64(seed ^ 0xABCD);
         // A rank and peer with something to receive; or add an unexpected receive.
         let candidates: Vec<(usize, usize)> = (0..world as usize)
             .flat_map(|r| (0..world as usize).map(move |p| (r, p)))

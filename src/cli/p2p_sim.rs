@@ -16,6 +16,7 @@ use streamalloc_allocator::config::format_bytes;
 use streamalloc_allocator::staging::exec::{agree_on_plan, execute_with_progress};
 use streamalloc_allocator::staging::plan::{LocalDescription, StagingConfig, TensorMeta};
 use streamalloc_allocator::staging::StagingPool;
+use streamalloc_allocator::testing::SplitMix64;
 use streamalloc_allocator::transport::{sim::SimTransport, Transport};
 use streamalloc_allocator::{Allocator, Config};
 
@@ -72,31 +73,15 @@ impl WorkloadArgs {
     }
 }
 
-/// splitmix64, for reproducible workloads without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo).max(1)
-    }
-}
-
 /// A GPT-like mix of element counts (norms and biases, medium matrices, a few large ones),
 /// as in the baseline `p2p.py`, with dtypes f32 / bf16 / u8; capped at `max_bytes`.
-fn parameter_tensor(rng: &mut Rng, max_bytes: u64) -> TensorMeta {
-    let elements = match rng.next() % 100 {
+fn parameter_tensor(rng: &mut SplitMix64, max_bytes: u64) -> TensorMeta {
+    let elements = match rng.next_u64() % 100 {
         0..=49 => rng.range(256, 8192),
         50..=84 => rng.range(65_536, 1 << 21),
         _ => rng.range(1 << 22, 1 << 25),
     };
-    let (dtype, width) = [(0u32, 4u64), (1, 2), (2, 1)][(rng.next() % 3) as usize];
+    let (dtype, width) = [(0u32, 4u64), (1, 2), (2, 1)][(rng.next_u64() % 3) as usize];
     let bytes = (elements * width).min(max_bytes / width * width);
     TensorMeta { bytes, dtype }
 }
@@ -135,7 +120,7 @@ pub(crate) fn workload(
     max_total_bytes: u64,
     seed: u64,
 ) -> Result<(Vec<LocalDescription>, u64), CliError> {
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64(seed);
     let mut locals: Vec<LocalDescription> = (0..world)
         .map(|r| LocalDescription::empty(r, world))
         .collect();
@@ -143,7 +128,7 @@ pub(crate) fn workload(
     if world > 1 {
         for src in 0..world {
             for _ in 0..tensors {
-                let dst = (src + 1 + (rng.next() % u64::from(world - 1)) as u32) % world;
+                let dst = (src + 1 + (rng.next_u64() % u64::from(world - 1)) as u32) % world;
                 let meta = parameter_tensor(&mut rng, max_tensor_bytes);
                 total_bytes += meta.bytes;
                 if 2 * total_bytes > max_total_bytes {
