@@ -856,9 +856,7 @@ impl State {
         let budget = live_peak + live_peak / 10_000 * vmm.slack_bp;
         let over_limit = after > budget || self.limit.is_some_and(|limit| after > limit);
         if !capturing && over_limit && self.has_unmappable_pages() {
-            backend.synchronize_device()?;
-            self.stats.device_syncs += 1;
-            self.settle_after_sync(backend);
+            self.synchronize(backend)?;
             if let Some(key) = self.take_ready(slot, pool, size, max_size) {
                 return Ok(Some(key));
             }
@@ -1191,9 +1189,7 @@ impl State {
     /// free segments and idle events to the backend. Returns the bytes released.
     fn release_cached<B: Backend>(&mut self, backend: &B) -> Result<u64, BackendError> {
         let reserved_before = self.stats.reserved_bytes.current;
-        backend.synchronize_device()?;
-        self.stats.device_syncs += 1;
-        self.settle_after_sync(backend);
+        self.synchronize(backend)?;
         self.coalesce_across_streams();
         self.unmap_free_pages(backend)?;
         self.release_unmapped_segments(backend)?;
@@ -1222,6 +1218,15 @@ impl State {
         self.note(backend, TraceAction::EmptyCache, 0, released, 0);
         tracing::debug!(released, "cached memory released");
         Ok(released)
+    }
+
+    /// Synchronises the device (counted in `device_syncs`) and settles what that makes
+    /// complete (see [`State::settle_after_sync`]).
+    fn synchronize<B: Backend>(&mut self, backend: &B) -> Result<(), BackendError> {
+        backend.synchronize_device()?;
+        self.stats.device_syncs += 1;
+        self.settle_after_sync(backend);
+        Ok(())
     }
 
     /// After a device-wide synchronisation: every event is complete, so every pending block
