@@ -3,39 +3,35 @@
 //! figure is one deterministic run, and the point is the table).
 //!
 //! - For every trace in `../shared/traces` (from the workspace root): peak live, then peak
-//!   reserved over peak live for the recording allocator (native), for us with the default
-//!   configuration, with whole segments (`expandable_segments:false`) and with the PyTorch
-//!   reuse policy (`reuse_policy:pytorch`).
-//! - A generated 400k-event training-like trace, replayed with the default configuration
-//!   (target: under 2 s).
-//! - Host ns per malloc+free on the cached path, default and whole segments.
+//!   reserved over peak live for the recording allocator (native), for us with expandable
+//!   segments, with whole segments (the default) and with expandable segments under the
+//!   PyTorch reuse policy (`reuse_policy:pytorch`).
+//! - A generated 400k-event training-like trace, replayed with expandable segments (target:
+//!   under 2 s) and with whole segments.
+//! - Host ns per malloc+free on the cached path, expandable and whole segments.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use streamalloc::replay::load_traces;
+use streamalloc::replay::{load_traces, shared_traces_dir};
 use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::replay::{replay, training_trace};
 use streamalloc_allocator::{Allocator, Config, StreamId};
 
 fn traces_dir() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    root.ancestors()
-        .skip(1)
-        .map(|dir| dir.join("shared/traces"))
-        .find(|dir| dir.is_dir())
-        .unwrap_or_else(|| root.join("../shared/traces"))
+    shared_traces_dir(Path::new(env!("CARGO_MANIFEST_DIR")))
+}
+
+fn expandable() -> Config {
+    Config::parse("expandable_segments:true").expect("config")
 }
 
 fn configs() -> Vec<(&'static str, Config)> {
     vec![
-        ("ours", Config::default()),
-        (
-            "whole segs",
-            Config::parse("expandable_segments:false").expect("config"),
-        ),
+        ("expandable", expandable()),
+        ("whole segs", Config::default()),
         (
             "pytorch pol",
-            Config::parse("reuse_policy:pytorch").expect("config"),
+            Config::parse("expandable_segments:true,reuse_policy:pytorch").expect("config"),
         ),
     ]
 }
@@ -51,8 +47,8 @@ fn table() {
     };
     paths.sort();
     println!(
-        "{:<26} {:>8} {:>12} {:>8} {:>8} {:>11} {:>12} {:>8}",
-        "trace", "allocs", "live MiB", "native", "ours", "whole segs", "pytorch pol", "ns/op"
+        "{:<26} {:>8} {:>12} {:>8} {:>10} {:>11} {:>12} {:>8}",
+        "trace", "allocs", "live MiB", "native", "expandable", "whole segs", "pytorch pol", "ns/op"
     );
     for path in paths {
         let traces = match load_traces(&path) {
@@ -76,7 +72,7 @@ fn table() {
             }
             let Some(report) = first else { continue };
             println!(
-                "{:<26} {:>8} {:>12.1} {:>8.3} {:>8} {:>11} {:>12} {:>8.0}",
+                "{:<26} {:>8} {:>12.1} {:>8.3} {:>10} {:>11} {:>12} {:>8.0}",
                 trace.name,
                 report.allocs,
                 report.peak_live_bytes as f64 / (1u64 << 20) as f64,
@@ -93,7 +89,7 @@ fn table() {
 fn large_trace() {
     let trace = training_trace(400_000);
     let started = Instant::now();
-    let report = replay(&trace, &Config::default(), &mut |_| {}).expect("replay");
+    let report = replay(&trace, &expandable(), &mut |_| {}).expect("replay");
     let elapsed = started.elapsed();
     println!(
         "generated trace: {} events, {} allocs, replayed in {:.3} s ({:.0} ns/op), ratio {:.3}, \
@@ -105,8 +101,7 @@ fn large_trace() {
         report.ratio(),
         report.device_syncs
     );
-    let whole = Config::parse("expandable_segments:false").expect("config");
-    let classic = replay(&trace, &whole, &mut |_| {}).expect("replay");
+    let classic = replay(&trace, &Config::default(), &mut |_| {}).expect("replay");
     println!(
         "generated trace, whole segments: ratio {:.3}, {:.0} ns/op",
         classic.ratio(),
@@ -118,11 +113,8 @@ fn large_trace() {
 /// operation with 64 live blocks of mixed sizes.
 fn fast_path() {
     for (name, config) in [
-        ("default", Config::default()),
-        (
-            "whole segments",
-            Config::parse("expandable_segments:false").expect("config"),
-        ),
+        ("expandable", expandable()),
+        ("whole segments", Config::default()),
     ] {
         let device = SimBackend::new(1 << 40);
         let allocator = Allocator::new(device, config).expect("allocator");

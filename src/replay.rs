@@ -6,10 +6,22 @@
 //! The replay itself lives in the engine crate; this module only knows file formats, so
 //! the CLI, the tests and the benchmark read traces the same way.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use streamalloc_allocator::trace::{TraceAction, TraceEntry};
 use streamalloc_allocator::{DevicePtr, StreamId};
 use streamalloc_viz::pytorch::{parse_snapshot, TorchAction, TorchSnapshot};
+
+/// Where the shared PyTorch traces are for a checkout at `workspace_root`:
+/// `../shared/traces` beside it, or, from a worktree nested deeper, the nearest ancestor's
+/// `shared/traces` (the tests and the replay benchmark look there).
+pub fn shared_traces_dir(workspace_root: &Path) -> PathBuf {
+    workspace_root
+        .ancestors()
+        .skip(1)
+        .map(|dir| dir.join("shared/traces"))
+        .find(|dir| dir.is_dir())
+        .unwrap_or_else(|| workspace_root.join("../shared/traces"))
+}
 
 /// One trace to replay: a name for the report and its entries.
 #[derive(Debug, Clone)]

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use streamalloc::replay::load_traces;
+use streamalloc::replay::{load_traces, shared_traces_dir};
 use streamalloc_allocator::replay::{replay, replay_steps};
 use streamalloc_allocator::Config;
 
@@ -16,15 +16,8 @@ const GOAL: f64 = 1.02;
 /// with no remapping, which we keep.
 const BERT_BOUND: f64 = 1.025;
 
-/// `../shared/traces` from the workspace root; from a worktree nested deeper, the nearest
-/// ancestor's `shared/traces`.
 fn traces_dir() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    root.ancestors()
-        .skip(1)
-        .map(|dir| dir.join("shared/traces"))
-        .find(|dir| dir.is_dir())
-        .unwrap_or_else(|| root.join("../shared/traces"))
+    shared_traces_dir(Path::new(env!("CARGO_MANIFEST_DIR")))
 }
 
 fn shared_trace(name: &str) -> Option<PathBuf> {
