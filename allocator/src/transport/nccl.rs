@@ -41,8 +41,10 @@
 //! on the calling thread at every call.
 
 use super::{P2pOp, Transport, TransportError};
-use crate::backend::cuda::driver::{self, DriverError};
 use crate::backend::cuda::sys as cu;
+use crate::backend::cuda::{
+    device_count as cuda_device_count, driver, retain_primary_context, CudaError,
+};
 use cudarc::nccl::sys as nc;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::{Path, PathBuf};
@@ -81,17 +83,9 @@ pub enum NcclError {
     /// `libnccl` lacks a symbol this module calls (an NCCL older than 2.14).
     #[error("libnccl lacks `{0}`: it is too old for streamalloc (needs NCCL 2.14 or newer)")]
     MissingSymbol(String),
-    /// The CUDA driver could not be loaded or initialised.
+    /// The CUDA driver could not be loaded, or the device is missing or unusable.
     #[error(transparent)]
-    Driver(#[from] DriverError),
-    /// The ordinal names no device.
-    #[error("CUDA device {ordinal} does not exist ({count} visible)")]
-    NoSuchDevice {
-        /// The ordinal asked for.
-        ordinal: i32,
-        /// Devices visible to this process.
-        count: i32,
-    },
+    Device(#[from] CudaError),
     /// Bad arguments or an unusable bootstrap file.
     #[error("NCCL bootstrap: {0}")]
     Bootstrap(String),
@@ -108,8 +102,7 @@ impl NcclError {
             self,
             NcclError::LibraryNotFound
                 | NcclError::MissingSymbol(_)
-                | NcclError::Driver(_)
-                | NcclError::NoSuchDevice { .. }
+                | NcclError::Device(CudaError::Driver(_) | CudaError::NoSuchDevice { .. })
         )
     }
 }
@@ -161,16 +154,9 @@ fn load_uncached() -> Result<i32, NcclError> {
 }
 
 /// Number of CUDA devices visible to this process (loading the driver first). Never
-/// panics: no driver is [`NcclError::Driver`].
+/// panics: no driver is [`NcclError::Device`].
 pub fn device_count() -> Result<i32, NcclError> {
-    driver::load()?;
-    let mut count: c_int = 0;
-    // SAFETY: the driver is loaded; `count` is a valid out-pointer.
-    cuda(
-        unsafe { cu::cuDeviceGetCount(&mut count) },
-        "cuDeviceGetCount",
-    )?;
-    Ok(count)
+    Ok(cuda_device_count()?)
 }
 
 /// NCCL's name for a result code. Only called once the library is loaded.
@@ -327,31 +313,9 @@ impl NcclTransport {
     ) -> Result<Self, NcclError> {
         check_rank(rank, world)?;
         let version = load()?;
-        driver::load()?;
-        let mut count: c_int = 0;
-        // SAFETY: the driver is loaded; `count` is a valid out-pointer.
-        cuda(
-            unsafe { cu::cuDeviceGetCount(&mut count) },
-            "cuDeviceGetCount",
-        )?;
-        if device < 0 || device >= count {
-            return Err(NcclError::NoSuchDevice {
-                ordinal: device,
-                count,
-            });
-        }
-        let mut dev: cu::CUdevice = 0;
-        let mut ctx: cu::CUcontext = std::ptr::null_mut();
-        // SAFETY: valid ordinal and out-pointers; the primary context is retained for the
-        // life of the process (as the CUDA runtime does).
-        unsafe {
-            cuda(cu::cuDeviceGet(&mut dev, device), "cuDeviceGet")?;
-            cuda(
-                cu::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-                "cuDevicePrimaryCtxRetain",
-            )?;
-            cuda(cu::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
-        }
+        let (_, ctx) = retain_primary_context(device)?;
+        // SAFETY: `ctx` is a retained primary context.
+        cuda(unsafe { cu::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")?;
         let mut transport = NcclTransport {
             rank,
             world,

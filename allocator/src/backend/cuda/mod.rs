@@ -59,6 +59,40 @@ pub enum CudaError {
     Backend(#[from] BackendError),
 }
 
+/// Number of CUDA devices visible to this process (loading the driver first).
+pub fn device_count() -> Result<i32, CudaError> {
+    driver::load()?;
+    let mut count: c_int = 0;
+    // SAFETY: the driver is loaded and initialised; `count` is a valid out pointer.
+    driver::check(
+        unsafe { sys::cuDeviceGetCount(&mut count) },
+        "cuDeviceGetCount",
+    )?;
+    Ok(count)
+}
+
+/// Device `ordinal` and its primary context (PyTorch's), retained for the life of the
+/// process: like RMM's per-thread events, driver calls during teardown are undefined.
+pub(crate) fn retain_primary_context(
+    ordinal: i32,
+) -> Result<(sys::CUdevice, sys::CUcontext), CudaError> {
+    let count = device_count()?;
+    if ordinal < 0 || ordinal >= count {
+        return Err(CudaError::NoSuchDevice { ordinal, count });
+    }
+    let mut device: sys::CUdevice = 0;
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `ordinal` is in range; every out pointer is valid for the call.
+    unsafe {
+        driver::check(sys::cuDeviceGet(&mut device, ordinal), "cuDeviceGet")?;
+        driver::check(
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, device),
+            "cuDevicePrimaryCtxRetain",
+        )?;
+    }
+    Ok((device, ctx))
+}
+
 /// The [`Backend`] of one CUDA device, in its primary context. See the module docs.
 #[derive(Debug)]
 pub struct CudaBackend {
@@ -86,31 +120,13 @@ unsafe impl Sync for Context {}
 impl CudaBackend {
     /// The backend for device `ordinal`, in its primary context.
     pub fn new(ordinal: i32) -> Result<Self, CudaError> {
-        driver::load()?;
-        let mut count: c_int = 0;
-        // SAFETY: the driver is loaded and initialised; `count` is a valid out pointer.
-        driver::check(
-            unsafe { sys::cuDeviceGetCount(&mut count) },
-            "cuDeviceGetCount",
-        )?;
-        if ordinal < 0 || ordinal >= count {
-            return Err(CudaError::NoSuchDevice { ordinal, count });
-        }
-        let mut device: sys::CUdevice = 0;
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        let (device, ctx) = retain_primary_context(ordinal)?;
         let mut total: usize = 0;
-        // SAFETY: `ordinal` is in range; every out pointer is valid for the call.
-        unsafe {
-            driver::check(sys::cuDeviceGet(&mut device, ordinal), "cuDeviceGet")?;
-            driver::check(
-                sys::cuDevicePrimaryCtxRetain(&mut ctx, device),
-                "cuDevicePrimaryCtxRetain",
-            )?;
-            driver::check(
-                sys::cuDeviceTotalMem_v2(&mut total, device),
-                "cuDeviceTotalMem",
-            )?;
-        }
+        // SAFETY: `device` is a valid device handle; `total` is a valid out pointer.
+        driver::check(
+            unsafe { sys::cuDeviceTotalMem_v2(&mut total, device) },
+            "cuDeviceTotalMem",
+        )?;
         let mut backend = Self {
             ordinal,
             ctx: Context(ctx),
