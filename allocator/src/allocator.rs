@@ -19,6 +19,7 @@ use crate::backend::Backend;
 use crate::config::{Config, ReusePolicy};
 use crate::error::{AllocError, BackendError, OutOfMemory};
 use crate::lifetime::{EventKey, EventTable, StreamTable};
+use crate::lock::EngineLock;
 use crate::pool::arena::{Arena, BlockKey, StreamSlot};
 use crate::pool::expandable::ExpandableTable;
 use crate::pool::size::{
@@ -29,7 +30,6 @@ use crate::stats::Stats;
 use crate::trace::{CompactRing, TraceAction, NO_STREAM};
 use crate::types::{Allocation, DevicePtr, PoolKind, StreamId};
 use crate::util::BuildAddrHasher;
-use parking_lot::Mutex;
 use std::collections::hash_map::Entry as MapEntry;
 use std::collections::HashMap;
 
@@ -51,7 +51,7 @@ const MAX_RECLAIM_SLACK_BP: u64 = 2_500;
 pub struct Allocator<B: Backend> {
     backend: B,
     config: Config,
-    state: Mutex<State>,
+    state: EngineLock<State>,
 }
 
 /// Everything behind the lock.
@@ -118,7 +118,7 @@ impl<B: Backend> Allocator<B> {
         Ok(Self {
             backend,
             config,
-            state: Mutex::new(state),
+            state: EngineLock::new(state),
         })
     }
 

@@ -59,6 +59,7 @@ pub mod config;
 pub mod error;
 pub mod implementation;
 pub(crate) mod lifetime;
+mod lock;
 pub mod pool;
 pub mod replay;
 pub mod scenarios;
