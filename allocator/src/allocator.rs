@@ -209,7 +209,7 @@ impl<B: Backend> Allocator<B> {
 
     /// Segments, blocks, trace, stats and configuration at this instant.
     pub fn snapshot(&self) -> Snapshot {
-        let state = self.state.lock();
+        let mut state = self.state.lock();
         state.snapshot(&self.backend, &self.config)
     }
 
@@ -1350,7 +1350,7 @@ impl State {
         }
     }
 
-    fn snapshot<B: Backend>(&self, backend: &B, config: &Config) -> Snapshot {
+    fn snapshot<B: Backend>(&mut self, backend: &B, config: &Config) -> Snapshot {
         let mut segments: Vec<SegmentInfo> = self
             .arena
             .segments
