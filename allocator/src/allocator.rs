@@ -137,15 +137,28 @@ impl<B: Backend> Allocator<B> {
         if size == 0 || size > MAX_REQUEST {
             return Err(AllocError::InvalidSize(size));
         }
+        let now = self.early_now();
         self.state
             .lock()
-            .malloc(&self.backend, &self.config, size, stream)
+            .malloc(&self.backend, &self.config, size, stream, now)
+    }
+
+    /// The clock, read before taking the lock when tracing (so that the read overlaps the
+    /// lock's atomic instruction), else 0.
+    #[inline]
+    fn early_now(&self) -> u64 {
+        if self.config.trace_capacity != 0 {
+            self.backend.now_ns()
+        } else {
+            0
+        }
     }
 
     /// Returns a block. Streams recorded with [`Allocator::record_use`] get one event each;
     /// the block is reusable at once by its own stream.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
-        self.state.lock().free(&self.backend, ptr)
+        let now = self.early_now();
+        self.state.lock().free(&self.backend, ptr, now)
     }
 
     /// True if `ptr` is a block this allocator handed out and that is not yet freed.
@@ -232,6 +245,7 @@ impl State {
         config: &Config,
         requested: u64,
         stream: StreamId,
+        now: u64,
     ) -> Result<Allocation, AllocError> {
         let size = round_size(requested);
         // Expandable segments serve every size from one pool: a small block among large
@@ -248,10 +262,10 @@ impl State {
         //    First the hot list (same size freed recently: no split, no merge).
         if let Some(key) = self.streams.get_mut(slot).hot.take(size) {
             self.arena.blocks[key].hot = false;
-            return Ok(self.hand_out_hot(backend, key, slot, requested));
+            return Ok(self.hand_out_hot(key, slot, requested, now));
         }
         if let Some(key) = self.take_ready(slot, pool, size, max_size) {
-            return Ok(self.hand_out(backend, key, slot, size, requested));
+            return Ok(self.hand_out(key, slot, size, requested, now));
         }
         self.malloc_slow(backend, config, requested, size, pool, max_size, slot)
     }
@@ -273,7 +287,7 @@ impl State {
         // Hot blocks are invisible to best fit and to other streams: merge them back first.
         if self.flush_hot() {
             if let Some(key) = self.take_ready(slot, pool, size, max_size) {
-                return Ok(self.hand_out(backend, key, slot, size, requested));
+                return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
             }
         }
         // A capturing stream may not query events, wait on events recorded outside the
@@ -285,7 +299,7 @@ impl State {
                 || self.events.outstanding() >= config.event_batch;
             if due && self.collect_completed(backend)? {
                 if let Some(key) = self.take_ready(slot, pool, size, max_size) {
-                    return Ok(self.hand_out(backend, key, slot, size, requested));
+                    return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
                 }
             }
             // 3. Any other free block, reused after a device-side wait.
@@ -293,20 +307,20 @@ impl State {
                 if let Some(key) = self.best_waitable(slot, pool, size, max_size) {
                     self.unlist(key);
                     self.wait_for_block(backend, key, slot)?;
-                    return Ok(self.hand_out(backend, key, slot, size, requested));
+                    return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
                 }
             }
         }
         // 4. Grow.
         if let Some(key) = self.grow_any(backend, size, pool, max_size, slot, capturing)? {
-            return Ok(self.hand_out(backend, key, slot, size, requested));
+            return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
         }
         // 5. Return cached memory to the device and grow again.
         if !capturing && self.stats.reserved_bytes.current > self.stats.allocated_bytes.current {
             self.release_cached(backend)?;
             if let Some(key) = self.grow_any(backend, size, pool, max_size, slot, capturing)? {
                 self.stats.retries += 1;
-                return Ok(self.hand_out(backend, key, slot, size, requested));
+                return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
             }
         }
         // 6. Out of memory.
@@ -440,12 +454,12 @@ impl State {
     /// Gives the hot block `key`, of exactly the size asked for, back to its owner `slot`:
     /// nothing to split, no events, and its address is still in the allocated map.
     #[inline]
-    fn hand_out_hot<B: Backend>(
+    fn hand_out_hot(
         &mut self,
-        backend: &B,
         key: BlockKey,
         slot: StreamSlot,
         requested: u64,
+        now: u64,
     ) -> Allocation {
         let block = &mut self.arena.blocks[key];
         debug_assert!(block.stream == slot && block.pending.is_empty());
@@ -453,25 +467,27 @@ impl State {
         block.requested = requested;
         let (addr, size) = (block.addr, block.size);
         debug_assert_eq!(self.allocated.get(&addr), Some(&key));
-        self.account_alloc(backend, addr, size, slot, requested)
+        self.account_alloc(addr, size, slot, requested, now)
     }
 
     /// Counts and traces a block of `size` bytes at `addr` handed to `slot`.
     #[inline]
-    fn account_alloc<B: Backend>(
+    fn account_alloc(
         &mut self,
-        backend: &B,
         addr: u64,
         size: u64,
         slot: StreamSlot,
         requested: u64,
+        now: u64,
     ) -> Allocation {
         let stats = &mut self.stats;
         stats.allocated_bytes.add(size);
         stats.requested_bytes.add(requested);
         stats.active_bytes.add(size);
         stats.allocs += 1;
-        self.note(backend, TraceAction::Alloc, addr, size, slot);
+        if self.trace.enabled() {
+            self.trace.push(TraceAction::Alloc, addr, size, slot, now);
+        }
         Allocation {
             ptr: DevicePtr(addr),
             requested,
@@ -483,13 +499,13 @@ impl State {
     /// Gives the unlisted free block `key` (synchronisation already done) to `slot`,
     /// splitting off what it does not need.
     #[inline]
-    fn hand_out<B: Backend>(
+    fn hand_out(
         &mut self,
-        backend: &B,
         key: BlockKey,
         slot: StreamSlot,
         size: u64,
         requested: u64,
+        now: u64,
     ) -> Allocation {
         let segment = &self.arena.segments[self.arena.blocks[key].segment];
         let (pool, expandable) = (segment.pool, segment.expandable);
@@ -519,13 +535,18 @@ impl State {
         block.requested = requested;
         let (addr, size) = (block.addr, block.size);
         self.allocated.insert(addr, key);
-        self.account_alloc(backend, addr, size, slot, requested)
+        self.account_alloc(addr, size, slot, requested, now)
     }
 
     // ---- Free -------------------------------------------------------------------------
 
     #[inline]
-    fn free<B: Backend>(&mut self, backend: &B, ptr: DevicePtr) -> Result<(), AllocError> {
+    fn free<B: Backend>(
+        &mut self,
+        backend: &B,
+        ptr: DevicePtr,
+        now: u64,
+    ) -> Result<(), AllocError> {
         // One map lookup; the entry stays while the block is hot (see `allocated`).
         let entry = match self.allocated.entry(ptr.0) {
             MapEntry::Occupied(entry) if self.arena.blocks[*entry.get()].allocated => entry,
@@ -554,7 +575,6 @@ impl State {
             // record, read back as PyTorch's `free_requested` + `free_completed`.
             debug_assert!(self.arena.blocks[key].pending.is_empty());
             if self.trace.enabled() {
-                let now = backend.now_ns();
                 self.trace.push_free_completed(ptr.0, size, owner, now);
             }
             self.push_hot(key, owner, size);
@@ -1329,9 +1349,20 @@ impl State {
         report
     }
 
+    /// The clock for a trace record taken under the lock (0 when not tracing).
+    #[inline]
+    fn clock<B: Backend>(&self, backend: &B) -> u64 {
+        if self.trace.enabled() {
+            backend.now_ns()
+        } else {
+            0
+        }
+    }
+
     /// Records an event now. The ring keeps `slot`, turned into the stream's handle only when
     /// read; a slot no stream has (`empty_cache` before any allocation) reads as stream 0.
     #[inline]
+
     fn note<B: Backend>(
         &mut self,
         backend: &B,

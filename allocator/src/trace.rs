@@ -261,6 +261,8 @@ pub(crate) struct CompactRing {
     /// The newest records, not yet in `records`: `staged[..staged_len]`, oldest first.
     staged: Box<[Record; STAGED]>,
     staged_len: usize,
+    /// Time of the newest record pushed.
+    newest_time_ns: u64,
     /// Slot of the oldest record.
     head: usize,
     /// Records held, from `head` on (wrapping at `capacity`).
@@ -283,6 +285,7 @@ impl CompactRing {
             records: Vec::new(),
             staged: Box::new([Record::EMPTY; STAGED]),
             staged_len: 0,
+            newest_time_ns: 0,
             head: 0,
             count: 0,
             entries: 0,
@@ -333,10 +336,13 @@ impl CompactRing {
     }
 
     #[inline(always)]
-    fn push_record(&mut self, record: Record) {
+    fn push_record(&mut self, mut record: Record) {
         if self.capacity == 0 {
             return;
         }
+        // Fast-path times are read before the lock: keep the ring's times in its order.
+        record.time_ns = record.time_ns.max(self.newest_time_ns);
+        self.newest_time_ns = record.time_ns;
         if self.staged_len == STAGED {
             self.flush();
         }
