@@ -1362,7 +1362,6 @@ impl State {
     /// Records an event now. The ring keeps `slot`, turned into the stream's handle only when
     /// read; a slot no stream has (`empty_cache` before any allocation) reads as stream 0.
     #[inline]
-
     fn note<B: Backend>(
         &mut self,
         backend: &B,
