@@ -537,6 +537,26 @@ mod tests {
         assert_eq!(ring.last_time_ns(), 4);
     }
 
+    /// Fast-path times are read before the engine's lock, so a thread that read the clock
+    /// first may push last: the ring still reads back in non-decreasing time.
+    #[test]
+    fn compact_ring_times_never_go_backwards() {
+        let mut ring = CompactRing::new(16);
+        for (i, time) in [5u64, 3, 9, 7, 7, 12, 1].into_iter().enumerate() {
+            if i % 2 == 0 {
+                ring.push(TraceAction::Alloc, i as u64, 512, 0, time);
+            } else {
+                ring.push_free_completed(i as u64, 512, 0, time);
+            }
+        }
+        let times: Vec<u64> = ring
+            .entries(|_| StreamId(1))
+            .iter()
+            .map(|e| e.time_ns)
+            .collect();
+        assert_eq!(times, [5, 5, 5, 9, 9, 9, 9, 12, 12, 12]);
+    }
+
     #[test]
     fn compact_ring_of_one_keeps_the_completion() {
         let mut ring = CompactRing::new(1);
