@@ -79,4 +79,5 @@ int main(int argc, char** argv) {
   a = clk::now(); for (long i = 0; i < N; i++) { pthread_mutex_lock(&m); pthread_mutex_unlock(&m); } double t_mutex = ns(a, N);
   double t_rng = 1e9; for (int r = 0; r < 3; r++) { double t = rng_only(100000); if (t < t_rng) t_rng = t; }
   printf("rdtsc %.1f ns, lock cmpxchg %.1f ns, xchg %.1f ns, pthread lock+unlock %.1f ns, mixed loop without allocator %.1f ns/op (%llu)\n", t_rdtsc, t_cas, t_xchg, t_mutex, t_rng, s & 1);
+  return 0;
 }

@@ -40,9 +40,14 @@ h = load("host_cost")
 if "native_mixed" in h:
     for sz, label in ((4096, "4 KiB"), (1 << 20, "1 MiB"), (64 << 20, "64 MiB")):
         row(f"C++ malloc+free pair, {label}, ns", f(h[f"native_pair_{sz}"]), f(h[f"streamalloc_pair_{sz}"]), "<= 100", h[f"streamalloc_pair_{sz}"] <= 100)
-    row("C++ mixed sizes, 64 live, ns/op", f(h["native_mixed"]), f(h["streamalloc_mixed"]), "<= 150", h["streamalloc_mixed"] <= 150)
+    row(f"C++ mixed sizes, 64 live, ns/op (loops {h.get('harness', '-O0')})", f(h["native_mixed"]), f(h["streamalloc_mixed"]), "<= 150", h["streamalloc_mixed"] <= 150)
 else:
     row("C++ host cost", h.get("error", ""), "", "", None)
+h = load("host_cost_O0")
+if "native_mixed" in h:
+    pairs = lambda who: " / ".join(f(h[f"{who}_pair_{sz}"]) for sz in (4096, 1 << 20, 64 << 20))
+    row("same loops at -O0 (alloc_cpp.py's harness): pairs 4K/1M/64M; mixed", f"{pairs('native')}; {f(h['native_mixed'])}",
+        f"{pairs('streamalloc')}; {f(h['streamalloc_mixed'])}", "", None)
 h = load("host_cost_notrace")
 if "native_mixed" in h:
     pairs = " / ".join(f(h[f"streamalloc_pair_{sz}"]) for sz in (4096, 1 << 20, 64 << 20))

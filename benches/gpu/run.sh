@@ -33,6 +33,8 @@ nvcc -shared -Xcompiler -fPIC -o "$OUT/pluggable_bump.so" "$HERE/pluggable_bump.
 # tracks, so it cannot disturb the Python micro benchmark.
 step host_cost 1 python3 "$HERE/host_cost.py" "$LIB" "$OUT/host_cost.json"
 step host_cost_notrace 1 env STREAMALLOC_CONF=trace_capacity:0 python3 "$HERE/host_cost.py" "$LIB" "$OUT/host_cost_notrace.json"
+# The same loops unoptimised, as shared/baselines/alloc_cpp.py compiles them (its anchors).
+step host_cost_O0 1 env OPT=-O0 python3 "$HERE/host_cost.py" "$LIB" "$OUT/host_cost_O0.json"
 
 (   # track A, GPU 0
   step gpu_test 0 "$TEST"
