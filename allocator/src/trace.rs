@@ -360,7 +360,7 @@ impl CompactRing {
     }
 
     /// Writes `record` into the ring, dropping the oldest entries to make room.
-    #[inline]
+    #[inline(always)]
     fn store(&mut self, record: Record) {
         let weight = record.weight();
         // Make room first: live records never reach the slot written next.
@@ -386,7 +386,7 @@ impl CompactRing {
     }
 
     /// Drops the oldest entry: the first half of a completed free, or a whole record.
-    #[inline]
+    #[inline(always)]
     fn drop_oldest_entry(&mut self) {
         if self.records[self.head].completed && !self.front_half_dropped {
             self.front_half_dropped = true;

@@ -1,0 +1,392 @@
+//! Expandable segments, the policy: when to map pages into a stream's reservation, where,
+//! and when to synchronise and unmap free mappings. The indexes and the arithmetic are in
+//! `pool::expandable`; why each rule is as it is (with the figures measured on an H200) is
+//! in the comments below.
+
+use super::*;
+
+impl State {
+    /// Room for a rounded `size` in `slot`'s expandable segment of `pool`, unlisted and
+    /// owned by `slot`; `None` if the limit, the device or the address space refuses.
+    ///
+    /// First, unless the stream is capturing a graph: if mapping would take reserved memory
+    /// past the live peak plus the slack (1% at first, see below) or past the limit, and a
+    /// ready free block covers a whole mapping, synchronise the device (unmapping does not
+    /// synchronise, and the memory's last users may be any stream), settle every event,
+    /// retry the caller's free list, then unmap free mappings until the excess is gone.
+    /// Then map the fewest pages that give room, right after a free block of the caller
+    /// when one borders an unmapped stretch, so the request packs against it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn grow_expandable<B: Backend>(
+        &mut self,
+        backend: &B,
+        size: u64,
+        pool: PoolKind,
+        max_size: u64,
+        slot: StreamSlot,
+        capturing: bool,
+    ) -> Result<Option<BlockKey>, AllocError> {
+        let Some(vmm) = self.vmm.as_ref() else {
+            return Ok(None);
+        };
+        // Reclaim (synchronise, unmap free mappings, map where there is room) only when
+        // mapping would take reserved memory past the live peak plus a slack, or past the
+        // limit. Measured on an H200 (GPT-2 small), what a reclaim costs decides the policy:
+        // - reclaiming at every new high-water mark made steps 1.42x slower: the peak creeps
+        //   up a little every step; against the live peak, stable in a steady state, it
+        //   stops;
+        // - unmapping every free page then remapped 4.7 GB a step (1.34x): unmap only the
+        //   excess;
+        // - a workload whose free memory is scattered differently at every peak (GPT-2's
+        //   1.5 GB logits find no hole big enough) still remapped 1.4 GB a step: each reclaim
+        //   widens the slack by a quarter, so reclaims die out where they would recur.
+        // Mapping in large pieces (`ExpandableTable::pieces`) makes what remains cheap.
+        let after = self.stats.reserved_bytes.current + size.div_ceil(vmm.page) * vmm.page;
+        let live_peak = vmm
+            .live_peak_at_growth
+            .max(self.stats.allocated_bytes.current + size);
+        let budget = live_peak + live_peak / 10_000 * vmm.slack_bp;
+        let over_limit = after > budget || self.limit.is_some_and(|limit| after > limit);
+        if !capturing && over_limit && self.has_unmappable_pages() {
+            self.synchronize(backend)?;
+            if let Some(key) = self.take_ready(slot, pool, size, max_size) {
+                return Ok(Some(key));
+            }
+            let excess = after.saturating_sub(self.limit.map_or(budget, |limit| limit.min(budget)));
+            self.unmap_free_pages_upto(backend, excess)?;
+            let vmm = self.vmm.as_mut().expect("expandable segments");
+            vmm.slack_bp = (vmm.slack_bp * 5 / 4 + 1).min(MAX_RECLAIM_SLACK_BP);
+        }
+        let segment = match self.vmm.as_ref().and_then(|v| v.segment_of(slot, pool)) {
+            Some(segment) => segment,
+            None => self.add_expandable_segment(backend, pool, slot)?,
+        };
+        // Where to map: over every unmapped stretch, the placement that maps the fewest pages
+        // (lowest address among equals) — at the bottom of the stretch, continuing the
+        // caller's free block below it; at the top, continuing the free block above; or the
+        // whole stretch, joining both.
+        let vmm = self.vmm.as_ref().expect("expandable segments");
+        let page = vmm.page;
+        let blocks = &self.arena.blocks;
+        let reusable = |neighbour: Option<BlockKey>| {
+            neighbour.filter(|&n| {
+                let b = &blocks[n];
+                !b.allocated && !b.unmapped && !b.hot && b.pending.is_empty() && b.stream == slot
+            })
+        };
+        let pages_for = |bytes: u64| (bytes.div_ceil(page) * page).max(page);
+        let mut best: Option<Placement> = None;
+        for (&addr, &hole) in vmm.unmapped(segment) {
+            let room = blocks[hole].size;
+            let below = reusable(blocks[hole].prev);
+            let above = reusable(blocks[hole].next);
+            let lo = below.map_or(0, |k| blocks[k].size);
+            let hi = above.map_or(0, |k| blocks[k].size);
+            let options = [
+                (lo + room >= size).then(|| Placement {
+                    addr,
+                    hole,
+                    map: pages_for(size.saturating_sub(lo)).min(room),
+                    top: false,
+                    below,
+                    above: None,
+                }),
+                (hi + room >= size).then(|| {
+                    let map = pages_for(size.saturating_sub(hi)).min(room);
+                    Placement {
+                        addr: addr + room - map,
+                        hole,
+                        map,
+                        top: true,
+                        below: None,
+                        above,
+                    }
+                }),
+                (lo + room + hi >= size).then_some(Placement {
+                    addr,
+                    hole,
+                    map: room,
+                    top: false,
+                    below,
+                    above,
+                }),
+            ];
+            for option in options.into_iter().flatten() {
+                if best.as_ref().is_none_or(|b| option.map < b.map) {
+                    best = Some(option);
+                }
+            }
+            if best.as_ref().is_some_and(|b| b.map == page) {
+                break;
+            }
+        }
+        let Some(placement) = best else {
+            return Ok(None);
+        };
+        let Placement {
+            addr,
+            hole,
+            map,
+            top,
+            below,
+            above,
+        } = placement;
+        if let Some(limit) = self.limit {
+            if self.stats.reserved_bytes.current + map > limit {
+                return Ok(None);
+            }
+        }
+        // One physical allocation per piece; on failure, undo the pieces already mapped
+        // (untouched, so unmapping them needs no synchronisation).
+        let pieces: Vec<_> = self
+            .vmm
+            .as_ref()
+            .expect("expandable segments")
+            .pieces(addr, map)
+            .collect();
+        for (index, &(at, len)) in pieces.iter().enumerate() {
+            if let Err(err) = backend.map_pages(DevicePtr(at), len) {
+                for &(done, done_len) in &pieces[..index] {
+                    backend.unmap_pages(DevicePtr(done), done_len)?;
+                }
+                return if err.out_of_memory {
+                    Ok(None)
+                } else {
+                    Err(err.into())
+                };
+            }
+        }
+        let vmm = self.vmm.as_mut().expect("expandable segments");
+        for &(at, len) in &pieces {
+            vmm.add_mapping(at, len);
+        }
+        // Cut the mapped part out of the stretch; what stays unmapped stays indexed.
+        let vmm = self.vmm.as_mut().expect("expandable segments");
+        let holes = vmm.unmapped_mut(segment);
+        let room = self.arena.blocks[hole].size;
+        let mapped = if map == room {
+            holes.remove(&addr);
+            hole
+        } else if top {
+            self.arena.split(hole, room - map)
+        } else {
+            holes.remove(&addr);
+            let rest = self.arena.split(hole, map);
+            holes.insert(addr + map, rest);
+            hole
+        };
+        vmm.mapped += map;
+        self.stats.page_map_bytes += map;
+        vmm.live_peak_at_growth = vmm
+            .live_peak_at_growth
+            .max(self.stats.allocated_bytes.current + size);
+        let block = &mut self.arena.blocks[mapped];
+        block.unmapped = false;
+        block.stream = slot;
+        self.stats.reserved_bytes.add(map);
+        self.note(backend, TraceAction::SegmentMap, addr, map, slot);
+        let mut key = mapped;
+        if let Some(prev) = below {
+            self.unlist(prev);
+            self.merge_into(prev, key);
+            key = prev;
+        }
+        if let Some(next) = above {
+            self.unlist(next);
+            self.merge_into(key, next);
+        }
+        Ok(Some(key))
+    }
+
+    /// Reserves the address space of `slot`'s expandable segment of `pool`.
+    pub(super) fn add_expandable_segment<B: Backend>(
+        &mut self,
+        backend: &B,
+        pool: PoolKind,
+        slot: StreamSlot,
+    ) -> Result<usize, AllocError> {
+        let vmm = self.vmm.as_mut().expect("expandable segments");
+        let size = vmm.reservation;
+        let ptr = backend.reserve_address_space(size)?;
+        let head = self.arena.add_segment(ptr.0, size, pool, slot);
+        let segment = self.arena.blocks[head].segment;
+        self.arena.segments[segment].expandable = true;
+        self.arena.blocks[head].unmapped = true;
+        vmm.add(slot, pool, segment, ptr.0, head);
+        tracing::debug!(?ptr, size, "address space reserved");
+        Ok(segment)
+    }
+
+    /// True if some ready free block of an expandable segment covers a whole mapping.
+    /// Blocks awaiting other streams' events do not count: synchronising for them would be
+    /// the host wait the lifetime model avoids.
+    pub(super) fn has_unmappable_pages(&self) -> bool {
+        let Some(vmm) = self.vmm.as_ref() else {
+            return false;
+        };
+        self.streams.states.iter().any(|state| {
+            state.ready.iter().any(|list| {
+                list.keys_at_least(vmm.page).any(|key| {
+                    let block = &self.arena.blocks[key];
+                    self.arena.segments[block.segment].expandable
+                        && vmm.has_whole_mapping(block.addr, block.size)
+                })
+            })
+        })
+    }
+
+    /// Per ready free block of an expandable segment, the mappings lying wholly inside it,
+    /// lowest first (contiguous: the block lies on mapped memory).
+    pub(super) fn unmappable(&self) -> Vec<(BlockKey, Vec<(u64, u64)>)> {
+        let Some(vmm) = self.vmm.as_ref() else {
+            return Vec::new();
+        };
+        let mut victims = Vec::new();
+        for state in &self.streams.states {
+            for list in &state.ready {
+                for key in list.keys_at_least(vmm.page) {
+                    let block = &self.arena.blocks[key];
+                    if !self.arena.segments[block.segment].expandable {
+                        continue;
+                    }
+                    let mappings = vmm.whole_mappings(block.addr, block.size);
+                    if !mappings.is_empty() {
+                        victims.push((key, mappings));
+                    }
+                }
+            }
+        }
+        victims
+    }
+
+    /// Unmaps every whole mapping inside a ready free block of an expandable segment. Only
+    /// valid when no stream can still use those blocks: right after a device-wide
+    /// synchronisation.
+    pub(super) fn unmap_free_pages<B: Backend>(&mut self, backend: &B) -> Result<(), BackendError> {
+        self.unmap_free_pages_upto(backend, u64::MAX)
+    }
+
+    /// Unmaps at least `bytes` of the whole mappings inside ready free blocks of expandable
+    /// segments, or all of them if there are fewer: highest addresses first, so what stays
+    /// mapped stays low and compact, where placement looks first. Only valid right after a
+    /// device-wide synchronisation.
+    pub(super) fn unmap_free_pages_upto<B: Backend>(
+        &mut self,
+        backend: &B,
+        bytes: u64,
+    ) -> Result<(), BackendError> {
+        let mut victims = self.unmappable();
+        victims.sort_unstable_by_key(|(_, mappings)| std::cmp::Reverse(mappings[0].0));
+        let mut left = bytes;
+        for (key, mappings) in victims {
+            if left == 0 {
+                break;
+            }
+            // Whole mappings from the top of the block down, until enough.
+            let end = mappings.last().map_or(0, |&(at, len)| at + len);
+            let mut start = end;
+            for &(at, len) in mappings.iter().rev() {
+                if left == 0 {
+                    break;
+                }
+                start = at;
+                left = left.saturating_sub(len);
+            }
+            self.unmap_block_pages(backend, key, start, end - start)?;
+        }
+        Ok(())
+    }
+
+    /// Unmaps `[start, start + len)`, whole pages inside the listed, ready free block `key`;
+    /// what is left of the block on either side stays listed.
+    pub(super) fn unmap_block_pages<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        start: u64,
+        len: u64,
+    ) -> Result<(), BackendError> {
+        backend.unmap_pages(DevicePtr(start), len)?;
+        self.vmm
+            .as_mut()
+            .expect("expandable segments")
+            .remove_mappings(start, len);
+        self.unlist(key);
+        let (addr, size, segment, owner) = {
+            let block = &self.arena.blocks[key];
+            (block.addr, block.size, block.segment, block.stream)
+        };
+        let mut middle = key;
+        if start > addr {
+            middle = self.arena.split(key, start - addr);
+            self.list(key);
+        }
+        if start + len < addr + size {
+            let tail = self.arena.split(middle, len);
+            self.list(tail);
+        }
+        self.arena.blocks[middle].unmapped = true;
+        self.stats.reserved_bytes.sub(len);
+        self.stats.page_unmap_bytes += len;
+        self.note(backend, TraceAction::SegmentUnmap, start, len, owner);
+        let vmm = self.vmm.as_mut().expect("expandable segments");
+        vmm.mapped -= len;
+        let holes = vmm.unmapped_mut(segment);
+        let (mut merged, mut merged_addr) = (middle, start);
+        if let Some(prev) = self.arena.blocks[middle].prev {
+            if self.arena.blocks[prev].unmapped {
+                self.arena.merge(prev, middle);
+                merged = prev;
+                merged_addr = self.arena.blocks[prev].addr;
+            }
+        }
+        if let Some(next) = self.arena.blocks[merged].next {
+            if self.arena.blocks[next].unmapped {
+                holes.remove(&self.arena.blocks[next].addr);
+                self.arena.merge(merged, next);
+            }
+        }
+        holes.insert(merged_addr, merged);
+        Ok(())
+    }
+
+    /// Returns the address space of expandable segments with nothing mapped.
+    pub(super) fn release_unmapped_segments<B: Backend>(
+        &mut self,
+        backend: &B,
+    ) -> Result<(), BackendError> {
+        let Some(vmm) = self.vmm.as_mut() else {
+            return Ok(());
+        };
+        let empty: Vec<usize> = vmm
+            .segments()
+            .filter(|&segment| {
+                let head = &self.arena.blocks[self.arena.segments[segment].head];
+                head.unmapped && head.next.is_none()
+            })
+            .collect();
+        for segment in empty {
+            let (addr, size) = (
+                self.arena.segments[segment].addr,
+                self.arena.segments[segment].size,
+            );
+            backend.release_address_space(DevicePtr(addr), size)?;
+            vmm.remove(segment);
+            self.arena.remove_segment(segment);
+        }
+        Ok(())
+    }
+}
+
+/// Where [`State::grow_expandable`] maps pages: `map` bytes at `addr`, inside the unmapped
+/// block `hole` (at its top or bottom), joined with the caller's free neighbours `below`
+/// and `above` where given.
+#[derive(Debug)]
+pub(super) struct Placement {
+    addr: u64,
+    hole: BlockKey,
+    map: u64,
+    top: bool,
+    below: Option<BlockKey>,
+    above: Option<BlockKey>,
+}

@@ -1,0 +1,106 @@
+//! Freeing: a block no other stream used goes back to its owner at once (the hot list); one
+//! that other streams used gets one event per stream and waits in its owner's pending list.
+
+use super::*;
+
+impl State {
+    #[inline]
+    pub(super) fn free<B: Backend>(
+        &mut self,
+        backend: &B,
+        ptr: DevicePtr,
+        now: u64,
+    ) -> Result<(), AllocError> {
+        // One map lookup; the entry stays while the block is hot (see `allocated`).
+        let entry = match self.allocated.entry(ptr.0) {
+            MapEntry::Occupied(entry) if self.arena.blocks[*entry.get()].allocated => entry,
+            _ => {
+                self.stats.invalid_frees += 1;
+                return Err(AllocError::UnknownPointer(ptr));
+            }
+        };
+        let key = *entry.get();
+        let block = &mut self.arena.blocks[key];
+        let (size, requested, owner) = (block.size, block.requested, block.stream);
+        let uses = std::mem::take(&mut block.uses);
+        if !uses.is_empty() {
+            entry.remove();
+        }
+        block.allocated = false;
+        block.requested = 0;
+        let stats = &mut self.stats;
+        stats.allocated_bytes.sub(size);
+        stats.requested_bytes.sub(requested);
+        stats.active_bytes.sub(size);
+        stats.frees += 1;
+        if uses.is_empty() {
+            // No other stream used it, and an allocated block carries no pending events:
+            // ready for its owner at once. The request and its completion are one trace
+            // record, read back as PyTorch's `free_requested` + `free_completed`.
+            debug_assert!(self.arena.blocks[key].pending.is_empty());
+            if self.trace.enabled() {
+                self.trace.push_free_completed(ptr.0, size, owner, now);
+            }
+            self.push_hot(key, owner, size);
+            return Ok(());
+        }
+        self.note(backend, TraceAction::FreeRequested, ptr.0, size, owner);
+        if let Err(err) = self.record_uses(backend, key, &uses) {
+            // Without the events the block's reuse cannot be ordered: keep it out of
+            // circulation (leaked until empty_cache synchronises) rather than risk a race.
+            tracing::error!(%err, ?ptr, "recording a use event failed; block quarantined until empty_cache");
+            self.arena.blocks[key].pending.clear();
+            self.list_quarantined(key);
+            return Err(err.into());
+        }
+        // One event per use stream: pending until they complete or are waited on.
+        debug_assert!(!self.arena.blocks[key].pending.is_empty());
+        self.insert_free(key);
+        Ok(())
+    }
+
+    /// The block handed out at `addr`, if any (hot blocks share the map; see `allocated`).
+    #[inline]
+    pub(super) fn allocated_key(&self, addr: u64) -> Option<BlockKey> {
+        let key = *self.allocated.get(&addr)?;
+        self.arena.blocks[key].allocated.then_some(key)
+    }
+
+    /// One event on each use stream, now; the block and the stream's in-flight queue each
+    /// hold a reference.
+    pub(super) fn record_uses<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        uses: &[StreamSlot],
+    ) -> Result<(), BackendError> {
+        for &use_slot in uses {
+            let event = self.events.record(
+                backend,
+                use_slot,
+                self.streams.id(use_slot),
+                &mut self.stats,
+            )?;
+            self.events.retain(event);
+            self.streams.get_mut(use_slot).in_flight.push_back(event);
+            self.arena.blocks[key].pending.push(event);
+        }
+        Ok(())
+    }
+
+    pub(super) fn record_use(
+        &mut self,
+        ptr: DevicePtr,
+        stream: StreamId,
+    ) -> Result<(), AllocError> {
+        let key = self
+            .allocated_key(ptr.0)
+            .ok_or(AllocError::UnknownPointer(ptr))?;
+        let slot = self.streams.slot(stream);
+        let block = &mut self.arena.blocks[key];
+        if slot != block.stream && !block.uses.contains(&slot) {
+            block.uses.push(slot);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,147 @@
+//! Which free list a free block sits in, and merging it with its neighbours: the glue
+//! between the arena's blocks and the per-stream free lists. The stream policy lives in
+//! allocation and freeing, the data structure in `pool::free_list`.
+
+use super::*;
+
+impl State {
+    /// Takes the best-fitting ready block of `slot`'s own list out of it: reuse that needs no
+    /// synchronisation at all.
+    #[inline]
+    pub(super) fn take_ready(
+        &mut self,
+        slot: StreamSlot,
+        pool: PoolKind,
+        size: u64,
+        max_size: u64,
+    ) -> Option<BlockKey> {
+        // What `unlist` would do for a ready block: no pending bytes to count.
+        let (_, _, key) =
+            self.streams.get_mut(slot).ready[pool as usize].take_best_fit(size, max_size)?;
+        debug_assert!(self.arena.blocks[key].pending.is_empty());
+        Some(key)
+    }
+
+    /// Parks a ready block of `size` bytes in its owner's hot list, evicting the oldest into
+    /// the free lists.
+    #[inline]
+    pub(super) fn push_hot(&mut self, key: BlockKey, owner: StreamSlot, size: u64) {
+        let evicted = self.streams.get_mut(owner).hot.push(size, key);
+        self.arena.blocks[key].hot = true;
+        if let Some(evicted) = evicted {
+            self.unhot(evicted);
+        }
+    }
+
+    /// Moves every hot block into the free lists, merging it. Returns true if any moved.
+    pub(super) fn flush_hot(&mut self) -> bool {
+        let mut any = false;
+        for index in 0..self.streams.len() {
+            for key in std::mem::take(&mut self.streams.states[index].hot).keys() {
+                self.unhot(key);
+                any = true;
+            }
+        }
+        any
+    }
+
+    /// Moves a block taken out of its hot list out of the allocated map and into the free
+    /// lists, merging it.
+    pub(super) fn unhot(&mut self, key: BlockKey) {
+        let block = &mut self.arena.blocks[key];
+        block.hot = false;
+        let addr = block.addr;
+        self.allocated.remove(&addr);
+        self.insert_free(key);
+    }
+
+    /// Two free blocks may merge if the result needs no more synchronisation than either:
+    /// same owner, and both ready or both pending.
+    pub(super) fn mergeable(&self, a: BlockKey, b: BlockKey) -> bool {
+        let (a, b) = (&self.arena.blocks[a], &self.arena.blocks[b]);
+        !a.allocated
+            && !b.allocated
+            && !a.unmapped
+            && !b.unmapped
+            && !a.hot
+            && !b.hot
+            && a.stream == b.stream
+            && a.pending.is_empty() == b.pending.is_empty()
+    }
+
+    /// Puts the unlisted free block `key` in its owner's list, merging it with mergeable
+    /// neighbours first.
+    pub(super) fn insert_free(&mut self, key: BlockKey) {
+        let mut key = key;
+        if let Some(prev) = self.arena.blocks[key].prev {
+            if self.mergeable(prev, key) {
+                self.unlist(prev);
+                self.merge_into(prev, key);
+                key = prev;
+            }
+        }
+        if let Some(next) = self.arena.blocks[key].next {
+            if self.mergeable(key, next) {
+                self.unlist(next);
+                self.merge_into(key, next);
+            }
+        }
+        self.list(key);
+    }
+
+    /// Merges unlisted `right` into `left`, uniting their pending events.
+    pub(super) fn merge_into(&mut self, left: BlockKey, right: BlockKey) {
+        for event in self.arena.merge(left, right) {
+            if self.arena.blocks[left].pending.contains(&event) {
+                self.events.release(event, &mut self.stats);
+            } else {
+                self.arena.blocks[left].pending.push(event);
+            }
+        }
+    }
+
+    /// Adds a free block to the list its owner and pending state call for.
+    #[inline]
+    pub(super) fn list(&mut self, key: BlockKey) {
+        let block = &self.arena.blocks[key];
+        let pool = self.arena.segments[block.segment].pool;
+        let pending = !block.pending.is_empty();
+        let (size, addr) = (block.size, block.addr);
+        self.streams
+            .get_mut(block.stream)
+            .list(pool, pending)
+            .insert(size, addr, key);
+        if pending {
+            self.stats.pending_free_bytes.add(size);
+            self.stats.active_bytes.add(size);
+        }
+    }
+
+    /// Removes a free block from its list.
+    #[inline]
+    pub(super) fn unlist(&mut self, key: BlockKey) {
+        let block = &self.arena.blocks[key];
+        let pool = self.arena.segments[block.segment].pool;
+        let pending = !block.pending.is_empty();
+        let (size, addr) = (block.size, block.addr);
+        self.streams
+            .get_mut(block.stream)
+            .list(pool, pending)
+            .remove(size, addr, key);
+        if pending {
+            self.stats.pending_free_bytes.sub(size);
+            self.stats.active_bytes.sub(size);
+        }
+    }
+
+    /// Marks a block that could not be ordered as allocated to nobody: it stays out of the
+    /// free lists and the allocated map until `release_cached` synchronises the device,
+    /// which finds it as an allocated block absent from the allocated map.
+    pub(super) fn list_quarantined(&mut self, key: BlockKey) {
+        let block = &mut self.arena.blocks[key];
+        block.allocated = true;
+        block.requested = 0;
+        self.stats.allocated_bytes.add(block.size);
+        self.stats.active_bytes.add(block.size);
+    }
+}

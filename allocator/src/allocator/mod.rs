@@ -1,0 +1,357 @@
+//! The allocator: the policy that ties pool, lifetimes, stats and trace together.
+//!
+//! One [`Allocator`] serves one device. Its state sits behind one lock (`crate::lock`); the
+//! fast path (a ready block of the caller's stream) takes it once and makes no backend call
+//! but the trace clock.
+//!
+//! # Allocation policy, in order
+//! 1. a ready block of the caller's stream (best fit) — no event, no wait;
+//! 2. blocks whose events completed: a batched completion pass, only once enough events are
+//!    in flight (`event_batch`), or always under the PyTorch policy;
+//! 3. (`stream_wait` policy) the best-fitting block of the caller's pending list or of any
+//!    other stream: the caller's stream waits for it on the device;
+//! 4. grow the pool by a new segment, within the memory limit; with expandable segments,
+//!    map memory into the stream's address reservation instead, first (past the live peak
+//!    plus a slack) synchronising and unmapping free mappings until the excess is gone;
+//! 5. synchronise, return every cached segment to the device, and grow again;
+//! 6. a typed out-of-memory error with a fragmentation report.
+
+mod allocate;
+mod completion;
+mod expandable;
+mod free;
+mod free_lists;
+mod release;
+mod report;
+
+use crate::backend::Backend;
+use crate::config::{Config, ReusePolicy};
+use crate::error::{AllocError, BackendError, OutOfMemory};
+use crate::lifetime::{EventKey, EventTable, StreamTable};
+use crate::lock::EngineLock;
+use crate::pool::arena::{Arena, BlockKey, StreamSlot};
+use crate::pool::expandable::ExpandableTable;
+use crate::pool::size::{
+    pool_of, round_size, segment_size_for, should_split, MAX_REQUEST, MIN_BLOCK_SIZE,
+};
+use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
+use crate::stats::Stats;
+use crate::trace::{CompactRing, TraceAction, NO_STREAM};
+use crate::types::{Allocation, DevicePtr, PoolKind, StreamId};
+use crate::util::BuildAddrHasher;
+use std::collections::hash_map::Entry as MapEntry;
+use std::collections::HashMap;
+
+/// Requests at least `max_split_size` may use a cached block at most this much larger
+/// (PyTorch's `kLargeBuffer`), so oversize blocks are not wasted on much smaller requests.
+const OVERSIZE_SLACK: u64 = 20 << 20;
+
+/// Expandable segments first map up to this much (in 1/10,000) beyond the live peak
+/// before reclaiming free pages; each reclaim widens the slack by a quarter, up to
+/// [`MAX_RECLAIM_SLACK_BP`].
+const RECLAIM_SLACK_BP: u64 = 100;
+
+/// The widest reclaim slack, in 1/10,000 of the live peak.
+const MAX_RECLAIM_SLACK_BP: u64 = 2_500;
+
+/// A caching allocator for one device over backend `B`. `Send + Sync` when `B` is; every
+/// method may be called from any thread.
+#[derive(Debug)]
+pub struct Allocator<B: Backend> {
+    backend: B,
+    config: Config,
+    state: EngineLock<State>,
+}
+
+/// Everything behind the lock.
+#[derive(Debug)]
+struct State {
+    /// Segments and blocks.
+    arena: Arena,
+    /// Per-stream free lists and in-flight events.
+    streams: StreamTable,
+    /// Recorded events and the idle event pool.
+    events: EventTable,
+    /// Address → block, for blocks handed out and for hot blocks (freed and parked in their
+    /// stream's hot list, so that a same-size malloc+free pair touches the map not at all);
+    /// [`State::allocated_key`] tells the two apart by `Block::allocated`. A quarantined
+    /// block is allocated but absent.
+    allocated: HashMap<u64, BlockKey, BuildAddrHasher>,
+    /// Counters.
+    stats: Stats,
+    /// Recent events.
+    trace: CompactRing,
+    /// Reserved bytes never exceeded (from `memory_limit`, `memory_fraction` or
+    /// [`Allocator::set_memory_limit`]).
+    limit: Option<u64>,
+    /// Expandable segments, when configured and the backend has virtual memory.
+    vmm: Option<ExpandableTable>,
+}
+
+impl<B: Backend> Allocator<B> {
+    /// An allocator over `backend`. `memory_fraction` is resolved against the backend's
+    /// total memory here; the stricter of it and `memory_limit` applies.
+    pub fn new(backend: B, config: Config) -> Result<Self, AllocError> {
+        let mut limit = config.memory_limit;
+        if let Some(fraction) = config.memory_fraction {
+            let total = backend.total_memory()?;
+            let by_fraction = (total as f64 * fraction) as u64;
+            limit = Some(limit.map_or(by_fraction, |l| l.min(by_fraction)));
+        }
+        let vmm = if !config.expandable_segments {
+            None
+        } else if backend.supports_virtual_memory() {
+            Some(ExpandableTable::new(
+                backend.page_size(),
+                backend.total_memory()?,
+                RECLAIM_SLACK_BP,
+            ))
+        } else {
+            // Info, not a warning: expandable segments are the default, and a backend
+            // without virtual memory is an expected configuration.
+            tracing::info!(
+                "expandable_segments:true needs a backend with virtual memory; using whole segments"
+            );
+            None
+        };
+        let state = State {
+            arena: Arena::default(),
+            streams: StreamTable::default(),
+            events: EventTable::default(),
+            allocated: HashMap::default(),
+            stats: Stats::default(),
+            trace: CompactRing::new(config.trace_capacity),
+            limit,
+            vmm,
+        };
+        Ok(Self {
+            backend,
+            config,
+            state: EngineLock::new(state),
+        })
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Allocates at least `size` bytes for use on `stream`.
+    pub fn malloc(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
+        if size == 0 || size > MAX_REQUEST {
+            return Err(AllocError::InvalidSize(size));
+        }
+        let now = self.early_now();
+        self.state
+            .lock()
+            .malloc(&self.backend, &self.config, size, stream, now)
+    }
+
+    /// The clock, read before taking the lock when tracing (so that the read overlaps the
+    /// lock's atomic instruction), else 0.
+    #[inline]
+    fn early_now(&self) -> u64 {
+        if self.config.trace_capacity != 0 {
+            self.backend.now_ns()
+        } else {
+            0
+        }
+    }
+
+    /// Returns a block. Streams recorded with [`Allocator::record_use`] get one event each;
+    /// the block is reusable at once by its own stream.
+    pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
+        let now = self.early_now();
+        self.state.lock().free(&self.backend, ptr, now)
+    }
+
+    /// True if `ptr` is a block this allocator handed out and that is not yet freed.
+    pub fn owns(&self, ptr: DevicePtr) -> bool {
+        self.state.lock().allocated_key(ptr.0).is_some()
+    }
+
+    /// Notes that `stream` uses the block at `ptr` (PyTorch's `record_stream`): when the
+    /// block is freed, its reuse will be ordered after the work `stream` has by then.
+    pub fn record_use(&self, ptr: DevicePtr, stream: StreamId) -> Result<(), AllocError> {
+        self.state.lock().record_use(ptr, stream)
+    }
+
+    /// Synchronises the device and returns every wholly free segment to it. Idle event
+    /// objects are destroyed too. Returns the bytes released.
+    pub fn empty_cache(&self) -> Result<u64, AllocError> {
+        Ok(self.state.lock().release_cached(&self.backend)?)
+    }
+
+    /// Sets (or, with `None`, lifts) the reserved-bytes limit. If more is reserved than the
+    /// new limit, cached memory is released; allocated memory is never taken back.
+    pub fn set_memory_limit(&self, limit: Option<u64>) -> Result<(), AllocError> {
+        let mut state = self.state.lock();
+        state.limit = limit;
+        if let Some(limit) = limit {
+            if state.stats.reserved_bytes.current > limit {
+                state.release_cached(&self.backend)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The limit in force.
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.state.lock().limit
+    }
+
+    /// A copy of the counters.
+    pub fn stats(&self) -> Stats {
+        self.state.lock().stats
+    }
+
+    /// Sets every peak to its current value.
+    pub fn reset_peak_stats(&self) {
+        let mut state = self.state.lock();
+        let stats = &mut state.stats;
+        stats.allocated_bytes.reset_peak();
+        stats.requested_bytes.reset_peak();
+        stats.reserved_bytes.reset_peak();
+        stats.active_bytes.reset_peak();
+        stats.pending_free_bytes.reset_peak();
+    }
+
+    /// Appends an event to the trace ring on behalf of a component built on the allocator
+    /// (the staging pool records its acquire/release this way).
+    pub fn trace_event(&self, action: TraceAction, addr: DevicePtr, size: u64, stream: StreamId) {
+        let mut state = self.state.lock();
+        let slot = state.streams.slot(stream);
+        state.note(&self.backend, action, addr.0, size, slot);
+    }
+
+    /// Segments, blocks, trace, stats and configuration at this instant.
+    pub fn snapshot(&self) -> Snapshot {
+        let mut state = self.state.lock();
+        state.snapshot(&self.backend, &self.config)
+    }
+
+    /// Walks every structure and checks the engine's invariants: segments tiled by blocks,
+    /// each free block in exactly the list its state calls for, the allocated map matching
+    /// the allocated blocks, counters equal to the sums they summarise, event references
+    /// balanced. Costs a full walk: for tests and debugging.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.state.lock().check_invariants()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::sim::SimBackend;
+
+    fn sim(trace_capacity: usize) -> (SimBackend, Allocator<SimBackend>) {
+        let device = SimBackend::new(1 << 30);
+        let config = Config {
+            trace_capacity,
+            ..Config::default()
+        };
+        (device.clone(), Allocator::new(device, config).unwrap())
+    }
+
+    #[test]
+    fn a_hot_block_is_free_to_callers_and_reused_without_the_map_changing() {
+        let (device, allocator) = sim(64);
+        let stream = device.create_stream();
+        let block = allocator.malloc(4096, stream).unwrap();
+        assert!(allocator.owns(block.ptr));
+        allocator.free(block.ptr).unwrap();
+        // Hot now: still in the address map, but freed as far as any caller can tell.
+        assert!(!allocator.owns(block.ptr));
+        assert_eq!(
+            allocator.record_use(block.ptr, stream),
+            Err(AllocError::UnknownPointer(block.ptr))
+        );
+        assert_eq!(
+            allocator.free(block.ptr),
+            Err(AllocError::UnknownPointer(block.ptr))
+        );
+        allocator.check_invariants().unwrap();
+        let again = allocator.malloc(4096, stream).unwrap();
+        assert_eq!(again.ptr, block.ptr);
+        assert!(allocator.owns(again.ptr));
+        allocator.check_invariants().unwrap();
+        allocator.free(again.ptr).unwrap();
+        assert_eq!(allocator.stats().invalid_frees, 1);
+        // Flushed out of the hot list by a slow path: out of the map as well.
+        allocator.empty_cache().unwrap();
+        assert!(!allocator.owns(block.ptr));
+        allocator.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn the_trace_reads_back_pytorch_entries() {
+        let (device, allocator) = sim(64);
+        let (compute, comm) = (device.create_stream(), device.create_stream());
+        device.advance_host(100);
+        let a = allocator.malloc(4096, compute).unwrap();
+        device.advance_host(50);
+        allocator.free(a.ptr).unwrap();
+        let b = allocator.malloc(1 << 20, compute).unwrap();
+        allocator.record_use(b.ptr, comm).unwrap();
+        device.advance_host(10);
+        allocator.free(b.ptr).unwrap();
+        allocator.trace_event(TraceAction::StagingAcquire, DevicePtr(7), 8, comm);
+        let entries: Vec<_> = allocator
+            .snapshot()
+            .trace
+            .iter()
+            .map(|e| (e.action, e.addr, e.size, e.stream, e.time_ns))
+            .collect();
+        use TraceAction::*;
+        let (sa, sb) = (a.size, b.size);
+        let segment = entries[0];
+        assert_eq!(
+            (segment.0, segment.3, segment.4),
+            (SegmentAlloc, compute, 100)
+        );
+        assert_eq!(
+            entries[1..],
+            [
+                (Alloc, a.ptr, sa, compute, 100),
+                (FreeRequested, a.ptr, sa, compute, 150),
+                (FreeCompleted, a.ptr, sa, compute, 150),
+                (Alloc, b.ptr, sb, compute, 150),
+                // Used by another stream: requested now, completed only once its event is
+                // seen complete.
+                (FreeRequested, b.ptr, sb, compute, 160),
+                (StagingAcquire, DevicePtr(7), 8, comm, 160),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_full_trace_drops_whole_entries_oldest_first() {
+        let (device, allocator) = sim(4);
+        let stream = device.create_stream();
+        for _ in 0..3 {
+            let block = allocator.malloc(4096, stream).unwrap();
+            device.advance_host(1);
+            allocator.free(block.ptr).unwrap();
+        }
+        let snapshot = allocator.snapshot();
+        let actions: Vec<_> = snapshot.trace.iter().map(|e| e.action).collect();
+        // segment_alloc + 3 × (alloc, free_requested, free_completed) = 10 entries, 4 kept:
+        // the second free's completion survives without its request.
+        assert_eq!(
+            actions,
+            [
+                TraceAction::FreeCompleted,
+                TraceAction::Alloc,
+                TraceAction::FreeRequested,
+                TraceAction::FreeCompleted
+            ]
+        );
+        assert_eq!(snapshot.trace_dropped, 6);
+        assert_eq!(snapshot.trace[0].time_ns, 2);
+    }
+}

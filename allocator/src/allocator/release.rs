@@ -1,0 +1,120 @@
+//! Returning memory to the device (`empty_cache`, the out-of-memory retry, the memory
+//! limit), each after one device synchronisation (`State::synchronize`).
+
+use super::*;
+
+impl State {
+    /// Synchronises the device, settles every event, coalesces free blocks across streams
+    /// (after a device-wide sync any free byte is safe for any stream) and returns wholly
+    /// free segments and idle events to the backend. Returns the bytes released.
+    pub(super) fn release_cached<B: Backend>(&mut self, backend: &B) -> Result<u64, BackendError> {
+        let reserved_before = self.stats.reserved_bytes.current;
+        self.synchronize(backend)?;
+        self.coalesce_across_streams();
+        self.unmap_free_pages(backend)?;
+        self.release_unmapped_segments(backend)?;
+        let free_segments: Vec<_> = self
+            .arena
+            .segments
+            .iter()
+            .filter(|(segment, seg)| !seg.expandable && self.arena.segment_is_free(*segment))
+            .map(|(segment, seg)| (segment, seg.head, seg.stream))
+            .collect();
+        let mut released = reserved_before - self.stats.reserved_bytes.current;
+        for (segment, head, stream) in free_segments {
+            let (addr, size) = (
+                self.arena.segments[segment].addr,
+                self.arena.segments[segment].size,
+            );
+            backend.free_segment(DevicePtr(addr), size)?;
+            self.unlist(head);
+            self.arena.remove_segment(segment);
+            self.stats.reserved_bytes.sub(size);
+            self.stats.segment_frees += 1;
+            self.note(backend, TraceAction::SegmentFree, addr, size, stream);
+            released += size;
+        }
+        self.events.destroy_idle(backend, &mut self.stats)?;
+        self.note(backend, TraceAction::EmptyCache, 0, released, 0);
+        tracing::debug!(released, "cached memory released");
+        Ok(released)
+    }
+
+    /// Synchronises the device (counted in `device_syncs`) and settles what that makes
+    /// complete (see [`State::settle_after_sync`]).
+    pub(super) fn synchronize<B: Backend>(&mut self, backend: &B) -> Result<(), BackendError> {
+        backend.synchronize_device()?;
+        self.stats.device_syncs += 1;
+        self.settle_after_sync(backend);
+        Ok(())
+    }
+
+    /// After a device-wide synchronisation: every event is complete, so every pending block
+    /// becomes ready, and hot and quarantined blocks return to the free lists.
+    pub(super) fn settle_after_sync<B: Backend>(&mut self, backend: &B) {
+        self.flush_hot();
+        self.events.mark_all_complete();
+        for index in 0..self.streams.len() {
+            while let Some(event) = self.streams.states[index].in_flight.pop_front() {
+                self.events.release(event, &mut self.stats);
+            }
+        }
+        self.promote_completed(backend);
+        self.release_quarantined();
+    }
+
+    /// Frees quarantined blocks (allocated to nobody) now that the device is idle.
+    pub(super) fn release_quarantined(&mut self) {
+        let quarantined: Vec<BlockKey> = self
+            .arena
+            .blocks
+            .iter()
+            .filter(|(key, block)| block.allocated && self.allocated.get(&block.addr) != Some(key))
+            .map(|(key, _)| key)
+            .collect();
+        for key in quarantined {
+            let block = &mut self.arena.blocks[key];
+            block.allocated = false;
+            let size = block.size;
+            self.stats.allocated_bytes.sub(size);
+            self.stats.active_bytes.sub(size);
+            self.insert_free(key);
+        }
+    }
+
+    /// Merges every run of adjacent free blocks regardless of owner; the run takes its
+    /// first block's owner. Only valid right after a device-wide synchronisation.
+    pub(super) fn coalesce_across_streams(&mut self) {
+        let heads: Vec<BlockKey> = self
+            .arena
+            .segments
+            .iter()
+            .map(|(_, seg)| seg.head)
+            .collect();
+        for head in heads {
+            let mut cursor = Some(head);
+            while let Some(key) = cursor {
+                if self.arena.blocks[key].allocated || self.arena.blocks[key].unmapped {
+                    cursor = self.arena.blocks[key].next;
+                    continue;
+                }
+                let mut unlisted = false;
+                while let Some(next) = self.arena.blocks[key].next {
+                    if self.arena.blocks[next].allocated || self.arena.blocks[next].unmapped {
+                        break;
+                    }
+                    if !unlisted {
+                        self.unlist(key);
+                        unlisted = true;
+                    }
+                    self.unlist(next);
+                    self.merge_into(key, next);
+                }
+                if unlisted {
+                    self.list(key);
+                }
+                cursor = self.arena.blocks[key].next;
+            }
+        }
+    }
+}
