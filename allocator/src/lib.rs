@@ -19,7 +19,8 @@
 //! ## Layout
 //! - [`pool`]: segments, blocks, best-fit free lists; no policy.
 //! - `lifetime`: per-stream free lists, pooled events, completion passes.
-//! - [`Allocator`]: the allocation policy, stats, trace and snapshots.
+//! - [`Allocator`]: the allocation policy, stats, trace and snapshots (`allocator/`, a file
+//!   per step of the policy), behind one lock released by a plain store (`lock`).
 //! - [`backend`]: the [`Backend`] trait, the simulator with its race detector
 //!   ([`backend::sim`]) and the CUDA driver backend (feature `cuda`).
 //!
