@@ -3,6 +3,7 @@
 //! allocation and freeing, the data structure in `pool::free_list`.
 
 use super::*;
+use crate::pool::free_list::FreeList;
 
 impl State {
     /// Takes the best-fitting ready block of `slot`'s own list out of it: reuse that needs no
@@ -100,17 +101,23 @@ impl State {
         }
     }
 
-    /// Adds a free block to the list its owner and pending state call for.
+    /// The free list `key` belongs in (its owner's, for its pool and pending state), with the
+    /// block's size and address and whether it is pending.
     #[inline]
-    pub(super) fn list(&mut self, key: BlockKey) {
+    fn home_list(&mut self, key: BlockKey) -> (&mut FreeList, u64, u64, bool) {
         let block = &self.arena.blocks[key];
         let pool = self.arena.segments[block.segment].pool;
         let pending = !block.pending.is_empty();
-        let (size, addr) = (block.size, block.addr);
-        self.streams
-            .get_mut(block.stream)
-            .list(pool, pending)
-            .insert(size, addr, key);
+        let (size, addr, owner) = (block.size, block.addr, block.stream);
+        let list = self.streams.get_mut(owner).list(pool, pending);
+        (list, size, addr, pending)
+    }
+
+    /// Adds a free block to the list its owner and pending state call for.
+    #[inline]
+    pub(super) fn list(&mut self, key: BlockKey) {
+        let (list, size, addr, pending) = self.home_list(key);
+        list.insert(size, addr, key);
         if pending {
             self.stats.pending_free_bytes.add(size);
             self.stats.active_bytes.add(size);
@@ -120,14 +127,8 @@ impl State {
     /// Removes a free block from its list.
     #[inline]
     pub(super) fn unlist(&mut self, key: BlockKey) {
-        let block = &self.arena.blocks[key];
-        let pool = self.arena.segments[block.segment].pool;
-        let pending = !block.pending.is_empty();
-        let (size, addr) = (block.size, block.addr);
-        self.streams
-            .get_mut(block.stream)
-            .list(pool, pending)
-            .remove(size, addr, key);
+        let (list, size, addr, pending) = self.home_list(key);
+        list.remove(size, addr, key);
         if pending {
             self.stats.pending_free_bytes.sub(size);
             self.stats.active_bytes.sub(size);
