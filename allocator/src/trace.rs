@@ -23,16 +23,17 @@
 //! still count entries, so snapshots see exactly what a [`TraceRing`] of the same capacity
 //! fed the expanded entries would hold (the property test below checks this).
 //!
-//! Pushes land first in a small staging array ([`STAGED`] records, 2 KiB) and move into the
-//! ring 64 at a time, or when the ring is read. The reason is cache misses, not
-//! instructions. The ring (2 MiB at the default capacity) writes each of its lines once a
-//! lap, so every line it writes is cold; written one record per call, each miss stalls
-//! that call. On the GPU host, in PyTorch's Python alloc/free loop (where the interpreter
-//! also evicts the engine's data between calls), turning the ring off saved ~160 ns per
-//! operation, against ~30 ns in a tight C loop, and the clock read accounts for only ~18
-//! of them. The staging array is reused every 64 events, so it stays in cache, and moving
-//! 64 records in one pass lets their misses overlap. (On that shared, noisy host, A/B runs
-//! of the two rings were within its run-to-run noise: `benches/gpu/results.md`.)
+//! Pushes land first in a small staging array ([`STAGED`] records, 2 KiB, reused every 64
+//! events and so kept in cache) and move into the ring 64 at a time, or when the ring is
+//! read. Why: the ring (2 MiB at the default capacity) writes each of its lines once a lap,
+//! so every line it writes is cold, and a miss taken under the engine's lock stalls the
+//! caller; moved 64 at a time, the misses overlap. Measured on the GPU host, builds side
+//! by side: PyTorch's Python alloc/free loop 1397 → 1349 ns per operation, a tight C loop
+//! 139 → 145, both within that shared host's noise (`benches/gpu/results.md`).
+//!
+//! Fast-path records carry a time read before the engine's lock was taken (the read then
+//! overlaps the lock's atomic instruction), so a thread that read the clock first may push
+//! last: pushes clamp each time to the newest one, and the ring reads back in time order.
 
 use crate::types::{DevicePtr, StreamId};
 use serde::{Deserialize, Serialize};
