@@ -23,7 +23,7 @@
 //! still count entries, so snapshots see exactly what a [`TraceRing`] of the same capacity
 //! fed the expanded entries would hold (the property test below checks this).
 //!
-//! Pushes land first in a small staging array ([`STAGED`] records, 2 KiB, reused every 64
+//! Pushes land first in a small staging array (`STAGED` records, 2 KiB, reused every 64
 //! events and so kept in cache) and move into the ring 64 at a time, or when the ring is
 //! read. Why: the ring (2 MiB at the default capacity) writes each of its lines once a lap,
 //! so every line it writes is cold, and a miss taken under the engine's lock stalls the
