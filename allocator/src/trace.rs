@@ -14,7 +14,7 @@
 //! can write both PyTorch-compatible pickles and our JSON from the same records.
 //!
 //! # The engine's ring
-//! The allocator keeps a [`CompactRing`] rather than a [`TraceRing`]: its records hold the
+//! The allocator keeps a `CompactRing` rather than a [`TraceRing`]: its records hold the
 //! stream's slot in the allocator's stream table instead of the 64-bit handle, and a free
 //! that completes at once (no other stream used the block) is one record standing for both
 //! `free_requested` and `free_completed` at the same instant. A same-stream malloc+free pair

@@ -2,7 +2,7 @@
 //!
 //! Everything the allocator needs from CUDA is one method here: segments, events, waits
 //! and a clock. The engine is generic over [`Backend`], so the same policy code runs on
-//! the real driver ([`cuda`], behind the `cuda` feature) and on the deterministic
+//! the real driver (`cuda`, behind the `cuda` feature) and on the deterministic
 //! simulator ([`sim`]) that every CI test uses.
 //!
 //! # Contract

@@ -1,12 +1,12 @@
 //! Segments, blocks and free lists: the data structures of the pool, with no policy.
 //!
 //! - [`size`]: rounding and the small/large split (every size decision lives there).
-//! - [`arena`]: segments tiled by address-linked blocks; split and merge.
-//! - [`free_list`]: best-fit sets of free blocks.
+//! - `arena`: segments tiled by address-linked blocks; split and merge.
+//! - `free_list`: best-fit sets of free blocks.
 //! - `expandable`: address reservations with pages mapped on demand (expandable segments).
 //!
 //! Which free list a block belongs in (its stream, whether it awaits events) is the
-//! lifetime layer's decision, in [`crate::lifetime`].
+//! lifetime layer's decision, in `crate::lifetime`.
 
 pub(crate) mod arena;
 pub(crate) mod expandable;
