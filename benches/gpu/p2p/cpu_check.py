@@ -28,6 +28,20 @@ def tensor(src, dst, i, rng_seed):
     return t.reshape(shape)
 
 
+def fails_alike(rank, world, label, needle, call):
+    """True if `call()` raises a P2PError, the same on every rank, whose message contains
+    `needle` (rank 0 prints it after `label`)."""
+    try:
+        call()
+    except p2p.P2PError as e:
+        errs = [None] * world
+        dist.all_gather_object(errs, str(e))
+        if rank == 0:
+            print(f"{label}:", errs[0], flush=True)
+        return all(x == errs[0] for x in errs) and needle in errs[0]
+    return False
+
+
 def worker(rank, world, port, failures):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -50,43 +64,22 @@ def worker(rank, world, port, failures):
     p2p.exchange({(rank + 1) % world: [src]}, {(rank - 1) % world: [dst]}, budget_mib=1)
     ok &= torch.equal(dst.detach(), torch.arange(10.0) + (rank - 1) % world)
     # A mismatch: the same error everywhere.
-    try:
-        p2p.exchange({(rank + 1) % world: [torch.ones(3)]},
-                     {(rank - 1) % world: [torch.empty(4 if rank == 0 else 3)]})
-        ok = False
-    except p2p.P2PError as e:
-        errs = [None] * world
-        dist.all_gather_object(errs, str(e))
-        ok &= all(x == errs[0] for x in errs) and "mismatch" in errs[0]
-        if rank == 0:
-            print("mismatch error:", errs[0], flush=True)
+    ok &= fails_alike(rank, world, "mismatch error", "mismatch", lambda: p2p.exchange(
+        {(rank + 1) % world: [torch.ones(3)]},
+        {(rank - 1) % world: [torch.empty(4 if rank == 0 else 3)]}))
     # A local error on one rank (a non-contiguous tensor): every rank fails alike, no hang.
     bad = torch.ones(4, 4).t() if rank == world - 1 else torch.ones(4, 4)
-    try:
-        p2p.exchange({(rank + 1) % world: [bad]}, {(rank - 1) % world: [torch.empty(4, 4)]})
-        ok = False
-    except p2p.P2PError as e:
-        errs = [None] * world
-        dist.all_gather_object(errs, str(e))
-        ok &= all(x == errs[0] for x in errs) and "not contiguous" in errs[0]
-        if rank == 0:
-            print("local error:", errs[0], flush=True)
+    ok &= fails_alike(rank, world, "local error", "not contiguous", lambda: p2p.exchange(
+        {(rank + 1) % world: [bad]}, {(rank - 1) % world: [torch.empty(4, 4)]}))
     # Transports: ranks asking for different ones, and "ce" where it cannot work (CPU
     # tensors), fail alike everywhere before any data moves; "auto" on CPU is "nccl".
     for name, choice, expect in [
         ("transport mismatch", "ce" if rank == 0 else "nccl", "transport mismatch"),
         ("ce on cpu", "ce", "transport 'ce' is not possible"),
     ]:
-        try:
-            p2p.exchange({(rank + 1) % world: [torch.ones(3)]},
-                         {(rank - 1) % world: [torch.empty(3)]}, transport=choice)
-            ok = False
-        except p2p.P2PError as e:
-            errs = [None] * world
-            dist.all_gather_object(errs, str(e))
-            ok &= all(x == errs[0] for x in errs) and expect in errs[0]
-            if rank == 0:
-                print(f"{name}:", errs[0], flush=True)
+        ok &= fails_alike(rank, world, name, expect, lambda: p2p.exchange(
+            {(rank + 1) % world: [torch.ones(3)]}, {(rank - 1) % world: [torch.empty(3)]},
+            transport=choice))
     src = torch.arange(5.0) + rank
     dst = torch.zeros(5)
     ex = p2p.Exchange({(rank + 1) % world: [src]}, {(rank - 1) % world: [dst]})
