@@ -17,6 +17,11 @@ rows = []
 def row(what, native, ours, goal, ok):
     rows.append((what, native, ours, goal, "yes" if ok is True else ("NO" if ok is False else "?")))
 
+def pairs_and_mixed(h, who):
+    """`host_cost.py`'s pair figures for 4K/1M/64M, then its mixed figure, of `who`."""
+    pairs = " / ".join(f(h[f"{who}_pair_{sz}"]) for sz in (4096, 1 << 20, 64 << 20))
+    return f"{pairs}; {f(h[f'{who}_mixed'])}"
+
 for work in ("gpt2", "resnet"):
     n, s = load(f"{work}_native"), load(f"{work}_streamalloc")
     if "error" in n or "error" in s:
@@ -45,13 +50,11 @@ else:
     row("C++ host cost", h.get("error", ""), "", "", None)
 h = load("host_cost_O0")
 if "native_mixed" in h:
-    pairs = lambda who: " / ".join(f(h[f"{who}_pair_{sz}"]) for sz in (4096, 1 << 20, 64 << 20))
-    row("same loops at -O0 (alloc_cpp.py's harness): pairs 4K/1M/64M; mixed", f"{pairs('native')}; {f(h['native_mixed'])}",
-        f"{pairs('streamalloc')}; {f(h['streamalloc_mixed'])}", "", None)
+    row("same loops at -O0 (alloc_cpp.py's harness): pairs 4K/1M/64M; mixed", pairs_and_mixed(h, "native"),
+        pairs_and_mixed(h, "streamalloc"), "", None)
 h = load("host_cost_notrace")
 if "native_mixed" in h:
-    pairs = " / ".join(f(h[f"streamalloc_pair_{sz}"]) for sz in (4096, 1 << 20, 64 << 20))
-    row("same, trace ring off (trace_capacity:0): pairs 4K/1M/64M; mixed", "", f"{pairs}; {f(h['streamalloc_mixed'])}", "", None)
+    row("same, trace ring off (trace_capacity:0): pairs 4K/1M/64M; mixed", "", pairs_and_mixed(h, "streamalloc"), "", None)
 
 for rs, label in (("1", "PyTorch default: isend tensors stashed until wait()"), ("0", "TORCH_NCCL_AVOID_RECORD_STREAMS=0: record_stream")):
     pn, ps = load(f"pp_native_rs{rs}"), load(f"pp_streamalloc_rs{rs}")
