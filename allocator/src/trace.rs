@@ -408,8 +408,8 @@ impl CompactRing {
         self.entries += weight;
     }
 
-    /// Writes `record` into the ring, dropping the oldest entries to make room.
-    #[inline(always)]
+    /// Writes `record` into the ring, dropping the oldest entries to make room: `flush`'s
+    /// way for a batch the ring cannot hold at once.
     fn store(&mut self, record: Record) {
         let weight = record.weight();
         // Make room first: live records never reach the slot written next.
@@ -435,7 +435,7 @@ impl CompactRing {
     }
 
     /// Drops the oldest entry: the first half of a completed free, or a whole record.
-    #[inline(always)]
+    #[inline]
     fn drop_oldest_entry(&mut self) {
         if self.records[self.head].completed && !self.front_half_dropped {
             self.front_half_dropped = true;
