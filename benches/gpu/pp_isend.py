@@ -1,14 +1,18 @@
 # record_stream bloat on a pipeline stage (adapted from shared/baselines/pp_isend.py): rank 0
 # computes a 64 MiB activation, isends it to rank 1 and drops it, 32 times; rank 1 is slow.
-# With STREAMALLOC=1 every rank installs streamalloc first.
-#   [STREAMALLOC=1] torchrun --nproc_per_node=2 pp_isend.py OUT.json
+# With STREAMALLOC=1 every rank installs streamalloc first. With STAGED=MiB rank 0 sends
+# through streamalloc.bounded_send.BoundedSender(budget_mib=MiB) instead of dist.isend (the
+# one line that changes), so its activations are freed at `del y`.
+#   [STREAMALLOC=1] [STAGED=128] torchrun --nproc_per_node=2 pp_isend.py OUT.json
 import json, os, sys, time
 import torch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 if os.environ.get("STREAMALLOC") == "1":
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
     import streamalloc.torch
     streamalloc.torch.install()
 import torch.distributed as dist
+from streamalloc.bounded_send import BoundedSender
+STAGED = float(os.environ.get("STAGED", 0))
 
 OUT = sys.argv[1]
 dist.init_process_group("nccl")
@@ -27,9 +31,10 @@ t0 = time.perf_counter()
 reqs = []
 checksum = 0.0
 if rank == 0:
+    isend = BoundedSender(budget_mib=STAGED).isend if STAGED else dist.isend
     for i in range(micro):
         y = x @ w
-        reqs.append(dist.isend(y, 1))
+        reqs.append(isend(y, 1))
         del y
 else:
     buf = torch.empty(batch, dim, dtype=torch.bfloat16, device="cuda")
@@ -42,7 +47,7 @@ torch.cuda.synchronize()
 for r in reqs: r.wait()
 torch.cuda.synchronize()
 dt = time.perf_counter() - t0
-res = dict(rank=rank, seconds=dt, extra_peak_allocated_mib=(torch.cuda.max_memory_allocated() - base) / 2**20,
+res = dict(rank=rank, seconds=dt, staged_mib=STAGED, extra_peak_allocated_mib=(torch.cuda.max_memory_allocated() - base) / 2**20,
            peak_reserved_mib=torch.cuda.max_memory_reserved() / 2**20, base_mib=base / 2**20)
 if rank == 1:
     # Expected checksum, recomputed from rank 0's inputs (same seed).

@@ -55,6 +55,9 @@ for rs in 1 0; do
   step "pp_native_rs$rs" all env TORCH_NCCL_AVOID_RECORD_STREAMS=$rs torchrun --nproc_per_node=2 "$HERE/pp_isend.py" "$OUT/pp_native_rs$rs.json"
   step "pp_streamalloc_rs$rs" all env TORCH_NCCL_AVOID_RECORD_STREAMS=$rs STREAMALLOC=1 torchrun --nproc_per_node=2 "$HERE/pp_isend.py" "$OUT/pp_streamalloc_rs$rs.json"
 done
+# The same program with its isend going through BoundedSender (two 64 MiB slots).
+step pp_native_staged all env STAGED=128 torchrun --nproc_per_node=2 "$HERE/pp_isend.py" "$OUT/pp_native_staged.json"
+step pp_streamalloc_staged all env STAGED=128 STREAMALLOC=1 torchrun --nproc_per_node=2 "$HERE/pp_isend.py" "$OUT/pp_streamalloc_staged.json"
 
 echo; grep -hE "^(PASS|FAIL|SKIP)" "$OUT/gpu_test.log"
 echo; python3 "$HERE/report.py" "$OUT"
