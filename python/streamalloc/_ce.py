@@ -249,6 +249,8 @@ class Driver:
         self._ipc_open = self._sym(["cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"],
                                    [P(u64), _IpcHandle, uint])
         self._ipc_close = self._sym(["cuIpcCloseMemHandle"], [u64])
+        self._mem_alloc = self._sym(["cuMemAlloc_v2"], [P(u64), size_t])
+        self._mem_free = self._sym(["cuMemFree_v2"], [u64])
         self._memcpy = self._sym(["cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"],
                                  [u64, u64, size_t, ptr])
         # The v2 stream memory operations are available by default on every platform.
@@ -320,11 +322,17 @@ class Driver:
         self.check(self._range(ctypes.byref(base), ctypes.byref(size), address),
                    "cuMemGetAddressRange")
         handle = _IpcHandle()
-        self.check(self._ipc_get(ctypes.byref(handle), base.value),
-                   "cuIpcGetMemHandle (is the staging memory from cuMemAlloc? expandable "
-                   "segments cannot be shared this way)")
+        self.check(self._ipc_get(ctypes.byref(handle), base.value), "cuIpcGetMemHandle")
         # bytes(handle), not handle.reserved: a c_char array field stops at the first NUL.
         return bytes(handle), address - base.value
+
+    def mem_alloc(self, nbytes: int) -> int:
+        out = ctypes.c_uint64()
+        self.check(self._mem_alloc(ctypes.byref(out), nbytes), f"cuMemAlloc of {nbytes} bytes")
+        return out.value
+
+    def mem_free(self, address: int) -> None:
+        self.check(self._mem_free(address), "cuMemFree")
 
     def ipc_open(self, handle: bytes) -> int:
         if len(handle) != ctypes.sizeof(_IpcHandle):
@@ -392,12 +400,41 @@ def probe(device) -> dict:
     return out
 
 
+class DeviceAllocation:
+    """``nbytes`` of device memory from ``cuMemAlloc``, freed when the last tensor viewing it
+    is gone; PyTorch views it through ``__cuda_array_interface__`` (``torch.as_tensor``).
+
+    Why not ``torch.empty``: ``cuIpcGetMemHandle`` exports only ``cuMemAlloc`` memory, and
+    with expandable segments (PyTorch's or streamalloc's) the allocator's memory is mapped
+    through the VMM API instead, so the copy-engine transport failed under the very setting
+    memory-bound training turns on. A dedicated allocation shares the same way under any
+    allocator configuration."""
+
+    def __init__(self, drv: "Driver", nbytes: int):
+        self._driver = drv
+        self.address = drv.mem_alloc(nbytes)
+        self.nbytes = nbytes
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        # stream None: the memory is not being written by any stream yet.
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.address, False),
+                "version": 3, "strides": None, "stream": None}
+
+    def __del__(self):
+        try:
+            self._driver.mem_free(self.address)
+        except Exception:  # interpreter teardown: the driver may already be gone
+            pass
+
+
 class Link:
-    """One exchange's shared staging: this rank's region (receive buffers and flags, from
-    the PyTorch allocator, i.e. streamalloc when installed) exported over CUDA IPC, and the
-    peers' regions mapped here. :meth:`export` and :meth:`connect` on every rank, between
-    them an all-gather of the export records; :meth:`close` after every rank has finished
-    using the peers' memory."""
+    """One exchange's shared staging: this rank's region (receive buffers and flags, a
+    :class:`DeviceAllocation`) exported over CUDA IPC, and the peers' regions mapped here.
+    :meth:`export` and :meth:`connect` on every rank, between them an all-gather of the
+    export records; once every rank has finished using the peers' memory, :meth:`close`
+    on every rank, then (after every rank closed: CUDA leaves freeing exported memory
+    that a peer still maps undefined) :meth:`free`."""
 
     def __init__(self, device, rank: int, world: int, buffers_per_direction: int):
         self.device = device
@@ -417,7 +454,7 @@ class Link:
         d = driver()
         d.use_device(self.device.index)
         layout = Layout(buffers, buffer_bytes, self.bpd, self.world)
-        region = torch.empty(layout.size, dtype=torch.uint8, device=self.device)
+        region = torch.as_tensor(DeviceAllocation(d, layout.size), device=self.device)
         region[layout.filled_offset:].zero_()
         # Peers may write the flags as soon as they have the handle: the zeros go first.
         torch.cuda.current_stream(self.device).synchronize()
@@ -439,6 +476,7 @@ class Link:
                              Layout(rec["buffers"], rec["buffer_bytes"], self.bpd, self.world))
 
     def close(self) -> None:
+        """Unmaps the peers' regions."""
         if self._handles:
             driver().use_device(self.device.index)
         errors = []
@@ -449,6 +487,9 @@ class Link:
                 errors.append(str(err))
         self._handles = []
         self.peers = {}
-        self.region = None
         if errors:
             raise CeError("; ".join(errors))
+
+    def free(self) -> None:
+        """Lets go of this rank's region (freed with its last view)."""
+        self.region = None

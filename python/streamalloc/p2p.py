@@ -390,8 +390,8 @@ class Exchange:
                 f"p2p plan digest mismatch across ranks [{listed}]: ranks planned differently "
                 "(different staging budgets or streamalloc versions)"
             )
-        if self._link is not None:
-            self._link.close()
+        if self._link is not None:  # a collective: every rank is here
+            self._unlink(self._link)
             self._link = None
         self.plan = plan
         self.transport = transport
@@ -427,9 +427,9 @@ class Exchange:
             oks = [None] * world
             dist.all_gather_object(oks, ok, group=group)
             failure = next((f"rank {r}: {x}" for r, x in enumerate(oks) if x), None)
-        if failure is not None:
+        if failure is not None:  # the same on every rank
             try:
-                link.close()
+                self._unlink(link)
             except _ce.CeError:
                 pass  # the failure reported is the first one
             return failure
@@ -668,15 +668,27 @@ class Exchange:
             self._release_ce()
 
     def _release_ce(self):
+        self._barrier()  # every rank's copies into this rank's region are done
+        link, self._link = self._link, None
+        try:
+            self._unlink(link)
+        except _ce.CeError as err:
+            raise P2PError(f"p2p transport 'ce': {err}") from None
+
+    def _unlink(self, link):
+        """A collective: unmaps the peers' regions, then, once every rank has, frees this
+        rank's (freeing memory a peer still maps is undefined in CUDA)."""
+        try:
+            link.close()
+        finally:
+            self._barrier()
+            link.free()
+
+    def _barrier(self):
         import torch.distributed as dist
 
         done = [None] * self.world
-        dist.all_gather_object(done, True, group=self._group)  # a host-blocking barrier
-        link, self._link = self._link, None
-        try:
-            link.close()
-        except _ce.CeError as err:
-            raise P2PError(f"p2p transport 'ce': {err}") from None
+        dist.all_gather_object(done, True, group=self._group)  # host-blocking
 
     def run(self) -> dict:
         """Moves the bytes. Returns the plan's figures for this rank."""

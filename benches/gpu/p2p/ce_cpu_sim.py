@@ -80,6 +80,8 @@ class FileLink(_ce.Link):
         FileLink.opened -= len(getattr(self, "_maps", []))
         self._maps = []
         self.peers = {}
+
+    def free(self):
         self.region = None
         if getattr(self, "_path", None):
             os.unlink(self._path)

@@ -12,9 +12,13 @@
 #   7. ranks asking for different transports: the same P2PError everywhere; "auto" picks
 #      the copy engine here (all ranks on one host with peer access).
 # Prints one JSON line per check from rank 0 and exits non-zero on any failure. SMOKE=1 runs
-# only two quick copy-engine checks (a first look before the whole suite).
+# only two quick copy-engine checks (a first look before the whole suite, or under another
+# allocator configuration); STREAMALLOC=1 installs streamalloc as PyTorch's allocator first.
 import json, os, random, sys, time
 import torch
+if os.environ.get("STREAMALLOC") == "1":
+    import streamalloc.torch
+    streamalloc.torch.install()
 import torch.distributed as dist
 from streamalloc import p2p
 

@@ -12,4 +12,12 @@ timeout 150 torchrun --nproc_per_node="$N" "$HERE/check.py" > "$OUT/check.log" 2
 grep -v "^W1\|^\[W\|^\[rank.*W" "$OUT/check.log" | tail -40
 timeout 240 torchrun --nproc_per_node="$N" "$HERE/bench.py" "$OUT/p2p_bench.json" > "$OUT/bench.log" 2>&1 || rc=1
 grep -v "^W1\|^\[W\|^\[rank.*W" "$OUT/bench.log" | tail -40
+# The copy engine under expandable segments (memory mapped with the VMM API, which CUDA IPC
+# cannot export): its shared region is a cuMemAlloc of its own, so it works under both.
+i=0
+for conf in "STREAMALLOC=1 STREAMALLOC_CONF=expandable_segments:true" "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"; do
+  i=$((i + 1)); echo "== ce under $conf"
+  env $conf SMOKE=1 timeout 120 torchrun --nproc_per_node="$N" "$HERE/check.py" > "$OUT/check_expandable_$i.log" 2>&1 || rc=1
+  grep -v "^W1\|^\[W\|^\[rank.*W" "$OUT/check_expandable_$i.log" | tail -5
+done
 exit $rc
