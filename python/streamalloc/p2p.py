@@ -435,6 +435,9 @@ class Exchange:
             return failure
         self._link = link
         self._records = records
+        # Memory PyTorch's statistics do not see (``torch.cuda.memory_allocated``): the
+        # region is a cuMemAlloc of its own (see ``_ce.DeviceAllocation``).
+        self.summary["unpooled_bytes"] = link.layout.size
         return None
 
     def _describe(self, sends, recvs, rank, world):
