@@ -30,7 +30,8 @@ class BoundedSender:
 
     A tensor larger than a slot is sent as it is and counted in :attr:`stats`
     ``["direct"]``: as with a plain ``isend``, it must stay unchanged until its send is
-    waited for (:meth:`wait` waits for those too).
+    waited for (:meth:`wait` waits for those too). One sender serves one thread and one
+    device.
     """
 
     def __init__(self, budget_mib: float = 128, slots: int = 2):
