@@ -11,11 +11,6 @@ use streamalloc_allocator::Config;
 
 const GOAL: f64 = 1.02;
 
-/// bert_varlen's variable lengths leave scattered holes: mapping page by page reached 1.002
-/// but remapped ~1.3 GB every step; whole 128 MiB mappings (cheap on a GPU) give 1.020
-/// with no remapping, which we keep.
-const BERT_BOUND: f64 = 1.025;
-
 fn traces_dir() -> PathBuf {
     shared_traces_dir(Path::new(env!("CARGO_MANIFEST_DIR")))
 }
@@ -80,7 +75,7 @@ fn gpt2_replays_within_the_goal() {
 
 #[test]
 fn bert_varlen_replays_within_the_goal() {
-    check("bert_varlen.pickle.gz", 7153, 8081.9, 9292.0, BERT_BOUND);
+    check("bert_varlen.pickle.gz", 7153, 8081.9, 9292.0, GOAL);
 }
 
 /// Replayed as three training steps back to back, the last step maps, unmaps and
@@ -118,7 +113,7 @@ fn gpt2_steady_state_does_not_remap() {
 
 #[test]
 fn bert_varlen_steady_state_does_not_remap() {
-    check_steady_state("bert_varlen.pickle.gz", BERT_BOUND);
+    check_steady_state("bert_varlen.pickle.gz", GOAL);
 }
 
 /// Replays a trace recorded on an H200 by benches/gpu/alloc_bench.py (`CAPTURE=...`) under
@@ -150,8 +145,9 @@ fn gpt2_recorded_on_h200_steady_state_does_not_remap() {
 }
 
 #[test]
-fn resnet50_recorded_on_h200_steady_state_does_not_remap_and_beats_pytorch() {
-    check_recorded_on_h200("resnet50_native_steps2-4.pickle.gz", 1.10);
+fn resnet50_recorded_on_h200_steady_state_does_not_remap_within_the_goal() {
+    // 1.046 while hot blocks stayed parked under sizes that do not repeat (PyTorch: 1.185).
+    check_recorded_on_h200("resnet50_native_steps2-4.pickle.gz", GOAL);
 }
 
 #[test]

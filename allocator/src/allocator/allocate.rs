@@ -31,6 +31,7 @@ impl State {
             self.arena.blocks[key].hot = false;
             return Ok(self.hand_out_hot(key, slot, requested, now));
         }
+        self.hot_missed(slot);
         if let Some(key) = self.take_ready(slot, pool, size, max_size) {
             return Ok(self.hand_out(key, slot, size, requested, now));
         }

@@ -23,7 +23,8 @@ impl State {
         let block = &mut self.arena.blocks[key];
         let (size, requested, owner) = (block.size, block.requested, block.stream);
         let uses = std::mem::take(&mut block.uses);
-        if !uses.is_empty() {
+        let park = uses.is_empty() && self.streams.get_mut(owner).hot.admit();
+        if !park {
             entry.remove();
         }
         block.allocated = false;
@@ -41,7 +42,11 @@ impl State {
             if self.trace.enabled() {
                 self.trace.push_free_completed(ptr.0, size, owner, now);
             }
-            self.push_hot(key, owner, size);
+            if park {
+                self.push_hot(key, owner, size);
+            } else {
+                self.insert_free(key);
+            }
             return Ok(());
         }
         self.note(backend, TraceAction::FreeRequested, ptr.0, size, owner);

@@ -34,11 +34,23 @@ impl State {
         }
     }
 
+    /// After a malloc of `slot` found no hot block of its size: parking did not pay, so the
+    /// list is disarmed and its blocks go to the free lists, merged, before best fit looks.
+    #[inline]
+    pub(super) fn hot_missed(&mut self, slot: StreamSlot) {
+        if self.streams.get(slot).hot.len() == 0 {
+            return;
+        }
+        for key in self.streams.get_mut(slot).hot.drain(true) {
+            self.unhot(key);
+        }
+    }
+
     /// Moves every hot block into the free lists, merging it. Returns true if any moved.
     pub(super) fn flush_hot(&mut self) -> bool {
         let mut any = false;
         for index in 0..self.streams.len() {
-            for key in std::mem::take(&mut self.streams.states[index].hot).keys() {
+            for key in self.streams.states[index].hot.drain(false) {
                 self.unhot(key);
                 any = true;
             }

@@ -289,6 +289,43 @@ mod tests {
     }
 
     #[test]
+    fn frees_that_no_same_size_malloc_follows_are_merged_before_best_fit() {
+        // Hot blocks are invisible to best fit: parked while sizes do not repeat, freed
+        // neighbours would stay split and best fit would cut a larger block elsewhere (on
+        // the replays: ResNet-50 1.046 instead of 1.013 of peak live with expandable
+        // segments). A malloc that finds no hot block disarms the list first.
+        let (device, allocator) = sim(0);
+        let stream = device.create_stream();
+        let mib = 1 << 20;
+        let first: Vec<_> = [2, 2, 8, 8]
+            .iter()
+            .map(|&m| allocator.malloc(m * mib, stream).unwrap())
+            .collect();
+        let second: Vec<_> = [5, 7, 8]
+            .iter()
+            .map(|&m| allocator.malloc(m * mib, stream).unwrap())
+            .collect();
+        assert_eq!(
+            allocator.stats().segment_allocs,
+            2,
+            "two full 20 MiB segments"
+        );
+        allocator.free(second[0].ptr).unwrap(); // 5 MiB: parked
+        let small = allocator.malloc(512, stream).unwrap(); // a miss: disarms, lists it
+        allocator.free(first[0].ptr).unwrap();
+        allocator.free(first[1].ptr).unwrap();
+        // Best fit over merged free blocks: the 4 MiB the two frees left, not the 5 MiB.
+        let two = allocator.malloc(4 * mib, stream).unwrap();
+        assert_eq!(two.ptr, first[0].ptr);
+        assert_eq!(allocator.stats().segment_allocs, 3, "plus the small pool's");
+        allocator.check_invariants().unwrap();
+        for block in [two, small].iter().chain(&first[2..]).chain(&second[1..]) {
+            allocator.free(block.ptr).unwrap();
+        }
+        allocator.check_invariants().unwrap();
+    }
+
+    #[test]
     fn the_trace_reads_back_pytorch_entries() {
         let (device, allocator) = sim(64);
         let (compute, comm) = (device.create_stream(), device.create_stream());
