@@ -64,10 +64,10 @@ fn default_expandable_segments() -> bool {
 }
 
 /// Default of `expandable_segments`: off, as in PyTorch. On an H200 it takes GPT-2 and
-/// ResNet-50 from 1.047 and 1.185 peak reserved / allocated to 1.009 and 1.040 at the same
-/// step time (README, "Expandable segments"), but its memory cannot be shared over CUDA
-/// IPC (the p2p copy-engine transport needs that) and mixed-size calls cost more on the
-/// host, so it is an opt-in.
+/// ResNet-50 from 1.047 and 1.185 peak reserved / allocated to 1.008 and 1.016 at the same
+/// step time (README, "Expandable segments"), but its memory cannot be exported with
+/// `cuIpcGetMemHandle`, which programs that share tensors over CUDA IPC themselves rely on,
+/// so it is an opt-in.
 const DEFAULT_EXPANDABLE_SEGMENTS: bool = false;
 
 impl Default for Config {

@@ -7,7 +7,9 @@
 //!   freed, ready, unmerged), its owner's **ready** list for its pool, or its owner's
 //!   **pending** list (it carries events of other streams). Allocated blocks are in the
 //!   address map only; hot blocks stay in it too (flagged free), so that a same-size
-//!   free and malloc leave the map alone.
+//!   free and malloc leave the map alone. Hot blocks are invisible to best fit, so a
+//!   malloc that finds none of its size first merges them into the free lists (and
+//!   parking pauses until same-size reuse shows up again): placement stays best fit.
 //! - Counting invariants, checked by [`crate::Allocator::check_invariants`]:
 //!   `allocated + Σ free == reserved`, `active == allocated + pending_free`,
 //!   `event objects created − destroyed == outstanding + idle`.

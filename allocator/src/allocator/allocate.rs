@@ -26,7 +26,8 @@ impl State {
         let max_size = max_block_for(size, config);
         let slot = self.streams.slot(stream);
         // 1. A ready block of the stream: stream order makes reuse safe, no event needed.
-        //    First the hot list (same size freed recently: no split, no merge).
+        //    First the hot list (same size freed recently: no split, no merge); on a miss
+        //    its blocks are merged into the free lists before best fit looks.
         if let Some(key) = self.streams.get_mut(slot).hot.take(size) {
             self.arena.blocks[key].hot = false;
             return Ok(self.hand_out_hot(key, slot, requested, now));
