@@ -293,7 +293,11 @@ impl State {
                 self.events.retain(event);
             }
             self.arena.blocks[right].pending = pending;
-            self.insert_free(right);
+            // Listed as it is: the block was listed, so it had no neighbour it could merge
+            // with, and the remainder has its owner and pending state (`check_invariants`
+            // checks that no listed block has one). Skipping the merge attempts saves
+            // touching the next block, a cold line in a Python loop.
+            self.list(right);
         }
         let pending = std::mem::take(&mut self.arena.blocks[key].pending);
         for event in pending {

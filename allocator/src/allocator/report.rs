@@ -161,6 +161,15 @@ impl State {
             if !list.contains(block.size, block.addr, key) {
                 return Err(format!("free block {key} is not in its list"));
             }
+            // Listed free blocks are merged with every neighbour they may merge with, so a
+            // split remainder can be listed as it is (`State::hand_out`).
+            if let Some(next) = block.next {
+                if self.mergeable(key, next) {
+                    return Err(format!(
+                        "free blocks {key} and {next} are adjacent and unmerged"
+                    ));
+                }
+            }
             listed += 1;
             if pending {
                 pending_bytes += block.size;
