@@ -307,3 +307,42 @@ fn many_threads_on_many_streams_keep_every_invariant() {
     allocator.empty_cache().unwrap();
     assert_eq!(device.reserved(), 0);
 }
+
+/// Mapping pages into a hole between two free blocks of the caller packs the request
+/// against one of them; the remainder of the block handed out then borders the other, and
+/// must be merged with it (found by the random programs of `replay_properties` in CI).
+#[test]
+fn pages_mapped_between_two_free_blocks_join_both() {
+    let (device, allocator) =
+        allocator(1 << 30, Config::parse("expandable_segments:true").unwrap());
+    let stream = device.create_stream();
+    // One 2 MiB page each: [low | low_free] [middle] [high_free | high].
+    let low = allocator.malloc(MIB, stream).unwrap();
+    let low_free = allocator.malloc(MIB, stream).unwrap();
+    let middle = allocator.malloc(2 * MIB, stream).unwrap();
+    let high_free = allocator.malloc(MIB, stream).unwrap();
+    let high = allocator.malloc(MIB, stream).unwrap();
+    assert_eq!(low_free.ptr.0, low.ptr.0 + MIB);
+    assert_eq!(middle.ptr.0, low.ptr.0 + 2 * MIB);
+    assert_eq!(high_free.ptr.0, middle.ptr.0 + 2 * MIB);
+    allocator.free(middle.ptr).unwrap();
+    allocator.empty_cache().unwrap(); // the middle page is unmapped: a hole
+    allocator.free(low_free.ptr).unwrap();
+    allocator.free(high_free.ptr).unwrap();
+    // 2.5 MiB: mapping the hole and joining the free MiB below it is enough.
+    let reserved_before = allocator.stats().reserved_bytes.current;
+    let joined = allocator.malloc(5 * MIB / 2, stream).unwrap();
+    assert_eq!(joined.ptr, low_free.ptr);
+    assert_eq!(
+        allocator.stats().reserved_bytes.current,
+        reserved_before + 2 * MIB
+    );
+    allocator.check_invariants().unwrap();
+    // What the request left (0.5 MiB) and the free MiB above are one block now.
+    let rest = allocator.malloc(3 * MIB / 2, stream).unwrap();
+    assert_eq!(rest.ptr.0, joined.ptr.0 + 5 * MIB / 2);
+    for block in [low, high, joined, rest] {
+        allocator.free(block.ptr).unwrap();
+    }
+    allocator.check_invariants().unwrap();
+}

@@ -88,8 +88,6 @@ impl State {
                     hole,
                     map: pages_for(size.saturating_sub(lo)).min(room),
                     top: false,
-                    below,
-                    above: None,
                 }),
                 (hi + room >= size).then(|| {
                     let map = pages_for(size.saturating_sub(hi)).min(room);
@@ -98,8 +96,6 @@ impl State {
                         hole,
                         map,
                         top: true,
-                        below: None,
-                        above,
                     }
                 }),
                 (lo + room + hi >= size).then_some(Placement {
@@ -107,8 +103,6 @@ impl State {
                     hole,
                     map: room,
                     top: false,
-                    below,
-                    above,
                 }),
             ];
             for option in options.into_iter().flatten() {
@@ -128,8 +122,6 @@ impl State {
             hole,
             map,
             top,
-            below,
-            above,
         } = placement;
         if let Some(limit) = self.limit {
             if self.stats.reserved_bytes.current + map > limit {
@@ -185,15 +177,22 @@ impl State {
         block.stream = slot;
         self.stats.reserved_bytes.add(map);
         self.note(backend, TraceAction::SegmentMap, addr, map, slot);
+        // Join the caller's free blocks on both sides, not only the one the placement packed
+        // against: a mapping that fills its stretch borders both, and `hand_out` lists the
+        // remainder of what it splits without merge attempts.
         let mut key = mapped;
-        if let Some(prev) = below {
-            self.unlist(prev);
-            self.merge_into(prev, key);
-            key = prev;
+        if let Some(prev) = self.arena.blocks[key].prev {
+            if self.mergeable(prev, key) {
+                self.unlist(prev);
+                self.merge_into(prev, key);
+                key = prev;
+            }
         }
-        if let Some(next) = above {
-            self.unlist(next);
-            self.merge_into(key, next);
+        if let Some(next) = self.arena.blocks[key].next {
+            if self.mergeable(key, next) {
+                self.unlist(next);
+                self.merge_into(key, next);
+            }
         }
         Ok(Some(key))
     }
@@ -379,14 +378,11 @@ impl State {
 }
 
 /// Where [`State::grow_expandable`] maps pages: `map` bytes at `addr`, inside the unmapped
-/// block `hole` (at its top or bottom), joined with the caller's free neighbours `below`
-/// and `above` where given.
+/// block `hole` (at its top or bottom).
 #[derive(Debug)]
 pub(super) struct Placement {
     addr: u64,
     hole: BlockKey,
     map: u64,
     top: bool,
-    below: Option<BlockKey>,
-    above: Option<BlockKey>,
 }
