@@ -180,21 +180,7 @@ impl State {
         // Join the caller's free blocks on both sides, not only the one the placement packed
         // against: a mapping that fills its stretch borders both, and `hand_out` lists the
         // remainder of what it splits without merge attempts.
-        let mut key = mapped;
-        if let Some(prev) = self.arena.blocks[key].prev {
-            if self.mergeable(prev, key) {
-                self.unlist(prev);
-                self.merge_into(prev, key);
-                key = prev;
-            }
-        }
-        if let Some(next) = self.arena.blocks[key].next {
-            if self.mergeable(key, next) {
-                self.unlist(next);
-                self.merge_into(key, next);
-            }
-        }
-        Ok(Some(key))
+        Ok(Some(self.merge_neighbours(mapped)))
     }
 
     /// Reserves the address space of `slot`'s expandable segment of `pool`.

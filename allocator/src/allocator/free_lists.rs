@@ -85,6 +85,14 @@ impl State {
     /// Puts the unlisted free block `key` in its owner's list, merging it with mergeable
     /// neighbours first.
     pub(super) fn insert_free(&mut self, key: BlockKey) {
+        let key = self.merge_neighbours(key);
+        self.list(key);
+    }
+
+    /// Merges the unlisted free block `key` with its mergeable neighbours (taking them out
+    /// of their lists); returns the block that holds it now, still unlisted.
+    #[inline]
+    pub(super) fn merge_neighbours(&mut self, key: BlockKey) -> BlockKey {
         let mut key = key;
         if let Some(prev) = self.arena.blocks[key].prev {
             if self.mergeable(prev, key) {
@@ -99,7 +107,7 @@ impl State {
                 self.merge_into(key, next);
             }
         }
-        self.list(key);
+        key
     }
 
     /// Merges unlisted `right` into `left`, uniting their pending events.
