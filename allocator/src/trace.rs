@@ -242,8 +242,8 @@ impl Record {
 
     /// Entries this record stands for.
     #[inline]
-    fn weight(&self) -> usize {
-        1 + usize::from(self.completed)
+    fn weight(&self) -> u64 {
+        1 + u64::from(self.completed)
     }
 }
 
@@ -253,30 +253,27 @@ const STAGED: usize = 64;
 
 /// The allocator's trace ring: [`TraceRing`]'s semantics (capacity and `dropped` count
 /// entries; the oldest entries go first) over compact records. See the module docs.
+///
+/// The ring holds the newest `capacity` *records*, which stand for at least `capacity`
+/// entries once it has wrapped; a read expands them and keeps the newest `capacity`
+/// entries. So writing never looks at the records it overwrites (how many entries they
+/// stood for is settled when the ring is read), and a flush is a plain copy.
 #[derive(Debug)]
 pub(crate) struct CompactRing {
-    /// A circular buffer of records, oldest at `head`. Grows on demand up to `capacity`
-    /// slots (a large ring costs nothing until used), which is enough: every record holds
-    /// at least one kept entry, so at most `capacity` are live.
+    /// A circular buffer of records. Grows on demand up to `capacity` slots (a large ring
+    /// costs nothing until used); once full, `records[next]` is the oldest.
     records: Vec<Record>,
+    /// Where the next record goes once the buffer is full (0 until then).
+    next: usize,
     /// The newest records, not yet in `records`: `staged[..staged_len]`, oldest first.
     staged: Box<[Record; STAGED]>,
     staged_len: usize,
     /// Time of the newest record pushed.
     newest_time_ns: u64,
-    /// Slot of the oldest record.
-    head: usize,
-    /// Records held, from `head` on (wrapping at `capacity`).
-    count: usize,
-    /// Entries the records stand for, less the one dropped from the front if
-    /// `front_half_dropped`; at most `capacity`.
-    entries: usize,
-    /// The oldest record is a completed free whose `free_requested` entry was overwritten.
-    front_half_dropped: bool,
+    /// Entries pushed since creation, staged ones included.
+    pushed: u64,
     /// Maximum number of entries kept.
     capacity: usize,
-    /// Entries overwritten because the ring was full.
-    dropped: u64,
 }
 
 impl CompactRing {
@@ -284,15 +281,12 @@ impl CompactRing {
     pub(crate) fn new(capacity: usize) -> Self {
         Self {
             records: Vec::new(),
+            next: 0,
             staged: Box::new([Record::EMPTY; STAGED]),
             staged_len: 0,
             newest_time_ns: 0,
-            head: 0,
-            count: 0,
-            entries: 0,
-            front_half_dropped: false,
+            pushed: 0,
             capacity,
-            dropped: 0,
         }
     }
 
@@ -349,119 +343,48 @@ impl CompactRing {
         }
         self.staged[self.staged_len] = record;
         self.staged_len += 1;
+        self.pushed += record.weight();
     }
 
-    /// Moves the staged records into the ring, oldest first: room for all of them made in
-    /// one pass over the oldest records, then one pass of writes (record by record only in
-    /// a ring too small to hold them all).
+    /// Copies the staged records into the ring, oldest first, over its oldest records.
     #[inline(never)]
     fn flush(&mut self) {
         let staged = std::mem::take(&mut self.staged_len);
-        let weight: usize = self.staged[..staged].iter().map(Record::weight).sum();
-        if weight > self.capacity {
-            for index in 0..staged {
-                let record = self.staged[index];
-                self.store(record);
-            }
-            return;
+        let mut batch = &self.staged[..staged];
+        // Only the newest `capacity` records can hold kept entries.
+        if batch.len() > self.capacity {
+            batch = &batch[batch.len() - self.capacity..];
         }
-        // The same entries go as if each record had made room for itself: the oldest.
-        let mut excess = (self.entries + weight).saturating_sub(self.capacity);
-        while excess != 0 {
-            let front = &self.records[self.head];
-            let front_entries = front.weight() - usize::from(self.front_half_dropped);
-            if front_entries <= excess {
-                self.head += 1;
-                if self.head == self.capacity {
-                    self.head = 0;
-                }
-                self.count -= 1;
-                self.front_half_dropped = false;
-                self.entries -= front_entries;
-                self.dropped += front_entries as u64;
-                excess -= front_entries;
+        while !batch.is_empty() {
+            let room = self.capacity - self.records.len();
+            let (now, later) = if room > 0 {
+                // Still growing: append.
+                let (now, later) = batch.split_at(room.min(batch.len()));
+                self.records.extend_from_slice(now);
+                (now, later)
             } else {
-                self.drop_oldest_entry();
-                excess -= 1;
+                let (now, later) = batch.split_at((self.capacity - self.next).min(batch.len()));
+                self.records[self.next..self.next + now.len()].copy_from_slice(now);
+                self.next += now.len();
+                (now, later)
+            };
+            debug_assert!(!now.is_empty());
+            if self.next == self.capacity {
+                self.next = 0;
             }
+            batch = later;
         }
-        // Live entries plus the staged ones fit, and every record holds at least one entry,
-        // so the slots written next hold no live record.
-        let mut at = self.head + self.count;
-        if at >= self.capacity {
-            at -= self.capacity;
-        }
-        for index in 0..staged {
-            let record = self.staged[index];
-            // Until the buffer first wraps, the next slot is its end.
-            if at == self.records.len() {
-                self.records.push(record);
-            } else {
-                self.records[at] = record;
-            }
-            at += 1;
-            if at == self.capacity {
-                at = 0;
-            }
-        }
-        self.count += staged;
-        self.entries += weight;
-    }
-
-    /// Writes `record` into the ring, dropping the oldest entries to make room: `flush`'s
-    /// way for a batch the ring cannot hold at once.
-    fn store(&mut self, record: Record) {
-        let weight = record.weight();
-        // Make room first: live records never reach the slot written next.
-        while self.entries + weight > self.capacity && self.count != 0 {
-            self.drop_oldest_entry();
-        }
-        let mut at = self.head + self.count;
-        if at >= self.capacity {
-            at -= self.capacity;
-        }
-        // Until the buffer first wraps, the next slot is its end.
-        if at == self.records.len() {
-            self.records.push(record);
-        } else {
-            self.records[at] = record;
-        }
-        self.count += 1;
-        self.entries += weight;
-        if self.entries > self.capacity {
-            // Capacity 1 and a completed free: only its `free_completed` fits.
-            self.drop_oldest_entry();
-        }
-    }
-
-    /// Drops the oldest entry: the first half of a completed free, or a whole record.
-    #[inline]
-    fn drop_oldest_entry(&mut self) {
-        if self.records[self.head].completed && !self.front_half_dropped {
-            self.front_half_dropped = true;
-        } else {
-            self.head += 1;
-            if self.head == self.capacity {
-                self.head = 0;
-            }
-            self.count -= 1;
-            self.front_half_dropped = false;
-        }
-        self.entries -= 1;
-        self.dropped += 1;
     }
 
     /// The records, oldest first.
     fn ordered(&self) -> impl Iterator<Item = &Record> {
-        let end = self.head + self.count;
-        let (wrapped, unwrapped) = if end > self.capacity {
-            (end - self.capacity, self.capacity)
-        } else {
-            (0, end)
-        };
-        self.records[self.head..unwrapped]
-            .iter()
-            .chain(self.records[..wrapped].iter())
+        let (newer, older) = self.records.split_at(self.next);
+        older.iter().chain(newer.iter())
+    }
+
+    /// Entries the records in the ring stand for.
+    fn held(&self) -> u64 {
+        self.records.iter().map(Record::weight).sum()
     }
 
     /// Time of the newest entry (0 if none).
@@ -471,12 +394,16 @@ impl CompactRing {
         self.ordered().last().map_or(0, |record| record.time_ns)
     }
 
-    /// The entries, oldest first, with each slot turned into its stream by `stream`
-    /// ([`NO_STREAM`] becomes `StreamId(0)`).
+    /// The newest `capacity` entries, oldest first, with each slot turned into its stream
+    /// by `stream` ([`NO_STREAM`] becomes `StreamId(0)`).
     pub(crate) fn entries(&mut self, stream: impl Fn(u32) -> StreamId) -> Vec<TraceEntry> {
         self.flush();
-        let mut out = Vec::with_capacity(self.entries);
-        for (index, record) in self.ordered().enumerate() {
+        let held = self.held();
+        // Entries of the oldest records beyond `capacity` were overwritten in a ring of
+        // entries; a completed free may lose its `free_requested` half alone.
+        let mut skip = held.saturating_sub(self.capacity as u64);
+        let mut out = Vec::with_capacity((held - skip) as usize);
+        for record in self.ordered() {
             let entry = TraceEntry {
                 action: record.action,
                 addr: DevicePtr(record.addr),
@@ -488,24 +415,30 @@ impl CompactRing {
                 },
                 time_ns: record.time_ns,
             };
-            if !(index == 0 && self.front_half_dropped) {
+            if skip > 0 {
+                skip -= 1;
+            } else {
                 out.push(entry);
             }
             if record.completed {
-                out.push(TraceEntry {
-                    action: TraceAction::FreeCompleted,
-                    ..entry
-                });
+                if skip > 0 {
+                    skip -= 1;
+                } else {
+                    out.push(TraceEntry {
+                        action: TraceAction::FreeCompleted,
+                        ..entry
+                    });
+                }
             }
         }
-        debug_assert_eq!(out.len(), self.entries);
+        debug_assert_eq!(out.len() as u64, held.min(self.capacity as u64));
         out
     }
 
     /// Entries lost to overwriting since creation.
     pub(crate) fn dropped(&mut self) -> u64 {
         self.flush();
-        self.dropped
+        self.pushed - self.held().min(self.capacity as u64)
     }
 }
 
