@@ -88,6 +88,15 @@ impl Entry {
     }
 }
 
+/// What [`Class::take_first_at_least`] found.
+enum Take {
+    Taken(Entry),
+    /// The first entry large enough is larger than allowed (and stays listed).
+    TooLarge,
+    /// No entry is large enough.
+    NoneAtLeast,
+}
+
 /// A class that reaches this many blocks becomes a B-tree...
 const LONG_AT: usize = 128;
 /// ...and a B-tree that falls to this many becomes a vector again (the gap keeps a class
@@ -129,6 +138,32 @@ impl Class {
             }
             Class::Long(entries) => entries.range(Entry::lowest_of(size)..).next().copied(),
         }
+    }
+
+    /// Takes out the first entry of at least `size` bytes, unless it is larger than
+    /// `max_size`: one search, where a lookup and a removal would make two.
+    #[inline]
+    fn take_first_at_least(&mut self, size: u64, max_size: u64) -> Take {
+        let found = match self {
+            Class::Short(entries) => {
+                let at = entries.partition_point(|e| e.size < size);
+                match entries.get(at) {
+                    None => return Take::NoneAtLeast,
+                    Some(e) if e.size > max_size => return Take::TooLarge,
+                    Some(&e) => {
+                        entries.remove(at);
+                        return Take::Taken(e);
+                    }
+                }
+            }
+            Class::Long(entries) => match entries.range(Entry::lowest_of(size)..).next() {
+                None => return Take::NoneAtLeast,
+                Some(e) if e.size > max_size => return Take::TooLarge,
+                Some(&e) => e,
+            },
+        };
+        self.remove(&found);
+        Take::Taken(found)
     }
 
     #[inline]
@@ -313,14 +348,27 @@ impl FreeList {
         size: u64,
         max_size: u64,
     ) -> Option<(u64, u64, BlockKey)> {
-        let (class, found) = self.find_best_fit(size)?;
-        if found.size > max_size {
-            return None;
-        }
-        let present = self.classes[class].remove(&found);
-        debug_assert!(present);
-        self.removed(class, found.size);
-        Some((found.size, found.addr, found.key))
+        let own = class_of(size);
+        // Classes past the end are empty, and so is every class above them.
+        let (class, entry) = match self
+            .classes
+            .get_mut(own)?
+            .take_first_at_least(size, max_size)
+        {
+            Take::Taken(entry) => (own, entry),
+            Take::TooLarge => return None,
+            Take::NoneAtLeast => {
+                // Every entry of a later class is larger than every entry of this one: the
+                // best fit is the first entry of the next non-empty class.
+                let class = self.next_nonempty(own + 1)?;
+                match self.classes[class].take_first_at_least(0, max_size) {
+                    Take::Taken(entry) => (class, entry),
+                    Take::TooLarge | Take::NoneAtLeast => return None,
+                }
+            }
+        };
+        self.removed(class, entry.size);
+        Some((entry.size, entry.addr, entry.key))
     }
 
     pub(crate) fn contains(&self, size: u64, addr: u64, key: BlockKey) -> bool {
