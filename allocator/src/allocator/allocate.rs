@@ -217,6 +217,7 @@ impl State {
             segment_size,
             pool,
             slot,
+            false,
         )))
     }
 
@@ -276,9 +277,8 @@ impl State {
         requested: u64,
         now: u64,
     ) -> Allocation {
-        let segment = &self.arena.segments[self.arena.blocks[key].segment];
-        let (pool, expandable) = (segment.pool, segment.expandable);
-        let block_size = self.arena.blocks[key].size;
+        let block = &self.arena.blocks[key];
+        let (pool, expandable, block_size) = (block.pool, block.expandable, block.size);
         // Taken before the remainder is listed, so the remainder cannot merge back into it.
         self.arena.blocks[key].allocated = true;
         // In an expandable segment a free sliver costs no more than the same bytes kept

@@ -78,8 +78,8 @@ impl State {
         let mut best: Option<Placement> = None;
         for (&addr, &hole) in vmm.unmapped(segment) {
             let room = blocks[hole].size;
-            let below = reusable(blocks[hole].prev);
-            let above = reusable(blocks[hole].next);
+            let below = reusable(blocks[hole].prev());
+            let above = reusable(blocks[hole].next());
             let lo = below.map_or(0, |k| blocks[k].size);
             let hi = above.map_or(0, |k| blocks[k].size);
             let options = [
@@ -193,9 +193,8 @@ impl State {
         let vmm = self.vmm.as_mut().expect("expandable segments");
         let size = vmm.reservation;
         let ptr = backend.reserve_address_space(size)?;
-        let head = self.arena.add_segment(ptr.0, size, pool, slot);
-        let segment = self.arena.blocks[head].segment;
-        self.arena.segments[segment].expandable = true;
+        let head = self.arena.add_segment(ptr.0, size, pool, slot, true);
+        let segment = self.arena.blocks[head].segment();
         self.arena.blocks[head].unmapped = true;
         vmm.add(slot, pool, segment, ptr.0, head);
         tracing::debug!(?ptr, size, "address space reserved");
@@ -213,8 +212,7 @@ impl State {
             state.ready.iter().any(|list| {
                 list.keys_at_least(vmm.page).any(|key| {
                     let block = &self.arena.blocks[key];
-                    self.arena.segments[block.segment].expandable
-                        && vmm.has_whole_mapping(block.addr, block.size)
+                    block.expandable && vmm.has_whole_mapping(block.addr, block.size)
                 })
             })
         })
@@ -231,7 +229,7 @@ impl State {
             for list in &state.ready {
                 for key in list.keys_at_least(vmm.page) {
                     let block = &self.arena.blocks[key];
-                    if !self.arena.segments[block.segment].expandable {
+                    if !block.expandable {
                         continue;
                     }
                     let mappings = vmm.whole_mappings(block.addr, block.size);
@@ -299,7 +297,7 @@ impl State {
         self.unlist(key);
         let (addr, size, segment, owner) = {
             let block = &self.arena.blocks[key];
-            (block.addr, block.size, block.segment, block.stream)
+            (block.addr, block.size, block.segment(), block.stream)
         };
         let mut middle = key;
         if start > addr {
@@ -318,14 +316,14 @@ impl State {
         vmm.mapped -= len;
         let holes = vmm.unmapped_mut(segment);
         let (mut merged, mut merged_addr) = (middle, start);
-        if let Some(prev) = self.arena.blocks[middle].prev {
+        if let Some(prev) = self.arena.blocks[middle].prev() {
             if self.arena.blocks[prev].unmapped {
                 self.arena.merge(prev, middle);
                 merged = prev;
                 merged_addr = self.arena.blocks[prev].addr;
             }
         }
-        if let Some(next) = self.arena.blocks[merged].next {
+        if let Some(next) = self.arena.blocks[merged].next() {
             if self.arena.blocks[next].unmapped {
                 holes.remove(&self.arena.blocks[next].addr);
                 self.arena.merge(merged, next);
@@ -347,7 +345,7 @@ impl State {
             .segments()
             .filter(|&segment| {
                 let head = &self.arena.blocks[self.arena.segments[segment].head];
-                head.unmapped && head.next.is_none()
+                head.unmapped && head.next().is_none()
             })
             .collect();
         for segment in empty {

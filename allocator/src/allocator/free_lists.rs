@@ -94,14 +94,14 @@ impl State {
     #[inline]
     pub(super) fn merge_neighbours(&mut self, key: BlockKey) -> BlockKey {
         let mut key = key;
-        if let Some(prev) = self.arena.blocks[key].prev {
+        if let Some(prev) = self.arena.blocks[key].prev() {
             if self.mergeable(prev, key) {
                 self.unlist(prev);
                 self.merge_into(prev, key);
                 key = prev;
             }
         }
-        if let Some(next) = self.arena.blocks[key].next {
+        if let Some(next) = self.arena.blocks[key].next() {
             if self.mergeable(key, next) {
                 self.unlist(next);
                 self.merge_into(key, next);
@@ -126,7 +126,7 @@ impl State {
     #[inline]
     fn home_list(&mut self, key: BlockKey) -> (&mut FreeList, u64, u64, bool) {
         let block = &self.arena.blocks[key];
-        let pool = self.arena.segments[block.segment].pool;
+        let pool = block.pool;
         let pending = !block.pending.is_empty();
         let (size, addr, owner) = (block.size, block.addr, block.stream);
         let list = self.streams.get_mut(owner).list(pool, pending);

@@ -95,11 +95,11 @@ impl State {
             let mut cursor = Some(head);
             while let Some(key) = cursor {
                 if self.arena.blocks[key].allocated || self.arena.blocks[key].unmapped {
-                    cursor = self.arena.blocks[key].next;
+                    cursor = self.arena.blocks[key].next();
                     continue;
                 }
                 let mut unlisted = false;
-                while let Some(next) = self.arena.blocks[key].next {
+                while let Some(next) = self.arena.blocks[key].next() {
                     if self.arena.blocks[next].allocated || self.arena.blocks[next].unmapped {
                         break;
                     }
@@ -113,7 +113,7 @@ impl State {
                 if unlisted {
                     self.list(key);
                 }
-                cursor = self.arena.blocks[key].next;
+                cursor = self.arena.blocks[key].next();
             }
         }
     }

@@ -121,7 +121,7 @@ impl State {
         let mut event_refs: HashMap<EventKey, u32> = HashMap::new();
         let (mut unmapped_bytes, mut unmapped_blocks) = (0u64, 0usize);
         for (key, block) in &self.arena.blocks {
-            let pool = self.arena.segments[block.segment].pool;
+            let pool = block.pool;
             if block.unmapped {
                 self.check_unmapped(key)?;
                 unmapped_bytes += block.size;
@@ -163,7 +163,7 @@ impl State {
             }
             // Listed free blocks are merged with every neighbour they may merge with, so a
             // split remainder can be listed as it is (`State::hand_out`).
-            if let Some(next) = block.next {
+            if let Some(next) = block.next() {
                 if self.mergeable(key, next) {
                     return Err(format!(
                         "free blocks {key} and {next} are adjacent and unmerged"
@@ -304,7 +304,7 @@ impl State {
         let Some(vmm) = self.vmm.as_ref() else {
             return Err(format!("unmapped block {key} without expandable segments"));
         };
-        if !vmm.contains(block.segment) || !self.arena.segments[block.segment].expandable {
+        if !vmm.contains(block.segment()) || !block.expandable {
             return Err(format!(
                 "unmapped block {key} outside an expandable segment"
             ));
@@ -315,17 +315,17 @@ impl State {
         if !block.addr.is_multiple_of(vmm.page) || !block.size.is_multiple_of(vmm.page) {
             return Err(format!("unmapped block {key} is not page-aligned"));
         }
-        if vmm.unmapped(block.segment).get(&block.addr) != Some(&key) {
+        if vmm.unmapped(block.segment()).get(&block.addr) != Some(&key) {
             return Err(format!("unmapped block {key} is not indexed"));
         }
-        let pool = self.arena.segments[block.segment].pool as usize;
+        let pool = block.pool as usize;
         let state = self.streams.get(block.stream);
         if state.ready[pool].contains(block.size, block.addr, key)
             || state.pending[pool].contains(block.size, block.addr, key)
         {
             return Err(format!("unmapped block {key} is in a free list"));
         }
-        let neighbours = [block.prev, block.next];
+        let neighbours = [block.prev(), block.next()];
         if neighbours
             .iter()
             .flatten()

@@ -12,6 +12,7 @@
 use crate::lifetime::EventKey;
 use crate::types::PoolKind;
 use slab::Slab;
+use thin_vec::ThinVec;
 
 /// Index of a block in the arena.
 pub(crate) type BlockKey = usize;
@@ -21,7 +22,13 @@ pub(crate) type SegmentKey = usize;
 pub(crate) type StreamSlot = u32;
 
 /// A contiguous range of a segment, allocated or free.
+///
+/// One cache line: the fast paths touch a few blocks per call (the one handed out or
+/// freed, its neighbours, a split remainder), so links and the segment index are 32-bit,
+/// the rarely used lists are thin (one pointer, no allocation while empty), and the
+/// segment's pool and kind are copied here so that listing a block reads no segment.
 #[derive(Debug, Clone)]
+#[repr(align(64))]
 pub(crate) struct Block {
     /// First byte.
     pub(crate) addr: u64,
@@ -29,28 +36,75 @@ pub(crate) struct Block {
     pub(crate) size: u64,
     /// Bytes the caller asked for (0 while free).
     pub(crate) requested: u64,
+    /// While allocated: other streams recorded as using it (`record_use`), deduplicated.
+    pub(crate) uses: ThinVec<StreamSlot>,
+    /// While free: events, one per former use stream, that must complete (or be waited on)
+    /// before any stream reuses these bytes. Empty for a block that is ready for its owner.
+    pub(crate) pending: ThinVec<EventKey>,
     /// The segment this block tiles.
-    pub(crate) segment: SegmentKey,
+    segment: Link,
     /// The block just below in the segment, if any.
-    pub(crate) prev: Option<BlockKey>,
+    prev: Link,
     /// The block just above in the segment, if any.
-    pub(crate) next: Option<BlockKey>,
-    /// Handed to a caller and not yet freed.
-    pub(crate) allocated: bool,
+    next: Link,
     /// The owning stream: while allocated, the stream it was allocated on; while free, the
     /// stream whose free list holds it. The owner may reuse it with no event.
     pub(crate) stream: StreamSlot,
+    /// Its segment's pool.
+    pub(crate) pool: PoolKind,
+    /// Its segment is expandable.
+    pub(crate) expandable: bool,
+    /// Handed to a caller and not yet freed.
+    pub(crate) allocated: bool,
     /// Free, ready for its owner and unmerged, in the owner's hot list (see
     /// `lifetime::streams::StreamState::hot`); never merged while there.
     pub(crate) hot: bool,
-    /// While allocated: other streams recorded as using it (`record_use`), deduplicated.
-    pub(crate) uses: Vec<StreamSlot>,
-    /// While free: events, one per former use stream, that must complete (or be waited on)
-    /// before any stream reuses these bytes. Empty for a block that is ready for its owner.
-    pub(crate) pending: Vec<EventKey>,
     /// A stretch of an expandable segment with no pages mapped (see [`super::expandable`]):
     /// free, page-aligned, in no free list.
     pub(crate) unmapped: bool,
+}
+
+const _: () = assert!(std::mem::size_of::<Block>() == 64);
+
+/// A block or segment index in 32 bits, `u32::MAX` for none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Link(u32);
+
+impl Link {
+    const NONE: Link = Link(u32::MAX);
+
+    /// A link to `key`. Four billion blocks would take 256 GiB of host memory first.
+    #[inline]
+    fn to(key: usize) -> Link {
+        let link = u32::try_from(key).expect("more than 2^32 - 1 blocks or segments");
+        assert!(link != u32::MAX, "more than 2^32 - 1 blocks or segments");
+        Link(link)
+    }
+
+    #[inline]
+    fn get(self) -> Option<usize> {
+        (self != Link::NONE).then_some(self.0 as usize)
+    }
+}
+
+impl Block {
+    /// The block just below in the segment, if any.
+    #[inline]
+    pub(crate) fn prev(&self) -> Option<BlockKey> {
+        self.prev.get()
+    }
+
+    /// The block just above in the segment, if any.
+    #[inline]
+    pub(crate) fn next(&self) -> Option<BlockKey> {
+        self.next.get()
+    }
+
+    /// The segment this block tiles.
+    #[inline]
+    pub(crate) fn segment(&self) -> SegmentKey {
+        self.segment.0 as usize
+    }
 }
 
 /// One range obtained from the device.
@@ -86,20 +140,23 @@ impl Arena {
         size: u64,
         pool: PoolKind,
         stream: StreamSlot,
+        expandable: bool,
     ) -> BlockKey {
         let segment = self.segments.vacant_key();
         let head = self.blocks.insert(Block {
             addr,
             size,
             requested: 0,
-            segment,
-            prev: None,
-            next: None,
+            uses: ThinVec::new(),
+            pending: ThinVec::new(),
+            segment: Link::to(segment),
+            prev: Link::NONE,
+            next: Link::NONE,
+            stream,
+            pool,
+            expandable,
             allocated: false,
             hot: false,
-            stream,
-            uses: Vec::new(),
-            pending: Vec::new(),
             unmapped: false,
         });
         self.segments.insert(Segment {
@@ -108,7 +165,7 @@ impl Arena {
             pool,
             stream,
             head,
-            expandable: false,
+            expandable,
         });
         head
     }
@@ -117,7 +174,7 @@ impl Arena {
     pub(crate) fn remove_segment(&mut self, segment: SegmentKey) -> (u64, u64) {
         let seg = self.segments.remove(segment);
         let head = self.blocks.remove(seg.head);
-        debug_assert!(head.next.is_none() && !head.allocated && head.size == seg.size);
+        debug_assert!(head.next().is_none() && !head.allocated && head.size == seg.size);
         (seg.addr, seg.size)
     }
 
@@ -125,49 +182,43 @@ impl Arena {
     /// the same stream, mapped or not like `key`, and carries no pending events (the caller
     /// copies them if needed).
     pub(crate) fn split(&mut self, key: BlockKey, size: u64) -> BlockKey {
-        let (addr, total, segment, next, stream, unmapped) = {
-            let block = &self.blocks[key];
-            debug_assert!(size < block.size && size.is_multiple_of(super::MIN_BLOCK_SIZE));
-            (
-                block.addr,
-                block.size,
-                block.segment,
-                block.next,
-                block.stream,
-                block.unmapped,
-            )
-        };
-        let right = self.blocks.insert(Block {
-            addr: addr + size,
-            size: total - size,
+        let block = &self.blocks[key];
+        debug_assert!(size < block.size && size.is_multiple_of(super::MIN_BLOCK_SIZE));
+        let right = Block {
+            addr: block.addr + size,
+            size: block.size - size,
             requested: 0,
-            segment,
-            prev: Some(key),
-            next,
+            uses: ThinVec::new(),
+            pending: ThinVec::new(),
+            segment: block.segment,
+            prev: Link::to(key),
+            next: block.next,
+            stream: block.stream,
+            pool: block.pool,
+            expandable: block.expandable,
             allocated: false,
             hot: false,
-            stream,
-            uses: Vec::new(),
-            pending: Vec::new(),
-            unmapped,
-        });
+            unmapped: block.unmapped,
+        };
+        let next = right.next.get();
+        let right = self.blocks.insert(right);
         if let Some(next) = next {
-            self.blocks[next].prev = Some(right);
+            self.blocks[next].prev = Link::to(right);
         }
         let block = &mut self.blocks[key];
         block.size = size;
-        block.next = Some(right);
+        block.next = Link::to(right);
         right
     }
 
     /// Absorbs `right` (the block just above `left`) into `left` and returns `right`'s
     /// pending events for the caller to merge or release.
-    pub(crate) fn merge(&mut self, left: BlockKey, right: BlockKey) -> Vec<EventKey> {
+    pub(crate) fn merge(&mut self, left: BlockKey, right: BlockKey) -> ThinVec<EventKey> {
         let removed = self.blocks.remove(right);
-        debug_assert_eq!(removed.prev, Some(left));
+        debug_assert_eq!(removed.prev(), Some(left));
         debug_assert!(!removed.allocated);
-        if let Some(next) = removed.next {
-            self.blocks[next].prev = Some(left);
+        if let Some(next) = removed.next() {
+            self.blocks[next].prev = Link::to(left);
         }
         let block = &mut self.blocks[left];
         debug_assert_eq!(block.addr + block.size, removed.addr);
@@ -180,7 +231,7 @@ impl Arena {
     pub(crate) fn segment_is_free(&self, segment: SegmentKey) -> bool {
         let seg = &self.segments[segment];
         let head = &self.blocks[seg.head];
-        !head.allocated && head.next.is_none()
+        !head.allocated && head.next().is_none()
     }
 
     /// Blocks of a segment in address order.
@@ -192,7 +243,7 @@ impl Arena {
         std::iter::from_fn(move || {
             let key = cursor?;
             let block = &self.blocks[key];
-            cursor = block.next;
+            cursor = block.next();
             Some((key, block))
         })
     }
@@ -211,7 +262,7 @@ impl Arena {
                         block.addr
                     ));
                 }
-                if block.prev != prev || block.segment != segment {
+                if block.prev() != prev || block.segment() != segment {
                     return Err(format!("block {key} has broken links"));
                 }
                 if block.size == 0 || block.size % super::MIN_BLOCK_SIZE != 0 {
@@ -244,7 +295,7 @@ mod tests {
     #[test]
     fn split_and_merge_keep_the_segment_tiled() {
         let mut arena = Arena::default();
-        let head = arena.add_segment(0x10000, 4096, PoolKind::Small, 0);
+        let head = arena.add_segment(0x10000, 4096, PoolKind::Small, 0, false);
         let right = arena.split(head, 1024);
         let middle = arena.split(right, 1024);
         arena.validate().unwrap();
