@@ -12,7 +12,7 @@
 use common::harness_op;
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
-use streamalloc_allocator::testing::{Harness, Op};
+use streamalloc_allocator::testing::{proptest_cases, Harness, Op};
 
 mod common;
 use streamalloc_allocator::{Config, ReusePolicy};
@@ -108,7 +108,7 @@ impl StateMachineTest for EngineMachine {
 
 prop_state_machine! {
     #![proptest_config(ProptestConfig {
-        cases: 512,
+        cases: proptest_cases(512),
         max_shrink_iters: 4096,
         failure_persistence: None,
         ..ProptestConfig::default()

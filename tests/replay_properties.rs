@@ -11,7 +11,7 @@ use common::harness_op;
 use proptest::prelude::*;
 use streamalloc_allocator::backend::sim::{Access, RaceKind, SimBackend};
 use streamalloc_allocator::replay::{entry, replay_on};
-use streamalloc_allocator::testing::{Harness, Op};
+use streamalloc_allocator::testing::{proptest_cases, Harness, Op};
 
 mod common;
 use streamalloc_allocator::trace::{TraceAction, TraceEntry};
@@ -80,7 +80,7 @@ fn trace_of(steps: &[Step]) -> Vec<TraceEntry> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: proptest_cases(96), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn replay_never_reports_less_reserved_than_live(

@@ -393,3 +393,13 @@ impl SplitMix64 {
         lo + self.next_u64() % hi.saturating_sub(lo).max(1)
     }
 }
+
+/// Cases for a property test: `PROPTEST_CASES` when set (CI's optimised second run asks
+/// for 2000), else `default`. proptest reads that variable only into its default
+/// configuration, so a test that sets `cases` itself would ignore it.
+pub fn proptest_cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|cases| cases.parse().ok())
+        .unwrap_or(default)
+}
