@@ -25,14 +25,16 @@
 //!
 //! Pushes land first in a small staging array (`STAGED` records, 2 KiB, reused every 64
 //! events and so kept in cache) and move into the ring 64 at a time, or when the ring is
-//! read. The ring keeps the newest `capacity` records, which stand for at least `capacity`
-//! entries once it has wrapped, and a read keeps the newest `capacity` of their entries:
-//! so a move is a plain copy that never reads the records it overwrites (reading them, to
-//! count the entries lost, cost a cold line every two records). Why: the ring (2 MiB at the default capacity) writes each of its lines once a lap,
+//! read. Why: the ring (2 MiB at the default capacity) writes each of its lines once a lap,
 //! so every line it writes is cold, and a miss taken under the engine's lock stalls the
 //! caller; moved 64 at a time, the misses overlap. Measured on the GPU host, builds side
 //! by side: PyTorch's Python alloc/free loop 1397 → 1349 ns per operation, a tight C loop
 //! 139 → 145, both within that shared host's noise (`benches/gpu/results.md`).
+//!
+//! The ring keeps the newest `capacity` records, which stand for at least `capacity`
+//! entries once it has wrapped, and a read keeps the newest `capacity` of their entries.
+//! So a move is a plain copy that never reads the records it overwrites (reading them, to
+//! count the entries lost, cost a cold line every two records).
 //!
 //! Fast-path records carry a time read before the engine's lock was taken (the read then
 //! overlaps the lock's atomic instruction), so a thread that read the clock first may push
@@ -255,12 +257,8 @@ impl Record {
 const STAGED: usize = 64;
 
 /// The allocator's trace ring: [`TraceRing`]'s semantics (capacity and `dropped` count
-/// entries; the oldest entries go first) over compact records. See the module docs.
-///
-/// The ring holds the newest `capacity` *records*, which stand for at least `capacity`
-/// entries once it has wrapped; a read expands them and keeps the newest `capacity`
-/// entries. So writing never looks at the records it overwrites (how many entries they
-/// stood for is settled when the ring is read), and a flush is a plain copy.
+/// entries; the oldest entries go first) over compact records, trimmed to `capacity`
+/// entries when read. See the module docs.
 #[derive(Debug)]
 pub(crate) struct CompactRing {
     /// A circular buffer of records. Grows on demand up to `capacity` slots (a large ring

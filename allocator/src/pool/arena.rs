@@ -76,9 +76,10 @@ impl Link {
     /// A link to `key`. Four billion blocks would take 256 GiB of host memory first.
     #[inline]
     fn to(key: usize) -> Link {
-        let link = u32::try_from(key).expect("more than 2^32 - 1 blocks or segments");
-        assert!(link != u32::MAX, "more than 2^32 - 1 blocks or segments");
-        Link(link)
+        match u32::try_from(key) {
+            Ok(link) if link != u32::MAX => Link(link),
+            _ => panic!("more than 2^32 - 1 blocks or segments"),
+        }
     }
 
     #[inline]

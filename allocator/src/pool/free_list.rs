@@ -141,7 +141,8 @@ impl Class {
     }
 
     /// Takes out the first entry of at least `size` bytes, unless it is larger than
-    /// `max_size`: one search, where a lookup and a removal would make two.
+    /// `max_size`: a short class is searched once, where a lookup and a removal would
+    /// search it twice.
     #[inline]
     fn take_first_at_least(&mut self, size: u64, max_size: u64) -> Take {
         let found = match self {
