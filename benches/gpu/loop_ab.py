@@ -1,0 +1,75 @@
+# The Python alloc/free loop of alloc_bench.py (micro) with the hook floor and builds of
+# libstreamalloc.so alternating pass by pass in one process, behind pluggable_switch.c.
+# Why one process: see pluggable_switch.c; on the GPU host a process's speed moves by up to
+# 2x with the host's load, so separate processes mostly compare the host with itself.
+#   python loop_ab.py SWITCH.so OUT.json NAME=LIB [NAME=LIB ...]
+# LOOP_ROUNDS (default 40) rounds, each one pass of every mode in a rotated order, after one
+# warm-up pass each. Prints per mode the best and median ns/op, and for builds the median
+# over rounds of (build's pass / floor's pass in the same round) - 1.
+import ctypes, json, os, random, statistics, sys, time
+
+SWITCH, OUT, SPECS = sys.argv[1], sys.argv[2], sys.argv[3:]
+if not SPECS:
+    sys.exit("usage: loop_ab.py SWITCH.so OUT.json NAME=LIB [NAME=LIB ...]")
+ROUNDS = int(os.environ.get("LOOP_ROUNDS", 40))
+if ROUNDS < 1:
+    sys.exit("LOOP_ROUNDS must be at least 1")
+import torch
+
+torch.cuda.memory.change_current_allocator(
+    torch.cuda.memory.CUDAPluggableAllocator(SWITCH, "ps_malloc", "ps_free"))
+switch = ctypes.CDLL(SWITCH)  # the handle PyTorch opened: same library, same state
+switch.ps_load.argtypes = [ctypes.c_char_p]
+names = ["floor"]
+for spec in SPECS:
+    name, _, lib = spec.partition("=")
+    if not name or not lib or switch.ps_load(os.path.abspath(lib).encode()) != len(names):
+        sys.exit(f"cannot load {spec!r} (see stderr)")
+    names.append(name)
+
+rng = random.Random(7)
+def size():
+    r = rng.random()
+    if r < 0.6: return rng.randint(1, 1 << 18)
+    if r < 0.95: return rng.randint(1 << 18, 1 << 24)
+    return rng.randint(1 << 24, 1 << 26)
+sizes = [size() for _ in range(20000)]
+
+def one_pass(mode):
+    """One pass of the loop on `mode`; ns per operation. Every pass pops the same indices."""
+    assert switch.ps_set_mode(mode) == 0
+    pops, live, ops = random.Random(11), [], 0
+    t0 = time.perf_counter()
+    for s in sizes:
+        live.append(torch.empty(s // 4 + 1, dtype=torch.float32, device="cuda")); ops += 1
+        if len(live) > 64:
+            live.pop(pops.randrange(len(live))); ops += 1
+    live.clear()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / ops * 1e9
+
+for mode in range(len(names)):  # warm-up: segments, the caches, the interpreter
+    one_pass(mode)
+passes = {name: [] for name in names}
+for r in range(ROUNDS):
+    order = [(r + k) % len(names) for k in range(len(names))]
+    for mode in order:
+        passes[names[mode]].append(one_pass(mode))
+
+floor = passes["floor"]
+rows = []
+for name in names:
+    v = passes[name]
+    row = dict(name=name, best=min(v), median=statistics.median(v))
+    if name != "floor":
+        row["best_over_floor_best"] = min(v) / min(floor) - 1
+        row["median_paired_over_floor"] = statistics.median(x / f - 1 for x, f in zip(v, floor))
+    rows.append(row)
+with open(OUT, "w") as f:
+    json.dump(dict(rounds=ROUNDS, rows=rows, passes=passes), f)
+print(f"| mode | best ns/op | median ns/op | best over floor's best | median of paired (pass / floor's pass) |")
+print("| --- | --- | --- | --- | --- |")
+for row in rows:
+    extra = ("| | |" if row["name"] == "floor" else
+             f"| {row['best_over_floor_best'] * 100:+.1f}% | {row['median_paired_over_floor'] * 100:+.1f}% |")
+    print(f"| {row['name']} | {row['best']:.1f} | {row['median']:.1f} {extra}")
