@@ -152,7 +152,7 @@ impl Class {
                     None => return Take::NoneAtLeast,
                     Some(e) if e.size > max_size => return Take::TooLarge,
                     Some(&e) => {
-                        entries.remove(at);
+                        remove_shifting(entries, at);
                         return Take::Taken(e);
                     }
                 }
@@ -191,7 +191,7 @@ impl Class {
                 if entries.get(at).is_some_and(|e| e.order() == entry.order()) {
                     return false;
                 }
-                entries.insert(at, entry);
+                insert_shifting(entries, at, entry);
                 if entries.len() >= LONG_AT {
                     *self = Class::Long(entries.drain(..).collect());
                 }
@@ -210,7 +210,7 @@ impl Class {
                 if entries.get(at) != Some(entry) {
                     return false;
                 }
-                entries.remove(at);
+                remove_shifting(entries, at);
                 true
             }
             Class::Long(entries) => {
@@ -250,6 +250,26 @@ impl Class {
             .flatten()
             .chain(long.into_iter().flatten())
     }
+}
+
+/// `entries.insert(at, entry)` for a short class, shifting with swaps. `Vec::insert`
+/// shifts with a call to libc's `memmove`, whose code is one more place a Python loop
+/// fetches from L2 on every call; a class holds a few entries, so swaps cost less.
+#[inline]
+fn insert_shifting(entries: &mut Vec<Entry>, at: usize, entry: Entry) {
+    entries.push(entry);
+    for index in (at + 1..entries.len()).rev() {
+        entries.swap(index, index - 1);
+    }
+}
+
+/// `entries.remove(at)` for a short class, shifting with swaps (see [`insert_shifting`]).
+#[inline]
+fn remove_shifting(entries: &mut Vec<Entry>, at: usize) {
+    for index in at + 1..entries.len() {
+        entries.swap(index - 1, index);
+    }
+    entries.pop();
 }
 
 /// Free blocks of one class, best fit first.
