@@ -30,13 +30,10 @@ nvcc -shared -Xcompiler -fPIC -o $W/pb.so $D/pluggable_bump.c -lcudart > $W/nvcc
 g++ -O2 -o $W/host_abi $D/host_abi.cpp -ldl -lpthread || exit 1
 taskset -c "$PIN" $W/host_abi > $W/primitives_before.txt
 # First the loop with the floor and every build in one process, alternating pass by pass
-# (loop_ab.py: the comparison the host's drifting speed leaves intact), LOOP_PROCS times;
-# variants with a CONF are left to the per-process rounds below.
+# (loop_ab.py: the comparison the host's drifting speed leaves intact), LOOP_PROCS times.
 nvcc -shared -Xcompiler -fPIC -o $W/ps.so $D/pluggable_switch.c -lcudart -ldl > $W/nvcc.log 2>&1 || { cat $W/nvcc.log; exit 1; }
-plain=(); for v in "${!names[@]}"; do [ -z "${confs[$v]}" ] && plain+=("${names[$v]}=${libs[$v]}"); done
 for p in $(seq "${LOOP_PROCS:-3}"); do
-  [ ${#plain[@]} -gt 0 ] || break
-  timeout 300 taskset -c "$PIN" python3 $D/loop_ab.py $W/ps.so $W/loop_ab_$p.json "${plain[@]}" \
+  timeout 300 taskset -c "$PIN" python3 $D/loop_ab.py $W/ps.so $W/loop_ab_$p.json "$@" \
     > $W/loop_ab_$p.txt 2>&1 || echo "loop_ab process $p failed: $(tail -c 300 $W/loop_ab_$p.txt)"
 done
 # Each process is bounded, and its line printed as it ends, so a stuck run shows.

@@ -2,15 +2,18 @@
 # libstreamalloc.so alternating pass by pass in one process, behind pluggable_switch.c.
 # Why one process: see pluggable_switch.c; on the GPU host a process's speed moves by up to
 # 2x with the host's load, so separate processes mostly compare the host with itself.
-#   python loop_ab.py SWITCH.so OUT.json NAME=LIB [NAME=LIB ...]
+#   python loop_ab.py SWITCH.so OUT.json NAME=LIB[@CONF] [NAME=LIB[@CONF] ...]
+# CONF is that build's STREAMALLOC_CONF (e.g. new_untraced=new.so@trace_capacity:0): each
+# build is loaded from its own copy, so one library can appear with several settings, and
+# reads its configuration at its first allocation, in its warm-up pass.
 # LOOP_ROUNDS (default 40) rounds, each one pass of every mode in a rotated order, after one
 # warm-up pass each. Prints per mode the best and median ns/op, and for builds the median
 # over rounds of (build's pass / floor's pass in the same round) - 1.
-import ctypes, json, os, random, statistics, sys, time
+import ctypes, json, os, random, shutil, statistics, sys, tempfile, time
 
 SWITCH, OUT, SPECS = sys.argv[1], sys.argv[2], sys.argv[3:]
 if not SPECS:
-    sys.exit("usage: loop_ab.py SWITCH.so OUT.json NAME=LIB [NAME=LIB ...]")
+    sys.exit("usage: loop_ab.py SWITCH.so OUT.json NAME=LIB[@CONF] [NAME=LIB[@CONF] ...]")
 ROUNDS = int(os.environ.get("LOOP_ROUNDS", 40))
 if ROUNDS < 1:
     sys.exit("LOOP_ROUNDS must be at least 1")
@@ -20,12 +23,23 @@ torch.cuda.memory.change_current_allocator(
     torch.cuda.memory.CUDAPluggableAllocator(SWITCH, "ps_malloc", "ps_free"))
 switch = ctypes.CDLL(SWITCH)  # the handle PyTorch opened: same library, same state
 switch.ps_load.argtypes = [ctypes.c_char_p]
-names = ["floor"]
+variants = []
 for spec in SPECS:
-    name, _, lib = spec.partition("=")
-    if not name or not lib or switch.ps_load(os.path.abspath(lib).encode()) != len(names):
-        sys.exit(f"cannot load {spec!r} (see stderr)")
+    name, _, rest = spec.partition("=")
+    lib, _, conf = rest.partition("@")
+    if not name or name == "floor" or name in [v[0] for v in variants] or not os.path.isfile(lib):
+        sys.exit(f"bad variant {spec!r}: NAME=LIB[@CONF] with a new name and an existing file")
+    variants.append((name, lib, conf))
+names, confs = ["floor"], [None]
+copies = tempfile.mkdtemp(prefix="loop_ab_")
+for name, lib, conf in variants:
+    # A second dlopen of a path already loaded would return the first build's handle.
+    copy = os.path.join(copies, f"{name}.so")
+    shutil.copy(lib, copy)
+    if switch.ps_load(copy.encode()) != len(names):
+        sys.exit(f"cannot load {name}={lib} (see stderr)")
     names.append(name)
+    confs.append(conf)
 
 rng = random.Random(7)
 def size():
@@ -48,8 +62,15 @@ def one_pass(mode):
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / ops * 1e9
 
-for mode in range(len(names)):  # warm-up: segments, the caches, the interpreter
+outer_conf = os.environ.get("STREAMALLOC_CONF")
+for mode in range(len(names)):  # warm-up: configuration, segments, caches, the interpreter
+    conf = confs[mode] if confs[mode] else outer_conf
+    if conf is None:
+        os.environ.pop("STREAMALLOC_CONF", None)
+    else:
+        os.environ["STREAMALLOC_CONF"] = conf
     one_pass(mode)
+shutil.rmtree(copies)
 passes = {name: [] for name in names}
 for r in range(ROUNDS):
     order = [(r + k) % len(names) for k in range(len(names))]
