@@ -5,6 +5,7 @@
 # ALLOC: native | async | streamalloc | so:PATH:MALLOC:FREE (a bare pluggable .so, e.g. the hook floor)
 # WORK:  micro (random alloc/free mix, host ns per op) | gpt2 | resnet (step ms, peak memory, losses)
 import json, os, sys, time, random
+from micro_loop import micro_pass, micro_sizes
 
 ALLOC, WORK, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
 if ALLOC == "async":
@@ -20,22 +21,11 @@ elif ALLOC.startswith("so:"):
 
 def micro():
     rng = random.Random(7)
-    def size():
-        r = rng.random()
-        if r < 0.6: return rng.randint(1, 1 << 18)
-        if r < 0.95: return rng.randint(1 << 18, 1 << 24)
-        return rng.randint(1 << 24, 1 << 26)
-    sizes = [size() for _ in range(20000)]
-    live, passes = [], []
+    sizes = micro_sizes(rng)  # then rng picks which tensor each free takes, as in shared/baselines
+    passes = []
     for rep in range(6):  # the first pass warms the cache; the best of the other five counts
-        t0 = time.perf_counter(); ops = 0
-        for s in sizes:
-            live.append(torch.empty(s // 4 + 1, dtype=torch.float32, device="cuda")); ops += 1
-            if len(live) > 64:
-                live.pop(rng.randrange(len(live))); ops += 1
-        live.clear()
-        torch.cuda.synchronize()
-        passes.append((time.perf_counter() - t0) / ops * 1e9)
+        ns_per_op, ops = micro_pass(torch, sizes, rng)
+        passes.append(ns_per_op)
     return dict(ns_per_op=min(passes[1:]), passes_ns_per_op=[round(p, 1) for p in passes], ops=ops)
 
 # CAPTURE=PATH (native allocator only): also write steps 2.. as a PyTorch memory snapshot

@@ -9,7 +9,8 @@
 # LOOP_ROUNDS (default 40) rounds, each one pass of every mode in a rotated order, after one
 # warm-up pass each. Prints per mode the best and median ns/op, and for builds the median
 # over rounds of (build's pass / floor's pass in the same round) - 1.
-import ctypes, json, os, random, shutil, statistics, sys, tempfile, time
+import ctypes, json, os, random, shutil, statistics, sys, tempfile
+from micro_loop import micro_pass, micro_sizes
 
 SWITCH, OUT, SPECS = sys.argv[1], sys.argv[2], sys.argv[3:]
 if not SPECS:
@@ -41,26 +42,12 @@ for name, lib, conf in variants:
     names.append(name)
     confs.append(conf)
 
-rng = random.Random(7)
-def size():
-    r = rng.random()
-    if r < 0.6: return rng.randint(1, 1 << 18)
-    if r < 0.95: return rng.randint(1 << 18, 1 << 24)
-    return rng.randint(1 << 24, 1 << 26)
-sizes = [size() for _ in range(20000)]
+sizes = micro_sizes(random.Random(7))
 
 def one_pass(mode):
     """One pass of the loop on `mode`; ns per operation. Every pass pops the same indices."""
     assert switch.ps_set_mode(mode) == 0
-    pops, live, ops = random.Random(11), [], 0
-    t0 = time.perf_counter()
-    for s in sizes:
-        live.append(torch.empty(s // 4 + 1, dtype=torch.float32, device="cuda")); ops += 1
-        if len(live) > 64:
-            live.pop(pops.randrange(len(live))); ops += 1
-    live.clear()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / ops * 1e9
+    return micro_pass(torch, sizes, random.Random(11))[0]
 
 outer_conf = os.environ.get("STREAMALLOC_CONF")
 for mode in range(len(names)):  # warm-up: configuration, segments, caches, the interpreter
