@@ -15,7 +15,7 @@
 set -u
 OUT=${1:?output directory}; shift
 [ $# -ge 1 ] || { echo "usage: $0 OUTDIR NAME=LIB[@CONF] ..." >&2; exit 2; }
-ROUNDS=${ROUNDS:-4}; PIN=${PIN:-4}
+ROUNDS=${ROUNDS:-4}; PIN=${PIN:-4}  # ROUNDS=0: the in-process runs and the C ABI only
 W=/tmp/host_ab; rm -rf "$W"; mkdir -p "$W" "$OUT"; D=$(cd "$(dirname "$0")" && pwd)
 export CUDA_VISIBLE_DEVICES=0 PYTHONUNBUFFERED=1
 names=(); libs=(); confs=()
@@ -72,15 +72,17 @@ print("primitives before:", open(f"{w}/primitives_before.txt").read().strip())
 for spec in specs:
     print(spec)
 floor = loop("floor")
-print("| Python loop, ns/op | best | median | best over the floor's best | all |")
-print("| --- | --- | --- | --- | --- |")
-for name in ["floor"] + [s.split("=", 1)[0] for s in specs]:
-    v = loop(name)
-    if not v:
-        print(f"| {name} | failed | | | |")
-        continue
-    over = f"{(min(v) / min(floor) - 1) * 100:+.1f}%" if name != "floor" and floor else ""
-    print(f"| {name} | {min(v):.1f} | {statistics.median(v):.1f} | {over} | {[round(x) for x in v]} |")
+# ROUNDS=0 runs no per-process rounds: then there is no such table to print.
+if glob.glob(f"{w}/micro_*.log"):
+    print("| Python loop, ns/op | best | median | best over the floor's best | all |")
+    print("| --- | --- | --- | --- | --- |")
+    for name in ["floor"] + [s.split("=", 1)[0] for s in specs]:
+        v = loop(name)
+        if not v:
+            print(f"| {name} | failed | | | |")
+            continue
+        over = f"{(min(v) / min(floor) - 1) * 100:+.1f}%" if name != "floor" and floor else ""
+        print(f"| {name} | {min(v):.1f} | {statistics.median(v):.1f} | {over} | {[round(x) for x in v]} |")
 for f in sorted(glob.glob(f"{w}/loop_ab_*.txt")):
     print(f"In one process ({f.rsplit('/', 1)[1]}):")
     print(open(f).read().strip())
