@@ -10,8 +10,9 @@
 //
 // Mode 0 is the floor: pluggable_bump.c's bump allocator over one cudaMalloc, free a no-op.
 // Mode k > 0 calls the k-th build loaded with ps_load. The mode may change only while no
-// block is live (loop_ab.py frees everything and synchronises at the end of each pass);
-// frees are routed by address, so a free reaches the allocator that made the block.
+// block is live (loop_ab.py frees everything and synchronises at the end of each pass):
+// a free of an address inside the floor's arena is the floor's (a no-op), and every other
+// free goes to the current mode's build, which made the block.
 #include <dlfcn.h>
 #include <stddef.h>
 #include <stdio.h>
