@@ -13,6 +13,7 @@
 //! | `max_split_size` | bytes: larger cached blocks are never split for smaller requests | none |
 //! | `trace_capacity` | entries kept in the trace ring; `0` turns tracing off | 65536 |
 //! | `event_batch` | outstanding events that trigger a batched completion query | 64 |
+//! | `graph_pools` | `true`: allocations made for a pool (CUDA graph capture, `torch.cuda.MemPool`) come from that pool's own segments; `false`: from the default pool, as before pools existed, so graph replays can overwrite eager tensors (only to demonstrate that failure) | `true` |
 //! | `expandable_segments` | `true`: reserve address space per stream and map memory on demand (mappings of up to 128 MiB), unmapping free mappings when mapping would go past the live peak plus a slack (needs a backend with virtual memory; others fall back to whole segments); `false`: whole segments, PyTorch's rules | `false` |
 
 use crate::error::ConfigError;
@@ -21,7 +22,7 @@ use serde::{Deserialize, Serialize};
 /// The environment variable read by [`Config::from_env`].
 pub const ENV_VAR: &str = "STREAMALLOC_CONF";
 
-const KNOWN_KEYS: &str = "reuse_policy, memory_limit, memory_fraction, max_split_size, trace_capacity, event_batch, expandable_segments";
+const KNOWN_KEYS: &str = "reuse_policy, memory_limit, memory_fraction, max_split_size, trace_capacity, event_batch, expandable_segments, graph_pools";
 
 /// How a freed block that other streams still use comes back into circulation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -55,6 +56,15 @@ pub struct Config {
     /// demand) when the backend supports virtual memory.
     #[serde(default = "default_expandable_segments")]
     pub expandable_segments: bool,
+    /// Serve allocations made for a pool from that pool's segments. Off, a graph's memory
+    /// returns to the default pool and eager allocations can take it while replays still
+    /// write it: the switch exists to show that failure, never for use.
+    #[serde(default = "default_graph_pools")]
+    pub graph_pools: bool,
+}
+
+fn default_graph_pools() -> bool {
+    true
 }
 
 /// The default of [`Config::expandable_segments`] (also used for snapshots written before
@@ -80,6 +90,7 @@ impl Default for Config {
             trace_capacity: 65_536,
             event_batch: 64,
             expandable_segments: DEFAULT_EXPANDABLE_SEGMENTS,
+            graph_pools: true,
         }
     }
 }
@@ -170,6 +181,13 @@ impl Config {
                     _ => return Err(bad("expandable_segments", value, "`true` or `false`")),
                 }
             }
+            "graph_pools" => {
+                self.graph_pools = match value {
+                    "true" | "True" | "1" => true,
+                    "false" | "False" | "0" => false,
+                    _ => return Err(bad("graph_pools", value, "`true` or `false`")),
+                }
+            }
             _ => {
                 return Err(ConfigError::UnknownKey {
                     key: key.to_string(),
@@ -201,6 +219,9 @@ impl Config {
         parts.push(format!("trace_capacity:{}", self.trace_capacity));
         parts.push(format!("event_batch:{}", self.event_batch));
         parts.push(format!("expandable_segments:{}", self.expandable_segments));
+        if !self.graph_pools {
+            parts.push("graph_pools:false".to_string());
+        }
         parts.join(",")
     }
 }

@@ -3,7 +3,7 @@
 //! The C ABI turns these into a null pointer plus `streamalloc_last_error()`, so each
 //! message is written to be read by a user who only sees that string.
 
-use crate::types::{DevicePtr, StreamId};
+use crate::types::{DevicePtr, PoolId, StreamId};
 
 /// A failure reported by a [`crate::Backend`] (the CUDA driver or the simulator).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -96,6 +96,21 @@ pub enum AllocError {
          growing the pool during capture is refused (allocate outside the capture, or warm it up first)"
     )]
     CaptureForbidsGrowth(StreamId),
+    /// An allocation or pool call named a pool that does not exist, or whose uses were all
+    /// released.
+    #[error("{0} does not exist or was released; create it (or add a use) first")]
+    UnknownPool(PoolId),
+    /// A call the default pool does not take (it always exists and is never released).
+    #[error("the default pool cannot be {0}")]
+    DefaultPool(&'static str),
+    /// A pool checkpoint cannot be restored (nothing was changed).
+    #[error("cannot restore {pool}: {reason}")]
+    Checkpoint {
+        /// The pool.
+        pool: PoolId,
+        /// Why.
+        reason: String,
+    },
     /// The backend failed.
     #[error(transparent)]
     Backend(#[from] BackendError),

@@ -73,10 +73,10 @@ pub mod transport;
 pub mod types;
 mod util;
 
-pub use allocator::Allocator;
+pub use allocator::{Allocator, PoolBlock};
 pub use backend::Backend;
 pub use config::{Config, ReusePolicy};
 pub use error::{AllocError, BackendError, ConfigError, OutOfMemory};
 pub use snapshot::Snapshot;
 pub use stats::Stats;
-pub use types::{Allocation, DevicePtr, EventHandle, PoolKind, StreamId};
+pub use types::{Allocation, DevicePtr, EventHandle, PoolId, PoolKind, StreamId};

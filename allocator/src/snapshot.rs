@@ -5,7 +5,7 @@
 use crate::config::Config;
 use crate::stats::Stats;
 use crate::trace::TraceEntry;
-use crate::types::{DevicePtr, PoolKind, StreamId};
+use crate::types::{DevicePtr, PoolId, PoolKind, StreamId};
 use serde::{Deserialize, Serialize};
 
 /// State of a block, in PyTorch's vocabulary.
@@ -46,6 +46,10 @@ pub struct SegmentInfo {
     pub size: u64,
     /// Small or large pool.
     pub pool: PoolKind,
+    /// The memory pool it belongs to (absent in snapshots of the default pool's segments
+    /// and in those written before pools existed).
+    #[serde(default, skip_serializing_if = "PoolId::is_default")]
+    pub mempool: PoolId,
     /// The stream whose request created it.
     pub stream: StreamId,
     /// Its blocks in address order; their sizes add up to `size`.

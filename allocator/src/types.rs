@@ -1,5 +1,5 @@
 //! The vocabulary shared by every module: opaque handles for streams, device pointers and
-//! events, and the two block pools.
+//! events, the two block pools and memory pool ids.
 //!
 //! Handles are plain integers so the engine stays free of FFI types: a `CUstream` or
 //! `CUevent` is carried as its address, a simulated one as a counter. Only a backend ever
@@ -49,6 +49,34 @@ impl fmt::Display for DevicePtr {
 impl fmt::Debug for EventHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "event:{:#x}", self.0)
+    }
+}
+
+/// A memory pool: a set of segments whose blocks serve only allocations made for the same
+/// pool (PyTorch's `MempoolId_t`: CUDA graphs' private pools and `torch.cuda.MemPool`).
+/// [`PoolId::DEFAULT`] is the pool every ordinary allocation uses.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
+pub struct PoolId(pub u64, pub u64);
+
+impl PoolId {
+    /// The pool of ordinary allocations: `(0, 0)`, as in PyTorch.
+    pub const DEFAULT: PoolId = PoolId(0, 0);
+
+    /// True for [`PoolId::DEFAULT`].
+    pub fn is_default(&self) -> bool {
+        *self == Self::DEFAULT
+    }
+}
+
+impl fmt::Debug for PoolId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pool({}, {})", self.0, self.1)
+    }
+}
+
+impl fmt::Display for PoolId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
     }
 }
 

@@ -12,6 +12,7 @@ impl State {
         config: &Config,
         requested: u64,
         stream: StreamId,
+        pool_id: PoolId,
         now: u64,
     ) -> Result<Allocation, AllocError> {
         let size = round_size(requested);
@@ -24,7 +25,11 @@ impl State {
             pool_of(size)
         };
         let max_size = max_block_for(size, config);
-        let slot = self.streams.slot(stream);
+        let slot = if pool_id.is_default() {
+            self.streams.slot(stream)
+        } else {
+            self.streams.slot_in(stream, pool_id)
+        };
         // 1. A ready block of the stream: stream order makes reuse safe, no event needed.
         //    First the hot list (same size freed recently: no split, no merge); on a miss
         //    its blocks are merged into the free lists before best fit looks.
@@ -99,7 +104,7 @@ impl State {
     }
 
     /// The best-fitting block of `pool` that `slot` can take after device-side waits: its
-    /// own pending blocks, and every free block of other streams.
+    /// own pending blocks, and every free block of other streams in its memory pool.
     pub(super) fn best_waitable(
         &self,
         slot: StreamSlot,
@@ -108,7 +113,11 @@ impl State {
         max_size: u64,
     ) -> Option<BlockKey> {
         let mut best: Option<(u64, u64, BlockKey)> = None;
+        let memory_pool = self.streams.pool(slot);
         for (index, state) in self.streams.states.iter().enumerate() {
+            if state.pool != memory_pool {
+                continue;
+            }
             let own = index as StreamSlot == slot;
             let lists = [
                 Some(&state.pending[pool as usize]),

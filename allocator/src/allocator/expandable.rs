@@ -47,13 +47,13 @@ impl State {
             .max(self.stats.allocated_bytes.current + size);
         let budget = live_peak + live_peak / 10_000 * vmm.slack_bp;
         let over_limit = after > budget || self.limit.is_some_and(|limit| after > limit);
-        if !capturing && over_limit && self.has_unmappable_pages() {
+        if !capturing && over_limit && self.has_unmappable_pages(Release::Unpinned) {
             self.synchronize(backend)?;
             if let Some(key) = self.take_ready(slot, pool, size, max_size) {
                 return Ok(Some(key));
             }
             let excess = after.saturating_sub(self.limit.map_or(budget, |limit| limit.min(budget)));
-            self.unmap_free_pages_upto(backend, excess)?;
+            self.unmap_free_pages_upto(backend, excess, Release::Unpinned)?;
             let vmm = self.vmm.as_mut().expect("expandable segments");
             vmm.slack_bp = (vmm.slack_bp * 5 / 4 + 1).min(MAX_RECLAIM_SLACK_BP);
         }
@@ -201,31 +201,36 @@ impl State {
         Ok(segment)
     }
 
-    /// True if some ready free block of an expandable segment covers a whole mapping.
-    /// Blocks awaiting other streams' events do not count: synchronising for them would be
-    /// the host wait the lifetime model avoids.
-    pub(super) fn has_unmappable_pages(&self) -> bool {
+    /// True if some ready free block of an expandable segment that `which` may release
+    /// covers a whole mapping. Blocks awaiting other streams' events do not count:
+    /// synchronising for them would be the host wait the lifetime model avoids.
+    pub(super) fn has_unmappable_pages(&self, which: Release) -> bool {
         let Some(vmm) = self.vmm.as_ref() else {
             return false;
         };
-        self.streams.states.iter().any(|state| {
-            state.ready.iter().any(|list| {
-                list.keys_at_least(vmm.page).any(|key| {
-                    let block = &self.arena.blocks[key];
-                    block.expandable && vmm.has_whole_mapping(block.addr, block.size)
+        self.streams.states.iter().enumerate().any(|(slot, state)| {
+            self.releasable(which, slot as StreamSlot)
+                && state.ready.iter().any(|list| {
+                    list.keys_at_least(vmm.page).any(|key| {
+                        let block = &self.arena.blocks[key];
+                        block.expandable && vmm.has_whole_mapping(block.addr, block.size)
+                    })
                 })
-            })
         })
     }
 
-    /// Per ready free block of an expandable segment, the mappings lying wholly inside it,
-    /// lowest first (contiguous: the block lies on mapped memory).
-    pub(super) fn unmappable(&self) -> Vec<(BlockKey, Vec<(u64, u64)>)> {
+    /// Per ready free block of an expandable segment that `which` may release, the
+    /// mappings lying wholly inside it, lowest first (contiguous: the block lies on mapped
+    /// memory).
+    pub(super) fn unmappable(&self, which: Release) -> Vec<(BlockKey, Vec<(u64, u64)>)> {
         let Some(vmm) = self.vmm.as_ref() else {
             return Vec::new();
         };
         let mut victims = Vec::new();
-        for state in &self.streams.states {
+        for (slot, state) in self.streams.states.iter().enumerate() {
+            if !self.releasable(which, slot as StreamSlot) {
+                continue;
+            }
             for list in &state.ready {
                 for key in list.keys_at_least(vmm.page) {
                     let block = &self.arena.blocks[key];
@@ -242,23 +247,17 @@ impl State {
         victims
     }
 
-    /// Unmaps every whole mapping inside a ready free block of an expandable segment. Only
-    /// valid when no stream can still use those blocks: right after a device-wide
-    /// synchronisation.
-    pub(super) fn unmap_free_pages<B: Backend>(&mut self, backend: &B) -> Result<(), BackendError> {
-        self.unmap_free_pages_upto(backend, u64::MAX)
-    }
-
     /// Unmaps at least `bytes` of the whole mappings inside ready free blocks of expandable
-    /// segments, or all of them if there are fewer: highest addresses first, so what stays
-    /// mapped stays low and compact, where placement looks first. Only valid right after a
-    /// device-wide synchronisation.
+    /// segments that `which` may release, or all of them if there are fewer: highest
+    /// addresses first, so what stays mapped stays low and compact, where placement looks
+    /// first. Only valid right after a device-wide synchronisation.
     pub(super) fn unmap_free_pages_upto<B: Backend>(
         &mut self,
         backend: &B,
         bytes: u64,
+        which: Release,
     ) -> Result<(), BackendError> {
-        let mut victims = self.unmappable();
+        let mut victims = self.unmappable(which);
         victims.sort_unstable_by_key(|(_, mappings)| std::cmp::Reverse(mappings[0].0));
         let mut left = bytes;
         for (key, mappings) in victims {
@@ -333,21 +332,25 @@ impl State {
         Ok(())
     }
 
-    /// Returns the address space of expandable segments with nothing mapped.
+    /// Returns the address space of expandable segments with nothing mapped that `which`
+    /// may release.
     pub(super) fn release_unmapped_segments<B: Backend>(
         &mut self,
         backend: &B,
+        which: Release,
     ) -> Result<(), BackendError> {
-        let Some(vmm) = self.vmm.as_mut() else {
-            return Ok(());
+        let empty: Vec<usize> = match self.vmm.as_ref() {
+            None => return Ok(()),
+            Some(vmm) => vmm
+                .segments()
+                .filter(|&segment| {
+                    let seg = &self.arena.segments[segment];
+                    let head = &self.arena.blocks[seg.head];
+                    head.unmapped && head.next().is_none() && self.releasable(which, seg.stream)
+                })
+                .collect(),
         };
-        let empty: Vec<usize> = vmm
-            .segments()
-            .filter(|&segment| {
-                let head = &self.arena.blocks[self.arena.segments[segment].head];
-                head.unmapped && head.next().is_none()
-            })
-            .collect();
+        let vmm = self.vmm.as_mut().expect("expandable segments");
         for segment in empty {
             let (addr, size) = (
                 self.arena.segments[segment].addr,

@@ -15,19 +15,26 @@
 //!    plus a slack) synchronising and unmapping free mappings until the excess is gone;
 //! 5. synchronise, return every cached segment to the device, and grow again;
 //! 6. a typed out-of-memory error with a fragmentation report.
+//!
+//! Every step looks only at blocks of the request's memory pool (`pools`): a slot is a
+//! stream in one pool, and step 3 considers only slots of the same pool.
 
 mod allocate;
 mod completion;
 mod expandable;
 mod free;
 mod free_lists;
+mod pools;
 mod release;
 mod report;
+
+pub use pools::PoolBlock;
+use release::Release;
 
 use crate::backend::Backend;
 use crate::config::{Config, ReusePolicy};
 use crate::error::{AllocError, BackendError, OutOfMemory};
-use crate::lifetime::{EventKey, EventTable, StreamTable};
+use crate::lifetime::{EventKey, EventTable, PoolTable, StreamTable};
 use crate::lock::EngineLock;
 use crate::pool::arena::{Arena, BlockKey, StreamSlot};
 use crate::pool::expandable::ExpandableTable;
@@ -37,7 +44,7 @@ use crate::pool::size::{
 use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 use crate::stats::Stats;
 use crate::trace::{CompactRing, TraceAction, NO_STREAM};
-use crate::types::{Allocation, DevicePtr, PoolKind, StreamId};
+use crate::types::{Allocation, DevicePtr, PoolId, PoolKind, StreamId};
 use crate::util::BuildAddrHasher;
 use std::collections::hash_map::Entry as MapEntry;
 use std::collections::HashMap;
@@ -86,6 +93,8 @@ struct State {
     limit: Option<u64>,
     /// Expandable segments, when configured and the backend has virtual memory.
     vmm: Option<ExpandableTable>,
+    /// Use counts of the memory pools other than the default one.
+    pools: PoolTable,
 }
 
 impl<B: Backend> Allocator<B> {
@@ -123,6 +132,7 @@ impl<B: Backend> Allocator<B> {
             trace: CompactRing::new(config.trace_capacity),
             limit,
             vmm,
+            pools: PoolTable::default(),
         };
         Ok(Self {
             backend,
@@ -147,9 +157,38 @@ impl<B: Backend> Allocator<B> {
             return Err(AllocError::InvalidSize(size));
         }
         let now = self.early_now();
-        self.state
-            .lock()
-            .malloc(&self.backend, &self.config, size, stream, now)
+        self.state.lock().malloc(
+            &self.backend,
+            &self.config,
+            size,
+            stream,
+            PoolId::DEFAULT,
+            now,
+        )
+    }
+
+    /// Allocates at least `size` bytes for use on `stream` from memory pool `pool`, which
+    /// must be live ([`Allocator::create_or_incref_pool`]) unless it is the default one.
+    /// The block comes from, and returns to, that pool's own segments. With the
+    /// `graph_pools` switch off, every pool is served from the default one.
+    pub fn malloc_in(
+        &self,
+        size: u64,
+        stream: StreamId,
+        pool: PoolId,
+    ) -> Result<Allocation, AllocError> {
+        if pool.is_default() || !self.config.graph_pools {
+            return self.malloc(size, stream);
+        }
+        if size == 0 || size > MAX_REQUEST {
+            return Err(AllocError::InvalidSize(size));
+        }
+        let now = self.early_now();
+        let mut state = self.state.lock();
+        if !state.pools.is_live(pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        state.malloc(&self.backend, &self.config, size, stream, pool, now)
     }
 
     /// The clock, read before taking the lock when tracing (so that the read overlaps the
@@ -203,6 +242,94 @@ impl<B: Backend> Allocator<B> {
     /// The limit in force.
     pub fn memory_limit(&self) -> Option<u64> {
         self.state.lock().limit
+    }
+
+    /// Creates memory pool `pool` with one use, or adds a use to it (PyTorch's
+    /// `createOrIncrefPool`; a graph capture into the pool adds one too). Returns the new
+    /// use count.
+    pub fn create_or_incref_pool(&self, pool: PoolId) -> Result<u32, AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("created or referenced"));
+        }
+        Ok(self.state.lock().pools.incref(pool))
+    }
+
+    /// Drops a use of `pool` (PyTorch's `releasePool`). At zero its memory stops being
+    /// reserved for it: [`Allocator::empty_cache`] returns its wholly free segments, and
+    /// blocks still allocated in it follow once freed. Returns the remaining use count.
+    pub fn release_pool(&self, pool: PoolId) -> Result<u32, AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("released"));
+        }
+        self.state
+            .lock()
+            .pools
+            .release(pool)
+            .ok_or(AllocError::UnknownPool(pool))
+    }
+
+    /// The use count of `pool`; 0 for a pool that does not exist or was released.
+    pub fn pool_use_count(&self, pool: PoolId) -> u32 {
+        self.state.lock().pools.uses(pool)
+    }
+
+    /// The addresses of `pool`'s live allocations, ascending.
+    pub fn pool_live_allocations(&self, pool: PoolId) -> Vec<DevicePtr> {
+        self.state.lock().pool_blocks(pool).map(|b| b.ptr).collect()
+    }
+
+    /// `pool`'s live allocations with their sizes and streams, ascending: what
+    /// [`Allocator::restore_pool`] can put back.
+    pub fn pool_checkpoint(&self, pool: PoolId) -> Vec<PoolBlock> {
+        self.state.lock().pool_blocks(pool).collect()
+    }
+
+    /// Puts `pool` back to `checkpoint` (PyTorch's `setCheckpointPoolState`, used by CUDA
+    /// graph trees): synchronises the device, frees every live allocation of the pool and
+    /// allocates exactly the checkpoint's blocks again, at their addresses. Returns the
+    /// addresses freed. Checked before anything changes: every checkpoint block must lie in
+    /// the pool's memory, without overlapping another.
+    pub fn restore_pool(
+        &self,
+        pool: PoolId,
+        checkpoint: &[PoolBlock],
+    ) -> Result<Vec<DevicePtr>, AllocError> {
+        let now = self.early_now();
+        self.state
+            .lock()
+            .restore_pool(&self.backend, pool, checkpoint, now)
+    }
+
+    /// Synchronises the device and returns `pool`'s wholly free segments (and free
+    /// mappings) to it, whatever its use count: a `torch.cuda.MemPool`'s own empty_cache.
+    /// With the default pool, the same as [`Allocator::empty_cache`]. Returns the bytes
+    /// released.
+    pub fn empty_pool_cache(&self, pool: PoolId) -> Result<u64, AllocError> {
+        let which = if pool.is_default() {
+            Release::Unpinned
+        } else {
+            Release::Pool(pool)
+        };
+        Ok(self
+            .state
+            .lock()
+            .release_cached_where(&self.backend, which)?)
+    }
+
+    /// The largest free cached block of the default pool (PyTorch's `cacheInfo`, which
+    /// `cudnn.benchmark` asks to size its workspace).
+    pub fn largest_free_block(&self) -> u64 {
+        self.state.lock().largest_free_block(PoolId::DEFAULT)
+    }
+
+    /// For a live allocation at `ptr`: the segment it lies in, as `(base, size,
+    /// expandable)`. For an expandable segment, the base and size are the address
+    /// reservation's.
+    pub fn segment_of(&self, ptr: DevicePtr) -> Option<(DevicePtr, u64, bool)> {
+        let state = self.state.lock();
+        let key = state.allocated_key(ptr.0)?;
+        let segment = &state.arena.segments[state.arena.blocks[key].segment()];
+        Some((DevicePtr(segment.addr), segment.size, segment.expandable))
     }
 
     /// A copy of the counters.

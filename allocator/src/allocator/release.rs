@@ -1,23 +1,59 @@
 //! Returning memory to the device (`empty_cache`, the out-of-memory retry, the memory
 //! limit), each after one device synchronisation (`State::synchronize`).
+//!
+//! Memory of a pool with uses left is never returned here, not even when every block in
+//! it is free: a live graph replays into those addresses (see `lifetime::pools`). Only an
+//! explicit request naming the pool ([`Release::Pool`]) returns it.
 
 use super::*;
 
+/// Which cached memory a release may return.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Release {
+    /// The default pool's, and that of pools with no uses left.
+    Unpinned,
+    /// One pool's only, whatever its use count (`torch.cuda.MemPool`'s own empty_cache).
+    Pool(PoolId),
+}
+
 impl State {
-    /// Synchronises the device, settles every event, coalesces free blocks across streams
-    /// (after a device-wide sync any free byte is safe for any stream) and returns wholly
-    /// free segments and idle events to the backend. Returns the bytes released.
+    /// True if a release of kind `which` may return memory owned by `slot`.
+    pub(super) fn releasable(&self, which: Release, slot: StreamSlot) -> bool {
+        let pool = self.streams.pool(slot);
+        match which {
+            Release::Unpinned => !self.pools.pins_memory(pool),
+            Release::Pool(only) => pool == only,
+        }
+    }
+
+    /// Releases what [`Release::Unpinned`] allows. Returns the bytes released.
     pub(super) fn release_cached<B: Backend>(&mut self, backend: &B) -> Result<u64, BackendError> {
+        self.release_cached_where(backend, Release::Unpinned)
+    }
+
+    /// Synchronises the device, settles every event, coalesces free blocks across streams
+    /// (after a device-wide sync any free byte is safe for any stream of its pool) and
+    /// returns the wholly free segments and free mappings that `which` allows, and idle
+    /// events, to the backend. Returns the bytes released.
+    pub(super) fn release_cached_where<B: Backend>(
+        &mut self,
+        backend: &B,
+        which: Release,
+    ) -> Result<u64, BackendError> {
         let reserved_before = self.stats.reserved_bytes.current;
         self.synchronize(backend)?;
         self.coalesce_across_streams();
-        self.unmap_free_pages(backend)?;
-        self.release_unmapped_segments(backend)?;
+        self.unmap_free_pages_upto(backend, u64::MAX, which)?;
+        self.release_unmapped_segments(backend, which)?;
         let free_segments: Vec<_> = self
             .arena
             .segments
             .iter()
-            .filter(|(segment, seg)| !seg.expandable && self.arena.segment_is_free(*segment))
+            .filter(|(segment, seg)| {
+                !seg.expandable
+                    && self.releasable(which, seg.stream)
+                    && self.arena.segment_is_free(*segment)
+            })
             .map(|(segment, seg)| (segment, seg.head, seg.stream))
             .collect();
         let mut released = reserved_before - self.stats.reserved_bytes.current;
@@ -34,6 +70,7 @@ impl State {
             self.note(backend, TraceAction::SegmentFree, addr, size, stream);
             released += size;
         }
+        self.forget_empty_pools();
         self.events.destroy_idle(backend, &mut self.stats)?;
         self.note(backend, TraceAction::EmptyCache, 0, released, 0);
         tracing::debug!(released, "cached memory released");

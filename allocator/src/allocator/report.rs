@@ -80,6 +80,7 @@ impl State {
                     .map(|(_, block)| block.size)
                     .sum(),
                 pool: seg.pool,
+                mempool: self.streams.pool(seg.stream),
                 stream: self.streams.id(seg.stream),
                 blocks: self
                     .arena
@@ -122,6 +123,17 @@ impl State {
         let (mut unmapped_bytes, mut unmapped_blocks) = (0u64, 0usize);
         for (key, block) in &self.arena.blocks {
             let pool = block.pool;
+            // Blocks never leave their segment's memory pool: a pool's memory serves only
+            // that pool's allocations.
+            let segment_pool = self
+                .streams
+                .pool(self.arena.segments[block.segment()].stream);
+            if self.streams.pool(block.stream) != segment_pool {
+                return Err(format!(
+                    "block {key} is owned by a slot of {:?} in a segment of {segment_pool:?}",
+                    self.streams.pool(block.stream)
+                ));
+            }
             if block.unmapped {
                 self.check_unmapped(key)?;
                 unmapped_bytes += block.size;

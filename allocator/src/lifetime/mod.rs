@@ -13,9 +13,14 @@
 //!   `record_stream`, which piles blocks up while the host runs ahead).
 //! - Events are queried rarely and in batches ([`streams::StreamState::in_flight`]), since a
 //!   query (~1.25 µs) costs more than a wait.
+//! - Memory pools ([`pools`]) add a second axis: a block serves only allocations of its own
+//!   pool, and a pool with uses left keeps its memory even when every block in it is free,
+//!   because a captured graph replays into addresses, not into tensors.
 
 pub(crate) mod events;
+pub(crate) mod pools;
 pub(crate) mod streams;
 
 pub(crate) use events::{EventKey, EventTable};
+pub(crate) use pools::PoolTable;
 pub(crate) use streams::StreamTable;

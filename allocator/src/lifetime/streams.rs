@@ -1,6 +1,11 @@
 //! The per-stream side of the pool: free lists by stream and readiness, and each stream's
 //! queue of in-flight events.
 //!
+//! A slot is a stream *in one memory pool*: the same stream allocating for a CUDA graph's
+//! pool and for ordinary tensors has two slots, so a block's owner slot also says which
+//! pool it belongs to, and free lists never mix pools. Reuse across slots (step 3 of the
+//! policy) only looks at slots of the caller's pool.
+//!
 //! Invariant on the lists (the heart of the lifetime model): a block in `ready[pool]` of
 //! stream `s` may be handed to `s` with no synchronisation at all; a block in
 //! `pending[pool]` carries events that must complete, or be waited on by the new owner's
@@ -10,7 +15,7 @@
 use super::EventKey;
 use crate::pool::arena::{BlockKey, StreamSlot};
 use crate::pool::free_list::FreeList;
-use crate::types::{PoolKind, StreamId};
+use crate::types::{PoolId, PoolKind, StreamId};
 use crate::util::BuildAddrHasher;
 use std::collections::{HashMap, VecDeque};
 
@@ -22,6 +27,8 @@ pub(crate) const HOT_SLOTS: usize = 8;
 pub(crate) struct StreamState {
     /// The caller's handle for this stream.
     pub(crate) id: StreamId,
+    /// The memory pool this slot allocates for.
+    pub(crate) pool: PoolId,
     /// Blocks the stream may reuse at once, by pool.
     pub(crate) ready: [FreeList; 2],
     /// Blocks awaiting other streams' events, by pool.
@@ -139,17 +146,20 @@ impl StreamState {
     }
 }
 
-/// Every stream the allocator has seen, in first-seen order.
+/// Every (stream, pool) the allocator has seen, in first-seen order.
 #[derive(Debug, Default)]
 pub(crate) struct StreamTable {
     pub(crate) states: Vec<StreamState>,
+    /// Slots of the default pool.
     index: HashMap<StreamId, StreamSlot, BuildAddrHasher>,
-    /// The stream looked up last, which is nearly always the next one asked for.
+    /// Slots of other pools.
+    pooled: HashMap<(StreamId, PoolId), StreamSlot>,
+    /// The default-pool stream looked up last, which is nearly always the next one asked for.
     last: Option<(StreamId, StreamSlot)>,
 }
 
 impl StreamTable {
-    /// The slot of `id`, registering the stream on first sight.
+    /// The slot of `id` in the default pool, registering the stream on first sight.
     #[inline]
     pub(crate) fn slot(&mut self, id: StreamId) -> StreamSlot {
         if let Some((last, slot)) = self.last {
@@ -161,17 +171,43 @@ impl StreamTable {
             self.last = Some((id, slot));
             return slot;
         }
+        let slot = self.push(id, PoolId::DEFAULT);
+        self.index.insert(id, slot);
+        self.last = Some((id, slot));
+        slot
+    }
+
+    /// The slot of `id` in `pool`, registering it on first sight.
+    #[inline]
+    pub(crate) fn slot_in(&mut self, id: StreamId, pool: PoolId) -> StreamSlot {
+        if pool.is_default() {
+            return self.slot(id);
+        }
+        if let Some(&slot) = self.pooled.get(&(id, pool)) {
+            return slot;
+        }
+        let slot = self.push(id, pool);
+        self.pooled.insert((id, pool), slot);
+        slot
+    }
+
+    fn push(&mut self, id: StreamId, pool: PoolId) -> StreamSlot {
         let slot = self.states.len() as StreamSlot;
         self.states.push(StreamState {
             id,
+            pool,
             ready: Default::default(),
             pending: Default::default(),
             hot: HotList::default(),
             in_flight: VecDeque::new(),
         });
-        self.index.insert(id, slot);
-        self.last = Some((id, slot));
         slot
+    }
+
+    /// The pool `slot` allocates for.
+    #[inline]
+    pub(crate) fn pool(&self, slot: StreamSlot) -> PoolId {
+        self.states[slot as usize].pool
     }
 
     #[inline]
@@ -249,5 +285,18 @@ mod tests {
         assert_eq!(table.slot(StreamId(7)), 1);
         assert_eq!(table.id(1), StreamId(7));
         assert_eq!(table.len(), 2);
+    }
+
+    #[test]
+    fn a_stream_has_one_slot_per_pool() {
+        let mut table = StreamTable::default();
+        let graph = PoolId(1, 0);
+        assert_eq!(table.slot(StreamId(40)), 0);
+        assert_eq!(table.slot_in(StreamId(40), graph), 1);
+        assert_eq!(table.slot_in(StreamId(40), PoolId::DEFAULT), 0);
+        assert_eq!(table.slot_in(StreamId(40), graph), 1);
+        assert_eq!(table.slot(StreamId(40)), 0);
+        assert_eq!((table.id(1), table.pool(1)), (StreamId(40), graph));
+        assert_eq!(table.pool(0), PoolId::DEFAULT);
     }
 }

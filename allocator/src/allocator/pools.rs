@@ -1,0 +1,309 @@
+//! Memory pools, the policy side: what a pool's blocks are, checkpoints of a pool and
+//! putting a pool back to one, and forgetting pools that hold nothing.
+//!
+//! The isolation itself needs no code here: a slot is a stream in one pool, blocks stay
+//! with slots of their segment's pool, and releases skip pools with uses left
+//! (`release::Release`). See `lifetime::pools` for why.
+
+use super::*;
+
+/// One live allocation of a pool, as a checkpoint keeps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolBlock {
+    /// First byte.
+    pub ptr: DevicePtr,
+    /// Bytes reserved for it (rounded).
+    pub size: u64,
+    /// Bytes asked for.
+    pub requested: u64,
+    /// The stream it belongs to.
+    pub stream: StreamId,
+}
+
+impl State {
+    /// The live allocations of `pool` (quarantined blocks, allocated to nobody, excluded),
+    /// ascending by address.
+    pub(super) fn pool_blocks(&self, pool: PoolId) -> impl Iterator<Item = PoolBlock> + '_ {
+        let mut blocks: Vec<PoolBlock> = self
+            .allocated
+            .iter()
+            .map(|(_, &key)| (key, &self.arena.blocks[key]))
+            .filter(|(_, block)| block.allocated && self.streams.pool(block.stream) == pool)
+            .map(|(_, block)| PoolBlock {
+                ptr: DevicePtr(block.addr),
+                size: block.size,
+                requested: block.requested,
+                stream: self.streams.id(block.stream),
+            })
+            .collect();
+        blocks.sort_unstable_by_key(|b| b.ptr);
+        blocks.into_iter()
+    }
+
+    /// The largest free block, ready or pending, of `pool`.
+    pub(super) fn largest_free_block(&self, pool: PoolId) -> u64 {
+        self.streams
+            .states
+            .iter()
+            .filter(|state| state.pool == pool)
+            .flat_map(|state| state.ready.iter().chain(state.pending.iter()))
+            .map(|list| list.largest())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Forgets released pools that no segment belongs to any more.
+    pub(super) fn forget_empty_pools(&mut self) {
+        if self.pools.len() == 0 {
+            return;
+        }
+        let holding: std::collections::HashSet<PoolId> = self
+            .arena
+            .segments
+            .iter()
+            .map(|(_, seg)| self.streams.pool(seg.stream))
+            .collect();
+        self.pools.forget_empty(|pool| holding.contains(&pool));
+    }
+
+    /// See [`Allocator::restore_pool`].
+    pub(super) fn restore_pool<B: Backend>(
+        &mut self,
+        backend: &B,
+        pool: PoolId,
+        checkpoint: &[PoolBlock],
+        now: u64,
+    ) -> Result<Vec<DevicePtr>, AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("restored to a checkpoint"));
+        }
+        if !self.pools.is_live(pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        self.check_checkpoint(pool, checkpoint)?;
+        let freed: Vec<DevicePtr> = self.pool_blocks(pool).map(|b| b.ptr).collect();
+        for &ptr in &freed {
+            self.free(backend, ptr, now)?;
+        }
+        // After a device-wide synchronisation every free byte of the pool is safe for any
+        // of its streams, so its free blocks merge into maximal runs, each of which holds
+        // whole checkpoint blocks.
+        self.synchronize(backend)?;
+        self.coalesce_across_streams();
+        for block in checkpoint {
+            let slot = self.streams.slot_in(block.stream, pool);
+            let key = self
+                .free_block_covering(pool, block.ptr.0, block.size)
+                .expect("checked: the pool's memory covers every checkpoint block");
+            self.unlist(key);
+            let key = self.carve(key, block.ptr.0, block.size);
+            self.arena.blocks[key].allocated = true;
+            self.arena.blocks[key].stream = slot;
+            self.arena.blocks[key].requested = block.requested;
+            self.allocated.insert(block.ptr.0, key);
+            self.account_alloc(block.ptr.0, block.size, slot, block.requested, now);
+        }
+        Ok(freed)
+    }
+
+    /// Checks, changing nothing, that `checkpoint`'s blocks do not overlap and each lies
+    /// in mapped memory of one of `pool`'s segments at block granularity.
+    fn check_checkpoint(&self, pool: PoolId, checkpoint: &[PoolBlock]) -> Result<(), AllocError> {
+        let refuse = |reason: String| AllocError::Checkpoint { pool, reason };
+        let mut sorted: Vec<&PoolBlock> = checkpoint.iter().collect();
+        sorted.sort_unstable_by_key(|b| b.ptr);
+        for pair in sorted.windows(2) {
+            if pair[0].ptr.0 + pair[0].size > pair[1].ptr.0 {
+                return Err(refuse(format!(
+                    "blocks at {} and {} overlap",
+                    pair[0].ptr, pair[1].ptr
+                )));
+            }
+        }
+        for block in checkpoint {
+            let (addr, size) = (block.ptr.0, block.size);
+            if size == 0
+                || !size.is_multiple_of(MIN_BLOCK_SIZE)
+                || !addr.is_multiple_of(MIN_BLOCK_SIZE)
+            {
+                return Err(refuse(format!("block at {} has size {size}", block.ptr)));
+            }
+            let inside = self.arena.segments.iter().any(|(segment, seg)| {
+                self.streams.pool(seg.stream) == pool
+                    && seg.addr <= addr
+                    && addr + size <= seg.addr + seg.size
+                    && self.arena.segment_blocks(segment).all(|(_, b)| {
+                        !b.unmapped || b.addr + b.size <= addr || addr + size <= b.addr
+                    })
+            });
+            if !inside {
+                return Err(refuse(format!(
+                    "block at {} ({size} bytes) no longer lies in the pool's memory",
+                    block.ptr
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The listed free block of `pool` containing `[addr, addr + size)`, if any.
+    fn free_block_covering(&self, pool: PoolId, addr: u64, size: u64) -> Option<BlockKey> {
+        let (segment, _) = self.arena.segments.iter().find(|(_, seg)| {
+            self.streams.pool(seg.stream) == pool
+                && seg.addr <= addr
+                && addr + size <= seg.addr + seg.size
+        })?;
+        self.arena
+            .segment_blocks(segment)
+            .find(|(_, b)| b.addr <= addr && addr + size <= b.addr + b.size)
+            .filter(|(_, b)| !b.allocated && !b.unmapped && !b.hot)
+            .map(|(key, _)| key)
+    }
+
+    /// Cuts `[addr, addr + size)` out of the unlisted free block `key` (which contains it),
+    /// listing what lies on either side; returns the block of exactly that range, unlisted.
+    fn carve(&mut self, key: BlockKey, addr: u64, size: u64) -> BlockKey {
+        let mut middle = key;
+        let start = self.arena.blocks[key].addr;
+        if addr > start {
+            middle = self.arena.split(key, addr - start);
+            self.list(key);
+        }
+        if self.arena.blocks[middle].size > size {
+            let tail = self.arena.split(middle, size);
+            self.list(tail);
+        }
+        middle
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::sim::SimBackend;
+
+    const MIB: u64 = 1 << 20;
+
+    fn sim(expandable: bool) -> (SimBackend, Allocator<SimBackend>) {
+        let device = SimBackend::new(1 << 30);
+        let config = Config {
+            expandable_segments: expandable,
+            ..Config::default()
+        };
+        (device.clone(), Allocator::new(device, config).unwrap())
+    }
+
+    #[test]
+    fn a_pools_blocks_never_serve_another_pool_and_its_memory_outlives_empty_cache() {
+        for expandable in [false, true] {
+            let (device, allocator) = sim(expandable);
+            let stream = device.create_stream();
+            let graph = PoolId(1, 7);
+            assert_eq!(
+                allocator.malloc_in(MIB, stream, graph),
+                Err(AllocError::UnknownPool(graph))
+            );
+            assert_eq!(allocator.create_or_incref_pool(graph), Ok(1));
+            let captured = allocator.malloc_in(4 * MIB, stream, graph).unwrap();
+            assert_eq!(allocator.pool_live_allocations(graph), [captured.ptr]);
+            allocator.free(captured.ptr).unwrap();
+            assert!(allocator.pool_live_allocations(graph).is_empty());
+            // Same stream, same size, but the default pool: never the graph's block.
+            let eager = allocator.malloc(4 * MIB, stream).unwrap();
+            let graph_range = captured.ptr.0..captured.ptr.0 + captured.size;
+            assert!(
+                !graph_range.contains(&eager.ptr.0),
+                "expandable: {expandable}"
+            );
+            allocator.free(eager.ptr).unwrap();
+            // The pool keeps its memory while it has a use; the default pool's goes.
+            allocator.empty_cache().unwrap();
+            assert_eq!(allocator.snapshot().segments.len(), 1);
+            assert_eq!(allocator.snapshot().segments[0].mempool, graph);
+            // Back in the pool, the graph's next capture reuses it.
+            let again = allocator.malloc_in(4 * MIB, stream, graph).unwrap();
+            assert_eq!(again.ptr, captured.ptr);
+            allocator.free(again.ptr).unwrap();
+            assert_eq!(allocator.release_pool(graph), Ok(0));
+            assert_eq!(
+                allocator.release_pool(graph),
+                Err(AllocError::UnknownPool(graph))
+            );
+            allocator.empty_cache().unwrap();
+            assert_eq!(allocator.stats().reserved_bytes.current, 0);
+            assert_eq!(device.reserved(), 0);
+            allocator.check_invariants().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_block_allocated_in_a_released_pool_returns_to_it_and_then_to_the_device() {
+        let (device, allocator) = sim(false);
+        let stream = device.create_stream();
+        let pool = PoolId(2, 0);
+        allocator.create_or_incref_pool(pool).unwrap();
+        let output = allocator.malloc_in(3 * MIB, stream, pool).unwrap();
+        allocator.release_pool(pool).unwrap();
+        assert_eq!(
+            allocator.malloc_in(MIB, stream, pool),
+            Err(AllocError::UnknownPool(pool)),
+            "a released pool takes no new allocations"
+        );
+        allocator.empty_cache().unwrap();
+        assert!(device.reserved() > 0, "its block is still live");
+        allocator.free(output.ptr).unwrap();
+        allocator.empty_cache().unwrap();
+        assert_eq!(device.reserved(), 0);
+        allocator.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_pool_goes_back_to_its_checkpoint() {
+        let (device, allocator) = sim(false);
+        let (first, second) = (device.create_stream(), device.create_stream());
+        let pool = PoolId(5, 0);
+        allocator.create_or_incref_pool(pool).unwrap();
+        let a = allocator.malloc_in(2 * MIB, first, pool).unwrap();
+        let b = allocator.malloc_in(6 * MIB, second, pool).unwrap();
+        let checkpoint = allocator.pool_checkpoint(pool);
+        assert_eq!(checkpoint.len(), 2);
+        allocator.free(a.ptr).unwrap();
+        let c = allocator.malloc_in(MIB, first, pool).unwrap();
+        let freed = allocator.restore_pool(pool, &checkpoint).unwrap();
+        let mut expected = vec![b.ptr, c.ptr];
+        expected.sort();
+        assert_eq!(freed, expected);
+        assert_eq!(allocator.pool_checkpoint(pool), checkpoint);
+        allocator.check_invariants().unwrap();
+        // A checkpoint outside the pool's memory is refused, and nothing changes.
+        let mut stray = checkpoint.clone();
+        stray[0].ptr = DevicePtr(stray[0].ptr.0 + (1 << 40));
+        assert!(matches!(
+            allocator.restore_pool(pool, &stray),
+            Err(AllocError::Checkpoint { .. })
+        ));
+        assert_eq!(allocator.pool_checkpoint(pool), checkpoint);
+        for block in checkpoint {
+            allocator.free(block.ptr).unwrap();
+        }
+        allocator.release_pool(pool).unwrap();
+        allocator.empty_cache().unwrap();
+        assert_eq!(device.reserved(), 0);
+        assert!(device.races().is_empty(), "{:?}", device.races());
+    }
+
+    #[test]
+    fn a_live_user_pool_is_emptied_only_when_named() {
+        let (device, allocator) = sim(true);
+        let stream = device.create_stream();
+        let pool = PoolId(0, 9);
+        allocator.create_or_incref_pool(pool).unwrap();
+        let block = allocator.malloc_in(8 * MIB, stream, pool).unwrap();
+        allocator.free(block.ptr).unwrap();
+        allocator.empty_cache().unwrap();
+        assert!(device.mapped() > 0, "a live pool keeps its pages mapped");
+        allocator.empty_pool_cache(pool).unwrap();
+        assert_eq!(device.mapped(), 0);
+        allocator.check_invariants().unwrap();
+    }
+}
