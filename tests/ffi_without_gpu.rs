@@ -94,3 +94,68 @@ fn version_is_the_crate_version() {
     let version = unsafe { CStr::from_ptr(ffi::streamalloc_version()) };
     assert_eq!(version.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
 }
+
+#[test]
+fn pool_and_introspection_entry_points_fail_cleanly_without_cuda() {
+    if !no_gpu() {
+        return;
+    }
+    use streamalloc::ffi::pools::*;
+    let stream = std::ptr::null_mut::<c_void>();
+    assert!(streamalloc_malloc_in_pool(1 << 20, 0, stream, 1, 0).is_null());
+    assert!(last_error().contains("device 0"), "{}", last_error());
+    assert_eq!(streamalloc_pool_incref(0, 1, 0), -1);
+    assert_eq!(streamalloc_pool_release(0, 1, 0), -1);
+    assert_eq!(streamalloc_pool_use_count(0, 1, 0), -1);
+    assert_eq!(streamalloc_empty_cache_pool(0, 0, 0), -1);
+    assert_eq!(streamalloc_memory_limit(0), 0);
+    let mut out = [0u64; 4];
+    // SAFETY: `out` has room for 4 values; the null block list has count 0.
+    unsafe {
+        assert_eq!(
+            streamalloc_pool_live_allocations(0, 1, 0, out.as_mut_ptr(), 4),
+            -1
+        );
+        assert_eq!(
+            streamalloc_pool_restore(0, 1, 0, std::ptr::null(), 0, out.as_mut_ptr(), 4),
+            -1
+        );
+        assert_eq!(streamalloc_cache_info(0, out.as_mut_ptr()), -1);
+        assert_eq!(streamalloc_cache_info(0, std::ptr::null_mut()), -1);
+        assert!(last_error().contains("null"), "{}", last_error());
+        let (mut device, mut expandable) = (0, 0);
+        assert_eq!(
+            streamalloc_block_info(
+                0x1000 as *mut c_void,
+                &mut device,
+                &mut out[0],
+                &mut out[1],
+                &mut expandable
+            ),
+            -1
+        );
+        assert!(
+            last_error().contains("not a live allocation"),
+            "{}",
+            last_error()
+        );
+        let (mut segments, mut blocks) = (0usize, 0usize);
+        assert_eq!(
+            streamalloc_snapshot_segments(
+                0,
+                std::ptr::null_mut(),
+                0,
+                &mut segments,
+                std::ptr::null_mut(),
+                0,
+                &mut blocks
+            ),
+            -1
+        );
+    }
+    // The pluggable hooks report instead of crashing, and leave no route behind.
+    streamalloc_begin_allocate_to_pool(0, 1, 0, std::ptr::null_mut());
+    streamalloc_end_allocate_to_pool(0, 1, 0);
+    streamalloc_release_pool(0, 1, 0);
+    assert!(ffi::streamalloc_malloc(1 << 20, 0, stream).is_null());
+}

@@ -50,6 +50,10 @@ pub struct SegmentInfo {
     /// and in those written before pools existed).
     #[serde(default, skip_serializing_if = "PoolId::is_default")]
     pub mempool: PoolId,
+    /// An expandable segment: an address reservation of which only `blocks` are mapped
+    /// (`size` counts those bytes).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub expandable: bool,
     /// The stream whose request created it.
     pub stream: StreamId,
     /// Its blocks in address order; their sizes add up to `size`.

@@ -35,7 +35,8 @@ class StreamallocStats(ctypes.Structure):
             "pending_free_current", "pending_free_peak", "allocs", "frees",
             "segment_allocs", "segment_frees", "cross_stream_waits", "events_recorded",
             "event_queries", "events_outstanding", "events_created", "events_destroyed",
-            "ooms", "retries", "invalid_frees", "memory_limit",
+            "ooms", "retries", "invalid_frees", "memory_limit", "device_syncs",
+            "page_map_bytes", "page_unmap_bytes",
         )
     ]
 

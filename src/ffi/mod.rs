@@ -33,6 +33,7 @@
 //! engine's fast path; nothing allocates or formats unless something fails.
 
 pub mod error;
+pub mod pools;
 pub mod stats;
 
 use self::error::{guard, warn_once, Once};
@@ -129,11 +130,39 @@ pub extern "C-unwind" fn streamalloc_malloc(
     if size == 0 {
         return std::ptr::null_mut();
     }
-    let ptr = malloc_guarded(size, device, stream);
+    let ptr = if pools::routing() {
+        malloc_routed(size, device, stream)
+    } else {
+        malloc_guarded(size, device, stream)
+    };
     if ptr.is_null() {
         throw_last_error();
     }
     ptr
+}
+
+/// A request while the pluggable door allocates to a pool: to that pool if the routing
+/// rule says so (see [`pools`]), else as usual.
+#[cold]
+fn malloc_routed(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    let route = guard(Err("panic while routing".to_string()), || {
+        pools::routed_pool(device, stream_id(stream))
+    });
+    match route {
+        Ok(Some(pool)) => {
+            let ptr = pools::streamalloc_malloc_in_pool(size, device, stream, pool.0, pool.1);
+            if ptr.is_null() {
+                eprintln!("{}", error::last_string());
+            }
+            ptr
+        }
+        Ok(None) => malloc_guarded(size, device, stream),
+        Err(message) => {
+            error::set(&message);
+            eprintln!("{message}");
+            std::ptr::null_mut()
+        }
+    }
 }
 
 #[inline]

@@ -60,6 +60,12 @@ pub struct StreamallocStats {
     pub invalid_frees: u64,
     /// Reserved-bytes limit in force (0: none).
     pub memory_limit: u64,
+    /// Device-wide synchronisations made (to release memory or to unmap pages).
+    pub device_syncs: u64,
+    /// Bytes mapped into expandable segments, in all.
+    pub page_map_bytes: u64,
+    /// Bytes unmapped from expandable segments, in all.
+    pub page_unmap_bytes: u64,
 }
 
 impl StreamallocStats {
@@ -90,6 +96,9 @@ impl StreamallocStats {
             retries: stats.retries,
             invalid_frees: stats.invalid_frees,
             memory_limit: limit.unwrap_or(0),
+            device_syncs: stats.device_syncs,
+            page_map_bytes: stats.page_map_bytes,
+            page_unmap_bytes: stats.page_unmap_bytes,
         }
     }
 }

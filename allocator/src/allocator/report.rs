@@ -81,6 +81,7 @@ impl State {
                     .sum(),
                 pool: seg.pool,
                 mempool: self.streams.pool(seg.stream),
+                expandable: seg.expandable,
                 stream: self.streams.id(seg.stream),
                 blocks: self
                     .arena

@@ -1,0 +1,148 @@
+/* The C ABI of libstreamalloc.so that the native PyTorch door calls.
+ *
+ * Every function contains its own errors: a failure is a null pointer or a negative
+ * return, with the message in streamalloc_last_error() (this thread's, valid until its
+ * next failing call). No function throws or unwinds, except streamalloc_malloc when an
+ * error thrower is registered (the door never registers one: it calls
+ * streamalloc_malloc_in_pool, which never throws).
+ *
+ * A pool id is PyTorch's MempoolId_t, two unsigned 64-bit integers; (0, 0) is the
+ * default pool. A block of a pool is only ever handed to an allocation in the same pool,
+ * and a pool's memory goes back to the device only once its use count has dropped to
+ * zero (or on streamalloc_empty_cache_pool naming it). */
+#ifndef STREAMALLOC_H
+#define STREAMALLOC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Counters of one device (see src/ffi/stats.rs for every field). */
+typedef struct streamalloc_stats {
+  uint64_t allocated_current, allocated_peak;
+  uint64_t requested_current, requested_peak;
+  uint64_t reserved_current, reserved_peak;
+  uint64_t active_current, active_peak;
+  uint64_t pending_free_current, pending_free_peak;
+  uint64_t allocs, frees;
+  uint64_t segment_allocs, segment_frees;
+  uint64_t cross_stream_waits;
+  uint64_t events_recorded, event_queries, events_outstanding;
+  uint64_t events_created, events_destroyed;
+  uint64_t ooms, retries, invalid_frees;
+  uint64_t memory_limit; /* 0: none */
+  uint64_t device_syncs, page_map_bytes, page_unmap_bytes;
+} streamalloc_stats_t;
+
+/* One segment of a snapshot. For expandable segments, each run of mapped pages is one
+ * segment here (unmapped address space is not memory). Its blocks are
+ * blocks[first_block .. first_block + block_count). */
+typedef struct streamalloc_segment_info {
+  uint64_t address;
+  uint64_t total_size;
+  uint64_t stream;   /* the cudaStream_t whose request created it */
+  uint64_t pool_id0; /* its pool, (0, 0) for the default pool */
+  uint64_t pool_id1;
+  uint32_t is_large; /* 0: small pool (requests <= 1 MiB), 1: large */
+  uint32_t is_expandable;
+  uint64_t first_block;
+  uint64_t block_count;
+} streamalloc_segment_info_t;
+
+/* One block of a snapshot. */
+typedef struct streamalloc_block_state {
+  uint64_t address;
+  uint64_t size;
+  uint64_t requested_size; /* 0 unless allocated */
+  uint64_t stream;         /* owning cudaStream_t */
+  uint32_t state;          /* 0 inactive (free), 1 active_allocated, 2 active_pending_free */
+  uint32_t reserved;
+} streamalloc_block_state_t;
+
+/* One allocation of a pool checkpoint. */
+typedef struct streamalloc_pool_block {
+  uint64_t address;
+  uint64_t size;      /* the block's size (rounded) */
+  uint64_t requested; /* bytes asked for */
+  uint64_t stream;    /* the cudaStream_t it belongs to */
+} streamalloc_pool_block_t;
+
+/* ---- allocation ---------------------------------------------------------------- */
+
+/* Allocates size bytes on device for use on stream, from pool (pool_id0, pool_id1).
+ * The pool must exist (streamalloc_pool_incref) unless it is (0, 0). Null for size 0 and
+ * on failure (unknown pool, out of memory: the message says which); never throws. */
+void* streamalloc_malloc_in_pool(size_t size, int device, void* stream, uint64_t pool_id0,
+                                 uint64_t pool_id1);
+/* Returns ptr; size and stream are ignored. Null is ignored. */
+void streamalloc_free(void* ptr, size_t size, int device, void* stream);
+/* Notes that stream uses ptr (record_stream). */
+void streamalloc_record_stream(void* ptr, void* stream);
+
+/* ---- pools --------------------------------------------------------------------- */
+
+/* Creates the pool, or adds a use to it. Returns the new use count, or -1. */
+int streamalloc_pool_incref(int device, uint64_t pool_id0, uint64_t pool_id1);
+/* Drops a use. At zero, the pool's free memory is returned by the next empty cache (or
+ * out-of-memory retry), and its blocks still allocated follow when freed. Returns the
+ * remaining use count, or -1 (unknown pool). */
+int streamalloc_pool_release(int device, uint64_t pool_id0, uint64_t pool_id1);
+/* The pool's use count; 0 for a pool that does not exist. */
+int streamalloc_pool_use_count(int device, uint64_t pool_id0, uint64_t pool_id1);
+/* Writes the addresses of the pool's live allocations (up to capacity of them) and
+ * returns how many there are (call again with more room if that is more than capacity);
+ * -1 on error. */
+int64_t streamalloc_pool_live_allocations(int device, uint64_t pool_id0, uint64_t pool_id1,
+                                          uint64_t* out, size_t capacity);
+/* The pool's live allocations, as streamalloc_pool_live_allocations but with sizes and
+ * streams: what a checkpoint keeps. */
+int64_t streamalloc_pool_checkpoint(int device, uint64_t pool_id0, uint64_t pool_id1,
+                                    streamalloc_pool_block_t* out, size_t capacity);
+/* Puts the pool back to a checkpoint: synchronises the device, frees every live
+ * allocation of the pool (their addresses go to freed_out, which must have room for all
+ * of them: see streamalloc_pool_live_allocations) and allocates exactly the checkpoint's
+ * blocks again, at their addresses. Returns the number of addresses freed, or -1 (then
+ * nothing changed when the message says the room was too small or a checkpoint block no
+ * longer lies in the pool's free memory). */
+int64_t streamalloc_pool_restore(int device, uint64_t pool_id0, uint64_t pool_id1,
+                                 const streamalloc_pool_block_t* blocks, size_t count,
+                                 uint64_t* freed_out, size_t freed_capacity);
+
+/* ---- cache, limits, introspection ------------------------------------------------ */
+
+/* Synchronises the device and returns cached memory: with pool (0, 0), every wholly free
+ * segment of the default pool and of pools whose use count is zero; otherwise the wholly
+ * free segments of that pool only. 0, or -1. */
+int streamalloc_empty_cache_pool(int device, uint64_t pool_id0, uint64_t pool_id1);
+/* Every device in use, as empty_cache_pool with (0, 0). */
+void streamalloc_empty_cache(void);
+void streamalloc_set_memory_fraction(double fraction, int device);
+/* The largest free cached block of the default pool, in *largest. 0, or -1. */
+int streamalloc_cache_info(int device, uint64_t* largest);
+/* For a live allocation at ptr (the address malloc returned): its device, the base and
+ * size of the segment it lies in (the cuMemAlloc'd range) and whether that segment is
+ * expandable (mapped through the VMM API, not shareable with cuIpcGetMemHandle).
+ * 0, or -1 (not a live allocation of any device). */
+int streamalloc_block_info(void* ptr, int* device, uint64_t* segment_base,
+                           uint64_t* segment_size, int* expandable);
+int streamalloc_get_stats(int device, streamalloc_stats_t* out);
+int streamalloc_reset_peak_stats(int device);
+/* Fills up to the capacities and always writes the true counts. Returns 0 if everything
+ * fitted, 1 if the arrays were too small (call again with larger ones), -1 on error. */
+int streamalloc_snapshot_segments(int device, streamalloc_segment_info_t* segments,
+                                  size_t segment_capacity, size_t* segment_count,
+                                  streamalloc_block_state_t* blocks, size_t block_capacity,
+                                  size_t* block_count);
+/* The memory limit in bytes (0: none). */
+uint64_t streamalloc_memory_limit(int device);
+const char* streamalloc_last_error(void);
+const char* streamalloc_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,675 @@
+//! Memory pools and introspection across the C ABI: what a full PyTorch allocator needs
+//! beyond malloc and free (the native door, `python/streamalloc/csrc/`), and the pool
+//! hooks of PyTorch's pluggable allocator.
+//!
+//! ```c
+//! void*   streamalloc_malloc_in_pool(size_t size, int device, cudaStream_t stream, uint64_t id0, uint64_t id1);
+//! int     streamalloc_pool_incref(int device, uint64_t id0, uint64_t id1);
+//! int     streamalloc_pool_release(int device, uint64_t id0, uint64_t id1);
+//! int     streamalloc_pool_use_count(int device, uint64_t id0, uint64_t id1);
+//! int64_t streamalloc_pool_live_allocations(int device, uint64_t id0, uint64_t id1, uint64_t* out, size_t capacity);
+//! int64_t streamalloc_pool_checkpoint(int device, uint64_t id0, uint64_t id1, streamalloc_pool_block_t* out, size_t capacity);
+//! int64_t streamalloc_pool_restore(int device, uint64_t id0, uint64_t id1, const streamalloc_pool_block_t* blocks, size_t count, uint64_t* freed, size_t freed_capacity);
+//! int     streamalloc_empty_cache_pool(int device, uint64_t id0, uint64_t id1);
+//! int     streamalloc_cache_info(int device, uint64_t* largest);
+//! int     streamalloc_block_info(void* ptr, int* device, uint64_t* base, uint64_t* size, int* expandable);
+//! int     streamalloc_snapshot_segments(int device, streamalloc_segment_info_t* segments, size_t segment_capacity, size_t* segment_count, streamalloc_block_state_t* blocks, size_t block_capacity, size_t* block_count);
+//! uint64_t streamalloc_memory_limit(int device);
+//! // PyTorch's pluggable hooks (set_begin_allocate_to_pool, set_end_allocate_to_pool_fn, set_release_pool):
+//! void    streamalloc_begin_allocate_to_pool(int device, MempoolId_t id, std::function<bool(cudaStream_t)> filter);
+//! void    streamalloc_end_allocate_to_pool(int device, MempoolId_t id);
+//! void    streamalloc_release_pool(int device, MempoolId_t id);
+//! ```
+//!
+//! A pool id is PyTorch's `MempoolId_t`, a pair of 64-bit integers, passed as two
+//! arguments (a trivially copyable pair travels in two registers, so the pluggable hooks'
+//! C++ signatures and these agree).
+//!
+//! # The pluggable hooks' routing
+//! PyTorch hands `beginAllocateToPool` a C++ `std::function` filter that C cannot call.
+//! The pluggable door therefore routes by what the filter stands for: while a pool is
+//! being allocated to, a request from the thread that began it, or on any stream being
+//! captured into a graph, goes to that pool. That covers graph capture (the capturing
+//! thread; side streams joined to the capture) and `torch.cuda.use_mem_pool` (the thread),
+//! and errs towards the pool: an allocation wrongly kept in a pool costs memory, one
+//! wrongly kept out of a graph's pool costs data. The native door evaluates the real
+//! filters.
+
+use super::error::{self, guard};
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::thread::ThreadId;
+use streamalloc_allocator::backend::cuda::registry::{self, CudaAllocator};
+use streamalloc_allocator::snapshot::{BlockState, Snapshot};
+use streamalloc_allocator::{AllocError, Backend, DevicePtr, PoolBlock, PoolId, StreamId};
+
+/// `streamalloc_pool_block_t`: one live allocation of a pool checkpoint.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamallocPoolBlock {
+    /// First byte.
+    pub address: u64,
+    /// Bytes reserved (rounded).
+    pub size: u64,
+    /// Bytes asked for.
+    pub requested: u64,
+    /// The `cudaStream_t` it belongs to.
+    pub stream: u64,
+}
+
+/// `streamalloc_segment_info_t`: one segment of a snapshot; an expandable segment
+/// appears as one of these per run of mapped pages.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamallocSegmentInfo {
+    /// First byte.
+    pub address: u64,
+    /// Bytes.
+    pub total_size: u64,
+    /// The `cudaStream_t` whose request created it.
+    pub stream: u64,
+    /// Its pool's id, first half.
+    pub pool_id0: u64,
+    /// Its pool's id, second half.
+    pub pool_id1: u64,
+    /// 0: small pool, 1: large.
+    pub is_large: u32,
+    /// 1 for memory mapped into an expandable segment.
+    pub is_expandable: u32,
+    /// Index of its first block in the blocks array.
+    pub first_block: u64,
+    /// Its blocks.
+    pub block_count: u64,
+}
+
+/// `streamalloc_block_state_t`: one block of a snapshot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamallocBlockState {
+    /// First byte.
+    pub address: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Bytes asked for (0 unless allocated).
+    pub requested_size: u64,
+    /// Owning `cudaStream_t`.
+    pub stream: u64,
+    /// 0 inactive (free), 1 active_allocated, 2 active_pending_free.
+    pub state: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+fn device_allocator(device: c_int) -> Result<&'static CudaAllocator, String> {
+    registry::global()
+        .device(device)
+        .map_err(|err| format!("streamalloc: device {device}: {err}"))
+}
+
+/// Runs `body` on `device`'s allocator with panics contained; an error becomes
+/// `fallback` plus the last error.
+fn with_device<T>(
+    device: c_int,
+    fallback: T,
+    body: impl FnOnce(&'static CudaAllocator) -> Result<T, String>,
+) -> T
+where
+    T: Copy,
+{
+    guard(fallback, || match device_allocator(device).and_then(body) {
+        Ok(value) => value,
+        Err(message) => {
+            error::set(message);
+            fallback
+        }
+    })
+}
+
+fn pool_error(device: c_int, err: AllocError) -> String {
+    format!("streamalloc: device {device}: {err}")
+}
+
+/// Allocates `size` bytes on `device` for `stream` from pool `(id0, id1)`; `(0, 0)` is
+/// the default pool. Null for `size == 0` and on failure (see `streamalloc_last_error`);
+/// never calls the error thrower.
+#[no_mangle]
+pub extern "C" fn streamalloc_malloc_in_pool(
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+    id0: u64,
+    id1: u64,
+) -> *mut c_void {
+    if size == 0 {
+        return std::ptr::null_mut();
+    }
+    let stream = StreamId(stream as usize as u64);
+    with_device(device, std::ptr::null_mut(), |allocator| {
+        allocator
+            .malloc_in(size as u64, stream, PoolId(id0, id1))
+            .map(|block| block.ptr.0 as usize as *mut c_void)
+            .map_err(|err| pool_error(device, err))
+    })
+}
+
+/// Creates pool `(id0, id1)` with one use, or adds one. Returns the new use count, or -1.
+#[no_mangle]
+pub extern "C" fn streamalloc_pool_incref(device: c_int, id0: u64, id1: u64) -> c_int {
+    with_device(device, -1, |allocator| {
+        allocator
+            .create_or_incref_pool(PoolId(id0, id1))
+            .map(|uses| uses as c_int)
+            .map_err(|err| pool_error(device, err))
+    })
+}
+
+/// Drops a use of pool `(id0, id1)`. Returns the remaining use count, or -1.
+#[no_mangle]
+pub extern "C" fn streamalloc_pool_release(device: c_int, id0: u64, id1: u64) -> c_int {
+    with_device(device, -1, |allocator| {
+        allocator
+            .release_pool(PoolId(id0, id1))
+            .map(|uses| uses as c_int)
+            .map_err(|err| pool_error(device, err))
+    })
+}
+
+/// The use count of pool `(id0, id1)`, 0 if it does not exist; -1 if the device is
+/// unavailable.
+#[no_mangle]
+pub extern "C" fn streamalloc_pool_use_count(device: c_int, id0: u64, id1: u64) -> c_int {
+    with_device(device, -1, |allocator| {
+        Ok(allocator.pool_use_count(PoolId(id0, id1)) as c_int)
+    })
+}
+
+/// Copies `items` into `out` (room for `capacity`) and returns how many there are.
+///
+/// # Safety
+/// `out` must be null or writable for `capacity` elements.
+unsafe fn copy_out<T: Copy>(items: &[T], out: *mut T, capacity: usize) -> i64 {
+    if !out.is_null() {
+        let count = items.len().min(capacity);
+        // SAFETY: `out` is writable for `capacity >= count` elements (see # Safety), and
+        // `items` cannot overlap memory the caller owns.
+        unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), out, count) };
+    }
+    items.len() as i64
+}
+
+/// Writes the addresses of pool `(id0, id1)`'s live allocations (up to `capacity`) to
+/// `out` and returns how many there are, or -1.
+///
+/// # Safety
+/// `out` must be null or writable for `capacity` `uint64_t`s.
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_pool_live_allocations(
+    device: c_int,
+    id0: u64,
+    id1: u64,
+    out: *mut u64,
+    capacity: usize,
+) -> i64 {
+    with_device(device, -1, |allocator| {
+        let live: Vec<u64> = allocator
+            .pool_live_allocations(PoolId(id0, id1))
+            .iter()
+            .map(|ptr| ptr.0)
+            .collect();
+        // SAFETY: forwarded from this function's # Safety.
+        Ok(unsafe { copy_out(&live, out, capacity) })
+    })
+}
+
+/// Writes pool `(id0, id1)`'s live allocations with sizes and streams (up to `capacity`)
+/// to `out` and returns how many there are, or -1.
+///
+/// # Safety
+/// `out` must be null or writable for `capacity` `streamalloc_pool_block_t`s.
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_pool_checkpoint(
+    device: c_int,
+    id0: u64,
+    id1: u64,
+    out: *mut StreamallocPoolBlock,
+    capacity: usize,
+) -> i64 {
+    with_device(device, -1, |allocator| {
+        let blocks: Vec<StreamallocPoolBlock> = allocator
+            .pool_checkpoint(PoolId(id0, id1))
+            .iter()
+            .map(|b| StreamallocPoolBlock {
+                address: b.ptr.0,
+                size: b.size,
+                requested: b.requested,
+                stream: b.stream.0,
+            })
+            .collect();
+        // SAFETY: forwarded from this function's # Safety.
+        Ok(unsafe { copy_out(&blocks, out, capacity) })
+    })
+}
+
+/// Puts pool `(id0, id1)` back to the checkpoint `blocks[..count]`: every live
+/// allocation of the pool is freed (addresses written to `freed`, which needs room for
+/// all of them) and the checkpoint's blocks are allocated again at their addresses.
+/// Returns the number freed, or -1 (nothing changed if the room was too small or the
+/// checkpoint no longer fits the pool's memory).
+///
+/// # Safety
+/// `blocks` must be readable for `count` elements and `freed` writable for
+/// `freed_capacity` `uint64_t`s (either may be null when its count is 0).
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_pool_restore(
+    device: c_int,
+    id0: u64,
+    id1: u64,
+    blocks: *const StreamallocPoolBlock,
+    count: usize,
+    freed: *mut u64,
+    freed_capacity: usize,
+) -> i64 {
+    if count > 0 && blocks.is_null() {
+        error::set("streamalloc_pool_restore: blocks is null");
+        return -1;
+    }
+    let checkpoint: Vec<PoolBlock> = if count == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: `blocks` is non-null and readable for `count` elements (see # Safety).
+        unsafe { std::slice::from_raw_parts(blocks, count) }
+            .iter()
+            .map(|b| PoolBlock {
+                ptr: DevicePtr(b.address),
+                size: b.size,
+                requested: b.requested,
+                stream: StreamId(b.stream),
+            })
+            .collect()
+    };
+    with_device(device, -1, |allocator| {
+        let pool = PoolId(id0, id1);
+        let live = allocator.pool_live_allocations(pool).len();
+        if live > freed_capacity || (live > 0 && freed.is_null()) {
+            return Err(format!(
+                "streamalloc_pool_restore: {pool} has {live} live allocations, room for {freed_capacity}"
+            ));
+        }
+        let addresses: Vec<u64> = allocator
+            .restore_pool(pool, &checkpoint)
+            .map_err(|err| pool_error(device, err))?
+            .iter()
+            .map(|ptr| ptr.0)
+            .collect();
+        // SAFETY: `freed` has room for `live` addresses, as many as were freed (checked
+        // above under the same engine state: pool calls of one device are serialised by
+        // the caller's allocator lock).
+        Ok(unsafe { copy_out(&addresses, freed, freed_capacity) })
+    })
+}
+
+/// Synchronises `device` and returns cached memory: with pool `(0, 0)`, that of the
+/// default pool and of released pools; otherwise that pool's only. 0, or -1.
+#[no_mangle]
+pub extern "C" fn streamalloc_empty_cache_pool(device: c_int, id0: u64, id1: u64) -> c_int {
+    with_device(device, -1, |allocator| {
+        allocator
+            .empty_pool_cache(PoolId(id0, id1))
+            .map(|_| 0)
+            .map_err(|err| format!("streamalloc: empty_cache on device {device}: {err}"))
+    })
+}
+
+/// The largest free cached block of `device`'s default pool, in `*largest`. 0, or -1.
+///
+/// # Safety
+/// `largest` must be null or writable for one `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_cache_info(device: c_int, largest: *mut u64) -> c_int {
+    if largest.is_null() {
+        error::set("streamalloc_cache_info: largest is null");
+        return -1;
+    }
+    with_device(device, -1, |allocator| {
+        // SAFETY: `largest` is non-null and writable (see # Safety).
+        unsafe { largest.write(allocator.largest_free_block()) };
+        Ok(0)
+    })
+}
+
+/// The reserved-bytes limit of `device` (0: none, or the device is unavailable).
+#[no_mangle]
+pub extern "C" fn streamalloc_memory_limit(device: c_int) -> u64 {
+    with_device(device, 0, |allocator| {
+        Ok(allocator.memory_limit().unwrap_or(0))
+    })
+}
+
+/// For the live allocation at `ptr`: its device and the base, size and kind of the
+/// segment it lies in. 0, or -1 if no device's allocator handed `ptr` out.
+///
+/// # Safety
+/// Each out pointer must be null or writable for one value of its type.
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_block_info(
+    ptr: *mut c_void,
+    device: *mut c_int,
+    base: *mut u64,
+    size: *mut u64,
+    expandable: *mut c_int,
+) -> c_int {
+    let found = guard(None, || {
+        registry::global()
+            .initialized()
+            .find_map(|(ordinal, allocator)| {
+                allocator
+                    .segment_of(DevicePtr(ptr as usize as u64))
+                    .map(|segment| (ordinal, segment))
+            })
+    });
+    let Some((ordinal, (segment_base, segment_size, is_expandable))) = found else {
+        error::set(format_args!(
+            "streamalloc_block_info: {ptr:p} is not a live allocation of streamalloc"
+        ));
+        return -1;
+    };
+    // SAFETY: each pointer is null or writable for one value (see # Safety).
+    unsafe {
+        if !device.is_null() {
+            device.write(ordinal);
+        }
+        if !base.is_null() {
+            base.write(segment_base.0);
+        }
+        if !size.is_null() {
+            size.write(segment_size);
+        }
+        if !expandable.is_null() {
+            expandable.write(c_int::from(is_expandable));
+        }
+    }
+    0
+}
+
+/// Segments and blocks of `device` as flat arrays (see the module docs). Fills up to the
+/// capacities and always writes the true counts; returns 0 if everything fitted, 1 if
+/// not, -1 on error.
+///
+/// # Safety
+/// `segments` / `blocks` must be null or writable for their capacities; the count
+/// pointers must be null or writable for one `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_snapshot_segments(
+    device: c_int,
+    segments: *mut StreamallocSegmentInfo,
+    segment_capacity: usize,
+    segment_count: *mut usize,
+    blocks: *mut StreamallocBlockState,
+    block_capacity: usize,
+    block_count: *mut usize,
+) -> c_int {
+    with_device(device, -1, |allocator| {
+        let (segment_rows, block_rows) = snapshot_rows(&allocator.snapshot());
+        // SAFETY: forwarded from this function's # Safety.
+        unsafe {
+            copy_out(&segment_rows, segments, segment_capacity);
+            copy_out(&block_rows, blocks, block_capacity);
+            if !segment_count.is_null() {
+                segment_count.write(segment_rows.len());
+            }
+            if !block_count.is_null() {
+                block_count.write(block_rows.len());
+            }
+        }
+        let fitted = segment_rows.len() <= segment_capacity && block_rows.len() <= block_capacity;
+        Ok(if fitted { 0 } else { 1 })
+    })
+}
+
+/// The snapshot's rows: an expandable segment becomes one row per run of mapped blocks
+/// (the engine's snapshot lists only mapped blocks, so a gap in addresses ends a run).
+pub fn snapshot_rows(
+    snapshot: &Snapshot,
+) -> (Vec<StreamallocSegmentInfo>, Vec<StreamallocBlockState>) {
+    let (mut segment_rows, mut block_rows) = (Vec::new(), Vec::<StreamallocBlockState>::new());
+    for segment in &snapshot.segments {
+        let expandable = segment.expandable;
+        let row = |first: usize, address: u64| StreamallocSegmentInfo {
+            address,
+            total_size: 0,
+            stream: segment.stream.0,
+            pool_id0: segment.mempool.0,
+            pool_id1: segment.mempool.1,
+            is_large: segment.pool as u32,
+            is_expandable: u32::from(expandable),
+            first_block: first as u64,
+            block_count: 0,
+        };
+        let mut current: Option<StreamallocSegmentInfo> = None;
+        for block in &segment.blocks {
+            let continues = current
+                .as_ref()
+                .is_some_and(|c| c.address + c.total_size == block.addr.0);
+            if !continues {
+                segment_rows.extend(current.take());
+                current = Some(row(block_rows.len(), block.addr.0));
+            }
+            let run = current.as_mut().expect("a run is open");
+            run.total_size += block.size;
+            run.block_count += 1;
+            block_rows.push(StreamallocBlockState {
+                address: block.addr.0,
+                size: block.size,
+                requested_size: block.requested,
+                stream: block.stream.0,
+                state: match block.state {
+                    BlockState::Inactive => 0,
+                    BlockState::ActiveAllocated => 1,
+                    BlockState::ActivePendingFree => 2,
+                },
+                reserved: 0,
+            });
+        }
+        segment_rows.extend(current);
+    }
+    (segment_rows, block_rows)
+}
+
+// ---- The pluggable door's pool hooks ---------------------------------------------------
+
+/// One pool being allocated to through the pluggable door.
+#[derive(Debug)]
+struct Route {
+    device: c_int,
+    pool: PoolId,
+    thread: ThreadId,
+}
+
+/// Pools being allocated to, oldest first.
+static ROUTES: Mutex<Vec<Route>> = Mutex::new(Vec::new());
+/// `ROUTES.len()`, read without the lock by every malloc.
+static ROUTES_ACTIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// The routes; a panic while they were held cannot have left them half-updated (each
+/// change is one push or remove), so a poisoned lock is used as it is.
+fn routes() -> MutexGuard<'static, Vec<Route>> {
+    ROUTES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// True while some pool is being allocated to (then `streamalloc_malloc` asks
+/// [`routed_pool`]).
+#[inline]
+pub(super) fn routing() -> bool {
+    ROUTES_ACTIVE.load(Ordering::Acquire) != 0
+}
+
+/// The pool a request from this thread on `stream` of `device` goes to while pools are
+/// being allocated to (see the module docs), if any.
+#[cold]
+pub(super) fn routed_pool(device: c_int, stream: StreamId) -> Result<Option<PoolId>, String> {
+    let routes = routes();
+    choose_route(&routes, device, std::thread::current().id(), || {
+        device_allocator(device)?
+            .backend()
+            .is_capturing(stream)
+            .map_err(|err| format!("streamalloc: device {device}: {err}"))
+    })
+}
+
+/// The routing rule: the newest route of `device` begun by `thread`; otherwise, if the
+/// stream is capturing (asked only then: it is a driver call), the newest route of
+/// `device`.
+fn choose_route(
+    routes: &[Route],
+    device: c_int,
+    thread: ThreadId,
+    capturing: impl FnOnce() -> Result<bool, String>,
+) -> Result<Option<PoolId>, String> {
+    let on_device = || routes.iter().filter(|route| route.device == device);
+    if let Some(route) = on_device().rfind(|route| route.thread == thread) {
+        return Ok(Some(route.pool));
+    }
+    let Some(newest) = on_device().next_back() else {
+        return Ok(None);
+    };
+    Ok(capturing()?.then_some(newest.pool))
+}
+
+/// PyTorch's pluggable `beginAllocateToPool` hook: creates pool `(id0, id1)` or adds a
+/// use, and routes this thread's requests and those on capturing streams to it until
+/// [`streamalloc_end_allocate_to_pool`]. The C++ `std::function` filter is not called
+/// (see the module docs).
+#[no_mangle]
+pub extern "C" fn streamalloc_begin_allocate_to_pool(
+    device: c_int,
+    id0: u64,
+    id1: u64,
+    _filter: *mut c_void,
+) {
+    guard((), || {
+        let pool = PoolId(id0, id1);
+        match device_allocator(device).and_then(|a| {
+            a.create_or_incref_pool(pool)
+                .map_err(|e| pool_error(device, e))
+        }) {
+            Ok(_) => {
+                let mut routes = routes();
+                routes.push(Route {
+                    device,
+                    pool,
+                    thread: std::thread::current().id(),
+                });
+                ROUTES_ACTIVE.store(routes.len(), Ordering::Release);
+            }
+            Err(message) => {
+                error::set(&message);
+                eprintln!("{message}");
+            }
+        }
+    })
+}
+
+/// PyTorch's pluggable `endAllocateToPool` hook: requests stop going to pool `(id0,
+/// id1)` (its memory stays reserved for it until released).
+#[no_mangle]
+pub extern "C" fn streamalloc_end_allocate_to_pool(device: c_int, id0: u64, id1: u64) {
+    guard((), || {
+        let mut routes = routes();
+        let pool = PoolId(id0, id1);
+        if let Some(index) = routes
+            .iter()
+            .rposition(|route| route.device == device && route.pool == pool)
+        {
+            routes.remove(index);
+        }
+        ROUTES_ACTIVE.store(routes.len(), Ordering::Release);
+    })
+}
+
+/// PyTorch's pluggable `releasePool` hook: drops a use of pool `(id0, id1)`.
+#[no_mangle]
+pub extern "C" fn streamalloc_release_pool(device: c_int, id0: u64, id1: u64) {
+    if streamalloc_pool_release(device, id0, id1) < 0 {
+        eprintln!("streamalloc: {}", error::last_string());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pluggable_door_routes_the_beginning_thread_and_capturing_streams() {
+        let here = std::thread::current().id();
+        let elsewhere = std::thread::spawn(|| std::thread::current().id())
+            .join()
+            .unwrap();
+        let (graph, user) = (PoolId(1, 0), PoolId(0, 2));
+        let routes = [
+            Route {
+                device: 0,
+                pool: graph,
+                thread: elsewhere,
+            },
+            Route {
+                device: 0,
+                pool: user,
+                thread: here,
+            },
+            Route {
+                device: 1,
+                pool: PoolId(9, 9),
+                thread: here,
+            },
+        ];
+        let never = || -> Result<bool, String> { panic!("asked the driver needlessly") };
+        assert_eq!(choose_route(&routes, 0, here, never), Ok(Some(user)));
+        assert_eq!(
+            choose_route(&routes[..1], 0, here, || Ok(true)),
+            Ok(Some(graph))
+        );
+        assert_eq!(choose_route(&routes[..1], 0, here, || Ok(false)), Ok(None));
+        assert_eq!(choose_route(&routes, 2, here, never), Ok(None));
+        assert_eq!(
+            choose_route(&routes[..1], 0, here, || Err("no driver".into())),
+            Err("no driver".into())
+        );
+    }
+    use streamalloc_allocator::backend::sim::SimBackend;
+    use streamalloc_allocator::{Allocator, Config};
+
+    #[test]
+    fn snapshot_rows_split_expandable_segments_into_mapped_runs_and_carry_pools() {
+        let device = SimBackend::new(1 << 30);
+        let config = Config {
+            expandable_segments: true,
+            ..Config::default()
+        };
+        let allocator = Allocator::new(device.clone(), config).unwrap();
+        let stream = device.create_stream();
+        let graph = PoolId(4, 2);
+        allocator.create_or_incref_pool(graph).unwrap();
+        let eager = allocator.malloc(200 << 20, stream).unwrap();
+        let captured = allocator.malloc_in(3 << 20, stream, graph).unwrap();
+        let (segments, blocks) = snapshot_rows(&allocator.snapshot());
+        assert!(segments.iter().all(|s| s.is_expandable == 1));
+        for segment in &segments {
+            let rows = &blocks[segment.first_block as usize..][..segment.block_count as usize];
+            assert_eq!(rows[0].address, segment.address);
+            assert_eq!(rows.iter().map(|b| b.size).sum::<u64>(), segment.total_size);
+        }
+        let owner = |ptr: DevicePtr| {
+            segments
+                .iter()
+                .find(|s| s.address <= ptr.0 && ptr.0 < s.address + s.total_size)
+                .map(|s| (s.pool_id0, s.pool_id1))
+        };
+        assert_eq!(owner(eager.ptr), Some((0, 0)));
+        assert_eq!(owner(captured.ptr), Some((4, 2)));
+        let state_of = |ptr: DevicePtr| blocks.iter().find(|b| b.address == ptr.0).map(|b| b.state);
+        assert_eq!(state_of(captured.ptr), Some(1));
+    }
+}
