@@ -185,7 +185,8 @@ fn malloc_guarded(size: usize, device: c_int, stream: *mut c_void) -> *mut c_voi
 }
 
 /// Returns `ptr` (PyTorch's pluggable `free`). `size` and `stream` are ignored: the
-/// engine knows both. A null `ptr` is ignored.
+/// engine knows both. A null `ptr` is ignored. A negative `device` means whichever device
+/// handed `ptr` out (a deleter that knows only the pointer).
 #[no_mangle]
 pub extern "C" fn streamalloc_free(
     ptr: *mut c_void,
@@ -199,6 +200,7 @@ pub extern "C" fn streamalloc_free(
     guard((), || {
         match registry::global().free(DevicePtr(ptr as usize as u64), device) {
             Ok(Freed::Here) => {}
+            Ok(Freed::OnDevice(_)) if device < 0 => {}
             Ok(Freed::OnDevice(owner)) => warn_once(
                 Once::WrongDevice,
                 format_args!("free of {ptr:p} named device {device}, but it belongs to device {owner}; freed there"),

@@ -4,6 +4,8 @@
 //!
 //! ```c
 //! void*   streamalloc_malloc_in_pool(size_t size, int device, cudaStream_t stream, uint64_t id0, uint64_t id1);
+//! int     streamalloc_pool_begin_allocate(int device, uint64_t id0, uint64_t id1);
+//! int     streamalloc_pool_end_allocate(int device, uint64_t id0, uint64_t id1);
 //! int     streamalloc_pool_incref(int device, uint64_t id0, uint64_t id1);
 //! int     streamalloc_pool_release(int device, uint64_t id0, uint64_t id1);
 //! int     streamalloc_pool_use_count(int device, uint64_t id0, uint64_t id1);
@@ -149,6 +151,30 @@ pub extern "C" fn streamalloc_malloc_in_pool(
         allocator
             .malloc_in(size as u64, stream, PoolId(id0, id1))
             .map(|block| block.ptr.0 as usize as *mut c_void)
+            .map_err(|err| pool_error(device, err))
+    })
+}
+
+/// A capture into pool `(id0, id1)` (or a `use_mem_pool` context) begins: creates the
+/// pool or adds a use, and until the matching end the engine makes no event query, wait or
+/// synchronisation a capture forbids, on any stream. Returns the new use count, or -1.
+#[no_mangle]
+pub extern "C" fn streamalloc_pool_begin_allocate(device: c_int, id0: u64, id1: u64) -> c_int {
+    with_device(device, -1, |allocator| {
+        allocator
+            .begin_allocate_to_pool(PoolId(id0, id1))
+            .map(|uses| uses as c_int)
+            .map_err(|err| pool_error(device, err))
+    })
+}
+
+/// Ends the newest begin of pool `(id0, id1)` (the pool keeps its use). 0, or -1.
+#[no_mangle]
+pub extern "C" fn streamalloc_pool_end_allocate(device: c_int, id0: u64, id1: u64) -> c_int {
+    with_device(device, -1, |allocator| {
+        allocator
+            .end_allocate_to_pool(PoolId(id0, id1))
+            .map(|()| 0)
             .map_err(|err| pool_error(device, err))
     })
 }
@@ -538,8 +564,8 @@ fn choose_route(
     Ok(capturing()?.then_some(newest.pool))
 }
 
-/// PyTorch's pluggable `beginAllocateToPool` hook: creates pool `(id0, id1)` or adds a
-/// use, and routes this thread's requests and those on capturing streams to it until
+/// PyTorch's pluggable `beginAllocateToPool` hook: begins allocating to pool `(id0,
+/// id1)` (see [`streamalloc_pool_begin_allocate`]) and routes this thread's requests and those on capturing streams to it until
 /// [`streamalloc_end_allocate_to_pool`]. The C++ `std::function` filter is not called
 /// (see the module docs).
 #[no_mangle]
@@ -551,9 +577,10 @@ pub extern "C" fn streamalloc_begin_allocate_to_pool(
 ) {
     guard((), || {
         let pool = PoolId(id0, id1);
-        match device_allocator(device).and_then(|a| {
-            a.create_or_incref_pool(pool)
-                .map_err(|e| pool_error(device, e))
+        match device_allocator(device).and_then(|allocator| {
+            allocator
+                .begin_allocate_to_pool(pool)
+                .map_err(|err| pool_error(device, err))
         }) {
             Ok(_) => {
                 let mut routes = routes();
@@ -577,15 +604,20 @@ pub extern "C" fn streamalloc_begin_allocate_to_pool(
 #[no_mangle]
 pub extern "C" fn streamalloc_end_allocate_to_pool(device: c_int, id0: u64, id1: u64) {
     guard((), || {
-        let mut routes = routes();
         let pool = PoolId(id0, id1);
-        if let Some(index) = routes
-            .iter()
-            .rposition(|route| route.device == device && route.pool == pool)
         {
-            routes.remove(index);
+            let mut routes = routes();
+            if let Some(index) = routes
+                .iter()
+                .rposition(|route| route.device == device && route.pool == pool)
+            {
+                routes.remove(index);
+            }
+            ROUTES_ACTIVE.store(routes.len(), Ordering::Release);
         }
-        ROUTES_ACTIVE.store(routes.len(), Ordering::Release);
+        if streamalloc_pool_end_allocate(device, id0, id1) < 0 {
+            eprintln!("streamalloc: {}", error::last_string());
+        }
     })
 }
 

@@ -66,7 +66,9 @@ impl State {
         }
         // A capturing stream may not query events, wait on events recorded outside the
         // capture, or synchronise: it only gets ready blocks of its own or fresh segments.
-        let capturing = backend.is_capturing(stream)?;
+        // While any capture is under way (global capture mode), no stream may: a query or a
+        // synchronisation anywhere, or a wait on a capturing stream's event, breaks it.
+        let capturing = self.pools.capture_underway() || backend.is_capturing(stream)?;
         if !capturing {
             // 2. Blocks whose events completed, found by one batched pass.
             let due = config.reuse_policy == ReusePolicy::Pytorch

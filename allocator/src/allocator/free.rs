@@ -50,6 +50,16 @@ impl State {
             return Ok(());
         }
         self.note(backend, TraceAction::FreeRequested, ptr.0, size, owner);
+        if self.pools.capture_underway() {
+            // An event recorded now on a capturing stream would become part of the
+            // capture: the block waits, out of every list and counted as pending, until
+            // the captures end (`complete_deferred_frees`) or the device synchronises.
+            self.arena.blocks[key].allocated = true;
+            self.stats.pending_free_bytes.add(size);
+            self.stats.active_bytes.add(size);
+            self.deferred_frees.push((key, ptr.0, uses));
+            return Ok(());
+        }
         if let Err(err) = self.record_uses(backend, key, &uses) {
             // Without the events the block's reuse cannot be ordered: keep it out of
             // circulation (leaked until empty_cache synchronises) rather than risk a race.
@@ -62,6 +72,35 @@ impl State {
         debug_assert!(!self.arena.blocks[key].pending.is_empty());
         self.insert_free(key);
         Ok(())
+    }
+
+    /// Frees the blocks deferred while captures were under way: records their use events
+    /// now and lists them.
+    pub(super) fn complete_deferred_frees<B: Backend>(
+        &mut self,
+        backend: &B,
+    ) -> Result<(), BackendError> {
+        for (key, _, uses) in std::mem::take(&mut self.deferred_frees) {
+            self.undefer(key);
+            if let Err(err) = self.record_uses(backend, key, &uses) {
+                tracing::error!(%err, "recording a use event failed; block quarantined until empty_cache");
+                self.arena.blocks[key].pending.clear();
+                self.list_quarantined(key);
+                return Err(err);
+            }
+            self.insert_free(key);
+        }
+        Ok(())
+    }
+
+    /// Takes a deferred block out of its waiting state (free, unlisted, uncounted).
+    pub(super) fn undefer(&mut self, key: BlockKey) {
+        let block = &mut self.arena.blocks[key];
+        debug_assert!(block.allocated && self.allocated.get(&block.addr) != Some(&key));
+        block.allocated = false;
+        let size = block.size;
+        self.stats.pending_free_bytes.sub(size);
+        self.stats.active_bytes.sub(size);
     }
 
     /// The block handed out at `addr`, if any (hot blocks share the map; see `allocated`).

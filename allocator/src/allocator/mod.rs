@@ -93,8 +93,13 @@ struct State {
     limit: Option<u64>,
     /// Expandable segments, when configured and the backend has virtual memory.
     vmm: Option<ExpandableTable>,
-    /// Use counts of the memory pools other than the default one.
+    /// Use counts of the memory pools other than the default one, and the pools being
+    /// allocated to.
     pools: PoolTable,
+    /// Blocks freed while a capture was under way whose other-stream uses still need
+    /// events: recording them then would put the events into the capture, so the blocks
+    /// stay allocated to nobody, with their address and uses, until the last capture ends.
+    deferred_frees: Vec<(BlockKey, u64, thin_vec::ThinVec<StreamSlot>)>,
 }
 
 impl<B: Backend> Allocator<B> {
@@ -133,6 +138,7 @@ impl<B: Backend> Allocator<B> {
             limit,
             vmm,
             pools: PoolTable::default(),
+            deferred_frees: Vec::new(),
         };
         Ok(Self {
             backend,
@@ -252,6 +258,34 @@ impl<B: Backend> Allocator<B> {
             return Err(AllocError::DefaultPool("created or referenced"));
         }
         Ok(self.state.lock().pools.incref(pool))
+    }
+
+    /// A graph capture into `pool`, or a `use_mem_pool` context, begins (PyTorch's
+    /// `beginAllocateToPool`): creates the pool or adds a use, as PyTorch does. Until the
+    /// matching [`Allocator::end_allocate_to_pool`], a capture may be under way on any
+    /// stream, and in CUDA's global capture mode that forbids event queries, waits on a
+    /// capturing stream's events and synchronisation everywhere: the engine makes none of
+    /// them, reuses no block across streams, releases no cached memory, and defers the
+    /// events of blocks freed with other-stream uses. Returns the pool's use count.
+    pub fn begin_allocate_to_pool(&self, pool: PoolId) -> Result<u32, AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("allocated to as a pool"));
+        }
+        Ok(self.state.lock().pools.begin(pool))
+    }
+
+    /// Ends the newest [`Allocator::begin_allocate_to_pool`] of `pool` (PyTorch's
+    /// `endAllocateToPool`); the pool keeps its use until released. When no capture is
+    /// under way any more, frees deferred during captures get their events.
+    pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<(), AllocError> {
+        let mut state = self.state.lock();
+        if !state.pools.end(pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        if !state.pools.capture_underway() {
+            state.complete_deferred_frees(&self.backend)?;
+        }
+        Ok(())
     }
 
     /// Drops a use of `pool` (PyTorch's `releasePool`). At zero its memory stops being

@@ -293,6 +293,43 @@ mod tests {
     }
 
     #[test]
+    fn frees_with_other_stream_uses_wait_for_the_capture_to_end() {
+        let (device, allocator) = sim(false);
+        let (capture, comm) = (device.create_stream(), device.create_stream());
+        let graph = PoolId(8, 0);
+        let sent = allocator.malloc(4 * MIB, comm).unwrap();
+        allocator.record_use(sent.ptr, capture).unwrap();
+        assert_eq!(allocator.begin_allocate_to_pool(graph), Ok(1));
+        device.begin_capture(capture);
+        allocator.free(sent.ptr).unwrap();
+        // No event may be recorded on the capturing stream: the block waits, counted as
+        // pending, and no allocation can take it.
+        assert_eq!(device.calls("record_event"), 0);
+        assert_eq!(allocator.stats().pending_free_bytes.current, sent.size);
+        allocator.check_invariants().unwrap();
+        let other = allocator.malloc(4 * MIB, comm).unwrap();
+        assert_ne!(other.ptr, sent.ptr);
+        device.end_capture(capture);
+        allocator.end_allocate_to_pool(graph).unwrap();
+        assert_eq!(
+            device.calls("record_event"),
+            1,
+            "recorded once the capture ended"
+        );
+        allocator.check_invariants().unwrap();
+        allocator.free(other.ptr).unwrap();
+        assert_eq!(
+            allocator.end_allocate_to_pool(graph),
+            Err(AllocError::UnknownPool(graph)),
+            "no begin left to end"
+        );
+        allocator.release_pool(graph).unwrap();
+        allocator.empty_cache().unwrap();
+        assert_eq!(device.reserved(), 0);
+        assert!(device.races().is_empty(), "{:?}", device.races());
+    }
+
+    #[test]
     fn a_live_user_pool_is_emptied_only_when_named() {
         let (device, allocator) = sim(true);
         let stream = device.create_stream();

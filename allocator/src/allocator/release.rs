@@ -100,8 +100,13 @@ impl State {
         self.release_quarantined();
     }
 
-    /// Frees quarantined blocks (allocated to nobody) now that the device is idle.
+    /// Frees deferred and quarantined blocks (allocated to nobody) now that the device is
+    /// idle: their other-stream uses are complete.
     pub(super) fn release_quarantined(&mut self) {
+        for (key, _, _) in std::mem::take(&mut self.deferred_frees) {
+            self.undefer(key);
+            self.insert_free(key);
+        }
         let quarantined: Vec<BlockKey> = self
             .arena
             .blocks

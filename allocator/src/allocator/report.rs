@@ -122,6 +122,14 @@ impl State {
         let mut hot_blocks = 0usize;
         let mut event_refs: HashMap<EventKey, u32> = HashMap::new();
         let (mut unmapped_bytes, mut unmapped_blocks) = (0u64, 0usize);
+        let deferred: std::collections::HashSet<BlockKey> =
+            self.deferred_frees.iter().map(|&(key, _, _)| key).collect();
+        if !deferred.is_empty() && !self.pools.capture_underway() {
+            return Err(format!(
+                "{} frees deferred with no capture under way",
+                deferred.len()
+            ));
+        }
         for (key, block) in &self.arena.blocks {
             let pool = block.pool;
             // Blocks never leave their segment's memory pool: a pool's memory serves only
@@ -139,6 +147,14 @@ impl State {
                 self.check_unmapped(key)?;
                 unmapped_bytes += block.size;
                 unmapped_blocks += 1;
+                continue;
+            }
+            if deferred.contains(&key) {
+                // Freed during a capture; counted as pending until its events are recorded.
+                if !block.allocated || self.allocated.get(&block.addr) == Some(&key) {
+                    return Err(format!("deferred block {key} is listed or handed out"));
+                }
+                pending_bytes += block.size;
                 continue;
             }
             if block.allocated {

@@ -19,9 +19,38 @@ use std::collections::HashMap;
 #[derive(Debug, Default)]
 pub(crate) struct PoolTable {
     uses: HashMap<PoolId, u32>,
+    /// Pools being allocated to (a graph capture or `use_mem_pool` under way), one entry per
+    /// begin not yet ended.
+    underway: Vec<PoolId>,
 }
 
 impl PoolTable {
+    /// A capture into `pool` (or a `use_mem_pool` context) begins: one use more, as
+    /// PyTorch's `beginAllocateToPool` adds one. Returns the new use count.
+    pub(crate) fn begin(&mut self, pool: PoolId) -> u32 {
+        self.underway.push(pool);
+        self.incref(pool)
+    }
+
+    /// Ends the newest begin of `pool` (its use stays until released); false if none.
+    pub(crate) fn end(&mut self, pool: PoolId) -> bool {
+        match self.underway.iter().rposition(|&p| p == pool) {
+            Some(index) => {
+                self.underway.remove(index);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// True while some pool is being allocated to. A capture in CUDA's global mode
+    /// (PyTorch's default) forbids event queries, waits on the capturing stream's events
+    /// and synchronisation on *every* stream, and the engine cannot tell which streams
+    /// capture, so it refrains from all three everywhere, as PyTorch does.
+    pub(crate) fn capture_underway(&self) -> bool {
+        !self.underway.is_empty()
+    }
+
     /// Creates `pool` with one use, or adds a use. Returns the new count.
     pub(crate) fn incref(&mut self, pool: PoolId) -> u32 {
         let uses = self.uses.entry(pool).or_default();
@@ -68,6 +97,19 @@ impl PoolTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_begin_adds_a_use_and_marks_a_capture_under_way_until_its_end() {
+        let mut pools = PoolTable::default();
+        let graph = PoolId(1, 0);
+        assert!(!pools.capture_underway());
+        assert_eq!(pools.begin(graph), 1);
+        assert_eq!(pools.begin(graph), 2, "two graphs sharing the pool");
+        assert!(pools.end(graph) && pools.capture_underway());
+        assert!(pools.end(graph) && !pools.capture_underway());
+        assert!(!pools.end(graph), "no begin left to end");
+        assert_eq!(pools.uses(graph), 2, "ending a capture keeps its use");
+    }
 
     #[test]
     fn uses_count_up_and_down_and_a_released_pool_stops_pinning() {

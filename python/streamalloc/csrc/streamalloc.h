@@ -77,14 +77,24 @@ typedef struct streamalloc_pool_block {
  * on failure (unknown pool, out of memory: the message says which); never throws. */
 void* streamalloc_malloc_in_pool(size_t size, int device, void* stream, uint64_t pool_id0,
                                  uint64_t pool_id1);
-/* Returns ptr; size and stream are ignored. Null is ignored. */
+/* Returns ptr; size and stream are ignored. Null is ignored. A negative device means
+ * "whichever device handed it out" (no wrong-device warning). */
 void streamalloc_free(void* ptr, size_t size, int device, void* stream);
 /* Notes that stream uses ptr (record_stream). */
 void streamalloc_record_stream(void* ptr, void* stream);
 
 /* ---- pools --------------------------------------------------------------------- */
 
-/* Creates the pool, or adds a use to it. Returns the new use count, or -1. */
+/* A graph capture into the pool, or a use_mem_pool context, begins (PyTorch's
+ * beginAllocateToPool): creates the pool or adds a use to it. Until the matching end, the
+ * engine makes none of the calls a capture forbids (event queries, waits on a capturing
+ * stream's events, synchronisation) on any stream. Returns the new use count, or -1. */
+int streamalloc_pool_begin_allocate(int device, uint64_t pool_id0, uint64_t pool_id1);
+/* Ends the newest begin of the pool (endAllocateToPool); the pool keeps its use until
+ * released. 0, or -1 (no begin to end). */
+int streamalloc_pool_end_allocate(int device, uint64_t pool_id0, uint64_t pool_id1);
+/* Creates the pool, or adds a use to it (createOrIncrefPool). Returns the new use count,
+ * or -1. */
 int streamalloc_pool_incref(int device, uint64_t pool_id0, uint64_t pool_id1);
 /* Drops a use. At zero, the pool's free memory is returned by the next empty cache (or
  * out-of-memory retry), and its blocks still allocated follow when freed. Returns the
