@@ -1,18 +1,22 @@
 //! Property tests of the engine, state-machine style: random programs of malloc / free /
-//! record_use / stream work / host progress / stream syncs / empty_cache on four streams,
-//! run on the simulated device under both reuse policies. After every step:
+//! record_use / stream work / host progress / stream syncs / empty_cache, CUDA-graph
+//! capture / replay / destruction and user-pool allocations on four streams, run on the
+//! simulated device under both reuse policies. After every step:
 //! - the race detector finds no race (no byte reused before its earlier uses
-//!   happen-before the new owner's work);
+//!   happen-before the new owner's work, and no graph replay over memory eager code took);
 //! - no two live blocks overlap;
+//! - memory handed out in a pool with uses left (a live graph's, the user pool) is never
+//!   handed to an allocation of another pool;
 //! - the engine's invariants hold and the stats add up to the live blocks and segments;
 //!
-//! and at the end, after freeing everything and `empty_cache`, nothing is reserved and no
-//! event is outstanding. Failures shrink to short programs.
+//! and at the end, after destroying every graph, releasing every pool, freeing everything
+//! and `empty_cache`, nothing is reserved and no event is outstanding. Failures shrink to
+//! short programs. The tests after the machine show that each property can fail.
 
 use common::harness_op;
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
-use streamalloc_allocator::testing::{proptest_cases, Harness, Op};
+use streamalloc_allocator::testing::{proptest_cases, Harness, Op, STREAMS};
 
 mod common;
 use streamalloc_allocator::{Config, ReusePolicy};
@@ -24,6 +28,8 @@ struct Model {
     event_batch: usize,
     capacity: u64,
     live: usize,
+    capturing: bool,
+    graphs: usize,
 }
 
 struct EngineMachine;
@@ -52,25 +58,48 @@ impl ReferenceStateMachine for EngineMachine {
                 event_batch,
                 capacity,
                 live: 0,
+                capturing: false,
+                graphs: 0,
             })
             .boxed()
     }
 
     fn transitions(_model: &Model) -> BoxedStrategy<Op> {
-        harness_op(size())
+        let stream = 0..STREAMS as u8;
+        prop_oneof![
+            19 => harness_op(size()),
+            2 => stream.clone().prop_map(|stream| Op::BeginCapture { stream }),
+            2 => Just(Op::EndCapture),
+            3 => (any::<u16>(), stream.clone())
+                .prop_map(|(graph, stream)| Op::Replay { graph, stream }),
+            1 => any::<u16>().prop_map(|graph| Op::DestroyGraph { graph }),
+            2 => (stream, size(), 0u32..2_000_000).prop_map(|(stream, size, duration)| {
+                Op::PoolMalloc { stream, size, duration }
+            }),
+        ]
+        .boxed()
     }
 
     fn preconditions(model: &Model, op: &Op) -> bool {
         match op {
             Op::Free { .. } | Op::Use { .. } | Op::Work { .. } => model.live > 0,
+            Op::BeginCapture { .. } => !model.capturing,
+            Op::EndCapture => model.capturing,
+            Op::Replay { .. } | Op::DestroyGraph { .. } => model.graphs > 0,
             _ => true,
         }
     }
 
     fn apply(mut model: Model, op: &Op) -> Model {
         match op {
-            Op::Malloc { .. } => model.live += 1,
+            Op::Malloc { .. } | Op::PoolMalloc { .. } => model.live += 1,
             Op::Free { .. } => model.live -= 1,
+            Op::BeginCapture { .. } => model.capturing = true,
+            Op::EndCapture => {
+                model.capturing = false;
+                model.graphs += 1;
+            }
+            Op::DestroyGraph { .. } => model.graphs -= 1,
             _ => {}
         }
         model
@@ -117,4 +146,106 @@ prop_state_machine! {
     /// Every invariant holds after every step of every program, and nothing leaks.
     #[test]
     fn engine_invariants_hold_on_random_programs(sequential 1..120 => EngineMachine);
+}
+
+const MIB: u64 = 1 << 20;
+
+/// Runs `program` and returns the first violation, the teardown's included.
+fn run(config: Config, program: &[Op]) -> Result<(), String> {
+    let mut harness = Harness::new(config, 1 << 30).map_err(|err| err.to_string())?;
+    for op in program {
+        harness.apply(op)?;
+    }
+    harness.finish()
+}
+
+/// Capture `tmp`, free it after the capture, allocate the same size eagerly on the same
+/// stream, then replay.
+fn graph_memory_reuse() -> Vec<Op> {
+    let malloc = Op::Malloc {
+        stream: 0,
+        size: 4 * MIB,
+        duration: 1_000,
+    };
+    vec![
+        Op::BeginCapture { stream: 0 },
+        malloc.clone(),
+        Op::EndCapture,
+        Op::Free { block: 0 },
+        malloc,
+        Op::Replay {
+            graph: 0,
+            stream: 1,
+        },
+    ]
+}
+
+#[test]
+fn pool_isolation_fails_when_graph_memory_returns_to_the_default_pool() {
+    assert_eq!(run(Config::default(), &graph_memory_reuse()), Ok(()));
+    let planted = Config {
+        graph_pools: false,
+        ..Config::default()
+    };
+    let violation = run(planted, &graph_memory_reuse()).unwrap_err();
+    assert!(
+        violation.contains("after step 5") || violation.starts_with("step 5"),
+        "{violation}"
+    );
+    assert!(
+        violation.contains("overlaps") && violation.contains("pool(1, 0)"),
+        "{violation}"
+    );
+}
+
+#[test]
+fn no_race_fails_when_a_replay_writes_memory_eager_code_took() {
+    let planted = Config {
+        graph_pools: false,
+        ..Config::default()
+    };
+    let mut harness = Harness::new(planted, 1 << 30).unwrap();
+    // Without the isolation check, only the race detector stands between the replay and
+    // the eager block.
+    harness.skip_pool_isolation_check();
+    let program = graph_memory_reuse();
+    for op in &program[..5] {
+        harness.apply(op).unwrap();
+    }
+    let violation = harness.apply(&program[5]).unwrap_err();
+    assert!(violation.starts_with("after step 6"), "{violation}");
+    assert!(
+        violation.contains("step 5: first write of new block")
+            && violation.contains("replay 1 of graph 1: step 2: first write of new block"),
+        "{violation}"
+    );
+}
+
+#[test]
+fn teardown_fails_when_a_pool_keeps_a_use() {
+    let mut harness = Harness::new(Config::default(), 1 << 30).unwrap();
+    let program = graph_memory_reuse();
+    for op in &program {
+        harness.apply(op).unwrap();
+    }
+    let pool = harness.live_pools()[0];
+    harness.allocator().create_or_incref_pool(pool).unwrap();
+    let violation = harness.finish().unwrap_err();
+    assert!(violation.contains("uses left"), "{violation}");
+}
+
+#[test]
+fn stats_fail_when_an_allocation_is_unaccounted_for() {
+    let mut harness = Harness::new(Config::default(), 1 << 30).unwrap();
+    harness
+        .apply(&Op::PoolMalloc {
+            stream: 0,
+            size: MIB,
+            duration: 0,
+        })
+        .unwrap();
+    let stream = harness.device().create_stream();
+    harness.allocator().malloc(MIB, stream).unwrap();
+    let violation = harness.check().unwrap_err();
+    assert!(violation.starts_with("stats say"), "{violation}");
 }

@@ -11,13 +11,34 @@
 //!   up to the live blocks and the simulator's segments;
 //! - after freeing everything and `empty_cache`, nothing is reserved and no event object
 //!   is left.
+//!
+//! # Graphs and pools
+//! Programs may also capture CUDA graphs, replay and destroy them, and allocate from a
+//! user pool (`torch.cuda.MemPool`). A capture gets a fresh pool, as `torch.cuda.graph`
+//! does: mallocs on the capturing stream go to it, and their first writes, like any
+//! owner work on that stream, are recorded into the graph rather than run. Owner work
+//! during capture on a block from outside the pool makes the block a graph input (read by
+//! every replay), which the program then keeps alive until the graph is destroyed.
+//!
+//! The programs stay race-free by following PyTorch's rules: a replay touches only its
+//! pool's memory and its inputs, so it is ordered after the eager work on those (and the
+//! previous replays of graphs sharing them), eager work on them is ordered after the last
+//! such replay, and `record_use` tells the allocator which streams replayed over a live
+//! block. Nothing else is ordered: an eager block that overlaps a graph's memory races
+//! with the replays. During a capture the program makes no call CUDA forbids (no
+//! synchronisation, no `empty_cache`, no cross-stream wait with the capturing stream).
+//!
+//! One more invariant then: memory handed out in a pool that still has uses is never
+//! handed to an allocation of another pool (the default one included).
 
+use crate::backend::sim::GraphId;
 use crate::backend::sim::{Access, SimBackend};
 use crate::backend::Backend;
 use crate::config::{Config, ReusePolicy};
 use crate::error::AllocError;
-use crate::types::{DevicePtr, StreamId};
+use crate::types::{DevicePtr, PoolId, StreamId};
 use crate::Allocator;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Streams a harness program uses.
 pub const STREAMS: usize = 4;
@@ -69,7 +90,39 @@ pub enum Op {
     },
     /// `empty_cache()`.
     EmptyCache,
+    /// Starts capturing a graph on `stream` into a new pool (ignored while a capture is
+    /// under way).
+    BeginCapture {
+        /// Stream index, modulo [`STREAMS`].
+        stream: u8,
+    },
+    /// Ends the capture under way, if any: the graph becomes replayable.
+    EndCapture,
+    /// Replays the `graph`-th live graph on `stream`.
+    Replay {
+        /// Live graph index (modulo).
+        graph: u16,
+        /// Stream index, modulo [`STREAMS`].
+        stream: u8,
+    },
+    /// Destroys the `graph`-th live graph and releases its pool's use.
+    DestroyGraph {
+        /// Live graph index (modulo).
+        graph: u16,
+    },
+    /// Like [`Op::Malloc`], from the program's user pool (`torch.cuda.MemPool`).
+    PoolMalloc {
+        /// Stream index, modulo [`STREAMS`].
+        stream: u8,
+        /// Bytes.
+        size: u64,
+        /// Duration of the first write, nanoseconds.
+        duration: u32,
+    },
 }
+
+/// The program's user pool.
+pub const USER_POOL: PoolId = PoolId(0, 1);
 
 #[derive(Clone, Debug)]
 struct Live {
@@ -77,6 +130,24 @@ struct Live {
     size: u64,
     stream: usize,
     shared: bool,
+    pool: PoolId,
+    /// Graphs (by key) whose replays touch the block: the one it was allocated in during
+    /// capture, and those that read it as an input.
+    graphs: Vec<u64>,
+}
+
+/// A captured graph, by key (its pool is `PoolId(key, 0)`). Kept after destruction, as
+/// eager work on its former memory must still follow its last replay.
+#[derive(Clone, Debug)]
+struct Graph {
+    /// Set when the capture ends.
+    id: Option<GraphId>,
+    pool: PoolId,
+    alive: bool,
+    /// Stream of the latest replay.
+    last_replay: Option<usize>,
+    /// Streams that touched the graph's memory eagerly since the latest replay.
+    touchers: BTreeSet<usize>,
 }
 
 /// A program under execution.
@@ -87,6 +158,13 @@ pub struct Harness {
     streams: Vec<StreamId>,
     live: Vec<Live>,
     steps: usize,
+    /// The capture under way: stream index and graph key.
+    capture: Option<(usize, u64)>,
+    graphs: BTreeMap<u64, Graph>,
+    next_graph: u64,
+    /// Every range handed out in each pool that has uses, by pool.
+    pool_ranges: BTreeMap<PoolId, Vec<(u64, u64)>>,
+    check_pool_isolation: bool,
 }
 
 impl Harness {
@@ -101,7 +179,28 @@ impl Harness {
             streams,
             live: Vec::new(),
             steps: 0,
+            capture: None,
+            graphs: BTreeMap::new(),
+            next_graph: 1,
+            pool_ranges: BTreeMap::new(),
+            check_pool_isolation: true,
         })
+    }
+
+    /// Stops checking pool isolation, so that a test can show what the race detector
+    /// alone makes of memory that leaves a pool.
+    pub fn skip_pool_isolation_check(&mut self) {
+        self.check_pool_isolation = false;
+    }
+
+    /// Pools with uses: the user pool once used, and each live graph's.
+    pub fn live_pools(&self) -> Vec<PoolId> {
+        self.pool_ranges.keys().copied().collect()
+    }
+
+    /// Graphs captured and not destroyed.
+    pub fn live_graphs(&self) -> usize {
+        self.graphs.values().filter(|g| g.alive).count()
     }
 
     /// The allocator under test.
@@ -123,6 +222,7 @@ impl Harness {
     pub fn apply(&mut self, op: &Op) -> Result<(), String> {
         self.steps += 1;
         let step = self.steps;
+        let capturing = self.capture.map(|(stream, _)| stream);
         match *op {
             Op::Malloc {
                 stream,
@@ -130,31 +230,39 @@ impl Harness {
                 duration,
             } => {
                 let stream = stream as usize % STREAMS;
-                match self.allocator.malloc(size, self.streams[stream]) {
-                    Ok(block) => {
-                        self.device.launch(
-                            self.streams[stream],
-                            &[Access::write(block.ptr, size)],
-                            u64::from(duration),
-                            &format!("step {step}: first write of new block {:?}", block.ptr),
-                        );
-                        self.live.push(Live {
-                            ptr: block.ptr,
-                            size: block.size,
-                            stream,
-                            shared: false,
-                        });
+                let pool = match self.capture {
+                    Some((capture, key)) if capture == stream => self.graphs[&key].pool,
+                    _ => PoolId::DEFAULT,
+                };
+                self.malloc(step, stream, size, duration, pool)?;
+            }
+            Op::PoolMalloc {
+                stream,
+                size,
+                duration,
+            } => {
+                let stream = stream as usize % STREAMS;
+                // A capture's allocations belong to its graph's pool.
+                if capturing != Some(stream) {
+                    if !self.pool_ranges.contains_key(&USER_POOL) {
+                        self.allocator
+                            .create_or_incref_pool(USER_POOL)
+                            .map_err(|err| format!("step {step}: create pool: {err}"))?;
+                        self.pool_ranges.insert(USER_POOL, Vec::new());
                     }
-                    Err(AllocError::OutOfMemory(_)) | Err(AllocError::InvalidSize(_)) => {}
-                    Err(err) => return Err(format!("step {step}: malloc failed: {err}")),
+                    self.malloc(step, stream, size, duration, USER_POOL)?;
                 }
             }
             Op::Free { block } => {
                 if !self.live.is_empty() {
-                    let live = self.live.swap_remove(block as usize % self.live.len());
-                    self.allocator
-                        .free(live.ptr)
-                        .map_err(|err| format!("step {step}: free failed: {err}"))?;
+                    let index = block as usize % self.live.len();
+                    // A live graph's inputs stay allocated while it can be replayed.
+                    if !self.is_graph_input(&self.live[index]) {
+                        let live = self.live.swap_remove(index);
+                        self.allocator
+                            .free(live.ptr)
+                            .map_err(|err| format!("step {step}: free failed: {err}"))?;
+                    }
                 }
             }
             Op::Use {
@@ -166,8 +274,17 @@ impl Harness {
                     let index = block as usize % self.live.len();
                     let user = stream as usize % STREAMS;
                     let live = self.live[index].clone();
+                    // A capturing stream takes part in no cross-stream ordering.
+                    if capturing.is_some_and(|c| {
+                        c == user
+                            || c == live.stream
+                            || self.touch_dependencies(index).any(|s| s == c)
+                    }) {
+                        return self.checked(step, op);
+                    }
                     let (owner, user_id) = (self.streams[live.stream], self.streams[user]);
-                    // The program's own ordering: the user stream waits for the owner.
+                    // The program's own ordering: the user stream waits for the owner, and
+                    // for the replays that wrote the block.
                     let event = self.device.create_event().map_err(|e| e.to_string())?;
                     self.device
                         .record_event(event, owner)
@@ -178,6 +295,7 @@ impl Harness {
                     self.device
                         .destroy_event(event)
                         .map_err(|e| e.to_string())?;
+                    self.touch_graph_memory(index, user)?;
                     self.device.launch(
                         user_id,
                         &[Access::read(live.ptr, live.size)],
@@ -192,14 +310,38 @@ impl Harness {
             }
             Op::Work { block, duration } => {
                 if !self.live.is_empty() {
-                    let live = self.live[block as usize % self.live.len()].clone();
+                    let index = block as usize % self.live.len();
+                    let live = self.live[index].clone();
                     // Once other streams read it, the owner only reads (a write would be
                     // the program's own race).
-                    let access = if live.shared {
+                    let mut access = if live.shared {
                         Access::read(live.ptr, live.size)
                     } else {
                         Access::write(live.ptr, live.size)
                     };
+                    match self.capture {
+                        Some((capture, key)) if capture == live.stream => {
+                            // Recorded into the graph. A block from outside its pool is an
+                            // input: the graph only reads it.
+                            if live.pool != self.graphs[&key].pool {
+                                access = Access::read(live.ptr, live.size);
+                            }
+                            if !live.graphs.contains(&key) {
+                                self.live[index].graphs.push(key);
+                                // Replays must follow the eager work that filled it.
+                                let graph = self.graphs.get_mut(&key).expect("capturing");
+                                graph.touchers.insert(live.stream);
+                            }
+                        }
+                        _ => {
+                            if capturing
+                                .is_some_and(|c| self.touch_dependencies(index).any(|s| s == c))
+                            {
+                                return self.checked(step, op);
+                            }
+                            self.touch_graph_memory(index, live.stream)?
+                        }
+                    }
                     self.device.launch(
                         self.streams[live.stream],
                         &[access],
@@ -209,17 +351,259 @@ impl Harness {
                 }
             }
             Op::AdvanceHost { ns } => self.device.advance_host(u64::from(ns)),
-            Op::SyncStream { stream } => self
-                .device
-                .synchronize_stream(self.streams[stream as usize % STREAMS]),
+            Op::SyncStream { stream } => {
+                let stream = stream as usize % STREAMS;
+                if capturing != Some(stream) {
+                    self.device.synchronize_stream(self.streams[stream]);
+                }
+            }
             Op::EmptyCache => {
-                self.allocator
-                    .empty_cache()
-                    .map_err(|err| format!("step {step}: empty_cache failed: {err}"))?;
+                // It synchronises the device, which a capture forbids.
+                if capturing.is_none() {
+                    self.allocator
+                        .empty_cache()
+                        .map_err(|err| format!("step {step}: empty_cache failed: {err}"))?;
+                }
+            }
+            Op::BeginCapture { stream } => {
+                if capturing.is_none() {
+                    self.begin_capture(stream as usize % STREAMS)
+                        .map_err(|err| format!("step {step}: {err}"))?;
+                }
+            }
+            Op::EndCapture => self
+                .end_capture()
+                .map_err(|err| format!("step {step}: {err}"))?,
+            Op::Replay { graph, stream } => {
+                let stream = stream as usize % STREAMS;
+                if let Some(key) = self.pick_graph(graph) {
+                    let waits_on_capture = capturing
+                        .is_some_and(|c| c == stream || self.replay_dependencies(key).contains(&c));
+                    if !waits_on_capture {
+                        self.replay(key, stream)
+                            .map_err(|err| format!("step {step}: {err}"))?;
+                    }
+                }
+            }
+            Op::DestroyGraph { graph } => {
+                if let Some(key) = self.pick_graph(graph) {
+                    self.destroy_graph(key)
+                        .map_err(|err| format!("step {step}: {err}"))?;
+                }
             }
         }
+        self.checked(step, op)
+    }
+
+    fn checked(&self, step: usize, op: &Op) -> Result<(), String> {
         self.check()
             .map_err(|err| format!("after step {step} ({op:?}): {err}"))
+    }
+
+    /// Allocates in `pool` and has the owner write the new block (recorded, not run, on a
+    /// capturing stream). Checks that no other live pool ever handed out these bytes.
+    fn malloc(
+        &mut self,
+        step: usize,
+        stream: usize,
+        size: u64,
+        duration: u32,
+        pool: PoolId,
+    ) -> Result<(), String> {
+        let block = match self.allocator.malloc_in(size, self.streams[stream], pool) {
+            Ok(block) => block,
+            Err(AllocError::OutOfMemory(_))
+            | Err(AllocError::InvalidSize(_))
+            | Err(AllocError::CaptureForbidsGrowth(_)) => return Ok(()),
+            Err(err) => return Err(format!("step {step}: malloc failed: {err}")),
+        };
+        let (start, end) = (block.ptr.0, block.ptr.0 + block.size);
+        for (&other, ranges) in &self.pool_ranges {
+            if other == pool || !self.check_pool_isolation {
+                continue;
+            }
+            if let Some((from, to)) = ranges.iter().find(|(from, to)| *from < end && start < *to) {
+                return Err(format!(
+                    "step {step}: a block of {pool:?} at [{start:#x}, {end:#x}) overlaps \
+                     [{from:#x}, {to:#x}), handed out in {other:?}, which still has uses"
+                ));
+            }
+        }
+        if let Some(ranges) = self.pool_ranges.get_mut(&pool) {
+            ranges.push((start, end));
+        }
+        let graphs = match self.capture {
+            Some((capture, key)) if capture == stream => vec![key],
+            _ => Vec::new(),
+        };
+        self.device.launch(
+            self.streams[stream],
+            &[Access::write(block.ptr, size)],
+            u64::from(duration),
+            &format!("step {step}: first write of new block {:?}", block.ptr),
+        );
+        self.live.push(Live {
+            ptr: block.ptr,
+            size: block.size,
+            stream,
+            shared: false,
+            pool,
+            graphs,
+        });
+        Ok(())
+    }
+
+    /// Makes stream `later` wait on the device for the work enqueued on `earlier` so far.
+    fn order(&self, earlier: usize, later: usize) -> Result<(), String> {
+        if earlier == later {
+            return Ok(());
+        }
+        let event = self.device.create_event().map_err(|e| e.to_string())?;
+        self.device
+            .record_event(event, self.streams[earlier])
+            .map_err(|e| e.to_string())?;
+        self.device
+            .stream_wait_event(self.streams[later], event)
+            .map_err(|e| e.to_string())?;
+        self.device.destroy_event(event).map_err(|e| e.to_string())
+    }
+
+    /// The streams a replay of graph `key` must be ordered after: the eager work on its
+    /// memory and the latest replays of every graph sharing that memory.
+    fn replay_dependencies(&self, key: u64) -> BTreeSet<usize> {
+        let mut after: BTreeSet<usize> = self.graphs[&key].touchers.clone();
+        for live in self.live.iter().filter(|l| l.graphs.contains(&key)) {
+            for other in &live.graphs {
+                after.extend(self.graphs[other].last_replay);
+            }
+        }
+        after.extend(self.graphs[&key].last_replay);
+        after
+    }
+
+    /// The streams whose replays an eager touch of the `index`-th live block must follow.
+    fn touch_dependencies(&self, index: usize) -> impl Iterator<Item = usize> + '_ {
+        self.live[index]
+            .graphs
+            .iter()
+            .filter_map(|key| self.graphs[key].last_replay)
+    }
+
+    /// Before `stream` touches the `index`-th live block eagerly: orders it after the
+    /// latest replays over the block, and notes it for the next ones to wait on.
+    fn touch_graph_memory(&mut self, index: usize, stream: usize) -> Result<(), String> {
+        for key in self.live[index].graphs.clone() {
+            if let Some(replayed) = self.graphs[&key].last_replay {
+                self.order(replayed, stream)?;
+            }
+            self.graphs
+                .get_mut(&key)
+                .expect("graphs are kept")
+                .touchers
+                .insert(stream);
+        }
+        Ok(())
+    }
+
+    /// True if a live graph other than the one of the block's pool reads the block.
+    fn is_graph_input(&self, live: &Live) -> bool {
+        live.graphs.iter().any(|key| {
+            let graph = &self.graphs[key];
+            graph.alive && graph.pool != live.pool
+        })
+    }
+
+    /// The key of the `index`-th (modulo) replayable graph.
+    fn pick_graph(&self, index: u16) -> Option<u64> {
+        let replayable: Vec<u64> = self
+            .graphs
+            .iter()
+            .filter(|(_, g)| g.alive && g.id.is_some())
+            .map(|(&key, _)| key)
+            .collect();
+        (!replayable.is_empty()).then(|| replayable[index as usize % replayable.len()])
+    }
+
+    fn begin_capture(&mut self, stream: usize) -> Result<(), String> {
+        let key = self.next_graph;
+        self.next_graph += 1;
+        let pool = PoolId(key, 0);
+        self.allocator
+            .begin_allocate_to_pool(pool)
+            .map_err(|err| format!("begin_allocate_to_pool: {err}"))?;
+        self.pool_ranges.insert(pool, Vec::new());
+        self.device.begin_capture(self.streams[stream]);
+        self.graphs.insert(
+            key,
+            Graph {
+                id: None,
+                pool,
+                alive: true,
+                last_replay: None,
+                touchers: BTreeSet::new(),
+            },
+        );
+        self.capture = Some((stream, key));
+        Ok(())
+    }
+
+    fn end_capture(&mut self) -> Result<(), String> {
+        if let Some((stream, key)) = self.capture.take() {
+            let id = self.device.end_capture(self.streams[stream]);
+            let graph = self.graphs.get_mut(&key).expect("captured");
+            graph.id = Some(id);
+            self.allocator
+                .end_allocate_to_pool(graph.pool)
+                .map_err(|err| format!("end_allocate_to_pool: {err}"))?;
+        }
+        Ok(())
+    }
+
+    /// Replays graph `key` on `stream`, ordered after the eager work on its memory and the
+    /// latest replays of every graph sharing that memory.
+    fn replay(&mut self, key: u64, stream: usize) -> Result<(), String> {
+        let touched: Vec<usize> = (0..self.live.len())
+            .filter(|&i| self.live[i].graphs.contains(&key))
+            .collect();
+        for earlier in self.replay_dependencies(key) {
+            self.order(earlier, stream)?;
+        }
+        let id = self.graphs[&key].id.expect("replayable");
+        self.device.replay(id, self.streams[stream]);
+        // Like record_stream on the tensors a replay on another stream touched.
+        for &i in &touched {
+            if self.live[i].stream != stream {
+                self.allocator
+                    .record_use(self.live[i].ptr, self.streams[stream])
+                    .map_err(|err| format!("record_use after replay: {err}"))?;
+            }
+        }
+        let graph = self.graphs.get_mut(&key).expect("live");
+        graph.last_replay = Some(stream);
+        graph.touchers.clear();
+        Ok(())
+    }
+
+    fn destroy_graph(&mut self, key: u64) -> Result<(), String> {
+        let graph = self.graphs.get_mut(&key).expect("live");
+        graph.alive = false;
+        let (id, pool) = (graph.id.expect("captured"), graph.pool);
+        self.device.destroy_graph(id);
+        self.release_pool(pool)
+    }
+
+    fn release_pool(&mut self, pool: PoolId) -> Result<(), String> {
+        let left = self
+            .allocator
+            .release_pool(pool)
+            .map_err(|err| format!("release_pool({pool:?}): {err}"))?;
+        if left != 0 {
+            return Err(format!(
+                "{pool:?} has {left} uses left after its last release"
+            ));
+        }
+        self.pool_ranges.remove(&pool);
+        Ok(())
     }
 
     /// Checks every invariant now.
@@ -260,9 +644,23 @@ impl Harness {
         Ok(())
     }
 
-    /// Frees every live block, empties the cache and checks that nothing is left: no
-    /// reserved byte, no segment, no event object, no race.
+    /// Ends the capture under way, destroys every graph, releases every pool, frees every
+    /// live block, empties the cache and checks that nothing is left: no reserved byte, no
+    /// segment, no event object, no graph, no race.
     pub fn finish(mut self) -> Result<(), String> {
+        self.end_capture()?;
+        let alive: Vec<u64> = self
+            .graphs
+            .iter()
+            .filter(|(_, g)| g.alive)
+            .map(|(&key, _)| key)
+            .collect();
+        for key in alive {
+            self.destroy_graph(key)?;
+        }
+        if self.pool_ranges.contains_key(&USER_POOL) {
+            self.release_pool(USER_POOL)?;
+        }
         for live in std::mem::take(&mut self.live) {
             self.allocator
                 .free(live.ptr)
@@ -278,6 +676,7 @@ impl Harness {
             ("segments", self.device.live_segments() as u64),
             ("outstanding events", stats.events_outstanding),
             ("event objects", self.device.live_events() as u64),
+            ("graphs", self.device.live_graphs() as u64),
         ];
         for (what, count) in leftovers {
             if count != 0 {
@@ -341,15 +740,30 @@ fn decode_op(chunk: &[u8]) -> Op {
         6 => Op::SyncStream {
             stream: field(3, 2) as u8,
         },
-        _ => {
-            if field(3, 3) == 0 {
-                Op::EmptyCache
-            } else {
-                Op::Free {
-                    block: field(8, 16) as u16,
-                }
-            }
-        }
+        // Opcode 7 is split by bits 3..6; graph and pool steps took five of the seven
+        // values that used to mean Free, so older corpus inputs still decode to programs.
+        _ => match field(3, 3) {
+            0 => Op::EmptyCache,
+            2 => Op::BeginCapture {
+                stream: field(6, 2) as u8,
+            },
+            3 => Op::EndCapture,
+            4 => Op::Replay {
+                graph: field(8, 16) as u16,
+                stream: field(6, 2) as u8,
+            },
+            5 => Op::DestroyGraph {
+                graph: field(8, 16) as u16,
+            },
+            6 => Op::PoolMalloc {
+                stream: field(6, 2) as u8,
+                size: (1 + field(8, 26) % (48 << 20)) >> field(34, 4),
+                duration,
+            },
+            _ => Op::Free {
+                block: field(8, 16) as u16,
+            },
+        },
     }
 }
 

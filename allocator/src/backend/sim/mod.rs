@@ -31,8 +31,27 @@
 //! Each `map_pages` call is one mapping of one physical allocation, and `unmap_pages` must
 //! cover whole mappings, as `cuMemUnmap` requires.
 //!
-//! The simulator also checks CUDA-graph capture rules: while a stream captures, device
-//! synchronisation, event queries and waits on the capturing stream are reported.
+//! # Graphs
+//! CUDA graphs are captured and replayed as on a real device, so that the detector sees
+//! what a graph does to memory when it runs, not when it was recorded:
+//! - [`SimBackend::begin_capture`] starts capturing a stream. From then on a
+//!   [`SimBackend::launch`] on it does not execute: its label, accesses and duration are
+//!   appended to the graph being captured, and the stream's clock and time stay put.
+//! - [`SimBackend::end_capture`] ends it and returns the [`GraphId`].
+//! - [`SimBackend::replay`] enqueues the graph's operations, in capture order, on any
+//!   stream, each checked exactly like a launch and labelled `replay N of graph G:
+//!   <label>`. A replay's access to bytes that eager work touched with no happens-before
+//!   is an [`RaceKind::Unordered`] race naming both; an access to memory that is no longer
+//!   in a live segment or mapping is [`RaceKind::OutOfBounds`]. The addresses are the ones
+//!   captured: memory a graph uses must stay the graph's for as long as it is replayed.
+//! - [`SimBackend::destroy_graph`] forgets it.
+//!
+//! Capture rules are checked while a stream captures: device synchronisation, event
+//! queries, segment frees, host synchronisation with the capturing stream, waits of the
+//! capturing stream on events recorded outside the capture, and waits of other streams on
+//! events recorded inside it (in CUDA that would pull them into the capture, which the
+//! simulator does not model). [`SimBackend::set_capturing`] turns the rules on without
+//! recording a graph (launches then execute at once), for tests of the rules alone.
 
 mod clock;
 mod shadow;
@@ -128,6 +147,31 @@ impl fmt::Display for Race {
     }
 }
 
+/// A graph captured by [`SimBackend::end_capture`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GraphId(pub u64);
+
+impl fmt::Display for GraphId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// One launch recorded during capture.
+#[derive(Clone, Debug)]
+struct CapturedOp {
+    label: String,
+    accesses: Vec<Access>,
+    duration_ns: u64,
+}
+
+#[derive(Debug, Default)]
+struct SimGraph {
+    ops: Vec<CapturedOp>,
+    /// Replays enqueued so far, to number them in labels.
+    replays: u64,
+}
+
 #[derive(Debug, Default)]
 struct SimStream {
     /// Device time at which the last enqueued operation completes.
@@ -145,6 +189,8 @@ struct SimEvent {
     recorded: Option<(u64, VectorClock)>,
     /// Stream it was recorded on, for capture checks.
     stream: Option<usize>,
+    /// Recorded while its stream was capturing: it stands for captured work.
+    in_capture: bool,
 }
 
 #[derive(Debug, Default)]
@@ -174,6 +220,10 @@ struct SimState {
     log: Vec<String>,
     races: Vec<Race>,
     capturing: HashSet<usize>,
+    /// Streams recording a graph (a subset of `capturing`) and what they recorded.
+    recording: HashMap<usize, Vec<CapturedOp>>,
+    graphs: BTreeMap<u64, SimGraph>,
+    next_graph: u64,
     /// Backend calls made, by name, for tests that count driver traffic.
     calls: BTreeMap<&'static str, u64>,
     /// Fail the next `alloc_segment` calls with a non-OOM error (failure injection).
@@ -195,6 +245,7 @@ impl SimBackend {
             capacity,
             next_address: BASE_ADDRESS,
             next_event: 1,
+            next_graph: 1,
             ..SimState::default()
         };
         Self {
@@ -212,7 +263,8 @@ impl SimBackend {
     }
 
     /// Enqueues an operation of `duration_ns` on `stream` that performs `accesses`, checking
-    /// each against every earlier access. `label` names it in race reports.
+    /// each against every earlier access. `label` names it in race reports. On a stream
+    /// that records a graph ([`SimBackend::begin_capture`]) it is recorded instead.
     pub fn launch(&self, stream: StreamId, accesses: &[Access], duration_ns: u64, label: &str) {
         self.state
             .lock()
@@ -230,6 +282,9 @@ impl SimBackend {
     pub fn synchronize_stream(&self, stream: StreamId) {
         let mut state = self.state.lock();
         let index = state.stream_of(stream);
+        if state.capturing.contains(&index) {
+            state.capture_violation(format!("synchronisation with capturing stream {index}"));
+        }
         let (time, clock) = (
             state.streams[index].tail_time,
             state.streams[index].clock.clone(),
@@ -239,15 +294,97 @@ impl SimBackend {
         self.publish(&state);
     }
 
-    /// Starts or ends graph capture on `stream`.
+    /// Turns the capture rules on or off for `stream` without recording a graph: launches
+    /// still execute at once. [`SimBackend::begin_capture`] records one.
+    ///
+    /// # Panics
+    /// If `stream` is recording a graph (end it with [`SimBackend::end_capture`]).
     pub fn set_capturing(&self, stream: StreamId, capturing: bool) {
         let mut state = self.state.lock();
         let index = state.stream_of(stream);
+        assert!(
+            !state.recording.contains_key(&index),
+            "stream {index} records a graph: end_capture ends it"
+        );
         if capturing {
             state.capturing.insert(index);
         } else {
             state.capturing.remove(&index);
         }
+    }
+
+    /// Starts capturing a graph on `stream` (`cudaStreamBeginCapture`): launches on it are
+    /// recorded, not executed, until [`SimBackend::end_capture`], and the capture rules
+    /// apply ([`Backend::is_capturing`] answers true).
+    ///
+    /// # Panics
+    /// If `stream` is already capturing.
+    pub fn begin_capture(&self, stream: StreamId) {
+        let mut state = self.state.lock();
+        let index = state.stream_of(stream);
+        assert!(
+            state.capturing.insert(index),
+            "stream {index} is already capturing"
+        );
+        state.recording.insert(index, Vec::new());
+    }
+
+    /// Ends the capture on `stream` (`cudaStreamEndCapture`) and returns the graph.
+    ///
+    /// # Panics
+    /// If `stream` is not recording a graph.
+    pub fn end_capture(&self, stream: StreamId) -> GraphId {
+        let mut state = self.state.lock();
+        let index = state.stream_of(stream);
+        let ops = state
+            .recording
+            .remove(&index)
+            .unwrap_or_else(|| panic!("stream {index} is not recording a graph"));
+        state.capturing.remove(&index);
+        let id = state.next_graph;
+        state.next_graph += 1;
+        state.graphs.insert(id, SimGraph { ops, replays: 0 });
+        GraphId(id)
+    }
+
+    /// Enqueues every operation of `graph`, in capture order, on `stream`
+    /// (`cudaGraphLaunch`), each checked like a [`SimBackend::launch`] and labelled
+    /// `replay N of graph G: <label>`.
+    ///
+    /// # Panics
+    /// If `graph` does not exist (never captured, or destroyed).
+    pub fn replay(&self, graph: GraphId, stream: StreamId) {
+        let mut state = self.state.lock();
+        let recorded = state
+            .graphs
+            .get_mut(&graph.0)
+            .unwrap_or_else(|| panic!("graph {graph} does not exist"));
+        recorded.replays += 1;
+        let (replay, ops) = (recorded.replays, recorded.ops.clone());
+        for op in ops {
+            let label = format!("replay {replay} of graph {graph}: {}", op.label);
+            state.launch(stream, &op.accesses, op.duration_ns, &label);
+        }
+    }
+
+    /// Destroys `graph` (`cudaGraphExecDestroy`): it can no longer be replayed. Replays
+    /// already enqueued still count as the work they are.
+    ///
+    /// # Panics
+    /// If `graph` does not exist.
+    pub fn destroy_graph(&self, graph: GraphId) {
+        let removed = self.state.lock().graphs.remove(&graph.0);
+        assert!(removed.is_some(), "graph {graph} does not exist");
+    }
+
+    /// Operations recorded in `graph` (`None` if it does not exist).
+    pub fn graph_len(&self, graph: GraphId) -> Option<usize> {
+        self.state.lock().graphs.get(&graph.0).map(|g| g.ops.len())
+    }
+
+    /// Graphs captured and not destroyed.
+    pub fn live_graphs(&self) -> usize {
+        self.state.lock().graphs.len()
     }
 
     /// Makes the next `count` segment allocations (or page mappings) fail with a driver
@@ -327,6 +464,15 @@ impl SimState {
 
     fn launch(&mut self, stream: StreamId, accesses: &[Access], duration_ns: u64, label: &str) {
         let index = self.stream_of(stream);
+        if let Some(graph) = self.recording.get_mut(&index) {
+            // Captured work runs only when the graph is replayed.
+            graph.push(CapturedOp {
+                label: label.to_owned(),
+                accesses: accesses.to_vec(),
+                duration_ns,
+            });
+            return;
+        }
         let host_clock = self.host_clock.clone();
         let host_time = self.host_time;
         let sim_stream = &mut self.streams[index];
@@ -483,12 +629,14 @@ impl Backend for SimBackend {
         let time = state.streams[index].tail_time.max(state.host_time);
         let mut clock = state.streams[index].clock.clone();
         clock.merge(&state.host_clock.clone());
+        let in_capture = state.capturing.contains(&index);
         let record = state
             .events
             .get_mut(&event.0)
             .ok_or_else(|| unknown_event("cuEventRecord", event))?;
         record.recorded = Some((time, clock));
         record.stream = Some(index);
+        record.in_capture = in_capture;
         Ok(())
     }
 
@@ -540,6 +688,11 @@ impl Backend for SimBackend {
         {
             state.capture_violation(format!(
                 "capturing stream {index} waits on {event:?} recorded outside the capture"
+            ));
+        }
+        if !state.capturing.contains(&index) && record.in_capture {
+            state.capture_violation(format!(
+                "stream {index} waits on {event:?}, recorded inside a capture"
             ));
         }
         if let Some((time, clock)) = record.recorded {
@@ -737,3 +890,6 @@ impl Backend for SimBackend {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;
