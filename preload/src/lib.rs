@@ -38,6 +38,16 @@
 //! - **`cudaFreeAsync(p, s)`**: stream-ordered: the block's reuse is ordered after the work
 //!   queued on `s` up to this call (`record_use(p, s)` then `free`), whichever stream it
 //!   was allocated on. No synchronisation.
+//! - **Streams being captured** into a CUDA graph (`cudaStreamIsCapturing` of the real
+//!   runtime says so, or cannot answer): `cudaMallocAsync` and `cudaFreeAsync` go to the
+//!   real functions, which record graph memory nodes. A block of our pool would be handed
+//!   out once, at capture, while the graph uses it at every replay, after the program may
+//!   have freed it and the pool given it to someone else. A graph allocation is not ours,
+//!   so its `cudaFreeAsync`, captured or not, reaches the real function like any other
+//!   foreign pointer. Freeing one of *our* blocks on a captured stream is refused with
+//!   `cudaErrorStreamCaptureUnsupported` (900) and the block stays allocated: CUDA allows
+//!   only graph allocations to be freed in a graph, and our pool cannot free at replay
+//!   time.
 //! - Pointers streamalloc did not hand out (made before the library loaded, by
 //!   `cudaMallocManaged`, `cudaMallocHost`, `cudaMallocPitch`, `cudaMalloc3D`, a pool, …)
 //!   go to the real `cudaFree` / `cudaFreeAsync` untouched; those allocation functions
@@ -90,12 +100,15 @@ pub const CUDA_ERROR_INVALID_VALUE: CudaError = 1;
 pub const CUDA_ERROR_MEMORY_ALLOCATION: CudaError = 2;
 /// `cudaErrorInitializationError`: the real runtime function could not be found.
 pub const CUDA_ERROR_INITIALIZATION: CudaError = 3;
+/// `cudaErrorStreamCaptureUnsupported`: freeing one of our blocks inside a capture.
+pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CudaError = 900;
 
 type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> CudaError;
 type FreeFn = unsafe extern "C" fn(*mut c_void) -> CudaError;
 type MallocAsyncFn = unsafe extern "C" fn(*mut *mut c_void, usize, *mut c_void) -> CudaError;
 type FreeAsyncFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> CudaError;
 type GetDeviceFn = unsafe extern "C" fn(*mut c_int) -> CudaError;
+type StreamIsCapturingFn = unsafe extern "C" fn(*mut c_void, *mut c_int) -> CudaError;
 
 // ---- The real runtime ----
 
@@ -134,12 +147,18 @@ real!(real_free, FreeFn, c"cudaFree");
 real!(real_malloc_async, MallocAsyncFn, c"cudaMallocAsync");
 real!(real_free_async, FreeAsyncFn, c"cudaFreeAsync");
 real!(real_get_device, GetDeviceFn, c"cudaGetDevice");
+real!(
+    real_stream_is_capturing,
+    StreamIsCapturingFn,
+    c"cudaStreamIsCapturing"
+);
 
 // ---- Reporting ----
 
 static MISSING_REAL: AtomicBool = AtomicBool::new(false);
 static UNAVAILABLE: AtomicBool = AtomicBool::new(false);
 static FAILED_FREE: AtomicBool = AtomicBool::new(false);
+static FREE_IN_CAPTURE: AtomicBool = AtomicBool::new(false);
 
 #[cold]
 fn warn_once(flag: &AtomicBool, message: std::fmt::Arguments<'_>) {
@@ -196,6 +215,23 @@ fn owner(ptr: *mut c_void) -> Option<&'static CudaAllocator> {
         .initialized()
         .find(|(_, allocator)| allocator.owns(ptr))
         .map(|(_, allocator)| allocator)
+}
+
+/// Whether `stream` may be part of a graph being captured: the real
+/// `cudaStreamIsCapturing` reports an active or invalidated capture, or fails (the legacy
+/// stream while another stream captures in global mode answers
+/// `cudaErrorStreamCaptureImplicit`). Such a stream's stream-ordered calls belong to the
+/// real runtime, which records them as graph nodes or returns the right error; a runtime
+/// without the function has no graphs to capture.
+fn maybe_capturing(stream: *mut c_void) -> bool {
+    let Some(is_capturing) = real_stream_is_capturing() else {
+        return false;
+    };
+    // cudaStreamCaptureStatusNone is 0.
+    let mut status: c_int = 0;
+    // SAFETY: a valid out pointer; `stream` is the caller's handle, passed unchanged.
+    let code = unsafe { is_capturing(stream, &mut status) };
+    code != CUDA_SUCCESS || status != 0
 }
 
 fn malloc_error(err: &AllocError) -> CudaError {
@@ -270,7 +306,8 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> C
 }
 
 /// `cudaError_t cudaMallocAsync(void** devPtr, size_t size, cudaStream_t stream)`,
-/// served by streamalloc in stream order.
+/// served by streamalloc in stream order, or by the real function on a stream being
+/// captured.
 ///
 /// # Safety
 /// As the CUDA runtime's: `dev_ptr` is null (rejected) or writable; `stream` is a valid
@@ -285,10 +322,11 @@ pub unsafe extern "C" fn cudaMallocAsync(
         return CUDA_ERROR_INVALID_VALUE;
     }
     guard(CUDA_ERROR_MEMORY_ALLOCATION, || match current_allocator() {
-        Ok(Some(allocator)) if size > 0 => {
+        Ok(Some(allocator)) if size > 0 && !maybe_capturing(stream) => {
             // SAFETY: checked non-null above; writable per the caller's contract.
             unsafe { allocate(dev_ptr, size, Some(stream), allocator) }
         }
+        // Captured streams get a graph allocation from the real runtime.
         Ok(_) => match real_malloc_async() {
             // SAFETY: forwarding the caller's arguments unchanged.
             Some(real) => unsafe { real(dev_ptr, size, stream) },
@@ -325,8 +363,8 @@ pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> CudaError {
 }
 
 /// `cudaError_t cudaFreeAsync(void* devPtr, cudaStream_t stream)`: our blocks become
-/// reusable after the work queued on `stream` so far; anything else goes to the real
-/// function.
+/// reusable after the work queued on `stream` so far (refused on a stream being
+/// captured); anything else, graph allocations included, goes to the real function.
 ///
 /// # Safety
 /// As the CUDA runtime's.
@@ -341,6 +379,18 @@ pub unsafe extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: *mut c_void) ->
                 None => CUDA_ERROR_INITIALIZATION,
             };
         };
+        if maybe_capturing(stream) {
+            // The free would happen at each replay, which our pool cannot follow; CUDA
+            // itself frees only graph allocations inside a graph. The block stays ours
+            // and allocated, so nothing can reuse it under the graph.
+            warn_once(
+                &FREE_IN_CAPTURE,
+                format_args!(
+                    "cudaFreeAsync({ptr:p}) on a stream being captured: the block was not allocated in the graph; refused (free it outside the capture)"
+                ),
+            );
+            return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+        }
         let block = DevicePtr(ptr as usize as u64);
         let freed = allocator
             .record_use(block, StreamId(stream as usize as u64))

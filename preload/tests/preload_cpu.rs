@@ -9,6 +9,11 @@
 //! and nothing panics. (On a GPU, `benches/gpu/launch/preload_test.cu` checks that
 //! allocations are served by streamalloc.)
 //!
+//! A second test adds a stand-in driver (`libcuda.so`, found through `LD_LIBRARY_PATH`)
+//! so that streamalloc's allocator does exist, and checks the routing around CUDA graph
+//! capture: stream-ordered calls on a stream being captured reach the runtime, never the
+//! pool.
+//!
 //! Skipped (with a message) when `cc` is not available.
 
 use std::path::{Path, PathBuf};
@@ -75,13 +80,18 @@ fn preload_library() -> PathBuf {
     // The test runs as target/<profile>/deps/preload_cpu-<hash>.
     let exe = std::env::current_exe().unwrap();
     let deps = exe.parent().unwrap();
-    let uplifted = deps.parent().unwrap().join("libstreamalloc_preload.so");
-    // `cargo build` copies the library up a level; `cargo test` alone leaves it in deps/.
-    if uplifted.is_file() {
-        uplifted
-    } else {
-        deps.join("libstreamalloc_preload.so")
-    }
+    // `cargo build` copies the library up a level; `cargo test` alone leaves it in deps/
+    // (and an earlier build's copy up there may be stale): the newer of the two.
+    let candidates = [
+        deps.parent().unwrap().join("libstreamalloc_preload.so"),
+        deps.join("libstreamalloc_preload.so"),
+    ];
+    candidates
+        .into_iter()
+        .filter_map(|path| Some((path.metadata().ok()?.modified().ok()?, path)))
+        .max()
+        .map(|(_, path)| path)
+        .expect("libstreamalloc_preload.so is built beside the test")
 }
 
 #[test]
@@ -145,5 +155,200 @@ fn calls_reach_the_real_runtime_when_no_gpu_is_there() {
         .filter(|l| l.contains("using CUDA's own allocator"))
         .count();
     assert_eq!(warnings, 1, "{stderr}");
+    assert!(!stderr.contains("panic"), "{stderr}");
+}
+
+/// The stand-in runtime of the capture test: `cudaStreamIsCapturing` says that stream
+/// 0xCA97 is being captured and fails with `cudaErrorStreamCaptureImplicit` for 0x906 (as
+/// the legacy stream does while another stream captures in global mode); its own
+/// allocations come from an arena the program can recognise (`fake_runtime_owns`).
+const FAKE_CUDART_CAPTURE: &str = r#"
+#include <stdio.h>
+#include <stdint.h>
+static char arena[1 << 20];
+static size_t used;
+static int mallocs, frees, async_mallocs, async_frees, capture_queries;
+static void report(void) __attribute__((destructor));
+static void report(void) {
+    printf("fake: mallocs=%d frees=%d async_mallocs=%d async_frees=%d\n",
+           mallocs, frees, async_mallocs, async_frees);
+    printf("fake: capture_queries=%d\n", capture_queries);
+}
+static void* take(size_t n) {
+    void* p = arena + used;
+    used += (n + 255) & ~(size_t)255;
+    return used <= sizeof arena ? p : NULL;
+}
+int fake_runtime_owns(void* p) { return (char*)p >= arena && (char*)p < arena + sizeof arena; }
+int cudaGetDevice(int* d) { *d = 0; return 0; }
+int cudaStreamIsCapturing(void* s, int* status) {
+    capture_queries++;
+    if (s == (void*)0x906) return 906;
+    *status = s == (void*)0xCA97 ? 1 : 0;
+    return 0;
+}
+int cudaMalloc(void** p, size_t n) { mallocs++; *p = take(n); return *p ? 0 : 2; }
+int cudaFree(void* p) { if (p) frees++; return 0; }
+int cudaMallocAsync(void** p, size_t n, void* s) { (void)s; async_mallocs++; *p = take(n); return *p ? 0 : 2; }
+int cudaFreeAsync(void* p, void* s) { (void)s; async_frees++; return fake_runtime_owns(p) ? 0 : 1; }
+"#;
+
+/// The stand-in driver: one device without virtual memory management, host memory as
+/// device memory, events that are always complete, and the same capturing stream as the
+/// runtime's.
+const FAKE_CUDA: &str = r#"
+#include <stdint.h>
+#include <stdlib.h>
+typedef int CUresult;
+static __thread void* current;
+static int ctx_token, event_token;
+CUresult cuInit(unsigned f) { (void)f; return 0; }
+CUresult cuDeviceGetCount(int* n) { *n = 1; return 0; }
+CUresult cuDeviceGet(int* d, int ordinal) { *d = ordinal; return 0; }
+CUresult cuDeviceTotalMem_v2(size_t* bytes, int d) { (void)d; *bytes = (size_t)80 << 30; return 0; }
+CUresult cuDeviceGetAttribute(int* v, int attr, int d) { (void)attr; (void)d; *v = 0; return 0; }
+CUresult cuDevicePrimaryCtxRetain(void** ctx, int d) { (void)d; *ctx = &ctx_token; return 0; }
+CUresult cuCtxGetCurrent(void** ctx) { *ctx = current; return 0; }
+CUresult cuCtxSetCurrent(void* ctx) { current = ctx; return 0; }
+CUresult cuCtxPushCurrent_v2(void* ctx) { current = ctx; return 0; }
+CUresult cuCtxPopCurrent_v2(void** ctx) { if (ctx) *ctx = current; current = NULL; return 0; }
+CUresult cuCtxSynchronize(void) { return 0; }
+CUresult cuMemAlloc_v2(uint64_t* p, size_t n) {
+    void* m = NULL;
+    if (posix_memalign(&m, 2 << 20, n)) return 2;
+    *p = (uint64_t)(uintptr_t)m;
+    return 0;
+}
+CUresult cuMemFree_v2(uint64_t p) { free((void*)(uintptr_t)p); return 0; }
+CUresult cuMemGetInfo_v2(size_t* f, size_t* t) { *f = *t = (size_t)80 << 30; return 0; }
+CUresult cuEventCreate(void** e, unsigned f) { (void)f; *e = &event_token; return 0; }
+CUresult cuStreamIsCapturing(void* s, int* status) {
+    if (s == (void*)0x906) return 906;
+    *status = s == (void*)0xCA97 ? 1 : 0;
+    return 0;
+}
+CUresult cuThreadExchangeStreamCaptureMode(int* mode) { (void)mode; return 0; }
+CUresult cuGetErrorName(CUresult c, const char** s) { (void)c; *s = "FAKE_ERROR"; return 0; }
+CUresult cuGetErrorString(CUresult c, const char** s) { (void)c; *s = "fake driver error"; return 0; }
+#define OK(name) CUresult name() { return 0; }
+OK(cuEventDestroy_v2) OK(cuEventRecord) OK(cuEventQuery) OK(cuEventSynchronize)
+OK(cuStreamWaitEvent) OK(cuStreamCreate) OK(cuStreamDestroy_v2) OK(cuStreamSynchronize)
+OK(cuMemsetD8Async) OK(cuMemcpyDtoDAsync_v2) OK(cuMemcpyDtoH_v2) OK(cuMemcpyHtoD_v2)
+OK(cuStreamBeginCapture_v2) OK(cuStreamEndCapture) OK(cuGraphDestroy)
+"#;
+
+const CAPTURE_PROGRAM: &str = r#"
+#include <stdio.h>
+int cudaMalloc(void**, size_t); int cudaFree(void*);
+int cudaMallocAsync(void**, size_t, void*); int cudaFreeAsync(void*, void*);
+int fake_runtime_owns(void*);
+#define EAGER ((void*)0x1234)
+#define CAPTURING ((void*)0xCA97)
+#define IMPLICIT ((void*)0x906)
+static int failures;
+static void check(int ok, const char* what) {
+    printf("%s: %s\n", ok ? "ok" : "FAILED", what);
+    failures += !ok;
+}
+int main(void) {
+    void *eager = NULL, *graph = NULL, *implicit = NULL, *plain = NULL;
+    check(cudaMallocAsync(&eager, 4096, EAGER) == 0 && eager && !fake_runtime_owns(eager),
+          "cudaMallocAsync on an eager stream is served by streamalloc");
+    check(cudaMallocAsync(&graph, 4096, CAPTURING) == 0 && fake_runtime_owns(graph),
+          "cudaMallocAsync on a captured stream is the runtime's (a graph allocation)");
+    check(cudaMallocAsync(&implicit, 4096, IMPLICIT) == 0 && fake_runtime_owns(implicit),
+          "cudaMallocAsync where the capture query fails is the runtime's");
+    check(cudaFreeAsync(graph, CAPTURING) == 0, "cudaFreeAsync of a graph allocation in the capture reaches the runtime");
+    check(cudaFreeAsync(implicit, EAGER) == 0, "cudaFreeAsync of a graph allocation outside a capture reaches the runtime");
+    check(cudaFreeAsync(eager, CAPTURING) == 900, "cudaFreeAsync of our block on a captured stream is refused");
+    check(cudaFreeAsync(eager, EAGER) == 0, "the same block is then freed on an eager stream");
+    check(cudaMalloc(&plain, 4096) == 0 && plain && !fake_runtime_owns(plain), "cudaMalloc is served by streamalloc");
+    check(cudaFree(plain) == 0, "cudaFree of our block");
+    printf("failures=%d\n", failures);
+    return failures != 0;
+}
+"#;
+
+#[test]
+fn stream_ordered_calls_under_capture_reach_the_runtime() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("preload_capture");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let s = |p: &Path| p.to_str().unwrap().to_owned();
+    std::fs::write(dir.join("fake_cudart.c"), FAKE_CUDART_CAPTURE).unwrap();
+    // NVIDIA's versioning, plus the program's probe of the arena.
+    std::fs::write(
+        dir.join("fake_cudart.map"),
+        "libcudart.so.13 { global: cuda*; fake_*; local: *; };\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("fake_cuda.c"), FAKE_CUDA).unwrap();
+    std::fs::write(dir.join("main.c"), CAPTURE_PROGRAM).unwrap();
+    if !cc(&[
+        "-shared",
+        "-fPIC",
+        "-o",
+        &s(&dir.join("libcudart.so")),
+        &s(&dir.join("fake_cudart.c")),
+        &format!("-Wl,--version-script={}", s(&dir.join("fake_cudart.map"))),
+    ]) {
+        eprintln!("skipped: no C compiler (cc)");
+        return;
+    }
+    // `libcuda.so` is the first name cudarc's loader tries.
+    assert!(cc(&[
+        "-shared",
+        "-fPIC",
+        "-o",
+        &s(&dir.join("libcuda.so")),
+        &s(&dir.join("fake_cuda.c")),
+    ]));
+    let program = dir.join("main");
+    assert!(cc(&[
+        "-o",
+        &s(&program),
+        &s(&dir.join("main.c")),
+        &format!("-L{}", s(&dir)),
+        "-lcudart",
+        &format!("-Wl,-rpath,{}", s(&dir)),
+    ]));
+    let preload = preload_library();
+    assert!(preload.is_file(), "{preload:?} missing");
+
+    let out = Command::new(&program)
+        .env("LD_PRELOAD", &preload)
+        .env("LD_LIBRARY_PATH", &dir)
+        .env("STREAMALLOC_STATS_AT_EXIT", "1")
+        .env_remove("STREAMALLOC_CONF")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout: {stdout}\nstderr: {stderr}");
+    assert!(stdout.contains("failures=0"), "{stdout}\n{stderr}");
+    // The runtime saw exactly the two graph allocations and their frees; streamalloc
+    // served the eager cudaMallocAsync and the cudaMalloc.
+    assert!(
+        stdout.contains("fake: mallocs=0 frees=0 async_mallocs=2 async_frees=2"),
+        "{stdout}"
+    );
+    let stats = stderr
+        .lines()
+        .find(|l| l.starts_with("streamalloc: exit"))
+        .unwrap_or_else(|| panic!("no exit line: {stderr}"));
+    assert!(
+        stats.contains(" allocs=2 ") && stats.contains(" frees=2 "),
+        "{stats}"
+    );
+    assert!(!stderr.contains("using CUDA's own allocator"), "{stderr}");
+    // The refused free is said once, naming the reason.
+    assert_eq!(
+        stderr
+            .lines()
+            .filter(|l| l.contains("on a stream being captured"))
+            .count(),
+        1,
+        "{stderr}"
+    );
     assert!(!stderr.contains("panic"), "{stderr}");
 }

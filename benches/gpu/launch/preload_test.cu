@@ -14,6 +14,11 @@
 //     cudaMallocAsync d of the same size on s1, fill at once. snap2 must hold c's pattern.
 //     With --racy, c is freed on s1 instead (a user error: s2 still reads it), to show
 //     the check catches a reuse that is not ordered.
+//  C. (once, after the loop) cudaMallocAsync and cudaFreeAsync captured into a CUDA graph
+//     on s1: they must become graph memory nodes, CUDA's memory for every launch. Had the
+//     preload served them from its pool, the block would go back to the pool at capture
+//     and be handed to the eager allocations made next, which the launches then overwrite.
+//     Four eager buffers are filled, the graph launched three times, every word checked.
 // Prints PASS/FAIL, whether streamalloc's preload is loaded, and its counters (through
 // the library's own streamalloc_stats_json) as the proof the memory came from it.
 #include <cuda_runtime.h>
@@ -69,8 +74,8 @@ int main(int argc, char** argv) {
     unsigned long long* bad;
     CHECK(cudaMalloc(&snap, max_n * 4));
     CHECK(cudaMalloc(&snap2, max_n * 4));
-    CHECK(cudaMalloc(&bad, 2 * sizeof(unsigned long long)));
-    CHECK(cudaMemset(bad, 0, 2 * sizeof(unsigned long long)));
+    CHECK(cudaMalloc(&bad, 3 * sizeof(unsigned long long)));
+    CHECK(cudaMemset(bad, 0, 3 * sizeof(unsigned long long)));
     CHECK(cudaDeviceSynchronize());
 
     for (int it = 0; it < iters; it++) {
@@ -108,7 +113,38 @@ int main(int argc, char** argv) {
         CHECK(cudaGetLastError());
     }
     CHECK(cudaDeviceSynchronize());
-    unsigned long long host_bad[2];
+
+    // C. stream-ordered allocation inside a graph capture
+    const size_t gn = (size_t)1 << 22;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    unsigned* g = NULL;
+    CHECK(cudaStreamBeginCapture(s1, cudaStreamCaptureModeGlobal));
+    CHECK(cudaMallocAsync((void**)&g, gn * 4, s1));
+    fill<<<grid, block, 0, s1>>>(g, gn, 0x5000u);
+    CHECK(cudaFreeAsync(g, s1));
+    CHECK(cudaStreamEndCapture(s1, &graph));
+    CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    CHECK(cudaGraphLaunch(exec, s1));
+    CHECK(cudaStreamSynchronize(s1));
+    unsigned* eager[4];
+    for (int k = 0; k < 4; k++) {
+        CHECK(cudaMallocAsync((void**)&eager[k], gn * 4, s2));
+        fill<<<grid, block, 0, s2>>>(eager[k], gn, 0x6000u + k);
+    }
+    CHECK(cudaStreamSynchronize(s2));
+    for (int r = 0; r < 3; r++) CHECK(cudaGraphLaunch(exec, s1));
+    CHECK(cudaStreamSynchronize(s1));
+    for (int k = 0; k < 4; k++) {
+        check<<<grid, block, 0, s2>>>(eager[k], gn, 0x6000u + k, bad + 2);
+        CHECK(cudaFreeAsync(eager[k], s2));
+    }
+    CHECK(cudaDeviceSynchronize());
+    CHECK(cudaGraphExecDestroy(exec));
+    CHECK(cudaGraphDestroy(graph));
+    CHECK(cudaGetLastError());
+
+    unsigned long long host_bad[3];
     CHECK(cudaMemcpy(host_bad, bad, sizeof host_bad, cudaMemcpyDeviceToHost));
 
     int device;
@@ -120,13 +156,14 @@ int main(int argc, char** argv) {
     CHECK(cudaFree(bad));
     CHECK(cudaDeviceSynchronize());
 
-    printf("iterations=%d mode=%s bad_words_malloc_free=%llu bad_words_async=%llu\n", iters,
-           racy ? "racy" : "ordered", host_bad[0], host_bad[1]);
+    printf("iterations=%d mode=%s bad_words_malloc_free=%llu bad_words_async=%llu bad_words_graph=%llu\n",
+           iters, racy ? "racy" : "ordered", host_bad[0], host_bad[1], host_bad[2]);
     printf("streamalloc preload loaded: %s\n", preloaded ? "yes" : "no");
     if (stats_json) {
         const char* json = stats_json(device);
         printf("streamalloc stats: %s\n", json ? json : "(unavailable)");
     }
-    printf("%s\n", host_bad[0] == 0 && host_bad[1] == 0 ? "PASS" : "FAIL");
-    return host_bad[0] == 0 && host_bad[1] == 0 ? 0 : 1;
+    int ok = host_bad[0] == 0 && host_bad[1] == 0 && host_bad[2] == 0;
+    printf("%s\n", ok ? "PASS" : "FAIL");
+    return ok ? 0 : 1;
 }
