@@ -3,24 +3,32 @@
     import streamalloc.torch
     streamalloc.torch.install()       # before the first CUDA tensor
     ...
-    streamalloc.torch.memory_stats()  # or torch.cuda.memory_stats(): install() patches it
+    torch.cuda.memory_stats()         # answered by streamalloc
     streamalloc.torch.dump_snapshot("snap.json")
 
-``install()`` hands PyTorch our ``streamalloc_malloc``/``streamalloc_free`` through
-``torch.cuda.memory.CUDAPluggableAllocator`` **and** registers the hooks that PyTorch
-otherwise drops silently for pluggable allocators: ``record_stream`` (without it, a
-tensor sent with ``isend`` could be reused while NCCL still reads it), ``empty_cache`` and
-``set_per_process_memory_fraction``.
+Two doors lead into PyTorch:
 
-PyTorch's own statistics functions throw for pluggable allocators; this module provides
-them from our counters, under PyTorch's names and keys, and by default ``install()``
-puts them in place of ``torch.cuda``'s so unmodified programs keep working.
+* **native** (the default): a small C++ ``CUDAAllocator`` (``csrc/torch_door.cpp``),
+  compiled once against the installed PyTorch (``streamalloc._door``) and installed the
+  way PyTorch's own ``cudaMallocAsync`` backend is. PyTorch then asks streamalloc
+  everything it asks its own allocator: ``torch.cuda.memory_stats()`` and friends,
+  ``torch.cuda.memory._snapshot()`` / ``_record_memory_history()``, CUDA graph and
+  ``MemPool`` pools, checkpoints (cudagraph trees), IPC handles, ``cudnn.benchmark``'s
+  cache query. Nothing in ``torch.cuda`` is replaced.
+* **pluggable**: ``torch.cuda.memory.CUDAPluggableAllocator`` over the C ABI, no
+  compiler needed. PyTorch drops most questions for pluggable allocators; ``install()``
+  registers the hooks it does take (``record_stream``, ``empty_cache``,
+  ``set_per_process_memory_fraction``, pools when the library exports them) and replaces
+  ``torch.cuda``'s statistics functions with this module's.
 
-Out of memory: PyTorch's pluggable hook does not check for a null pointer (it would make a
-tensor at address 0). ``install()`` therefore registers libc10's ``torchCheckFail`` as the
-library's error thrower: a failed allocation raises ``RuntimeError`` with our report (size,
-cached, largest free block, reserved, limit). The library also prints the report on
-stderr, and ``last_error()`` returns it.
+``install(door="auto")`` tries native and falls back to pluggable with a one-line warning
+saying why; ``STREAMALLOC_DOOR`` sets the default. ``door()`` says which one is in use.
+
+Out of memory through the pluggable door: PyTorch's pluggable hook does not check for a
+null pointer (it would make a tensor at address 0). ``install()`` therefore registers
+libc10's ``torchCheckFail`` as the library's error thrower: a failed allocation raises
+``RuntimeError`` with our report. The native door raises ``torch.OutOfMemoryError`` itself,
+after PyTorch's OOM observers ran.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import warnings
 from . import _lib
 
 __all__ = [
-    "InstallError", "install", "installed", "memory_stats", "memory_allocated",
+    "InstallError", "install", "installed", "door", "memory_stats", "memory_allocated",
     "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "reset_peak_memory_stats", "empty_cache", "dump_snapshot", "last_error", "raw_stats",
 ]
@@ -49,7 +57,17 @@ _PATCHED = (
     "max_memory_reserved", "reset_peak_memory_stats", "reset_max_memory_allocated",
 )
 
-_allocator = None  # keeps PyTorch's wrapper (and its function pointers) alive
+# setter on PyTorch's _CUDAPluggableAllocator -> our symbol, registered when both exist
+_POOL_HOOKS = {
+    "set_begin_allocate_to_pool": "streamalloc_begin_allocate_to_pool",
+    "set_end_allocate_to_pool_fn": "streamalloc_end_allocate_to_pool",
+    "set_release_pool": "streamalloc_release_pool",
+}
+
+DOORS = ("auto", "native", "pluggable")
+
+_allocator = None  # the pluggable wrapper (keeps its function pointers alive) or the door module
+_door_in_use = None  # "native" or "pluggable" once installed
 
 
 class InstallError(RuntimeError):
@@ -61,19 +79,92 @@ def installed() -> bool:
     return _allocator is not None
 
 
-def install(path: str | os.PathLike | None = None, patch_torch: bool = True) -> None:
+def door() -> str | None:
+    """``"native"`` or ``"pluggable"``: the door :func:`install` used (None before)."""
+    return _door_in_use
+
+
+def install(
+    door: str | None = None,
+    path: str | os.PathLike | None = None,
+    patch_torch: bool | None = None,
+) -> None:
     """Makes streamalloc PyTorch's CUDA allocator. Call it before any CUDA tensor exists.
 
-    ``path`` overrides where ``libstreamalloc.so`` is found; ``patch_torch`` replaces
-    ``torch.cuda``'s memory statistics functions with this module's. Calling it again is a
-    no-op.
+    ``door``: ``"native"`` (the C++ door, built at first use), ``"pluggable"`` (PyTorch's
+    CUDAPluggableAllocator), or ``"auto"``: native, else pluggable with a one-line warning.
+    Default: ``$STREAMALLOC_DOOR``, else ``"auto"``. ``path`` overrides where
+    ``libstreamalloc.so`` is found. ``patch_torch`` (pluggable door only, default True)
+    replaces ``torch.cuda``'s memory statistics functions with this module's; the native
+    door never needs it. Calling it again is a no-op.
     """
-    global _allocator
+    global _allocator, _door_in_use
     if _allocator is not None:
         return
+    if door is None:
+        door = os.environ.get("STREAMALLOC_DOOR") or "auto"
+    if door not in DOORS:
+        raise ValueError(f"door must be one of {', '.join(DOORS)}, not {door!r}")
     import torch
 
-    lib = _lib.load(path)
+    _lib.load(path)
+    native_unavailable = None
+    if door in ("auto", "native"):
+        try:
+            module = _install_native(torch)
+        except InstallError:
+            raise
+        except Exception as err:  # the door could not be built or loaded
+            if door == "native":
+                raise InstallError(f"streamalloc: the native PyTorch door is unavailable: {err}") from err
+            native_unavailable = _one_line(err)
+        else:
+            _allocator, _door_in_use = module, "native"
+            return
+    try:
+        _allocator = _install_pluggable(torch)
+    except InstallError as err:
+        if native_unavailable is None:
+            raise
+        raise InstallError(f"{err} (and the native door is unavailable: {native_unavailable})") from err
+    _door_in_use = "pluggable"
+    if native_unavailable is not None:
+        warnings.warn(
+            f"streamalloc: using the pluggable door (native door unavailable: {native_unavailable})",
+            stacklevel=2,
+        )
+    if patch_torch is None or patch_torch:
+        _patch_torch(torch)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _install_native(torch):
+    if torch.cuda.is_initialized():
+        raise InstallError(_ALREADY + " (torch.cuda is already initialized)")
+    from . import _door as door_module
+
+    module = door_module.load()
+    try:
+        module.install()
+    except RuntimeError as err:
+        if "already initialized" in str(err):
+            raise InstallError(f"{_ALREADY}. PyTorch said: {err}") from err
+        raise
+    return module
+
+
+_ALREADY = (
+    "PyTorch has already initialised its own CUDA allocator (a CUDA tensor was created "
+    "before streamalloc.torch.install()); call install() first, e.g. at the top of the program"
+)
+
+
+def _install_pluggable(torch):
+    lib = _lib.load()
     so = str(_lib.library_path())
     pluggable = torch.cuda.memory.CUDAPluggableAllocator(so, "streamalloc_malloc", "streamalloc_free")
     raw = pluggable.allocator()
@@ -85,6 +176,10 @@ def install(path: str | os.PathLike | None = None, patch_torch: bool = True) -> 
                 "streamalloc needs it (without record_stream, isend buffers could be reused early)"
             )
         register(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
+    for setter, symbol in _POOL_HOOKS.items():
+        register = getattr(raw, setter, None)
+        if register is not None and hasattr(lib, symbol):
+            register(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value)
     thrower = _c10_thrower(torch)
     if thrower is None:
         warnings.warn(
@@ -96,14 +191,8 @@ def install(path: str | os.PathLike | None = None, patch_torch: bool = True) -> 
     try:
         torch.cuda.memory.change_current_allocator(pluggable)
     except RuntimeError as err:
-        raise InstallError(
-            "PyTorch has already initialised its own CUDA allocator (a CUDA tensor was created "
-            "before streamalloc.torch.install()); call install() first, e.g. at the top of the "
-            f"program. PyTorch said: {err}"
-        ) from err
-    _allocator = pluggable
-    if patch_torch:
-        _patch_torch(torch)
+        raise InstallError(f"{_ALREADY}. PyTorch said: {err}") from err
+    return pluggable
 
 
 # c10::detail::torchCheckFail(const char* func, const char* file, uint32_t line, const char* msg):
