@@ -70,6 +70,40 @@ fn same_stream_reuse_makes_no_backend_call() {
 }
 
 #[test]
+fn out_of_memory_says_how_much_is_fragmentation_and_what_would_help() {
+    // Six 8 MiB blocks fill three 20 MiB segments up to the limit; freeing every other one
+    // leaves 36 MiB free in pieces of 12 MiB, none of which holds 16 MiB.
+    let program = |expandable_segments| {
+        let config = Config {
+            memory_limit: Some(60 * MIB),
+            expandable_segments,
+            ..Config::default()
+        };
+        let (device, allocator) = allocator(1 << 30, config);
+        let stream = device.create_stream();
+        let blocks: Vec<_> = (0..6)
+            .map(|_| allocator.malloc(8 * MIB, stream).unwrap())
+            .collect();
+        for block in blocks.iter().step_by(2) {
+            allocator.free(block.ptr).unwrap();
+        }
+        allocator.malloc(16 * MIB, stream)
+    };
+    let Err(AllocError::OutOfMemory(report)) = program(false) else {
+        panic!("whole segments cannot serve it")
+    };
+    assert_eq!(report.fragmented(), 36 * MIB);
+    let message = report.to_string();
+    assert!(
+        message.contains("36.00 MiB of reserved memory is free but fragmented")
+            && message.contains("expandable_segments:true"),
+        "{message}"
+    );
+    // The advice holds: expandable segments serve the same program.
+    assert!(program(true).is_ok());
+}
+
+#[test]
 fn out_of_memory_reports_size_cache_fragmentation_reserved_and_limit() {
     let config = Config {
         memory_limit: Some(64 * MIB),

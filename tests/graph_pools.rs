@@ -16,13 +16,14 @@ const SIZE: u64 = 4 * MIB;
 const GRAPH_POOL: PoolId = PoolId(1, 0);
 const USER_POOL: PoolId = PoolId(0, 1);
 
+/// Whole segments and expandable segments (the default).
 fn configs() -> [Config; 2] {
     [
-        Config::default(),
         Config {
-            expandable_segments: true,
+            expandable_segments: false,
             ..Config::default()
         },
+        Config::default(),
     ]
 }
 
@@ -351,18 +352,24 @@ fn while_one_stream_captures_another_stream_never_takes_its_blocks_through_a_wai
 
 #[test]
 fn while_one_stream_captures_another_streams_malloc_frees_no_segment() {
-    let device = SimBackend::new(96 * MIB);
-    let allocator = Allocator::new(device.clone(), Config::default()).unwrap();
-    let (capture, other) = (device.create_stream(), device.create_stream());
-    let cached = allocator.malloc(40 * MIB, other).unwrap();
-    allocator.free(cached.ptr).unwrap();
-    allocator.begin_allocate_to_pool(GRAPH_POOL).unwrap();
-    device.begin_capture(capture);
-    // Only releasing the cached segment would make room: that must wait for the capture
-    // to end, so the request fails instead.
-    let during = allocator.malloc(60 * MIB, other);
-    device.end_capture(capture);
-    allocator.end_allocate_to_pool(GRAPH_POOL).unwrap();
-    assert!(device.races().is_empty(), "{:?}", device.races());
-    assert!(during.is_err(), "{during:?}");
+    for config in configs() {
+        let device = SimBackend::new(96 * MIB);
+        let allocator = Allocator::new(device.clone(), config).unwrap();
+        let (capture, cacher, other) = (
+            device.create_stream(),
+            device.create_stream(),
+            device.create_stream(),
+        );
+        let cached = allocator.malloc(40 * MIB, cacher).unwrap();
+        allocator.free(cached.ptr).unwrap();
+        allocator.begin_allocate_to_pool(GRAPH_POOL).unwrap();
+        device.begin_capture(capture);
+        // Only releasing the cached segment (or unmapping its pages) would make room: that
+        // must wait for the capture to end, so the request fails instead.
+        let during = allocator.malloc(60 * MIB, other);
+        device.end_capture(capture);
+        allocator.end_allocate_to_pool(GRAPH_POOL).unwrap();
+        assert!(device.races().is_empty(), "{:?}", device.races());
+        assert!(during.is_err(), "{during:?}");
+    }
 }

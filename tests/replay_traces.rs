@@ -32,7 +32,7 @@ fn check(name: &str, allocs: u64, peak_live_mib: f64, native_mib: f64, bound: f6
     };
     let traces = load_traces(&path).unwrap();
     assert_eq!(traces.len(), 1);
-    let config = Config::parse("expandable_segments:true").unwrap();
+    let config = Config::default();
     let report = replay(&traces[0].entries, &config, &mut |_| {}).unwrap();
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     // The figures trace_stats.py gives (baselines/results.md).
@@ -57,13 +57,17 @@ fn check(name: &str, allocs: u64, peak_live_mib: f64, native_mib: f64, bound: f6
         "{name}: ratio {:.4} > {bound}",
         report.ratio()
     );
-    // The default (whole segments, chosen for GPU step time) stays faithful to the recording
-    // allocator: no worse than PyTorch's own ratio, within rounding.
-    let default = replay(&traces[0].entries, &Config::default(), &mut |_| {}).unwrap();
+    // Whole segments stay faithful to the recording allocator: no worse than PyTorch's own
+    // ratio, within rounding.
+    let whole_segments = Config {
+        expandable_segments: false,
+        ..Config::default()
+    };
+    let whole = replay(&traces[0].entries, &whole_segments, &mut |_| {}).unwrap();
     assert!(
-        default.ratio() <= report.native_ratio() + 0.01,
-        "{name}: default ratio {:.4}, native {:.4}",
-        default.ratio(),
+        whole.ratio() <= report.native_ratio() + 0.01,
+        "{name}: whole-segment ratio {:.4}, native {:.4}",
+        whole.ratio(),
         report.native_ratio()
     );
 }
@@ -92,7 +96,7 @@ fn check_steady_state(name: &str, bound: f64) {
 fn check_three_steps(path: &Path, bound: f64) {
     let name = path.file_name().unwrap().to_string_lossy();
     let traces = load_traces(path).unwrap();
-    let config = Config::parse("expandable_segments:true").unwrap();
+    let config = Config::default();
     let report = replay_steps(&traces[0].entries, &config, 3, &mut |_| {}).unwrap();
     println!("{name}, 3 steps: {report:?}");
     assert_eq!(report.steps, 3);

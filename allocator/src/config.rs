@@ -14,7 +14,7 @@
 //! | `trace_capacity` | entries kept in the trace ring; `0` turns tracing off | 65536 |
 //! | `event_batch` | outstanding events that trigger a batched completion query | 64 |
 //! | `graph_pools` | `true`: allocations made for a pool (CUDA graph capture, `torch.cuda.MemPool`) come from that pool's own segments; `false`: from the default pool, as before pools existed, so graph replays can overwrite eager tensors (only to demonstrate that failure) | `true` |
-//! | `expandable_segments` | `true`: reserve address space per stream and map memory on demand (mappings of up to 128 MiB), unmapping free mappings when mapping would go past the live peak plus a slack (needs a backend with virtual memory; others fall back to whole segments); `false`: whole segments, PyTorch's rules | `false` |
+//! | `expandable_segments` | `true`: reserve address space per stream and map memory on demand (mappings sized to the live peak, 2–128 MiB), unmapping free mappings when mapping would go past the live peak plus a slack (needs a backend with virtual memory; others fall back to whole segments); `false`: whole segments, PyTorch's rules | `true` (`false` under the LD_PRELOAD interposer) |
 
 use crate::error::ConfigError;
 use serde::{Deserialize, Serialize};
@@ -67,18 +67,19 @@ fn default_graph_pools() -> bool {
     true
 }
 
-/// The default of [`Config::expandable_segments`] (also used for snapshots written before
-/// the key existed).
+/// `expandable_segments` of a snapshot written before the key existed: whole segments,
+/// the only kind there was.
 fn default_expandable_segments() -> bool {
-    DEFAULT_EXPANDABLE_SEGMENTS
+    false
 }
 
-/// Default of `expandable_segments`: off, as in PyTorch. On an H200 it takes GPT-2 and
-/// ResNet-50 from 1.047 and 1.185 peak reserved / allocated to 1.008 and 1.016 at the same
-/// step time (README, "Expandable segments"), but its memory cannot be exported with
-/// `cuIpcGetMemHandle`, which programs that share tensors over CUDA IPC themselves rely on,
-/// so it is an opt-in.
-const DEFAULT_EXPANDABLE_SEGMENTS: bool = false;
+/// Default of `expandable_segments`: on. On an H200 it takes GPT-2 and ResNet-50 from
+/// 1.047 and 1.185 peak reserved / allocated (whole segments, PyTorch's figures) to 1.008
+/// and 1.016 at the same step time. Its memory cannot be exported with
+/// `cuIpcGetMemHandle`; the PyTorch door shares it through the VMM API instead, and the
+/// LD_PRELOAD interposer, whose programs may call `cudaIpcGetMemHandle` themselves, reads
+/// the configuration over whole segments (`Registry::config_over`).
+const DEFAULT_EXPANDABLE_SEGMENTS: bool = true;
 
 impl Default for Config {
     fn default() -> Self {
@@ -98,15 +99,27 @@ impl Default for Config {
 impl Config {
     /// Reads `STREAMALLOC_CONF`; unset or empty gives the defaults.
     pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_env_over(Self::default())
+    }
+
+    /// Reads `STREAMALLOC_CONF` over `base` (a door's own defaults): keys it sets win, the
+    /// rest stay as in `base`. A value that is not UTF-8 is an error, never ignored.
+    pub fn from_env_over(base: Self) -> Result<Self, ConfigError> {
         match std::env::var(ENV_VAR) {
-            Ok(text) => Self::parse(&text),
-            Err(_) => Ok(Self::default()),
+            Ok(text) => Self::parse_over(base, &text),
+            Err(std::env::VarError::NotPresent) => Ok(base),
+            Err(std::env::VarError::NotUnicode(_)) => Err(ConfigError::NotUnicode),
         }
     }
 
     /// Parses `key:value,key:value`. Whitespace around keys and values is ignored.
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
-        let mut config = Self::default();
+        Self::parse_over(Self::default(), text)
+    }
+
+    /// Parses `key:value,key:value` over `base`.
+    pub fn parse_over(base: Self, text: &str) -> Result<Self, ConfigError> {
+        let mut config = base;
         for entry in text.split(',').map(str::trim).filter(|e| !e.is_empty()) {
             let (key, value) = entry
                 .split_once(':')

@@ -56,6 +56,47 @@ pub struct OutOfMemory {
     pub allocated: u64,
     /// The configured limit, if any.
     pub limit: Option<u64>,
+    /// Expandable segments were in use (they map memory where a request needs it, so
+    /// scattered free memory hurts them far less).
+    pub expandable: bool,
+}
+
+impl OutOfMemory {
+    /// Reserved bytes that are free but could not serve the request: the cost of
+    /// fragmentation at the moment of failure (cached memory is released before giving
+    /// up, so what is left lies in segments or mappings that live blocks keep).
+    pub fn fragmented(&self) -> u64 {
+        self.free_cached
+    }
+
+    /// What would help, in one clause.
+    pub fn advice(&self) -> String {
+        use crate::config::format_bytes as b;
+        let frag = self.fragmented();
+        if frag > 0 && !self.expandable {
+            format!(
+                "{} of reserved memory is free but fragmented; STREAMALLOC_CONF=expandable_segments:true \
+                 maps memory where requests need it",
+                b(frag)
+            )
+        } else if frag >= self.requested {
+            format!(
+                "{} of reserved memory is free but fragmented (pinned by live blocks, other streams' \
+                 pending work or memory pools)",
+                b(frag)
+            )
+        } else if self
+            .limit
+            .is_some_and(|limit| self.reserved + self.requested > limit)
+        {
+            "the memory limit is reached (raise memory_limit or memory_fraction)".to_string()
+        } else {
+            format!(
+                "the device is full: live tensors hold {}",
+                b(self.allocated)
+            )
+        }
+    }
 }
 
 impl std::fmt::Display for OutOfMemory {
@@ -64,7 +105,7 @@ impl std::fmt::Display for OutOfMemory {
         write!(
             f,
             "out of memory: tried to allocate {} on {}; {} free in cache (largest free block {}), \
-             {} reserved, {} allocated, limit {}",
+             {} reserved, {} allocated, limit {}; {}",
             b(self.requested),
             self.stream,
             b(self.free_cached),
@@ -72,6 +113,7 @@ impl std::fmt::Display for OutOfMemory {
             b(self.reserved),
             b(self.allocated),
             self.limit.map_or_else(|| "none".to_string(), b),
+            self.advice(),
         )
     }
 }
@@ -140,4 +182,7 @@ pub enum ConfigError {
     /// An entry that is not `key:value`.
     #[error("STREAMALLOC_CONF: `{0}` is not of the form key:value")]
     Malformed(String),
+    /// The variable holds bytes that are not UTF-8.
+    #[error("STREAMALLOC_CONF is not valid UTF-8")]
+    NotUnicode,
 }

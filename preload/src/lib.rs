@@ -88,7 +88,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Once, OnceLock};
 use streamalloc::ffi::error::guard;
 use streamalloc_allocator::backend::cuda::registry::{self, CudaAllocator};
-use streamalloc_allocator::{AllocError, Backend, DevicePtr, StreamId};
+use streamalloc_allocator::{AllocError, Backend, Config, DevicePtr, StreamId};
 
 /// `cudaError_t`.
 pub type CudaError = c_int;
@@ -193,6 +193,16 @@ fn current_allocator() -> Result<Option<&'static CudaAllocator>, CudaError> {
     if code != CUDA_SUCCESS {
         return Err(code);
     }
+    static DEFAULTS: Once = Once::new();
+    DEFAULTS.call_once(|| {
+        // Whole segments unless STREAMALLOC_CONF asks otherwise: programs here may hand our
+        // pointers to cudaIpcGetMemHandle, which cannot export memory mapped through the
+        // VMM API. (An error in STREAMALLOC_CONF is reported by `device` below.)
+        let _ = registry::global().config_over(Config {
+            expandable_segments: false,
+            ..Config::default()
+        });
+    });
     match registry::global().device(device) {
         Ok(allocator) => {
             register_exit_hook();

@@ -58,8 +58,12 @@ const OVERSIZE_SLACK: u64 = 20 << 20;
 /// [`MAX_RECLAIM_SLACK_BP`].
 const RECLAIM_SLACK_BP: u64 = 100;
 
-/// The widest reclaim slack, in 1/10,000 of the live peak.
-const MAX_RECLAIM_SLACK_BP: u64 = 2_500;
+/// The widest reclaim slack, in 1/10,000 of the live peak: peak reserved stays within
+/// about this much of peak live plus the mappings that live blocks pin. 1.5% keeps every
+/// replayed trace (GPT-2, BERT with varying lengths, ResNet-50, KV-cache generation)
+/// within 1.02 with no remapping in the steady state; 25% let ResNet-50 reach 1.026 once
+/// mappings are sized to the peak.
+const MAX_RECLAIM_SLACK_BP: u64 = 150;
 
 /// A caching allocator for one device over backend `B`. `Send + Sync` when `B` is; every
 /// method may be called from any thread.
@@ -410,10 +414,12 @@ mod tests {
     use super::*;
     use crate::backend::sim::SimBackend;
 
+    /// Whole segments: these tests follow blocks through splits and merges by address.
     fn sim(trace_capacity: usize) -> (SimBackend, Allocator<SimBackend>) {
         let device = SimBackend::new(1 << 30);
         let config = Config {
             trace_capacity,
+            expandable_segments: false,
             ..Config::default()
         };
         (device.clone(), Allocator::new(device, config).unwrap())

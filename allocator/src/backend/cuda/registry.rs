@@ -94,6 +94,15 @@ impl Registry {
         self.config.get_or_init(Config::from_env).as_ref()
     }
 
+    /// Sets the defaults `STREAMALLOC_CONF` is read over, if the configuration was not read
+    /// yet (a door whose defaults differ, e.g. the LD_PRELOAD interposer's whole segments).
+    /// Returns the configuration in force.
+    pub fn config_over(&self, base: Config) -> Result<&Config, &ConfigError> {
+        self.config
+            .get_or_init(|| Config::from_env_over(base))
+            .as_ref()
+    }
+
     /// The allocator of device `ordinal`, created (with the driver loaded and the primary
     /// context retained) on first use.
     #[inline]
