@@ -235,6 +235,7 @@ OK(cuEventDestroy_v2) OK(cuEventRecord) OK(cuEventQuery) OK(cuEventSynchronize)
 OK(cuStreamWaitEvent) OK(cuStreamCreate) OK(cuStreamDestroy_v2) OK(cuStreamSynchronize)
 OK(cuMemsetD8Async) OK(cuMemcpyDtoDAsync_v2) OK(cuMemcpyDtoH_v2) OK(cuMemcpyHtoD_v2)
 OK(cuStreamBeginCapture_v2) OK(cuStreamEndCapture) OK(cuGraphDestroy)
+OK(cuMemExportToShareableHandle) OK(cuMemImportFromShareableHandle)
 "#;
 
 const CAPTURE_PROGRAM: &str = r#"

@@ -19,6 +19,8 @@
 //! const char* streamalloc_last_error(void);
 //! ```
 //!
+//! CUDA IPC of expandable-segment memory (`streamalloc_ipc_*`) is in [`ipc`].
+//!
 //! The first four are exactly the function types PyTorch's `CUDAPluggableAllocator`
 //! stores (`malloc`, `free`, `set_record_stream_fn`, `set_reset_fn`,
 //! `set_memory_fraction_fn`). `size_t` and PyTorch's `ssize_t` share one ABI.
@@ -33,6 +35,7 @@
 //! engine's fast path; nothing allocates or formats unless something fails.
 
 pub mod error;
+pub mod ipc;
 pub mod pools;
 pub mod stats;
 

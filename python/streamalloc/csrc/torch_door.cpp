@@ -54,10 +54,14 @@ using Context = std::shared_ptr<c10::GatheredContext>;
 constexpr int kMaxDevices = 64;
 // CUDACachingAllocator's IPC handle format: a version byte, a type byte, then the type's
 // payload. PyTorch up to 2.12 writes and accepts version 2; 'c' carries a
-// cudaIpcMemHandle_t for a whole cudaMalloc'd (here: cuMemAlloc'd) segment.
+// cudaIpcMemHandle_t for a whole cudaMalloc'd (here: cuMemAlloc'd) segment, 'e' an
+// expandable segment's mappings as file descriptors (written by PyTorch's allocator, or
+// by streamalloc when the mappings have one size), 's' streamalloc's variant for
+// mappings of several sizes. The library encodes and decodes 'e' and 's'.
 constexpr char kHandleVersion = 2;
 constexpr char kHandleCudaMalloc = 'c';
 constexpr char kHandleExpandable = 'e';
+constexpr char kHandleStreamalloc = 's';
 
 std::string last_error() {
   const char* m = streamalloc_last_error();
@@ -835,11 +839,7 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
       fail("shareIpcHandle");
     }
     if (expandable) {
-      unsupported(
-          "shareIpcHandle",
-          "expandable-segment memory cannot be shared yet (it is mapped through the VMM "
-          "API, which cudaIpcGetMemHandle cannot export); use "
-          "STREAMALLOC_CONF=expandable_segments:false in processes that send CUDA tensors");
+      return share_expandable(ptr);
     }
     c10::cuda::CUDAGuard g(static_cast<DeviceIndex>(device));
     cudaIpcMemHandle_t handle;
@@ -874,11 +874,18 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
       type = handle[1];
       payload = 2;
     }
-    if (type == kHandleExpandable) {
-      unsupported(
-          "getIpcDevPtr for an expandable-segment handle",
-          "the sender used PyTorch's expandable_segments:True, whose handles streamalloc "
-          "cannot open yet; send from a process with expandable segments off");
+    if (type == kHandleExpandable || type == kHandleStreamalloc) {
+      DeviceIndex device = 0;
+      C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+      void* p = streamalloc_ipc_open(
+          reinterpret_cast<const uint8_t*>(handle.data()), handle.size(), device);
+      if (p == nullptr) {
+        fail("getIpcDevPtr");
+      }
+      const uint64_t gen = ++ipc_generation_;
+      std::shared_ptr<void> sp(p, [this, handle, gen](void*) { close_ipc(handle, gen); });
+      ipc_[handle] = IpcEntry{device, p, gen, sp, true};
+      return sp;
     }
     TORCH_CHECK(
         type == kHandleCudaMalloc,
@@ -897,7 +904,7 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
     C10_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
     const uint64_t gen = ++ipc_generation_;
     std::shared_ptr<void> sp(p, [this, handle, gen](void*) { close_ipc(handle, gen); });
-    ipc_[handle] = IpcEntry{device, p, gen, sp};
+    ipc_[handle] = IpcEntry{device, p, gen, sp, false};
     return sp;
   }
 
@@ -909,7 +916,25 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
     void* ptr;
     uint64_t generation;
     std::weak_ptr<void> wp;
+    bool expandable; // opened by streamalloc_ipc_open, not cudaIpcOpenMemHandle
   };
+
+  // The handle of an allocation in an expandable segment, from the library.
+  CCA::ShareableHandle share_expandable(void* ptr) {
+    std::string s(512, '\0');
+    uint64_t offset = 0;
+    auto out = [&s] { return reinterpret_cast<uint8_t*>(&s[0]); };
+    int64_t n = streamalloc_ipc_export(ptr, out(), s.size(), &offset);
+    if (n > static_cast<int64_t>(s.size())) {
+      s.resize(static_cast<size_t>(n));
+      n = streamalloc_ipc_export(ptr, out(), s.size(), &offset);
+    }
+    if (n < 0 || n > static_cast<int64_t>(s.size())) {
+      fail("shareIpcHandle");
+    }
+    s.resize(static_cast<size_t>(n));
+    return {static_cast<ptrdiff_t>(offset), s};
+  }
 
   DeviceState& dev(DeviceIndex device) {
     TORCH_CHECK(
@@ -1270,6 +1295,12 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
     IpcEntry e = it->second;
     ipc_.erase(it);
     try {
+      if (e.expandable) {
+        if (streamalloc_ipc_close(e.ptr) != 0) {
+          TORCH_WARN("streamalloc: closing an IPC mapping failed: ", last_error());
+        }
+        return;
+      }
       c10::cuda::CUDAGuard g(e.device);
       C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(e.ptr));
     } catch (const std::exception& err) {

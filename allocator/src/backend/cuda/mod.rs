@@ -25,8 +25,14 @@
 //! Nothing here touches the driver before [`driver::load`] succeeded, so a machine
 //! without CUDA gets a typed [`CudaError`], never a panic. [`registry`] holds one
 //! allocator per device for the C ABI and any other in-process user.
+//!
+//! # IPC
+//! Expandable-segment memory is shared between processes mapping by mapping, as POSIX
+//! file descriptors ([`ipc`]); that is no allocation policy, so it lives on
+//! [`CudaBackend`], outside the [`Backend`] trait.
 
 pub mod driver;
+pub mod ipc;
 pub mod registry;
 mod vmm;
 
@@ -105,6 +111,8 @@ pub struct CudaBackend {
     /// Page mapping for expandable segments; `None` where the device cannot map memory
     /// (the engine then uses whole segments).
     pages: Option<vmm::PageMap>,
+    /// Other processes' memory opened here (CUDA IPC of expandable segments).
+    imports: ipc::Imports,
 }
 
 /// A `CUcontext` that may be shared between threads (the driver allows it).
@@ -133,6 +141,7 @@ impl CudaBackend {
             total: total as u64,
             clock: Clock::new(),
             pages: None,
+            imports: Default::default(),
         };
         // Leave the context current on a thread that had none, as the runtime would.
         drop(backend.enter()?);

@@ -9,16 +9,32 @@
 //! (`MAP_CHUNK`). `cuMemUnmap` must cover whole mappings, so `unmap` takes whole mappings
 //! only. The handle of each mapping is kept here, keyed by its address, to release it.
 //!
+//! Where the device can export allocations as POSIX file descriptors, every allocation is
+//! created exportable (`requestedHandleTypes`), so that CUDA IPC can share it later (see
+//! [`super::ipc`]); a mapping's exported descriptor is made on first export, kept with
+//! the mapping (one descriptor however often it is shared) and closed when the mapping is
+//! released.
+//!
 //! Unlike `cuMemFree`, `cuMemUnmap` does not synchronise; the engine synchronises before
 //! it unmaps a page any stream may still touch.
 
 use super::driver;
+use super::ipc::{ExportedMapping, IpcError};
 use super::sys;
 use crate::backend::BackendResult;
 use crate::error::BackendError;
 use crate::types::DevicePtr;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+/// One mapping: its bytes, its physical allocation and, once exported, its descriptor.
+#[derive(Debug)]
+struct Mapping {
+    size: u64,
+    handle: sys::CUmemGenericAllocationHandle,
+    fd: Option<OwnedFd>,
+}
 
 /// The physical pages mapped into reservations of one device.
 #[derive(Debug)]
@@ -27,8 +43,12 @@ pub(super) struct PageMap {
     ordinal: i32,
     /// Bytes per page: the driver's granularity, at least 2 MiB.
     page_size: u64,
-    /// Mapping address → its bytes and physical allocation.
-    mappings: Mutex<BTreeMap<u64, (u64, sys::CUmemGenericAllocationHandle)>>,
+    /// The driver's minimum granularity (what an imported allocation must be a multiple of).
+    granularity: u64,
+    /// Allocations are created exportable as POSIX file descriptors.
+    exportable: bool,
+    /// Mapping address → its mapping.
+    mappings: Mutex<BTreeMap<u64, Mapping>>,
 }
 
 impl PageMap {
@@ -47,7 +67,17 @@ impl PageMap {
         if code != sys::CUresult::CUDA_SUCCESS || supported == 0 {
             return None;
         }
-        let prop = allocation_prop(ordinal);
+        let mut posix: std::ffi::c_int = 0;
+        // SAFETY: as above.
+        let code = unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut posix,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                device,
+            )
+        };
+        let exportable = code == sys::CUresult::CUDA_SUCCESS && posix != 0;
+        let prop = allocation_prop(ordinal, exportable);
         let mut granularity: usize = 0;
         // SAFETY: valid out pointer and property struct.
         let code = unsafe {
@@ -66,12 +96,22 @@ impl PageMap {
         Some(Self {
             ordinal,
             page_size,
+            granularity: granularity as u64,
+            exportable,
             mappings: Mutex::new(BTreeMap::new()),
         })
     }
 
     pub(super) fn page_size(&self) -> u64 {
         self.page_size
+    }
+
+    pub(super) fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    pub(super) fn exportable(&self) -> bool {
+        self.exportable
     }
 
     pub(super) fn reserve(&self, size: u64) -> BackendResult<DevicePtr> {
@@ -99,7 +139,7 @@ impl PageMap {
     /// nothing mapped.
     pub(super) fn map(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.check_range(ptr, size, "cuMemMap")?;
-        let prop = allocation_prop(self.ordinal);
+        let prop = allocation_prop(self.ordinal, self.exportable);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: valid out pointer and property struct; `size` is a multiple of the
         // granularity (checked above).
@@ -133,7 +173,14 @@ impl PageMap {
             }
             return Err(err);
         }
-        self.mappings.lock().insert(ptr.0, (size, handle));
+        self.mappings.lock().insert(
+            ptr.0,
+            Mapping {
+                size,
+                handle,
+                fd: None,
+            },
+        );
         Ok(())
     }
 
@@ -144,11 +191,11 @@ impl PageMap {
         let mut mappings = self.mappings.lock();
         let end = ptr.0 + size;
         let mut covered = ptr.0;
-        for (&start, &(len, _)) in mappings.range(ptr.0..end) {
-            if start != covered || start + len > end {
+        for (&start, mapping) in mappings.range(ptr.0..end) {
+            if start != covered || start + mapping.size > end {
                 break;
             }
-            covered = start + len;
+            covered = start + mapping.size;
         }
         if covered != end {
             return Err(BackendError::new(
@@ -161,7 +208,14 @@ impl PageMap {
             .map(|(&start, _)| start)
             .collect();
         for start in whole {
-            let (len, handle) = mappings.remove(&start).expect("listed above");
+            let Mapping {
+                size: len,
+                handle,
+                fd,
+            } = mappings.remove(&start).expect("listed above");
+            // An importer holds its own reference to the allocation; the descriptor only
+            // served to hand it over.
+            drop(fd);
             // SAFETY: `start` was mapped by `map` with exactly this length, and the engine
             // synchronised so no stream can still touch it.
             driver::check(
@@ -172,6 +226,69 @@ impl PageMap {
             driver::check(unsafe { sys::cuMemRelease(handle) }, "cuMemRelease")?;
         }
         Ok(())
+    }
+
+    /// The mappings covering `[ptr, ptr + size)` in address order, each with its POSIX file
+    /// descriptor (exported now if it was not yet). The descriptors stay owned here, open
+    /// until their mapping is unmapped.
+    pub(super) fn export(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+    ) -> Result<Vec<ExportedMapping>, IpcError> {
+        if !self.exportable {
+            return Err(IpcError::Unsupported {
+                ordinal: self.ordinal,
+            });
+        }
+        let end = ptr
+            .0
+            .checked_add(size.max(1))
+            .ok_or(IpcError::NotMapped { ptr: ptr.0, size })?;
+        let mut mappings = self.mappings.lock();
+        let first = match mappings.range(..=ptr.0).next_back() {
+            Some((&start, mapping)) if start + mapping.size > ptr.0 => start,
+            _ => return Err(IpcError::NotMapped { ptr: ptr.0, size }),
+        };
+        let mut out = Vec::new();
+        let mut covered = first;
+        for (&start, mapping) in mappings.range_mut(first..end) {
+            if start != covered {
+                break;
+            }
+            let fd = match &mapping.fd {
+                Some(fd) => fd.as_raw_fd(),
+                None => {
+                    let mut raw: std::ffi::c_int = -1;
+                    // SAFETY: `raw` is a valid out location for a POSIX descriptor (the
+                    // handle type asked for); the handle is live, created exportable.
+                    driver::check(
+                        unsafe {
+                            sys::cuMemExportToShareableHandle(
+                                (&mut raw as *mut std::ffi::c_int).cast(),
+                                mapping.handle,
+                                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                                0,
+                            )
+                        },
+                        "cuMemExportToShareableHandle",
+                    )?;
+                    // SAFETY: the driver just created this descriptor for us to own.
+                    let owned = unsafe { OwnedFd::from_raw_fd(raw) };
+                    mapping.fd.insert(owned).as_raw_fd()
+                }
+            };
+            out.push(ExportedMapping {
+                address: start,
+                size: mapping.size,
+                fd,
+            });
+            covered = start + mapping.size;
+        }
+        if covered < end {
+            return Err(IpcError::NotMapped { ptr: ptr.0, size });
+        }
+        Ok(out)
     }
 
     fn check_range(&self, ptr: DevicePtr, size: u64, operation: &'static str) -> BackendResult<()> {
@@ -191,17 +308,21 @@ impl PageMap {
     }
 }
 
-fn location(ordinal: i32) -> sys::CUmemLocation {
+pub(super) fn location(ordinal: i32) -> sys::CUmemLocation {
     sys::CUmemLocation {
         type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
         id: ordinal,
     }
 }
 
-fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
+fn allocation_prop(ordinal: i32, exportable: bool) -> sys::CUmemAllocationProp {
     // SAFETY: a plain C struct for which all-zero is a valid (default) value.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location = location(ordinal);
+    if exportable {
+        prop.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    }
     prop
 }
