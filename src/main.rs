@@ -33,6 +33,11 @@ enum Command {
     View(cli::view::ViewArgs),
     /// Render the active-memory timeline of a snapshot to SVG or PNG, without a browser.
     Plot(cli::plot::PlotArgs),
+    /// Check this machine: the library, GPUs and driver, NCCL, PyTorch, the native door and
+    /// the configuration, one verdict per line.
+    Doctor(cli::doctor::DoctorArgs),
+    /// Compile the native PyTorch door for the installed PyTorch now, rather than on first use.
+    BuildTorchExt(cli::build_torch_ext::BuildTorchExtArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +55,8 @@ fn main() -> ExitCode {
         Command::Snapshot(args) => cli::snapshot::run(args),
         Command::View(args) => cli::view::run(args),
         Command::Plot(args) => cli::plot::run(args),
+        Command::Doctor(args) => cli::doctor::run(args),
+        Command::BuildTorchExt(args) => cli::build_torch_ext::run(args),
     };
     match result {
         Ok(code) => code,

@@ -1,4 +1,4 @@
-# Prints issue 4's goal table from the JSON files benches/gpu/run.sh wrote.
+# Prints the goal table from the JSON files benches/gpu/run.sh wrote.
 #   python report.py OUTDIR
 import json, os, sys
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces issue 4's goal table on one machine with 2 GPUs, native PyTorch next to
+# Reproduces the goal table (docs/benchmarks.md) on one machine with 2 GPUs, native PyTorch next to
 # streamalloc, in one run:
 #   benches/gpu/run.sh [OUTDIR]
 # Needs: python3 with PyTorch (transformers, torchvision), nvcc, torchrun; libstreamalloc.so

@@ -1,9 +1,9 @@
 """Finds ``libstreamalloc.so``, loads it once with ctypes and declares its C ABI.
 
 Search order: the ``STREAMALLOC_LIB`` environment variable (a file), then the package's
-own folder, its parent, and the Cargo build folders of a source checkout
-(``$CARGO_TARGET_DIR/release``, ``target/release``). The first file that exists wins; a
-missing library is a ``LibraryNotFound`` naming every place looked at.
+own folder (where ``pip install`` puts it), its parent, and the Cargo build folders of a
+source checkout (``$CARGO_TARGET_DIR/release``, ``target/release``). The first file that
+exists wins; a missing library is a ``LibraryNotFound`` naming every place looked at.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def library_path() -> Path:
             return candidate.resolve()
     raise LibraryNotFound(
         f"{LIB_NAME} not found; looked at: {', '.join(map(str, candidates))}. "
-        f"Build it with `cargo build --release` or set {ENV_VAR}."
+        f"Install streamalloc with `pip install .`, build it with `cargo build --release`, or set {ENV_VAR}."
     )
 
 

@@ -1,7 +1,9 @@
 //! One module per subcommand. Each exposes an `Args` struct (clap) and
 //! `run(args) -> Result<ExitCode, CliError>`.
 
+pub(crate) mod build_torch_ext;
 pub(crate) mod demo;
+pub(crate) mod doctor;
 pub(crate) mod p2p_nccl;
 pub(crate) mod p2p_sim;
 pub(crate) mod plot;

@@ -11,7 +11,7 @@
 //!
 //! | variable | value |
 //! | --- | --- |
-//! | `PYTHONPATH` | `<python>/streamalloc/_boot:<python>` before the existing value |
+//! | `PYTHONPATH` | `<python>/streamalloc/_boot:<python>` before the existing value (only `_boot` when installed from the wheel) |
 //! | `STREAMALLOC_LIB` | the absolute path of `libstreamalloc.so` |
 //! | `STREAMALLOC_CONF` | `--conf`, when given |
 //! | `STREAMALLOC_SNAPSHOT` | `--snapshot`, made absolute |
@@ -153,10 +153,17 @@ impl Plan {
         env.push((LIB_ENV, lib.into_os_string()));
 
         let python = find_python(&exe_dir)?;
-        let mut path =
-            std::env::join_paths([python.join(BOOT), python.clone()]).map_err(|err| {
-                CliError::Message(format!("run: cannot use {}: {err}", python.display()))
-            })?;
+        // Installed from the wheel, the package lives in a site-packages its Python already
+        // searches; putting that folder on PYTHONPATH would also put it before the standard
+        // library, and before the site-packages of any other Python the program starts.
+        let dirs = if python_is_installed(&exe_dir, &python) {
+            vec![python.join(BOOT)]
+        } else {
+            vec![python.join(BOOT), python.clone()]
+        };
+        let mut path = std::env::join_paths(dirs).map_err(|err| {
+            CliError::Message(format!("run: cannot use {}: {err}", python.display()))
+        })?;
         if let Some(existing) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
             path.push(":");
             path.push(existing);
@@ -173,12 +180,7 @@ impl Plan {
             env.push(("STREAMALLOC_STATS_AT_EXIT", OsString::from("1")));
         }
         if args.preload {
-            let preload = find_file(
-                PRELOAD_ENV,
-                PRELOAD_NAME,
-                &exe_dir,
-                "cargo build --release -p streamalloc-preload",
-            )?;
+            let preload = find_file(PRELOAD_ENV, PRELOAD_NAME, &exe_dir, "cargo build --release")?;
             let mut value = preload.into_os_string();
             if let Some(existing) = std::env::var_os("LD_PRELOAD").filter(|p| !p.is_empty()) {
                 value.push(":");
@@ -191,7 +193,7 @@ impl Plan {
 }
 
 /// The folder of the running `streamalloc` executable (symbolic links resolved).
-fn exe_dir() -> Result<PathBuf, CliError> {
+pub(crate) fn exe_dir() -> Result<PathBuf, CliError> {
     let exe = std::env::current_exe()
         .and_then(std::fs::canonicalize)
         .map_err(|err| {
@@ -203,8 +205,15 @@ fn exe_dir() -> Result<PathBuf, CliError> {
 }
 
 /// `name` from the variable `env` (which must then name a file), else next to the
-/// executable or in `../lib`.
-fn find_file(env: &str, name: &str, exe_dir: &Path, build: &str) -> Result<PathBuf, CliError> {
+/// executable (a cargo build), in its parent (the wheel: the executable is
+/// `streamalloc/bin/streamalloc` inside the Python package, the libraries are in
+/// `streamalloc/`) or in `../lib`.
+pub(crate) fn find_file(
+    env: &str,
+    name: &str,
+    exe_dir: &Path,
+    build: &str,
+) -> Result<PathBuf, CliError> {
     if let Some(value) = std::env::var_os(env).filter(|v| !v.is_empty()) {
         let path = PathBuf::from(&value);
         return match std::fs::canonicalize(&path) {
@@ -215,7 +224,11 @@ fn find_file(env: &str, name: &str, exe_dir: &Path, build: &str) -> Result<PathB
             ))),
         };
     }
-    let candidates = [exe_dir.join(name), exe_dir.join("../lib").join(name)];
+    let candidates = [
+        exe_dir.join(name),
+        exe_dir.join("..").join(name),
+        exe_dir.join("../lib").join(name),
+    ];
     candidates
         .iter()
         .find(|p| p.is_file())
@@ -229,9 +242,10 @@ fn find_file(env: &str, name: &str, exe_dir: &Path, build: &str) -> Result<PathB
 }
 
 /// The folder that holds the `streamalloc` Python package with its boot module:
-/// `STREAMALLOC_PYTHON`, else `python/` next to the executable, in its parent, in
-/// `../share/streamalloc/`, or in the source checkout it was built from.
-fn find_python(exe_dir: &Path) -> Result<PathBuf, CliError> {
+/// `STREAMALLOC_PYTHON`, else the `site-packages` the executable is installed in (the
+/// wheel's `streamalloc/bin/streamalloc`), `python/` next to the executable, in its
+/// parent, in `../share/streamalloc/`, or in the source checkout it was built from.
+pub(crate) fn find_python(exe_dir: &Path) -> Result<PathBuf, CliError> {
     let has_boot = |dir: &Path| dir.join(BOOT).join("sitecustomize.py").is_file();
     if let Some(value) = std::env::var_os(PYTHON_ENV).filter(|v| !v.is_empty()) {
         let dir = PathBuf::from(&value);
@@ -244,6 +258,7 @@ fn find_python(exe_dir: &Path) -> Result<PathBuf, CliError> {
         };
     }
     let candidates = [
+        exe_dir.join("../.."),
         exe_dir.join("python"),
         exe_dir.join("../python"),
         exe_dir.join("../share/streamalloc/python"),
@@ -259,6 +274,13 @@ fn find_python(exe_dir: &Path) -> Result<PathBuf, CliError> {
                 join_display(&candidates)
             ))
         })
+}
+
+/// Whether `python` (from [`find_python`]) is the site-packages the wheel installed this
+/// executable into, rather than a folder named by `STREAMALLOC_PYTHON` or a checkout.
+pub(crate) fn python_is_installed(exe_dir: &Path, python: &Path) -> bool {
+    std::env::var_os(PYTHON_ENV).is_none_or(|v| v.is_empty())
+        && std::fs::canonicalize(exe_dir.join("../..")).is_ok_and(|dir| dir == python)
 }
 
 /// `--snapshot` made absolute (children may change folder), its folder checked to exist.

@@ -2,9 +2,9 @@
 //! between real GPUs from Rust (feature `cuda`).
 //!
 //! The staging executor speaks [`Transport`] with host byte slices; this module is the
-//! piece that lets it run across processes and GPUs without Python. It exists so the Rust
-//! side of issue 6 can be exercised on real hardware (`streamalloc p2p-nccl`) with the same
-//! planner and executor CI tests on the simulated transport.
+//! piece that lets it run across processes and GPUs without Python. It lets the Rust side of
+//! the staged exchange run on real hardware (`streamalloc p2p-nccl`) with the same planner
+//! and executor CI tests on the simulated transport.
 //!
 //! # What a call does
 //! - [`Transport::group`] copies each send's bytes into one device buffer, runs

@@ -4,7 +4,7 @@
 # Why: in a Python program every call into the allocator finds its code cold, so what it
 # costs there depends on how many lines of code and branches it runs through; a profile
 # lets LLVM inline and lay out the fast paths by measured frequency. Measured on an H200
-# (benches/gpu/results.md, 2026-11-24, third session): the C ABI's pairs ~5 ns faster
+# (benches/gpu/results.md, 2026-11-24, profile-guided builds): the C ABI's pairs ~5 ns faster
 # (76 -> 70 ns, ring on), the Python loop about a point closer to the hook floor, which is
 # within that host's noise. So it is a tool for release builds, not the default build.
 #
