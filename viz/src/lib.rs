@@ -9,6 +9,8 @@
 //! - [`pytorch`]: PyTorch's memory snapshots (`torch.cuda.memory._dump_snapshot` pickles,
 //!   gzip or not), read for the viewer and the trace replayer, and written back so that
 //!   PyTorch's own viewer opens ours.
+//! - [`pickle`]: the bounded pickle decoder those snapshots are read with (plain data
+//!   only, shared references resolved, no code run).
 //! - [`model`]: the one model every format converts through, which is also our versioned
 //!   JSON format (schema in the module docs); [`model::load`] opens any supported file.
 //! - [`timeline`]: allocation and segment lifetimes and memory counters over time.
@@ -34,6 +36,7 @@
 mod error;
 pub mod model;
 pub mod perfetto;
+pub mod pickle;
 pub mod plot;
 pub mod pytorch;
 pub mod server;

@@ -2,17 +2,18 @@
 //!
 //! PyTorch users already have these files, and the trace replayer and the viewer both start
 //! from them, so this module reads them exactly as PyTorch writes them: a pickle (protocol
-//! 2 to 4, optionally gzip-compressed) of a dict with
+//! 2 to 5, optionally gzip-compressed) of a dict with
 //!
 //! - `segments`: one dict per segment (`device`, `address`, `total_size`, `stream`,
 //!   `segment_type`, `blocks`: dicts with `size`, `requested_size`, `state`, `frames`), and
 //! - `device_traces`: one list per device of trace entries, dicts with `action`, `addr`,
 //!   `size`, `stream`, `time_us`, `frames` (and `device_free` for `oom`).
 //!
-//! Decoding goes through `serde-pickle`'s generic [`serde_pickle::Value`] (a real pickle
-//! machine: memo, frames, long integers) and is then checked key by key, so a truncated,
-//! corrupt or foreign file gives one [`VizError`] naming the file and the offending key,
-//! never a panic. Call stacks repeat across entries, so identical stacks are shared
+//! Decoding goes through [`crate::pickle`], a bounded decoder of plain pickled data into
+//! `serde-pickle`'s generic [`serde_pickle::Value`] (memo and shared references, frames,
+//! integers up to 64 bits), and is then checked key by key, so a truncated, corrupt,
+//! hostile or foreign file gives one [`VizError`] naming the file and the offending byte
+//! or key, never a panic. Call stacks repeat across entries, so identical stacks are shared
 //! ([`Stack`]), which keeps a million-entry trace small in memory.
 //!
 //! [`write_pickle`] writes the same shape back with only the opcodes PyTorch's own
@@ -263,13 +264,10 @@ pub fn parse_snapshot(path: &Path, bytes: &[u8]) -> Result<TorchSnapshot, VizErr
                 .into(),
         });
     }
-    let value =
-        serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).map_err(|e| {
-            VizError::Pickle {
-                path: path.into(),
-                message: e.to_string(),
-            }
-        })?;
+    let value = crate::pickle::decode(bytes).map_err(|e| VizError::Pickle {
+        path: path.into(),
+        message: e.to_string(),
+    })?;
     Converter {
         path,
         stacks: HashMap::new(),
