@@ -1,4 +1,4 @@
-//! The shared PyTorch traces (`../shared/traces` from the workspace root) replayed through
+//! The PyTorch traces in `tests/data/traces` replayed through
 //! the engine: our peak reserved over peak live must stay within the goal of 1.02 on each,
 //! where PyTorch's own allocator reached 1.047 (gpt2) and 1.150 (bert_varlen). Also: bad
 //! files get one-line errors naming them, and the CLI keeps going past them.
@@ -15,21 +15,16 @@ fn traces_dir() -> PathBuf {
     shared_traces_dir(Path::new(env!("CARGO_MANIFEST_DIR")))
 }
 
-fn shared_trace(name: &str) -> Option<PathBuf> {
+/// A test trace; a missing one fails the test rather than skipping it.
+fn shared_trace(name: &str) -> PathBuf {
     let path = traces_dir().join(name);
-    if path.exists() {
-        Some(path)
-    } else {
-        println!("skipped: {} not found", path.display());
-        None
-    }
+    assert!(path.exists(), "test trace {} is missing", path.display());
+    path
 }
 
 /// Replays one shared trace; checks the recorded figures and our ratio.
 fn check(name: &str, allocs: u64, peak_live_mib: f64, native_mib: f64, bound: f64) {
-    let Some(path) = shared_trace(name) else {
-        return;
-    };
+    let path = shared_trace(name);
     let traces = load_traces(&path).unwrap();
     assert_eq!(traces.len(), 1);
     let config = Config::default();
@@ -86,9 +81,7 @@ fn bert_varlen_replays_within_the_goal() {
 /// synchronises nothing: reclaiming must not turn into remapping every step (on a GPU each
 /// mapping costs tens of µs and each synchronisation drains the pipeline).
 fn check_steady_state(name: &str, bound: f64) {
-    if let Some(path) = shared_trace(name) {
-        check_three_steps(&path, bound);
-    }
+    check_three_steps(&shared_trace(name), bound);
 }
 
 /// The trace at `path` replayed as three steps with expandable segments: the last step
@@ -142,6 +135,34 @@ fn gpt2_recorded_on_h200_steady_state_does_not_remap() {
     check_recorded_on_h200("gpt2_native_steps2-3.pickle.gz", GOAL);
 }
 
+/// GPT-2 small generating with growing KV caches (benches/gpu/fragmentation/capture_infer.py,
+/// PyTorch 2.11 on an H200, weights included): PyTorch reserved 1.334x its peak. The
+/// default configuration replays at 1.10 (the GPU run read 1.102): far better than whole
+/// segments, short of the 1.02 that training traces meet. The bound holds that ground.
+#[test]
+fn kv_cache_generation_recorded_on_h200_stays_well_below_whole_segments() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("benches/gpu/traces/gpt2_generate_native.pickle.gz");
+    let traces = load_traces(&path).unwrap();
+    let report = replay(&traces[0].entries, &Config::default(), &mut |_| {}).unwrap();
+    let whole = Config {
+        expandable_segments: false,
+        ..Config::default()
+    };
+    let whole = replay(&traces[0].entries, &whole, &mut |_| {}).unwrap();
+    println!(
+        "generation: ours {:.4}, whole segments {:.4}",
+        report.ratio(),
+        whole.ratio()
+    );
+    assert!(report.ratio() <= 1.11, "{:.4}", report.ratio());
+    assert!(
+        whole.ratio() > 1.3,
+        "whole segments reproduce PyTorch: {:.4}",
+        whole.ratio()
+    );
+}
+
 #[test]
 fn resnet50_recorded_on_h200_steady_state_does_not_remap_within_the_goal() {
     // 1.046 while hot blocks stayed parked under sizes that do not repeat (PyTorch: 1.185).
@@ -152,9 +173,7 @@ fn resnet50_recorded_on_h200_steady_state_does_not_remap_within_the_goal() {
 fn whole_segments_reproduce_the_native_allocator() {
     // Without expandable segments the engine follows PyTorch's rules, so it should
     // fragment like PyTorch: a check that replay is faithful, not just optimistic.
-    let Some(path) = shared_trace("gpt2.pickle.gz") else {
-        return;
-    };
+    let path = shared_trace("gpt2.pickle.gz");
     let traces = load_traces(&path).unwrap();
     let config = Config::parse("expandable_segments:false").unwrap();
     let report = replay(&traces[0].entries, &config, &mut |_| {}).unwrap();
@@ -187,13 +206,11 @@ fn bad_files_get_one_line_errors_naming_them() {
         assert!(err.contains(&path.display().to_string()), "{err}");
         assert!(!err.contains('\n'), "{err}");
     }
-    if let Some(gpt2) = shared_trace("gpt2.pickle.gz") {
-        let bytes = std::fs::read(&gpt2).unwrap();
-        let truncated = dir.join("truncated.pickle.gz");
-        std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
-        let err = load_traces(&truncated).unwrap_err().to_string();
-        assert!(err.contains("truncated.pickle.gz"), "{err}");
-    }
+    let bytes = std::fs::read(shared_trace("gpt2.pickle.gz")).unwrap();
+    let truncated = dir.join("truncated.pickle.gz");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let err = load_traces(&truncated).unwrap_err().to_string();
+    assert!(err.contains("truncated.pickle.gz"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -290,4 +307,89 @@ fn a_snapshot_of_several_devices_gives_one_trace_per_device() {
         assert_eq!(report.native_peak_reserved_bytes, 20 << 20);
         assert!(report.peak_reserved_bytes >= 8 << 20);
     }
+}
+
+/// A bad `--conf` is blamed on the flag, not on `STREAMALLOC_CONF`, which was not read.
+#[test]
+fn bad_conf_flag_is_blamed_on_the_flag() {
+    let trace = shared_trace("tp_allreduce_0.pickle.gz");
+    for conf in ["memory_limit:0x10", "no_such_key:1", "garbage"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_streamalloc"))
+            .args(["replay", "--conf", conf])
+            .arg(&trace)
+            .env_remove("STREAMALLOC_CONF")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{conf}: {stderr}");
+        assert!(stderr.contains("--conf"), "{conf}: {stderr}");
+        assert!(!stderr.contains("STREAMALLOC_CONF"), "{conf}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{conf}: {stderr}");
+    }
+}
+
+/// A gzip bomb (70 MiB of zeros in about 70 KB, made here) is refused by every reader
+/// with one line naming the file and the limit; replay goes on with the other files, and
+/// the limit can be set through the environment.
+#[test]
+fn gzip_bombs_are_refused_and_the_limit_can_be_set() {
+    use std::io::Write;
+    let dir = std::env::temp_dir().join(format!("streamalloc-bomb-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bomb = dir.join("bomb.pickle.gz");
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    let zeros = vec![0u8; 1 << 20];
+    for _ in 0..70 {
+        gz.write_all(&zeros).unwrap();
+    }
+    let bytes = gz.finish().unwrap();
+    assert!(bytes.len() < 1 << 20, "a small file");
+    std::fs::write(&bomb, &bytes).unwrap();
+    let good = shared_trace("tp_allreduce_0.pickle.gz");
+    let run = |args: &[&str], files: &[&Path], limit: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_streamalloc"));
+        cmd.args(args)
+            .args(files)
+            .env_remove("STREAMALLOC_MAX_DECOMPRESSED");
+        if let Some(limit) = limit {
+            cmd.env("STREAMALLOC_MAX_DECOMPRESSED", limit);
+        }
+        cmd.output().unwrap()
+    };
+    let out = run(&["replay", "--json"], &[&bomb, &good], None);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("bomb.pickle.gz") && stderr.contains("limit"),
+        "{stderr}"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("tp_allreduce_0.pickle.gz"),
+        "the good file still ran"
+    );
+
+    let png = dir.join("bomb.png");
+    let out = run(&["plot", "-o", png.to_str().unwrap()], &[&bomb], None);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("decompresses to more than"), "{stderr}");
+
+    // Raised, the bomb decompresses and is refused for what it is (zeros, not a pickle);
+    // lowered, even the real trace (52 KB unpacked) is over it.
+    let out = run(&["replay"], &[&bomb], Some("100M"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("decompresses to more than"), "{stderr}");
+    let out = run(&["replay"], &[&good], Some("16K"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("STREAMALLOC_MAX_DECOMPRESSED=16K"),
+        "{stderr}"
+    );
+    let out = run(&["replay"], &[&good], Some("lots"));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a byte count"));
+    std::fs::remove_dir_all(&dir).ok();
 }
