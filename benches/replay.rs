@@ -2,7 +2,7 @@
 //! trace's replay time, and the engine's cached fast path, printed (no criterion: each
 //! figure is one deterministic run, and the point is the table).
 //!
-//! - For every trace in `../shared/traces` (from the workspace root): peak live, then peak
+//! - For every trace in `tests/data/traces`: peak live, then peak
 //!   reserved over peak live for the recording allocator (native), for us with expandable
 //!   segments, with whole segments (the default) and with expandable segments under the
 //!   PyTorch reuse policy (`reuse_policy:pytorch`).

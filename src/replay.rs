@@ -11,16 +11,10 @@ use streamalloc_allocator::trace::{TraceAction, TraceEntry};
 use streamalloc_allocator::{DevicePtr, StreamId};
 use streamalloc_viz::pytorch::{parse_snapshot, TorchAction, TorchSnapshot};
 
-/// Where the shared PyTorch traces are for a checkout at `workspace_root`:
-/// `../shared/traces` beside it, or, from a worktree nested deeper, the nearest ancestor's
-/// `shared/traces` (the tests and the replay benchmark look there).
+/// Where the test PyTorch traces are for a checkout at `workspace_root`: `tests/data/traces`
+/// in the repository, so a clone runs the same tests and benchmark without anything beside it.
 pub fn shared_traces_dir(workspace_root: &Path) -> PathBuf {
-    workspace_root
-        .ancestors()
-        .skip(1)
-        .map(|dir| dir.join("shared/traces"))
-        .find(|dir| dir.is_dir())
-        .unwrap_or_else(|| workspace_root.join("../shared/traces"))
+    workspace_root.join("tests/data/traces")
 }
 
 /// One trace to replay: a name for the report and its entries.
@@ -48,7 +42,7 @@ pub fn load_traces(path: &Path) -> Result<Vec<LoadedTrace>, LoadError> {
     let is_gzip = raw.starts_with(&[0x1f, 0x8b]);
     let is_pickle = raw.first() == Some(&0x80);
     if is_gzip || is_pickle {
-        let bytes = if is_gzip { gunzip(path, &raw)? } else { raw };
+        let bytes = if is_gzip { gunzip(path, raw)? } else { raw };
         if bytes.first() == Some(&0x80) {
             let snapshot = parse_snapshot(path, &bytes).map_err(|e| LoadError(e.to_string()))?;
             return from_torch(&file_name, path, &snapshot);
@@ -66,18 +60,9 @@ pub fn load_traces(path: &Path) -> Result<Vec<LoadedTrace>, LoadError> {
     }])
 }
 
-fn gunzip(path: &Path, raw: &[u8]) -> Result<Vec<u8>, LoadError> {
-    use std::io::Read;
-    let mut out = Vec::with_capacity(raw.len() * 8);
-    flate2::read::MultiGzDecoder::new(raw)
-        .read_to_end(&mut out)
-        .map_err(|e| {
-            LoadError(format!(
-                "{}: corrupt or truncated gzip data: {e}",
-                path.display()
-            ))
-        })?;
-    Ok(out)
+/// The viewer's bounded gunzip, so replay has the same decompressed-size limits.
+fn gunzip(path: &Path, raw: Vec<u8>) -> Result<Vec<u8>, LoadError> {
+    streamalloc_viz::pytorch::maybe_gunzip(path, raw).map_err(|e| LoadError(e.to_string()))
 }
 
 /// One trace per device with events; an empty snapshot is an error (nothing to replay).

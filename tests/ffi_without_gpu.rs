@@ -44,10 +44,10 @@ fn every_entry_point_fails_cleanly_without_cuda() {
     let before = streamalloc_allocator::backend::cuda::registry::global().invalid_frees();
     ffi::streamalloc_free(0x1000 as *mut c_void, 16, 0, stream);
     ffi::streamalloc_free(0x1000 as *mut c_void, 16, -1, stream);
+    assert!(last_error().contains("unknown pointer"), "{}", last_error());
     ffi::streamalloc_free(std::ptr::null_mut(), 0, 0, stream);
     let after = streamalloc_allocator::backend::cuda::registry::global().invalid_frees();
     assert_eq!(after - before, 2);
-    assert!(last_error().contains("unknown pointer"), "{}", last_error());
     ffi::streamalloc_record_stream(0x1000 as *mut c_void, stream);
 
     ffi::streamalloc_empty_cache();
@@ -86,6 +86,53 @@ fn last_error_is_per_thread() {
     assert!(!last_error().is_empty());
     let other = std::thread::spawn(last_error).join().unwrap();
     assert_eq!(other, "");
+}
+
+/// Every call sets or clears the last error: a success after a failure never leaves the
+/// failure's message behind (with or without a GPU: these calls fail or succeed either way).
+#[test]
+fn last_error_is_cleared_by_success_and_set_by_failure() {
+    let stream = std::ptr::null_mut::<c_void>();
+    ffi::streamalloc_set_memory_fraction(1.5, 0);
+    assert!(last_error().contains("not in (0, 1]"), "{}", last_error());
+    assert!(ffi::streamalloc_malloc(0, 0, stream).is_null());
+    assert_eq!(last_error(), "", "malloc(0) succeeded");
+
+    // SAFETY: null is refused with an error.
+    assert_eq!(
+        unsafe { ffi::streamalloc_dump_snapshot(std::ptr::null(), 0) },
+        -1
+    );
+    assert!(last_error().contains("path is null"), "{}", last_error());
+    ffi::streamalloc_free(std::ptr::null_mut(), 0, 0, stream);
+    assert_eq!(last_error(), "", "free(NULL) succeeded");
+
+    ffi::streamalloc_set_memory_fraction(-1.0, 0);
+    assert!(!last_error().is_empty());
+    ffi::streamalloc_record_stream(std::ptr::null_mut(), stream);
+    assert_eq!(last_error(), "", "record_stream(NULL) succeeded");
+
+    ffi::streamalloc_set_memory_fraction(f64::NAN, 0);
+    assert!(!last_error().is_empty());
+    // SAFETY: null removes the thrower.
+    unsafe { ffi::streamalloc_set_error_thrower(None) };
+    assert_eq!(last_error(), "");
+
+    // Reading the error, or the version, is not a call that clears it.
+    ffi::streamalloc_set_memory_fraction(2.0, 0);
+    let first = last_error();
+    assert!(!first.is_empty());
+    let _ = ffi::streamalloc_version();
+    assert_eq!(last_error(), first);
+
+    if no_gpu() {
+        // A failure replaces an older message with its own.
+        assert!(ffi::streamalloc_malloc(1 << 20, -3, stream).is_null());
+        assert!(last_error().contains("out of range"), "{}", last_error());
+        assert_eq!(ffi::streamalloc_reset_peak_stats(0), -1);
+        assert!(!last_error().contains("out of range"), "{}", last_error());
+        assert!(!last_error().is_empty());
+    }
 }
 
 #[test]

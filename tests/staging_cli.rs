@@ -55,6 +55,8 @@ fn json_report_has_the_documented_keys_and_delivers_intact() {
 fn bad_arguments_are_one_line_errors() {
     for args in [
         &["--ranks", "0"][..],
+        &["--ranks", "1"][..],
+        &["--ranks", "257"][..],
         &["--budget-mib", "0"][..],
         &["--tensors", "100000000"][..],
     ] {
@@ -65,5 +67,9 @@ fn bad_arguments_are_one_line_errors() {
             err.starts_with("streamalloc: ") && err.trim_end().lines().count() == 1,
             "{err}"
         );
+        if args[0] == "--ranks" {
+            assert!(err.contains("--ranks"), "{err}");
+            assert!(out.stdout.is_empty(), "nothing reported as moved: {args:?}");
+        }
     }
 }

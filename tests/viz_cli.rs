@@ -7,18 +7,13 @@ fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_streamalloc"))
 }
 
-fn shared_trace(name: &str) -> Option<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let found = [
-        root.join("../shared/traces").join(name),
-        root.join("../../shared/traces").join(name),
-    ]
-    .into_iter()
-    .find(|p| p.exists());
-    if found.is_none() {
-        eprintln!("skipping: shared trace {name} not found beside the checkout");
-    }
-    found
+/// A PyTorch trace from `tests/data/traces`; a missing one fails the test.
+fn shared_trace(name: &str) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/traces")
+        .join(name);
+    assert!(path.exists(), "test trace {} is missing", path.display());
+    path
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -29,9 +24,7 @@ fn tmp(name: &str) -> PathBuf {
 
 #[test]
 fn convert_between_all_formats() {
-    let Some(input) = shared_trace("tp_allreduce_0.pickle.gz") else {
-        return;
-    };
+    let input = shared_trace("tp_allreduce_0.pickle.gz");
     let json = tmp("a.json");
     let pickle = tmp("a.pickle.gz");
     let json2 = tmp("b.json");
@@ -86,9 +79,7 @@ fn unreadable_input_is_one_line_and_fails() {
 
 #[test]
 fn plot_writes_svg_and_png() {
-    let Some(input) = shared_trace("tp_allreduce_0.pickle.gz") else {
-        return;
-    };
+    let input = shared_trace("tp_allreduce_0.pickle.gz");
     let svg = tmp("t.svg");
     let png = tmp("t.png");
     for out in [&svg, &png] {
@@ -127,10 +118,13 @@ fn plot_writes_svg_and_png() {
 /// and finds the same numbers as in the original trace.
 #[test]
 fn trace_stats_reads_our_pickle_like_the_original() {
-    let Some(input) = shared_trace("tp_allreduce_0.pickle.gz") else {
-        return;
-    };
-    let script = input.parent().unwrap().join("../baselines/trace_stats.py");
+    let input = shared_trace("tp_allreduce_0.pickle.gz");
+    // The script is PyTorch tooling kept beside the checkout, not test input: optional.
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .map(|dir| dir.join("shared/baselines/trace_stats.py"))
+        .find(|p| p.exists())
+        .unwrap_or_default();
     if !script.exists() || Command::new("python3").arg("--version").output().is_err() {
         eprintln!("skipping: python3 or trace_stats.py not found");
         return;
@@ -170,9 +164,7 @@ fn trace_stats_reads_our_pickle_like_the_original() {
 #[test]
 fn view_prints_a_loopback_url_and_serves_the_page() {
     use std::io::{BufRead, BufReader, Read, Write};
-    let Some(input) = shared_trace("tp_allreduce_0.pickle.gz") else {
-        return;
-    };
+    let input = shared_trace("tp_allreduce_0.pickle.gz");
     let mut child = bin()
         .arg("view")
         .arg(&input)
@@ -207,4 +199,90 @@ fn view_refuses_an_unreadable_file_before_serving() {
     let out = bin().arg("view").arg(&bad).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("bad-view.json"));
+}
+
+/// Hostile snapshots: a device index that would make the writers allocate one entry per
+/// index up to it, and ranges ending past 2^63. Each is one line naming the file and the
+/// limit, exit 2, for convert and plot alike; nothing is written.
+#[test]
+fn device_indices_and_sizes_past_the_limits_are_one_line_errors() {
+    let good = tmp("limits-good.json");
+    let out = bin()
+        .args(["snapshot", "convert"])
+        .arg(shared_trace("tp_allreduce_0.pickle.gz"))
+        .arg(&good)
+        .args(["--to", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let base: serde_json::Value = serde_json::from_slice(&std::fs::read(&good).unwrap()).unwrap();
+    type Edit = fn(&mut serde_json::Value);
+    let cases: [(&str, Edit); 5] = [
+        ("dev-big.json", |v| {
+            v["devices"][0]["device"] = 2147483648u64.into()
+        }),
+        ("dev-100m.json", |v| {
+            v["devices"][0]["device"] = 100000000.into()
+        }),
+        ("seg-max.json", |v| {
+            v["devices"][0]["segments"][0]["size"] = u64::MAX.into()
+        }),
+        ("block-max.json", |v| {
+            v["devices"][0]["segments"][0]["blocks"][0]["size"] = u64::MAX.into()
+        }),
+        ("event-max.json", |v| {
+            v["devices"][0]["trace"][0]["size"] = u64::MAX.into()
+        }),
+    ];
+    for (name, edit) in cases {
+        let mut v = base.clone();
+        edit(&mut v);
+        let input = tmp(name);
+        std::fs::write(&input, serde_json::to_vec(&v).unwrap()).unwrap();
+        let written = tmp(&format!("{name}.out"));
+        for args in [
+            vec!["snapshot", "convert", "--to", "pickle"],
+            vec!["plot", "-o"],
+        ] {
+            let mut cmd = bin();
+            cmd.args(&args);
+            if args[0] == "plot" {
+                cmd.arg(&written).arg(&input);
+            } else {
+                cmd.arg(&input).arg(&written);
+            }
+            let out = cmd.output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{name} {args:?}: {err}");
+            assert_eq!(err.trim_end().lines().count(), 1, "{name}: {err}");
+            assert!(err.contains(name) && err.contains("limit"), "{name}: {err}");
+            assert!(!written.exists(), "{name}: nothing written");
+        }
+    }
+}
+
+/// `view` reports each unreadable file on its own line and goes on with the others; with
+/// none readable it exits 2 without serving.
+#[test]
+fn view_reports_each_bad_file_and_fails_when_none_is_readable() {
+    let a = tmp("view-bad-a.json");
+    let b = tmp("view-bad-b.json");
+    std::fs::write(&a, br#"{"format":"streamalloc-snapshot","version":1,"source":"x","devices":[{"device":2147483648,"segments":[],"trace":[]}]}"#).unwrap();
+    std::fs::write(&b, b"not a snapshot").unwrap();
+    let out = bin()
+        .arg("view")
+        .arg(&a)
+        .arg(&b)
+        .args(["--port", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let lines: Vec<&str> = err.trim_end().lines().collect();
+    assert_eq!(lines.len(), 2, "{err}");
+    assert!(
+        lines[0].contains("view-bad-a.json") && lines[0].contains("limit"),
+        "{err}"
+    );
+    assert!(lines[1].contains("view-bad-b.json"), "{err}");
 }

@@ -158,11 +158,12 @@ pub enum AllocError {
     Backend(#[from] BackendError),
 }
 
-/// A `STREAMALLOC_CONF` string that cannot be parsed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// A configuration string (`STREAMALLOC_CONF`, or a `--conf` flag) that cannot be parsed.
+/// It displays as coming from `STREAMALLOC_CONF`; [`ConfigError::describe`] names another
+/// source, so a flag's error does not blame the environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ConfigError {
     /// A key no version of streamalloc knows.
-    #[error("STREAMALLOC_CONF: unknown key `{key}`; known keys: {known}")]
     UnknownKey {
         /// The key as written.
         key: String,
@@ -170,7 +171,6 @@ pub enum ConfigError {
         known: &'static str,
     },
     /// A known key with a value it does not accept.
-    #[error("STREAMALLOC_CONF: bad value `{value}` for `{key}`; expected {expected}")]
     BadValue {
         /// The key.
         key: &'static str,
@@ -180,9 +180,33 @@ pub enum ConfigError {
         expected: &'static str,
     },
     /// An entry that is not `key:value`.
-    #[error("STREAMALLOC_CONF: `{0}` is not of the form key:value")]
     Malformed(String),
     /// The variable holds bytes that are not UTF-8.
-    #[error("STREAMALLOC_CONF is not valid UTF-8")]
     NotUnicode,
 }
+
+impl ConfigError {
+    /// The message with `source` (e.g. `--conf`) named as where the text came from.
+    pub fn describe(&self, source: &str) -> String {
+        match self {
+            Self::UnknownKey { key, known } => {
+                format!("{source}: unknown key `{key}`; known keys: {known}")
+            }
+            Self::BadValue {
+                key,
+                value,
+                expected,
+            } => format!("{source}: bad value `{value}` for `{key}`; expected {expected}"),
+            Self::Malformed(entry) => format!("{source}: `{entry}` is not of the form key:value"),
+            Self::NotUnicode => format!("{source} is not valid UTF-8"),
+        }
+    }
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe(crate::config::ENV_VAR))
+    }
+}
+
+impl std::error::Error for ConfigError {}

@@ -23,7 +23,7 @@ use streamalloc_allocator::{Allocator, Config};
 /// Arguments of `streamalloc p2p-sim`.
 #[derive(Args, Debug)]
 pub(crate) struct P2pSimArgs {
-    /// Number of ranks (threads).
+    /// Number of ranks (threads), 2 to 256.
     #[arg(long, default_value_t = 4)]
     ranks: u32,
     #[command(flatten)]
@@ -150,8 +150,9 @@ pub(crate) fn workload(
 
 pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
     let bad = |m: &str| Err(CliError::Message(m.to_string()));
-    if args.ranks == 0 || args.ranks > 256 {
-        return bad("--ranks must be between 1 and 256");
+    // One rank has no peer: the exchange would move nothing and still report "intact".
+    if args.ranks < 2 || args.ranks > 256 {
+        return bad("--ranks must be between 2 and 256 (an exchange needs a peer)");
     }
     let config = args.workload.staging()?;
     let world = args.ranks;

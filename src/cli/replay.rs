@@ -49,7 +49,10 @@ struct JsonRow<'a> {
 
 pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
     let config = match &args.conf {
-        Some(text) => Config::parse(text)?,
+        // Blamed on the flag: the environment variable was not read.
+        Some(text) => {
+            Config::parse(text).map_err(|err| CliError::Message(err.describe("--conf")))?
+        }
         None => Config::from_env()?,
     };
     if !args.json {
@@ -59,14 +62,16 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
             "trace", "allocs", "peak live", "ours", "native", "ours/", "native/", "ns/op"
         );
     }
-    let mut failed = false;
+    // Unreadable input exits 2 like every other command's input errors; a trace that
+    // loads but fails in the engine exits 1.
+    let (mut unreadable, mut failed) = (false, false);
     let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
     for path in &args.traces {
         let traces = match load_traces(path) {
             Ok(traces) => traces,
             Err(err) => {
                 eprintln!("streamalloc replay: {err}");
-                failed = true;
+                unreadable = true;
                 continue;
             }
         };
@@ -140,7 +145,9 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
             }
         }
     }
-    Ok(if failed {
+    Ok(if unreadable {
+        ExitCode::from(2)
+    } else if failed {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS

@@ -21,13 +21,29 @@ pub(crate) struct ViewArgs {
 
 pub(crate) fn run(args: ViewArgs) -> Result<ExitCode, CliError> {
     let mut files = Vec::new();
+    // A file that cannot be read is reported and skipped: the others are still served.
+    // Only when none can be read does the command fail, with the last file's error.
+    let mut last_error = None;
     for path in &args.files {
-        let snapshot = model::load(path)?;
+        let snapshot = match model::load(path) {
+            Ok(snapshot) => snapshot,
+            Err(err) => {
+                if let Some(earlier) = last_error.replace(err) {
+                    eprintln!("streamalloc: {earlier}");
+                }
+                continue;
+            }
+        };
         let name = path.file_name().map_or_else(
             || path.display().to_string(),
             |n| n.to_string_lossy().into_owned(),
         );
         files.push((name, snapshot));
+    }
+    match last_error {
+        Some(err) if files.is_empty() => return Err(err.into()),
+        Some(err) => eprintln!("streamalloc: {err}"),
+        None => {}
     }
     let viewer = Arc::new(server::Viewer::new(files));
     viewer.warm();

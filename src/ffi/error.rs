@@ -2,8 +2,8 @@
 //! warnings printed once per kind.
 //!
 //! C callers see failures as a null pointer or a negative return code; the message is
-//! then read with `streamalloc_last_error()`, which, like `errno`, is only meaningful right
-//! after a call that failed on the same thread. Nothing here runs on the success path.
+//! then read with `streamalloc_last_error()`. Every call clears it on entry, so after a call
+//! that succeeded it reads "" and never a stale message from an earlier failure.
 
 use std::cell::RefCell;
 use std::ffi::{c_char, CString};
@@ -23,8 +23,19 @@ pub fn set(message: impl Display) {
     LAST_ERROR.with(|slot| *slot.borrow_mut() = text);
 }
 
-/// This thread's last error ("" if none), valid until the next failing call on this
-/// thread.
+/// Empties this thread's last error: called on entry to every C call, so a success leaves
+/// "" and a failure leaves its own message. Checks first so that the hot path, with no
+/// error pending, writes nothing.
+#[inline]
+pub fn clear() {
+    LAST_ERROR.with(|slot| {
+        if !slot.borrow().as_bytes().is_empty() {
+            *slot.borrow_mut() = CString::default();
+        }
+    });
+}
+
+/// This thread's last error ("" if none), valid until the next C call on this thread.
 pub fn last() -> *const c_char {
     LAST_ERROR.with(|slot| slot.borrow().as_ptr())
 }

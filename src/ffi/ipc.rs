@@ -274,6 +274,7 @@ pub unsafe extern "C" fn streamalloc_ipc_export(
     capacity: usize,
     offset: *mut u64,
 ) -> i64 {
+    error::clear();
     let result = guard(Err("panic while exporting".to_string()), || {
         export(ptr as usize as u64)
     });
@@ -321,6 +322,7 @@ pub unsafe extern "C" fn streamalloc_ipc_open(
     len: usize,
     device: c_int,
 ) -> *mut c_void {
+    error::clear();
     if handle.is_null() {
         error::set("streamalloc_ipc_open: handle is null");
         return std::ptr::null_mut();
@@ -342,6 +344,7 @@ pub unsafe extern "C" fn streamalloc_ipc_open(
 /// releases the memory. 0, or -1 (not an open handle, or a driver error).
 #[no_mangle]
 pub extern "C" fn streamalloc_ipc_close(base: *mut c_void) -> c_int {
+    error::clear();
     let ptr = DevicePtr(base as usize as u64);
     let result = guard(Err("panic while closing".to_string()), || {
         let owner = registry::global()

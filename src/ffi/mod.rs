@@ -93,6 +93,7 @@ static THROWER: AtomicUsize = AtomicUsize::new(0);
 /// foreign (e.g. C++) exception or returns; it is called from the allocating thread.
 #[no_mangle]
 pub unsafe extern "C" fn streamalloc_set_error_thrower(thrower: Option<ErrorThrower>) {
+    error::clear();
     THROWER.store(thrower.map_or(0, |f| f as usize), Ordering::Release);
 }
 
@@ -130,6 +131,7 @@ pub extern "C-unwind" fn streamalloc_malloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
+    error::clear();
     if size == 0 {
         return std::ptr::null_mut();
     }
@@ -197,6 +199,7 @@ pub extern "C" fn streamalloc_free(
     device: c_int,
     _stream: *mut c_void,
 ) {
+    error::clear();
     if ptr.is_null() {
         return;
     }
@@ -224,6 +227,7 @@ pub extern "C" fn streamalloc_free(
 /// will be ordered after the work `stream` has queued by then.
 #[no_mangle]
 pub extern "C" fn streamalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    error::clear();
     if ptr.is_null() {
         return;
     }
@@ -244,6 +248,7 @@ pub extern "C" fn streamalloc_record_stream(ptr: *mut c_void, stream: *mut c_voi
 /// (PyTorch's `empty_cache`).
 #[no_mangle]
 pub extern "C" fn streamalloc_empty_cache() {
+    error::clear();
     guard((), || {
         for (device, allocator) in registry::global().initialized() {
             if let Err(err) = allocator.empty_cache() {
@@ -260,6 +265,7 @@ pub extern "C" fn streamalloc_empty_cache() {
 /// `set_per_process_memory_fraction`). A fraction outside (0, 1] is refused.
 #[no_mangle]
 pub extern "C" fn streamalloc_set_memory_fraction(fraction: f64, device: c_int) {
+    error::clear();
     guard((), || {
         if let Err(message) = set_memory_fraction(fraction, device) {
             error::set(&message);
@@ -291,6 +297,7 @@ fn set_memory_fraction(fraction: f64, device: c_int) -> Result<(), String> {
 /// device is unavailable.
 #[no_mangle]
 pub extern "C" fn streamalloc_reset_peak_stats(device: c_int) -> c_int {
+    error::clear();
     guard(-1, || match registry::global().device(device) {
         Ok(allocator) => {
             allocator.reset_peak_stats();
@@ -310,6 +317,7 @@ pub extern "C" fn streamalloc_reset_peak_stats(device: c_int) -> c_int {
 /// `path` must be null or a NUL-terminated string valid for the call.
 #[no_mangle]
 pub unsafe extern "C" fn streamalloc_dump_snapshot(path: *const c_char, device: c_int) -> c_int {
+    error::clear();
     if path.is_null() {
         error::set("streamalloc_dump_snapshot: path is null");
         return -1;
@@ -343,8 +351,8 @@ fn dump_snapshot(path: &str, device: c_int) -> Result<(), String> {
         .map_err(|err| format!("streamalloc: writing snapshot {path}: {err}"))
 }
 
-/// The message of the last failed call on this thread ("" if none). The pointer stays
-/// valid until the next failing call on the same thread.
+/// The message of the previous call on this thread if it failed, "" if it succeeded. The
+/// pointer stays valid until the next call on the same thread.
 #[no_mangle]
 pub extern "C" fn streamalloc_last_error() -> *const c_char {
     error::last()

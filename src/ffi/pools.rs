@@ -143,6 +143,7 @@ pub extern "C" fn streamalloc_malloc_in_pool(
     id0: u64,
     id1: u64,
 ) -> *mut c_void {
+    error::clear();
     if size == 0 {
         return std::ptr::null_mut();
     }
@@ -160,6 +161,7 @@ pub extern "C" fn streamalloc_malloc_in_pool(
 /// synchronisation a capture forbids, on any stream. Returns the new use count, or -1.
 #[no_mangle]
 pub extern "C" fn streamalloc_pool_begin_allocate(device: c_int, id0: u64, id1: u64) -> c_int {
+    error::clear();
     with_device(device, -1, |allocator| {
         allocator
             .begin_allocate_to_pool(PoolId(id0, id1))
@@ -171,6 +173,7 @@ pub extern "C" fn streamalloc_pool_begin_allocate(device: c_int, id0: u64, id1: 
 /// Ends the newest begin of pool `(id0, id1)` (the pool keeps its use). 0, or -1.
 #[no_mangle]
 pub extern "C" fn streamalloc_pool_end_allocate(device: c_int, id0: u64, id1: u64) -> c_int {
+    error::clear();
     with_device(device, -1, |allocator| {
         allocator
             .end_allocate_to_pool(PoolId(id0, id1))
@@ -182,6 +185,7 @@ pub extern "C" fn streamalloc_pool_end_allocate(device: c_int, id0: u64, id1: u6
 /// Creates pool `(id0, id1)` with one use, or adds one. Returns the new use count, or -1.
 #[no_mangle]
 pub extern "C" fn streamalloc_pool_incref(device: c_int, id0: u64, id1: u64) -> c_int {
+    error::clear();
     with_device(device, -1, |allocator| {
         allocator
             .create_or_incref_pool(PoolId(id0, id1))
@@ -193,6 +197,7 @@ pub extern "C" fn streamalloc_pool_incref(device: c_int, id0: u64, id1: u64) -> 
 /// Drops a use of pool `(id0, id1)`. Returns the remaining use count, or -1.
 #[no_mangle]
 pub extern "C" fn streamalloc_pool_release(device: c_int, id0: u64, id1: u64) -> c_int {
+    error::clear();
     with_device(device, -1, |allocator| {
         allocator
             .release_pool(PoolId(id0, id1))
@@ -205,6 +210,7 @@ pub extern "C" fn streamalloc_pool_release(device: c_int, id0: u64, id1: u64) ->
 /// unavailable.
 #[no_mangle]
 pub extern "C" fn streamalloc_pool_use_count(device: c_int, id0: u64, id1: u64) -> c_int {
+    error::clear();
     with_device(device, -1, |allocator| {
         Ok(allocator.pool_use_count(PoolId(id0, id1)) as c_int)
     })
@@ -237,6 +243,7 @@ pub unsafe extern "C" fn streamalloc_pool_live_allocations(
     out: *mut u64,
     capacity: usize,
 ) -> i64 {
+    error::clear();
     with_device(device, -1, |allocator| {
         let live: Vec<u64> = allocator
             .pool_live_allocations(PoolId(id0, id1))
@@ -261,6 +268,7 @@ pub unsafe extern "C" fn streamalloc_pool_checkpoint(
     out: *mut StreamallocPoolBlock,
     capacity: usize,
 ) -> i64 {
+    error::clear();
     with_device(device, -1, |allocator| {
         let blocks: Vec<StreamallocPoolBlock> = allocator
             .pool_checkpoint(PoolId(id0, id1))
@@ -296,6 +304,7 @@ pub unsafe extern "C" fn streamalloc_pool_restore(
     freed: *mut u64,
     freed_capacity: usize,
 ) -> i64 {
+    error::clear();
     if count > 0 && blocks.is_null() {
         error::set("streamalloc_pool_restore: blocks is null");
         return -1;
@@ -339,6 +348,7 @@ pub unsafe extern "C" fn streamalloc_pool_restore(
 /// default pool and of released pools; otherwise that pool's only. 0, or -1.
 #[no_mangle]
 pub extern "C" fn streamalloc_empty_cache_pool(device: c_int, id0: u64, id1: u64) -> c_int {
+    error::clear();
     with_device(device, -1, |allocator| {
         allocator
             .empty_pool_cache(PoolId(id0, id1))
@@ -353,6 +363,7 @@ pub extern "C" fn streamalloc_empty_cache_pool(device: c_int, id0: u64, id1: u64
 /// `largest` must be null or writable for one `uint64_t`.
 #[no_mangle]
 pub unsafe extern "C" fn streamalloc_cache_info(device: c_int, largest: *mut u64) -> c_int {
+    error::clear();
     if largest.is_null() {
         error::set("streamalloc_cache_info: largest is null");
         return -1;
@@ -367,6 +378,7 @@ pub unsafe extern "C" fn streamalloc_cache_info(device: c_int, largest: *mut u64
 /// The reserved-bytes limit of `device` (0: none, or the device is unavailable).
 #[no_mangle]
 pub extern "C" fn streamalloc_memory_limit(device: c_int) -> u64 {
+    error::clear();
     with_device(device, 0, |allocator| {
         Ok(allocator.memory_limit().unwrap_or(0))
     })
@@ -385,6 +397,7 @@ pub unsafe extern "C" fn streamalloc_block_info(
     size: *mut u64,
     expandable: *mut c_int,
 ) -> c_int {
+    error::clear();
     let found = guard(None, || {
         registry::global()
             .initialized()
@@ -435,6 +448,7 @@ pub unsafe extern "C" fn streamalloc_snapshot_segments(
     block_capacity: usize,
     block_count: *mut usize,
 ) -> c_int {
+    error::clear();
     with_device(device, -1, |allocator| {
         let (segment_rows, block_rows) = snapshot_rows(&allocator.snapshot());
         // SAFETY: forwarded from this function's # Safety.
@@ -575,6 +589,7 @@ pub extern "C" fn streamalloc_begin_allocate_to_pool(
     id1: u64,
     _filter: *mut c_void,
 ) {
+    error::clear();
     guard((), || {
         let pool = PoolId(id0, id1);
         match device_allocator(device).and_then(|allocator| {
@@ -603,6 +618,7 @@ pub extern "C" fn streamalloc_begin_allocate_to_pool(
 /// id1)` (its memory stays reserved for it until released).
 #[no_mangle]
 pub extern "C" fn streamalloc_end_allocate_to_pool(device: c_int, id0: u64, id1: u64) {
+    error::clear();
     guard((), || {
         let pool = PoolId(id0, id1);
         {
@@ -624,6 +640,7 @@ pub extern "C" fn streamalloc_end_allocate_to_pool(device: c_int, id0: u64, id1:
 /// PyTorch's pluggable `releasePool` hook: drops a use of pool `(id0, id1)`.
 #[no_mangle]
 pub extern "C" fn streamalloc_release_pool(device: c_int, id0: u64, id1: u64) {
+    error::clear();
     if streamalloc_pool_release(device, id0, id1) < 0 {
         eprintln!("streamalloc: {}", error::last_string());
     }

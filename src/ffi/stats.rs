@@ -110,6 +110,7 @@ impl StreamallocStats {
 /// `out` must be null or point to writable memory for one `streamalloc_stats_t`.
 #[no_mangle]
 pub unsafe extern "C" fn streamalloc_get_stats(device: c_int, out: *mut StreamallocStats) -> c_int {
+    error::clear();
     if out.is_null() {
         error::set("streamalloc_get_stats: out is null");
         return -1;
@@ -137,6 +138,7 @@ thread_local! {
 /// string stays valid until the next call on the same thread.
 #[no_mangle]
 pub extern "C" fn streamalloc_stats_json(device: c_int) -> *const c_char {
+    error::clear();
     guard(std::ptr::null(), || match stats_json(device) {
         Ok(text) => JSON.with(|slot| {
             *slot.borrow_mut() = CString::new(text).unwrap_or_default();

@@ -12,12 +12,10 @@ export const BIN = process.env.STREAMALLOC_BIN || path.join(root, 'target/debug/
 export const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
 export const ARTIFACTS = process.env.ARTIFACTS_DIR || path.join(here, 'artifacts');
 
+// The PyTorch traces kept in the repository (tests/data/traces).
 export function sharedTrace(name) {
-  for (const dir of ['../shared/traces', '../../shared/traces']) {
-    const p = path.resolve(root, dir, name);
-    if (fs.existsSync(p)) return p;
-  }
-  return null;
+  const p = path.resolve(root, 'tests/data/traces', name);
+  return fs.existsSync(p) ? p : null;
 }
 
 // Starts the viewer on a free port; resolves with its URL once it prints it.

@@ -10,7 +10,7 @@ import { ARTIFACTS, BIN, CHROMIUM, launch, openViewer, sharedTrace, startViewer 
 function missing() {
   if (!fs.existsSync(BIN)) return `streamalloc binary not found at ${BIN} (set STREAMALLOC_BIN)`;
   if (!fs.existsSync(CHROMIUM)) return `chromium not found at ${CHROMIUM}`;
-  if (!sharedTrace('gpt2.pickle.gz')) return 'shared/traces/gpt2.pickle.gz not found beside the checkout';
+  if (!sharedTrace('gpt2.pickle.gz')) return 'tests/data/traces/gpt2.pickle.gz not found';
   return null;
 }
 

@@ -51,6 +51,15 @@ pub enum VizError {
         #[source]
         source: serde_json::Error,
     },
+    /// The file exceeds one of the readers' limits (decompressed size, ...): `what` names
+    /// the limit and how to raise it where it can be raised.
+    #[error("{}: {what}", path.display())]
+    Limit {
+        /// The file concerned.
+        path: PathBuf,
+        /// The limit exceeded.
+        what: String,
+    },
     /// The snapshot holds something the target format cannot express.
     #[error("cannot write {format}: {what}")]
     Unrepresentable {

@@ -62,6 +62,16 @@ pub const FORMAT: &str = "streamalloc-snapshot";
 /// The schema version this crate writes and the newest it reads.
 pub const SCHEMA_VERSION: u32 = 1;
 
+/// The largest device index a snapshot may name. Writers allocate one entry per index up to
+/// the largest (PyTorch's `device_traces` is a list indexed by device), so an unchecked
+/// index of 2^31 in a 5 KB file would ask for tens of GB.
+pub const MAX_DEVICE_INDEX: u32 = 1023;
+
+/// Where an address range (`addr + size`) must end by. Real virtual addresses stay below
+/// 2^57; refusing anything past 2^63 keeps every range's end, and the timeline's sums of a
+/// few of them, representable, so a size of 2^64 - 1 is an error rather than a wrap.
+pub const MAX_ADDRESS_END: u64 = 1 << 63;
+
 // ---- Types ----
 
 /// A trace action: PyTorch's names plus streamalloc's own.
@@ -325,8 +335,10 @@ impl Snapshot {
         self.devices.iter().map(|d| d.trace.len()).sum()
     }
 
-    /// Checks what serde cannot: stack indices in range. `path` names the file in errors.
+    /// Checks what serde cannot: stack indices in range, device indices within
+    /// [`MAX_DEVICE_INDEX`], no address range past [`MAX_ADDRESS_END`]. `path` names the file in errors.
     fn validate(&self, path: &Path) -> Result<(), VizError> {
+        self.check_limits(path)?;
         let n = self.stacks.len();
         let bad = |what: String| Err(VizError::format(path, what));
         for d in &self.devices {
@@ -346,6 +358,52 @@ impl Snapshot {
                             d.device, b.addr
                         ));
                     }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Snapshot {
+    /// Device indices within [`MAX_DEVICE_INDEX`] and every `addr + size` (segments,
+    /// blocks, events) within [`MAX_ADDRESS_END`], so the timeline and the writers can add without
+    /// overflowing. `path` names the file in errors.
+    pub fn check_limits(&self, path: &Path) -> Result<(), VizError> {
+        let bad = |what: String| Err(VizError::format(path, what));
+        let past_end = |addr: u64, size: u64| {
+            addr.checked_add(size)
+                .is_none_or(|end| end > MAX_ADDRESS_END)
+        };
+        for d in &self.devices {
+            if d.device > MAX_DEVICE_INDEX {
+                return bad(format!(
+                    "device index {} exceeds the limit of {MAX_DEVICE_INDEX}",
+                    d.device
+                ));
+            }
+            for s in &d.segments {
+                if past_end(s.addr, s.size) {
+                    return bad(format!(
+                        "devices[{}]: segment {:#x} of size {} ends past the address limit 2^63",
+                        d.device, s.addr, s.size
+                    ));
+                }
+                for b in &s.blocks {
+                    if past_end(b.addr, b.size) || past_end(b.addr, b.requested) {
+                        return bad(format!(
+                            "devices[{}]: block {:#x} of size {} ends past the address limit 2^63",
+                            d.device, b.addr, b.size
+                        ));
+                    }
+                }
+            }
+            for (i, e) in d.trace.iter().enumerate() {
+                if past_end(e.addr, e.size) {
+                    return bad(format!(
+                        "devices[{}].trace[{i}]: {:#x} of size {} ends past the address limit 2^63",
+                        d.device, e.addr, e.size
+                    ));
                 }
             }
         }
@@ -656,7 +714,11 @@ pub fn load(path: &Path) -> Result<Snapshot, VizError> {
     let bytes = crate::pytorch::maybe_gunzip(path, raw)?;
     let first = bytes.iter().find(|b| !b.is_ascii_whitespace()).copied();
     match first {
-        Some(0x80) => Ok(from_torch(&crate::pytorch::parse_snapshot(path, &bytes)?)),
+        Some(0x80) => {
+            let snapshot = from_torch(&crate::pytorch::parse_snapshot(path, &bytes)?);
+            snapshot.check_limits(path)?;
+            Ok(snapshot)
+        }
         Some(b'{') => parse_json(path, &bytes),
         None => Err(VizError::format(path, "the file is empty")),
         Some(_) => Err(VizError::format(

@@ -75,7 +75,7 @@ fn build_grid(device: &DeviceSnapshot, t: &Timeline, w: usize, h: usize) -> Grid
         .max()
         .unwrap_or(0)
         .max(1);
-    let ymax = ymax + ymax / 20;
+    let ymax = ymax.saturating_add(ymax / 20);
     let bpr = ymax as f64 / h as f64;
 
     // Which allocation starts and ends at each event.

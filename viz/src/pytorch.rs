@@ -237,16 +237,74 @@ pub fn read_snapshot(path: &Path) -> Result<TorchSnapshot, VizError> {
     parse_snapshot(path, &bytes)
 }
 
-/// Decompresses `raw` if it starts with the gzip magic, else returns it unchanged.
-pub(crate) fn maybe_gunzip(path: &Path, raw: Vec<u8>) -> Result<Vec<u8>, VizError> {
+/// The most bytes a gzip file may decompress to, whatever its ratio.
+pub const GUNZIP_MAX_BYTES: u64 = 1 << 30;
+/// The most a gzip file may expand by (real snapshots expand about 40 times), above
+/// [`GUNZIP_RATIO_FLOOR`]: a 2 MB bomb must not become 2 GB in memory.
+pub const GUNZIP_MAX_RATIO: u64 = 200;
+/// Decompressed sizes up to this are allowed whatever the ratio, so small but very regular
+/// files are not refused.
+pub const GUNZIP_RATIO_FLOOR: u64 = 64 << 20;
+/// Environment variable that replaces both limits by one byte count (e.g. `4G`).
+pub const GUNZIP_LIMIT_ENV: &str = "STREAMALLOC_MAX_DECOMPRESSED";
+
+/// The decompressed-size limit for a gzip file of `compressed` bytes, and how it was set.
+fn gunzip_limit(path: &Path, compressed: usize) -> Result<(u64, String), VizError> {
+    if let Some(text) = std::env::var_os(GUNZIP_LIMIT_ENV) {
+        let text = text.to_string_lossy();
+        let bytes = parse_byte_count(&text).ok_or_else(|| VizError::Limit {
+            path: path.into(),
+            what: format!("{GUNZIP_LIMIT_ENV}={text:?} is not a byte count (e.g. 4G)"),
+        })?;
+        return Ok((bytes, format!("{GUNZIP_LIMIT_ENV}={text}")));
+    }
+    let by_ratio = (compressed as u64)
+        .saturating_mul(GUNZIP_MAX_RATIO)
+        .max(GUNZIP_RATIO_FLOOR);
+    Ok((
+        by_ratio.min(GUNZIP_MAX_BYTES),
+        format!(
+            "{GUNZIP_MAX_RATIO}x the compressed size, at most {} MiB; set {GUNZIP_LIMIT_ENV} \
+             to raise it",
+            GUNZIP_MAX_BYTES >> 20
+        ),
+    ))
+}
+
+/// `123`, `64K`, `512M`, `4G` (binary multiples).
+fn parse_byte_count(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let (digits, shift) = match t.char_indices().last()? {
+        (i, 'k' | 'K') => (&t[..i], 10),
+        (i, 'm' | 'M') => (&t[..i], 20),
+        (i, 'g' | 'G') => (&t[..i], 30),
+        _ => (t, 0),
+    };
+    digits.parse::<u64>().ok()?.checked_mul(1 << shift)
+}
+
+/// Decompresses `raw` if it starts with the gzip magic, else returns it unchanged. The
+/// output is capped (see [`GUNZIP_MAX_BYTES`], [`GUNZIP_MAX_RATIO`], [`GUNZIP_LIMIT_ENV`]):
+/// past the cap the file is refused with one line naming it and the limit.
+pub fn maybe_gunzip(path: &Path, raw: Vec<u8>) -> Result<Vec<u8>, VizError> {
     if raw.starts_with(&[0x1f, 0x8b]) {
-        let mut out = Vec::with_capacity(raw.len() * 8);
+        let (limit, how) = gunzip_limit(path, raw.len())?;
+        let capacity = (raw.len() as u64).saturating_mul(8).min(limit) as usize;
+        let mut out = Vec::with_capacity(capacity);
+        // One byte past the limit tells "exactly at the limit" from "over it".
         flate2::read::MultiGzDecoder::new(&raw[..])
+            .take(limit.saturating_add(1))
             .read_to_end(&mut out)
             .map_err(|source| VizError::Gzip {
                 path: path.into(),
                 source,
             })?;
+        if out.len() as u64 > limit {
+            return Err(VizError::Limit {
+                path: path.into(),
+                what: format!("decompresses to more than {limit} bytes (limit: {how})"),
+            });
+        }
         Ok(out)
     } else {
         Ok(raw)
@@ -467,8 +525,17 @@ impl Converter<'_> {
             let key_at = || format!("{}.{k}", at());
             match k.as_str() {
                 "device" => {
+                    // Bounded here, before the model's per-device loop sees it.
+                    let max = crate::model::MAX_DEVICE_INDEX;
                     seg.device = u32::try_from(self.uint(&v, &key_at)?)
-                        .map_err(|_| self.err(format!("{}: device index too large", key_at())))?
+                        .ok()
+                        .filter(|&d| d <= max)
+                        .ok_or_else(|| {
+                            self.err(format!(
+                                "{}: device index exceeds the limit of {max}",
+                                key_at()
+                            ))
+                        })?
                 }
                 "address" => {
                     seg.address = self.uint(&v, &key_at)?;

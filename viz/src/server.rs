@@ -2,8 +2,16 @@
 //! data, on 127.0.0.1 only.
 //!
 //! The page needs no network and no CDN: its HTML, JavaScript and CSS are `include_str!`ed
-//! from `viz/assets/`. A small HTTP/1.1 server on `std::net` (one thread per connection,
-//! `Connection: close`) is all a local viewer needs; only `GET`/`HEAD` are answered.
+//! from `viz/assets/`. A small HTTP/1.1 server on `std::net` (a thread per connection, at
+//! most [`Limits::max_connections`] at once, `Connection: close`) is all a local viewer
+//! needs; only `GET`/`HEAD` are answered.
+//!
+//! Hostile clients are expected: a web page the user visits can make the browser send
+//! requests here, and with DNS rebinding read the answers, so only requests whose `Host`
+//! is the loopback name or address and the port the server listens on are answered (else
+//! 403). A request must arrive whole within [`Limits::request_deadline`] (not per read, so
+//! a client trickling a byte at a time is cut off) and within [`Limits::max_request_bytes`]
+//! (else 431); connections past the cap get 503 at once.
 //!
 //! Routes: `/` (the page), `/app.js`, `/style.css`, `/api/files` (JSON list of the loaded
 //! files and their devices), `/api/data?f=F&d=D` (the [`crate::wire`] blob of file `F`,
@@ -14,7 +22,9 @@ use serde_json::json;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 const INDEX_HTML: &str = include_str!("../assets/index.html");
 const APP_JS: &str = include_str!("../assets/app.js");
@@ -113,42 +123,226 @@ pub fn bind(port: u16) -> std::io::Result<TcpListener> {
     TcpListener::bind(("127.0.0.1", port))
 }
 
-/// Serves `viewer` on `listener` until the process ends.
+/// The server's bounds on its clients.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Connections handled at once; more get 503 and are closed.
+    pub max_connections: usize,
+    /// Time from accepting a connection to having read its whole request.
+    pub request_deadline: Duration,
+    /// Bytes of request line and headers.
+    pub max_request_bytes: usize,
+    /// Time allowed for each write of the response.
+    pub write_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 32,
+            request_deadline: Duration::from_secs(10),
+            max_request_bytes: 16 << 10,
+            write_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Serves `viewer` on `listener` until the process ends, with the default [`Limits`].
 pub fn serve(listener: TcpListener, viewer: Arc<Viewer>) -> std::io::Result<()> {
+    serve_with(listener, viewer, Limits::default())
+}
+
+/// Serves `viewer` on `listener` until the process ends, within `limits`.
+pub fn serve_with(
+    listener: TcpListener,
+    viewer: Arc<Viewer>,
+    limits: Limits,
+) -> std::io::Result<()> {
+    let port = listener.local_addr()?.port();
+    let active = Arc::new(AtomicUsize::new(0));
+    let closer = closer();
     for stream in listener.incoming() {
-        let stream = match stream {
+        let mut stream = match stream {
             Ok(s) => s,
             Err(err) => {
                 tracing::warn!(%err, "accept failed");
                 continue;
             }
         };
+        if active.fetch_add(1, Ordering::AcqRel) >= limits.max_connections {
+            active.fetch_sub(1, Ordering::AcqRel);
+            // A short answer fits the socket buffer: the accept loop does not wait on it.
+            let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = respond(
+                &mut stream,
+                false,
+                503,
+                "text/plain",
+                b"too many connections\n",
+            );
+            linger(&closer, stream);
+            continue;
+        }
         let viewer = viewer.clone();
+        let active = active.clone();
+        let closer = closer.clone();
         std::thread::spawn(move || {
-            if let Err(err) = handle(stream, &viewer) {
+            if let Err(err) = handle(stream, &viewer, port, &limits, &closer) {
                 tracing::debug!(%err, "connection ended");
             }
+            active.fetch_sub(1, Ordering::AcqRel);
         });
     }
     Ok(())
 }
 
-fn handle(stream: TcpStream, viewer: &Viewer) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
-    // Requests are a line and a few headers: read at most 64 KiB of them.
-    let mut reader = BufReader::new(stream.try_clone()?.take(64 << 10));
+/// Where refused connections wait to be closed (see [`linger`]).
+type Closer = std::sync::mpsc::SyncSender<(TcpStream, Instant)>;
+
+/// At most this many refused connections linger at once; past it they are closed at once.
+const MAX_LINGERING: usize = 256;
+
+/// Starts the one thread that closes refused connections gracefully.
+fn closer() -> Closer {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(TcpStream, Instant)>(MAX_LINGERING);
+    std::thread::spawn(move || {
+        let mut held: Vec<(TcpStream, Instant)> = Vec::new();
+        let mut sink = [0u8; 4096];
+        loop {
+            let wait = if held.is_empty() {
+                Duration::from_secs(3600)
+            } else {
+                Duration::from_millis(20)
+            };
+            match rx.recv_timeout(wait) {
+                Ok(entry) if held.len() < MAX_LINGERING => held.push(entry),
+                Ok(_) | Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+            let now = Instant::now();
+            // Keep a socket while its client may still be sending and has not hung up.
+            held.retain_mut(|(s, until)| {
+                now < *until
+                    && loop {
+                        match (&*s).read(&mut sink) {
+                            Ok(0) => break false,
+                            Ok(_) => continue,
+                            Err(e) => break e.kind() == std::io::ErrorKind::WouldBlock,
+                        }
+                    }
+            });
+        }
+    });
+    tx
+}
+
+/// Closes `stream` after its answer: the write side now, the socket once the client has
+/// stopped sending (at most a second later). Closing with unread request bytes would reset
+/// the connection and could discard the answer before the client reads it.
+fn linger(closer: &Closer, stream: TcpStream) {
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    if stream.set_nonblocking(true).is_ok() {
+        let _ = closer.try_send((stream, Instant::now() + Duration::from_secs(1)));
+    }
+}
+
+/// Reads from a socket until a fixed instant: each read waits only for the time left, so
+/// the deadline holds for the whole request however the client paces its bytes.
+struct Deadline<'a> {
+    stream: &'a TcpStream,
+    until: Instant,
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        (&mut &*self.stream).read(buf)
+    }
+}
+
+/// Whether `host` (a `Host` header's value) names this server: `127.0.0.1`, `localhost`
+/// or `[::1]`, with the port it listens on.
+fn host_allowed(host: &str, port: u16) -> bool {
+    let host = host.trim();
+    // Browsers leave out the default port.
+    let (name, p) = match host.rsplit_once(':') {
+        Some((name, p)) if !name.ends_with(':') => (name, p.parse::<u16>().ok()),
+        _ => (host, Some(80)),
+    };
+    p == Some(port)
+        && (name == "127.0.0.1" || name == "[::1]" || name.eq_ignore_ascii_case("localhost"))
+}
+
+fn handle(
+    mut stream: TcpStream,
+    viewer: &Viewer,
+    port: u16,
+    limits: &Limits,
+    closer: &Closer,
+) -> std::io::Result<()> {
+    stream.set_write_timeout(Some(limits.write_timeout))?;
+    let until = Instant::now() + limits.request_deadline;
+    // One byte past the cap tells a request at the cap from one over it.
+    let cap = limits.max_request_bytes as u64;
+    let mut reader = BufReader::new(
+        Deadline {
+            stream: &stream,
+            until,
+        }
+        .take(cap + 1),
+    );
     let mut request_line = String::new();
-    reader.read_line(&mut request_line)?;
-    // Skip the headers (bounded).
+    let mut host = None;
+    let mut read = reader.read_line(&mut request_line)?;
+    let mut complete = false;
     let mut line = String::new();
-    for _ in 0..100 {
+    while read as u64 <= cap {
         line.clear();
-        if reader.read_line(&mut line)? == 0 || line == "\r\n" || line == "\n" {
+        let n = reader.read_line(&mut line)?;
+        read += n;
+        if n == 0 || !line.ends_with('\n') {
             break;
         }
+        if line == "\r\n" || line == "\n" {
+            complete = true;
+            break;
+        }
+        if let Some((name, value)) = line.split_once(':') {
+            if name.trim().eq_ignore_ascii_case("host") {
+                // Two Host headers are a request smuggling trick: refuse them.
+                host = if host.is_none() {
+                    Some(value.trim().to_string())
+                } else {
+                    Some(String::new())
+                };
+            }
+        }
+    }
+    drop(reader);
+    if !complete {
+        if read as u64 > cap {
+            respond(
+                &mut stream,
+                false,
+                431,
+                "text/plain",
+                b"request too large\n",
+            )?;
+            linger(closer, stream);
+            return Ok(());
+        }
+        // The client closed early, or sent an incomplete request: nothing to answer.
+        return Ok(());
     }
     let mut parts = request_line.split_whitespace();
     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or("/"));
+    if !host.as_deref().is_some_and(|h| host_allowed(h, port)) {
+        return respond(&mut stream, false, 403, "text/plain", b"forbidden host\n");
+    }
     let (status, ctype, body) = match method {
         "GET" | "HEAD" => viewer.route(path),
         _ => (
@@ -157,10 +351,24 @@ fn handle(stream: TcpStream, viewer: &Viewer) -> std::io::Result<()> {
             Arc::new(b"method not allowed\n".to_vec()),
         ),
     };
+    respond(&mut stream, method == "HEAD", status, ctype, &body)
+}
+
+fn respond(
+    stream: &mut TcpStream,
+    head_only: bool,
+    status: u16,
+    ctype: &str,
+    body: &[u8],
+) -> std::io::Result<()> {
     let reason = match status {
         200 => "OK",
+        403 => "Forbidden",
         404 => "Not Found",
-        _ => "Method Not Allowed",
+        405 => "Method Not Allowed",
+        431 => "Request Header Fields Too Large",
+        503 => "Service Unavailable",
+        _ => "Error",
     };
     let mut out = std::io::BufWriter::new(stream);
     write!(
@@ -169,8 +377,8 @@ fn handle(stream: TcpStream, viewer: &Viewer) -> std::io::Result<()> {
          Cache-Control: no-store\r\nConnection: close\r\n\r\n",
         body.len()
     )?;
-    if method != "HEAD" {
-        out.write_all(&body)?;
+    if !head_only {
+        out.write_all(body)?;
     }
     out.flush()
 }

@@ -137,6 +137,8 @@ impl Timeline {
         // left of it continues as a new span. Ranges removed without having been added
         // were mapped before the trace began.
         let mut live_segs: BTreeMap<u64, usize> = BTreeMap::new();
+        // Ranges ending past 2^64 are refused when a file is loaded (`check_limits`);
+        // the additions below saturate so that a snapshot built in code cannot wrap either.
         let mut early_segs = Vec::new();
         let mut late_segs: Vec<SegmentSpan> = Vec::new();
         for (i, e) in trace.iter().enumerate() {
@@ -156,7 +158,7 @@ impl Timeline {
                 Action::SegmentFree | Action::SegmentUnmap => {
                     let lo = e.addr;
                     let hi = match (e.size, live_segs.get(&lo)) {
-                        (0, Some(&k)) => lo + late_segs[k].size,
+                        (0, Some(&k)) => lo.saturating_add(late_segs[k].size),
                         (size, _) => lo.saturating_add(size),
                     };
                     // Live spans overlapping [lo, hi), in address order.
@@ -164,14 +166,14 @@ impl Timeline {
                         .range(..hi)
                         .rev()
                         .map(|(_, &k)| k)
-                        .take_while(|&k| late_segs[k].addr + late_segs[k].size > lo)
+                        .take_while(|&k| late_segs[k].addr.saturating_add(late_segs[k].size) > lo)
                         .collect();
                     hit.reverse();
                     let mut cursor = lo;
                     for k in hit {
                         let (sa, se, st) = {
                             let sp = &late_segs[k];
-                            (sp.addr, sp.addr + sp.size, sp.stream)
+                            (sp.addr, sp.addr.saturating_add(sp.size), sp.stream)
                         };
                         live_segs.remove(&sa);
                         late_segs[k].end = at;
@@ -217,10 +219,9 @@ impl Timeline {
         // before it.
         for seg in &device.segments {
             let end = seg.addr.saturating_add(seg.size);
-            let overlapped = live_segs
-                .range(..end)
-                .next_back()
-                .is_some_and(|(_, &k)| late_segs[k].addr + late_segs[k].size > seg.addr);
+            let overlapped = live_segs.range(..end).next_back().is_some_and(|(_, &k)| {
+                late_segs[k].addr.saturating_add(late_segs[k].size) > seg.addr
+            });
             if !overlapped {
                 let s = stream(seg.stream, &mut t.streams);
                 early_segs.push(SegmentSpan {
@@ -369,7 +370,7 @@ impl Timeline {
             let a = &mut self.allocs[k];
             if let Some((_, &seg)) = by_addr.range(..=a.addr).next_back() {
                 let s = &self.segments[seg];
-                if a.addr < s.addr + s.size {
+                if a.addr < s.addr.saturating_add(s.size) {
                     a.owner = s.stream;
                 }
             }

@@ -22,9 +22,7 @@ fn pickle_round_trip(s: &Snapshot) -> Snapshot {
 
 #[test]
 fn pytorch_trace_round_trips_through_json_and_pickle() {
-    let Some(path) = common::shared_trace("tp_allreduce_0.pickle.gz") else {
-        return;
-    };
+    let path = common::shared_trace("tp_allreduce_0.pickle.gz");
     let ours = model::load(&path).unwrap();
     assert_eq!(ours.source, "pytorch");
     assert_eq!(ours.devices.len(), 1);
@@ -127,9 +125,7 @@ fn engine_timeline_matches_engine_stats() {
 
 #[test]
 fn gpt2_timeline_peaks_match_trace_stats() {
-    let Some(path) = common::shared_trace("gpt2.pickle.gz") else {
-        return;
-    };
+    let path = common::shared_trace("gpt2.pickle.gz");
     let ours = model::load(&path).unwrap();
     let t = Timeline::build(&ours.devices[0]);
     let mib = |v: u64| format!("{:.1}", v as f64 / (1u64 << 20) as f64);
@@ -220,4 +216,50 @@ fn unreadable_inputs_are_named_errors() {
     let err = model::load(&temp("stack.json", &bytes)).unwrap_err();
     assert!(matches!(err, VizError::Format { .. }), "{err}");
     let _ = pytorch::TorchAction::ALL;
+}
+
+/// A pickle naming a device past the limit, or a segment ending past 2^63, is refused
+/// with the file and the limit named, before any per-device table is built.
+#[test]
+fn pickles_past_the_device_and_address_limits_are_refused() {
+    use streamalloc_viz::pytorch::{TorchSegment, TorchSnapshot};
+    let segment = |device: u32, total_size: u64| TorchSegment {
+        device,
+        address: 1 << 20,
+        total_size,
+        stream: 0,
+        segment_type: "large".into(),
+        is_expandable: false,
+        blocks: Vec::new(),
+    };
+    let dir = std::env::temp_dir().join(format!("sa-viz-limits-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, seg) in [
+        ("dev.pickle", segment(u32::MAX, 4096)),
+        ("dev1024.pickle", segment(model::MAX_DEVICE_INDEX + 1, 4096)),
+        ("size.pickle", segment(0, i64::MAX as u64)),
+    ] {
+        let snap = TorchSnapshot {
+            segments: vec![seg],
+            ..TorchSnapshot::default()
+        };
+        let mut bytes = Vec::new();
+        write_pickle(&snap, &mut bytes).unwrap();
+        let path = dir.join(name);
+        std::fs::write(&path, &bytes).unwrap();
+        let err = model::load(&path).unwrap_err().to_string();
+        assert!(err.contains(name) && err.contains("limit"), "{err}");
+        assert!(!err.contains('\n'), "{err}");
+    }
+    // The largest index allowed still loads.
+    let ok = TorchSnapshot {
+        segments: vec![segment(model::MAX_DEVICE_INDEX, 4096)],
+        ..TorchSnapshot::default()
+    };
+    let mut bytes = Vec::new();
+    write_pickle(&ok, &mut bytes).unwrap();
+    let path = dir.join("ok.pickle");
+    std::fs::write(&path, &bytes).unwrap();
+    model::load(&path).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -9,9 +9,7 @@ use streamalloc_viz::pytorch::{parse_snapshot, read_snapshot, write_pickle};
 
 #[test]
 fn written_pickle_reads_back_identically() {
-    let Some(path) = common::shared_trace("tp_allreduce_0.pickle.gz") else {
-        return;
-    };
+    let path = common::shared_trace("tp_allreduce_0.pickle.gz");
     let snap = read_snapshot(&path).unwrap();
     let mut bytes = Vec::new();
     write_pickle(&snap, &mut bytes).unwrap();
@@ -77,9 +75,7 @@ print(len(tr), sum(e['action'] == 'alloc' for e in tr))
 
 #[test]
 fn written_pickle_loads_in_python_with_pytorch_keys_and_viewer_opcodes() {
-    let Some(path) = common::shared_trace("tp_allreduce_0.pickle.gz") else {
-        return;
-    };
+    let path = common::shared_trace("tp_allreduce_0.pickle.gz");
     let snap = read_snapshot(&path).unwrap();
     let mut bytes = Vec::new();
     write_pickle(&snap, &mut bytes).unwrap();

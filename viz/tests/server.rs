@@ -1,18 +1,32 @@
-//! The viewer's server over real sockets on 127.0.0.1: the bundled page and the data blob.
+//! The viewer's server over real sockets on 127.0.0.1: the bundled page and the data blob,
+//! and its limits against hostile clients (Host check, connection cap, whole-request
+//! deadline, request size cap).
 
 mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use streamalloc_viz::{model, server};
 
 fn get(addr: std::net::SocketAddr, path: &str) -> (String, Vec<u8>) {
+    request(
+        addr,
+        &format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n"),
+    )
+}
+
+/// Sends `text` as is; returns the response's head and body.
+fn request(addr: std::net::SocketAddr, text: &str) -> (String, Vec<u8>) {
     let mut s = TcpStream::connect(addr).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    s.write_all(text.as_bytes()).unwrap();
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).unwrap();
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").unwrap();
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no response head in {raw:?}"));
     let head = String::from_utf8_lossy(&raw[..split]).into_owned();
     (head, raw[split + 4..].to_vec())
 }
@@ -73,4 +87,113 @@ fn serves_page_files_and_data() {
     assert!(head.starts_with("HTTP/1.1 404"), "{head}");
     let (head, _) = get(addr, "/../../etc/passwd");
     assert!(head.starts_with("HTTP/1.1 404"), "{head}");
+}
+
+/// A viewer of the engine snapshot on a free port, within `limits`.
+fn start(limits: server::Limits) -> std::net::SocketAddr {
+    let snap = model::from_engine(&common::engine::engine_snapshot());
+    let viewer = Arc::new(server::Viewer::new(vec![("engine.json".into(), snap)]));
+    let listener = server::bind(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || server::serve_with(listener, viewer, limits));
+    addr
+}
+
+#[test]
+fn only_the_loopback_host_and_port_it_listens_on_are_answered() {
+    let addr = start(server::Limits::default());
+    let port = addr.port();
+    let with_host = |host: &str| {
+        let (head, _) = request(addr, &format!("GET /api/files HTTP/1.1\r\n{host}\r\n"));
+        head
+    };
+    for ok in [
+        format!("Host: 127.0.0.1:{port}\r\n"),
+        format!("Host: localhost:{port}\r\n"),
+        format!("host:   LOCALHOST:{port}  \r\n"),
+    ] {
+        assert!(with_host(&ok).starts_with("HTTP/1.1 200"), "{ok}");
+    }
+    for bad in [
+        "Host: evil.example.com\r\n".to_string(),
+        format!("Host: evil.example.com:{port}\r\n"),
+        format!("Host: 127.0.0.1:{}\r\n", port.wrapping_add(1)),
+        "Host: 127.0.0.1\r\n".to_string(),
+        String::new(),
+        format!("Host: 127.0.0.1:{port}\r\nHost: evil.example.com\r\n"),
+    ] {
+        let head = with_host(&bad);
+        assert!(head.starts_with("HTTP/1.1 403"), "{bad:?}: {head}");
+    }
+}
+
+#[test]
+fn requests_over_the_size_cap_get_431() {
+    let addr = start(server::Limits::default());
+    let big = "a".repeat(20 << 10);
+    let (head, _) = request(
+        addr,
+        &format!("GET / HTTP/1.1\r\nHost: {addr}\r\nX-Pad: {big}\r\n\r\n"),
+    );
+    assert!(head.starts_with("HTTP/1.1 431"), "{head}");
+    let (head, _) = request(
+        addr,
+        &format!("GET /{big} HTTP/1.1\r\nHost: {addr}\r\n\r\n"),
+    );
+    assert!(head.starts_with("HTTP/1.1 431"), "{head}");
+}
+
+#[test]
+fn a_trickling_client_is_cut_off_at_the_whole_request_deadline() {
+    let limits = server::Limits {
+        request_deadline: Duration::from_millis(800),
+        ..server::Limits::default()
+    };
+    let addr = start(limits);
+    let mut s = TcpStream::connect(addr).unwrap();
+    let started = Instant::now();
+    // One byte every 200 ms: each read is quick, the whole request never arrives.
+    let mut closed = false;
+    for b in "GET / HTTP/1.1\r\nHost: x".bytes() {
+        if s.write_all(&[b]).is_err() {
+            closed = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        if started.elapsed() > Duration::from_secs(3) {
+            break;
+        }
+    }
+    let _ = closed;
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest);
+    assert!(
+        rest.is_empty(),
+        "no answer to a request that never completed"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "cut off at the deadline, not kept alive by trickling"
+    );
+}
+
+#[test]
+fn connections_past_the_cap_get_503_and_slots_free_up() {
+    let limits = server::Limits {
+        max_connections: 2,
+        request_deadline: Duration::from_millis(700),
+        ..server::Limits::default()
+    };
+    let addr = start(limits);
+    let idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    // Let the server accept both before the third arrives.
+    std::thread::sleep(Duration::from_millis(150));
+    let (head, _) = get(addr, "/api/files");
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    // The idle ones are dropped at the deadline; then requests are served again.
+    std::thread::sleep(Duration::from_millis(1200));
+    let (head, _) = get(addr, "/api/files");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    drop(idle);
 }
