@@ -5,36 +5,11 @@
 //!
 //! Tests that need `python3` print why and pass when it is absent.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-/// The library this test run built (see tests/launcher_run.rs: `cargo test` alone leaves it
-/// in `deps/`).
-fn built_library() -> PathBuf {
-    let bin_dir = Path::new(env!("CARGO_BIN_EXE_streamalloc"))
-        .parent()
-        .unwrap();
-    let beside = bin_dir.join("libstreamalloc.so");
-    if beside.is_file() {
-        beside
-    } else {
-        bin_dir.join("deps/libstreamalloc.so")
-    }
-}
-
-fn streamalloc() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_streamalloc"));
-    command.env("STREAMALLOC_LIB", built_library());
-    for name in [
-        "STREAMALLOC_CONF",
-        "STREAMALLOC_PYTHON",
-        "STREAMALLOC_PYTHON_EXE",
-        "PYTHONPATH",
-    ] {
-        command.env_remove(name);
-    }
-    command
-}
+mod cli;
+use cli::streamalloc;
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()

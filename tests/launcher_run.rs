@@ -8,36 +8,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// The `libstreamalloc.so` this test run built. `cargo build` puts it next to the launcher,
-/// where the launcher looks; `cargo test` alone leaves it in `deps/`, so name it explicitly.
-fn built_library() -> PathBuf {
-    let bin_dir = Path::new(env!("CARGO_BIN_EXE_streamalloc"))
-        .parent()
-        .unwrap();
-    let beside = bin_dir.join("libstreamalloc.so");
-    if beside.is_file() {
-        beside
-    } else {
-        bin_dir.join("deps/libstreamalloc.so")
-    }
-}
-
-fn streamalloc() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_streamalloc"));
-    command.env("STREAMALLOC_LIB", built_library());
-    for name in [
-        "STREAMALLOC_CONF",
-        "STREAMALLOC_PYTHON",
-        "STREAMALLOC_SNAPSHOT",
-        "STREAMALLOC_STATS_AT_EXIT",
-        "PYTHONPATH",
-        "RANK",
-        "LOCAL_RANK",
-    ] {
-        command.env_remove(name);
-    }
-    command
-}
+mod cli;
+use cli::streamalloc;
 
 fn run(command: &mut Command) -> Output {
     command.output().expect("spawn streamalloc")

@@ -1,0 +1,42 @@
+//! The `streamalloc` command as the CLI tests run it: with the library this test run built
+//! and none of the caller's streamalloc, Python or launcher settings.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The `libstreamalloc.so` this test run built. `cargo build` puts it next to the launcher,
+/// where the launcher looks; `cargo test` alone leaves it in `deps/` (and a copy up there
+/// from an earlier build may be stale): the newer of the two.
+pub fn built_library() -> PathBuf {
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_streamalloc"))
+        .parent()
+        .unwrap();
+    [
+        bin_dir.join("libstreamalloc.so"),
+        bin_dir.join("deps/libstreamalloc.so"),
+    ]
+    .into_iter()
+    .filter_map(|path| Some((path.metadata().ok()?.modified().ok()?, path)))
+    .max()
+    .map(|(_, path)| path)
+    .expect("libstreamalloc.so is built beside the test")
+}
+
+/// `streamalloc` with the built library and a clean environment.
+pub fn streamalloc() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_streamalloc"));
+    command.env("STREAMALLOC_LIB", built_library());
+    for name in [
+        "STREAMALLOC_CONF",
+        "STREAMALLOC_PYTHON",
+        "STREAMALLOC_PYTHON_EXE",
+        "STREAMALLOC_SNAPSHOT",
+        "STREAMALLOC_STATS_AT_EXIT",
+        "PYTHONPATH",
+        "RANK",
+        "LOCAL_RANK",
+    ] {
+        command.env_remove(name);
+    }
+    command
+}
