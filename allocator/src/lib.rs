@@ -73,7 +73,7 @@ pub mod transport;
 pub mod types;
 mod util;
 
-pub use allocator::{Allocator, PoolBlock};
+pub use allocator::{AllocationSite, Allocator, PoolBlock};
 pub use backend::Backend;
 pub use config::{Config, ReusePolicy};
 pub use error::{AllocError, BackendError, ConfigError, OutOfMemory};

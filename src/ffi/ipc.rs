@@ -41,7 +41,6 @@ use super::error::{self, guard};
 use std::ffi::{c_int, c_void};
 use streamalloc_allocator::backend::cuda::ipc::{ExportedMapping, ForeignMapping, IpcError};
 use streamalloc_allocator::backend::cuda::registry::{self, CudaAllocator};
-use streamalloc_allocator::snapshot::BlockState;
 use streamalloc_allocator::DevicePtr;
 
 /// The version byte PyTorch 2.x writes and accepts.
@@ -218,34 +217,15 @@ fn array<const N: usize>(bytes: &[u8]) -> [u8; N] {
 /// The allocator owning the live allocation at `ptr`, its device, and the allocation's
 /// first byte and size, if it lies in an expandable segment.
 fn expandable_block(ptr: u64) -> Result<(i32, &'static CudaAllocator, u64, u64), String> {
-    let owner = registry::global()
-        .initialized()
-        .find_map(|(ordinal, allocator)| {
-            allocator
-                .segment_of(DevicePtr(ptr))
-                .map(|segment| (ordinal, allocator, segment))
-        });
-    let Some((ordinal, allocator, (_, _, expandable))) = owner else {
+    let Some((ordinal, allocator, site)) = super::pools::allocation_owner(ptr) else {
         return Err(format!("{ptr:#x} is not a live allocation of streamalloc"));
     };
-    if !expandable {
+    if !site.expandable {
         return Err(format!(
             "{ptr:#x} lies in a whole segment, which is shared with cudaIpcGetMemHandle"
         ));
     }
-    // The block's extent, from a snapshot (the engine has no cheaper query for it; an
-    // export is rare next to the driver calls it makes).
-    let snapshot = allocator.snapshot();
-    let block = snapshot
-        .segments
-        .iter()
-        .filter(|s| s.expandable)
-        .flat_map(|s| s.blocks.iter())
-        .find(|b| {
-            b.state == BlockState::ActiveAllocated && b.addr.0 <= ptr && ptr < b.addr.0 + b.size
-        })
-        .ok_or_else(|| format!("{ptr:#x}: its block is missing from the snapshot"))?;
-    Ok((ordinal, allocator, block.addr.0, block.size))
+    Ok((ordinal, allocator, ptr, site.size))
 }
 
 fn export(ptr: u64) -> Result<(Vec<u8>, u64), String> {

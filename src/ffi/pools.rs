@@ -44,7 +44,9 @@ use std::sync::{Mutex, MutexGuard};
 use std::thread::ThreadId;
 use streamalloc_allocator::backend::cuda::registry::{self, CudaAllocator};
 use streamalloc_allocator::snapshot::{BlockState, Snapshot};
-use streamalloc_allocator::{AllocError, Backend, DevicePtr, PoolBlock, PoolId, StreamId};
+use streamalloc_allocator::{
+    AllocError, AllocationSite, Backend, DevicePtr, PoolBlock, PoolId, StreamId,
+};
 
 /// `streamalloc_pool_block_t`: one live allocation of a pool checkpoint.
 #[repr(C)]
@@ -384,6 +386,18 @@ pub extern "C" fn streamalloc_memory_limit(device: c_int) -> u64 {
     })
 }
 
+/// The device and allocator that handed out the live allocation at `ptr`, and where it
+/// lies.
+pub(super) fn allocation_owner(
+    ptr: u64,
+) -> Option<(c_int, &'static CudaAllocator, AllocationSite)> {
+    registry::global()
+        .initialized()
+        .find_map(|(ordinal, allocator)| {
+            Some((ordinal, allocator, allocator.allocation_at(DevicePtr(ptr))?))
+        })
+}
+
 /// For the live allocation at `ptr`: its device and the base, size and kind of the
 /// segment it lies in. 0, or -1 if no device's allocator handed `ptr` out.
 ///
@@ -398,21 +412,14 @@ pub unsafe extern "C" fn streamalloc_block_info(
     expandable: *mut c_int,
 ) -> c_int {
     error::clear();
-    let found = guard(None, || {
-        registry::global()
-            .initialized()
-            .find_map(|(ordinal, allocator)| {
-                allocator
-                    .segment_of(DevicePtr(ptr as usize as u64))
-                    .map(|segment| (ordinal, segment))
-            })
-    });
-    let Some((ordinal, (segment_base, segment_size, is_expandable))) = found else {
+    let Some((ordinal, _, site)) = guard(None, || allocation_owner(ptr as usize as u64)) else {
         error::set(format_args!(
             "streamalloc_block_info: {ptr:p} is not a live allocation of streamalloc"
         ));
         return -1;
     };
+    let (segment_base, segment_size, is_expandable) =
+        (site.segment, site.segment_size, site.expandable);
     // SAFETY: each pointer is null or writable for one value (see # Safety).
     unsafe {
         if !device.is_null() {

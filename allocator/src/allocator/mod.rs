@@ -65,6 +65,20 @@ const RECLAIM_SLACK_BP: u64 = 100;
 /// mappings are sized to the peak.
 const MAX_RECLAIM_SLACK_BP: u64 = 150;
 
+/// Where a live allocation lies (see [`Allocator::allocation_at`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocationSite {
+    /// Bytes reserved for it (the request rounded).
+    pub size: u64,
+    /// The first byte of its segment: for an expandable segment, of the address
+    /// reservation.
+    pub segment: DevicePtr,
+    /// The segment's bytes (the reservation's, for an expandable segment).
+    pub segment_size: u64,
+    /// The segment is expandable (memory mapped through the VMM API).
+    pub expandable: bool,
+}
+
 /// A caching allocator for one device over backend `B`. `Send + Sync` when `B` is; every
 /// method may be called from any thread.
 #[derive(Debug)]
@@ -360,14 +374,19 @@ impl<B: Backend> Allocator<B> {
         self.state.lock().largest_free_block(PoolId::DEFAULT)
     }
 
-    /// For a live allocation at `ptr`: the segment it lies in, as `(base, size,
-    /// expandable)`. For an expandable segment, the base and size are the address
-    /// reservation's.
-    pub fn segment_of(&self, ptr: DevicePtr) -> Option<(DevicePtr, u64, bool)> {
+    /// The live allocation at `ptr` (the address malloc returned): its size and the
+    /// segment it lies in.
+    pub fn allocation_at(&self, ptr: DevicePtr) -> Option<AllocationSite> {
         let state = self.state.lock();
         let key = state.allocated_key(ptr.0)?;
-        let segment = &state.arena.segments[state.arena.blocks[key].segment()];
-        Some((DevicePtr(segment.addr), segment.size, segment.expandable))
+        let block = &state.arena.blocks[key];
+        let segment = &state.arena.segments[block.segment()];
+        Some(AllocationSite {
+            size: block.size,
+            segment: DevicePtr(segment.addr),
+            segment_size: segment.size,
+            expandable: segment.expandable,
+        })
     }
 
     /// A copy of the counters.

@@ -331,99 +331,36 @@ impl Drop for Opened {
     }
 }
 
-/// `pidfd_open` and `pidfd_getfd` (Linux 5.6), called through libc's `syscall`.
+/// `pidfd_open` and `pidfd_getfd` (Linux 5.6), called through libc's `syscall` (libc has no
+/// wrappers for them).
 mod os {
     use super::IpcError;
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-    // The generic syscall table's numbers, shared by these architectures.
-    #[cfg(all(
-        target_os = "linux",
-        any(
-            target_arch = "x86_64",
-            target_arch = "aarch64",
-            target_arch = "riscv64",
-            target_arch = "powerpc64",
-            target_arch = "s390x",
-            target_arch = "loongarch64"
-        )
-    ))]
-    mod nr {
-        pub(super) const PIDFD_OPEN: std::ffi::c_long = 434;
-        pub(super) const PIDFD_GETFD: std::ffi::c_long = 438;
-    }
-
-    #[cfg(all(
-        target_os = "linux",
-        any(
-            target_arch = "x86_64",
-            target_arch = "aarch64",
-            target_arch = "riscv64",
-            target_arch = "powerpc64",
-            target_arch = "s390x",
-            target_arch = "loongarch64"
-        )
-    ))]
-    fn raw_syscall(
-        number: std::ffi::c_long,
-        a: std::ffi::c_long,
-        b: std::ffi::c_long,
-    ) -> Result<i32, i32> {
-        extern "C" {
-            fn syscall(number: std::ffi::c_long, ...) -> std::ffi::c_long;
-        }
-        // SAFETY: both system calls take integer arguments only (the trailing flags are
-        // 0) and return a new descriptor or -1 with errno set.
-        let ret = unsafe { syscall(number, a, b, 0 as std::ffi::c_long) };
+    /// A system call that takes two integers and a zero flags word and returns a new
+    /// descriptor, or errno.
+    fn descriptor_syscall(
+        number: libc::c_long,
+        a: libc::c_long,
+        b: libc::c_long,
+    ) -> Result<OwnedFd, i32> {
+        // SAFETY: both system calls take integer arguments only (the trailing flags are 0)
+        // and return a new descriptor or -1 with errno set.
+        let ret = unsafe { libc::syscall(number, a, b, 0 as libc::c_long) };
         if ret < 0 {
-            Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
-        } else {
-            Ok(ret as i32)
+            return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0));
         }
-    }
-
-    #[cfg(not(all(
-        target_os = "linux",
-        any(
-            target_arch = "x86_64",
-            target_arch = "aarch64",
-            target_arch = "riscv64",
-            target_arch = "powerpc64",
-            target_arch = "s390x",
-            target_arch = "loongarch64"
-        )
-    )))]
-    mod nr {
-        pub(super) const PIDFD_OPEN: std::ffi::c_long = -1;
-        pub(super) const PIDFD_GETFD: std::ffi::c_long = -1;
-    }
-
-    #[cfg(not(all(
-        target_os = "linux",
-        any(
-            target_arch = "x86_64",
-            target_arch = "aarch64",
-            target_arch = "riscv64",
-            target_arch = "powerpc64",
-            target_arch = "s390x",
-            target_arch = "loongarch64"
-        )
-    )))]
-    fn raw_syscall(
-        _: std::ffi::c_long,
-        _: std::ffi::c_long,
-        _: std::ffi::c_long,
-    ) -> Result<i32, i32> {
-        Err(38) // ENOSYS
+        // SAFETY: a fresh descriptor this process now owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(ret as i32) })
     }
 
     fn failure(call: &'static str, errno: i32) -> IpcError {
         let text = std::io::Error::from_raw_os_error(errno).to_string();
         let hint = match errno {
-            38 => " (the kernel lacks it: Linux 5.6 or later is needed to import expandable-segment memory)",
-            1 => " (no ptrace access to the sending process: kernel.yama.ptrace_scope, CAP_SYS_PTRACE or a container's seccomp profile denies it)",
-            3 => " (the sending process has exited)",
-            9 => " (the sender no longer has that descriptor: its memory was released)",
+            libc::ENOSYS => " (the kernel lacks it: Linux 5.6 or later is needed to import expandable-segment memory)",
+            libc::EPERM => " (no ptrace access to the sending process: kernel.yama.ptrace_scope, CAP_SYS_PTRACE or a container's seccomp profile denies it)",
+            libc::ESRCH => " (the sending process has exited)",
+            libc::EBADF => " (the sender no longer has that descriptor: its memory was released)",
             _ => "",
         };
         IpcError::Os {
@@ -434,17 +371,17 @@ mod os {
     }
 
     pub(super) fn pidfd_open(pid: i32) -> Result<OwnedFd, IpcError> {
-        let fd =
-            raw_syscall(nr::PIDFD_OPEN, pid.into(), 0).map_err(|e| failure("pidfd_open", e))?;
-        // SAFETY: a fresh descriptor this process now owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        descriptor_syscall(libc::SYS_pidfd_open, pid.into(), 0)
+            .map_err(|e| failure("pidfd_open", e))
     }
 
     pub(super) fn pidfd_getfd(pidfd: &OwnedFd, target: i32) -> Result<OwnedFd, IpcError> {
-        let fd = raw_syscall(nr::PIDFD_GETFD, pidfd.as_raw_fd().into(), target.into())
-            .map_err(|e| failure("pidfd_getfd", e))?;
-        // SAFETY: a fresh descriptor this process now owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        descriptor_syscall(
+            libc::SYS_pidfd_getfd,
+            pidfd.as_raw_fd().into(),
+            target.into(),
+        )
+        .map_err(|e| failure("pidfd_getfd", e))
     }
 }
 
