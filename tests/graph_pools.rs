@@ -269,7 +269,8 @@ fn a_user_pool_serves_only_its_own_allocations_and_keeps_its_memory_until_releas
         let stream = s.capture;
         assert_eq!(s.allocator.create_or_incref_pool(USER_POOL).unwrap(), 1);
         let mine = s.allocator.malloc_in(SIZE, stream, USER_POOL).unwrap();
-        let (segment, segment_size, _) = s.allocator.segment_of(mine.ptr).unwrap();
+        let site = s.allocator.allocation_at(mine.ptr).unwrap();
+        let (segment, segment_size) = (site.segment, site.segment_size);
         assert_eq!(s.allocator.pool_live_allocations(USER_POOL), vec![mine.ptr]);
         assert!(s
             .allocator
@@ -318,6 +319,22 @@ fn a_user_pool_serves_only_its_own_allocations_and_keeps_its_memory_until_releas
 // synchronise the device and free segments: any of these breaks the capture. The engine
 // learns of the capture as PyTorch tells its allocator, by `begin_allocate_to_pool`.
 
+/// Runs `body` while `capture` captures into the graph pool, announced to the engine as
+/// PyTorch announces it.
+fn during_capture<T>(
+    allocator: &Allocator<SimBackend>,
+    device: &SimBackend,
+    capture: StreamId,
+    body: impl FnOnce() -> T,
+) -> T {
+    allocator.begin_allocate_to_pool(GRAPH_POOL).unwrap();
+    device.begin_capture(capture);
+    let result = body();
+    device.end_capture(capture);
+    allocator.end_allocate_to_pool(GRAPH_POOL).unwrap();
+    result
+}
+
 #[test]
 fn while_one_stream_captures_another_streams_malloc_queries_no_event() {
     let s = setup(Config {
@@ -328,11 +345,9 @@ fn while_one_stream_captures_another_streams_malloc_queries_no_event() {
     let used = s.allocator.malloc(MIB, capture).unwrap();
     s.allocator.record_use(used.ptr, other).unwrap();
     s.allocator.free(used.ptr).unwrap();
-    s.allocator.begin_allocate_to_pool(GRAPH_POOL).unwrap();
-    s.device.begin_capture(capture);
-    s.allocator.malloc(MIB, other).unwrap();
-    s.device.end_capture(capture);
-    s.allocator.end_allocate_to_pool(GRAPH_POOL).unwrap();
+    during_capture(&s.allocator, &s.device, capture, || {
+        s.allocator.malloc(MIB, other).unwrap()
+    });
     assert!(s.device.races().is_empty(), "{:?}", s.device.races());
 }
 
@@ -342,11 +357,9 @@ fn while_one_stream_captures_another_stream_never_takes_its_blocks_through_a_wai
     let (capture, other) = (s.capture, s.replay);
     let block = s.allocator.malloc(MIB, capture).unwrap();
     s.allocator.free(block.ptr).unwrap();
-    s.allocator.begin_allocate_to_pool(GRAPH_POOL).unwrap();
-    s.device.begin_capture(capture);
-    s.allocator.malloc(MIB, other).unwrap();
-    s.device.end_capture(capture);
-    s.allocator.end_allocate_to_pool(GRAPH_POOL).unwrap();
+    during_capture(&s.allocator, &s.device, capture, || {
+        s.allocator.malloc(MIB, other).unwrap()
+    });
     assert!(s.device.races().is_empty(), "{:?}", s.device.races());
 }
 
@@ -362,13 +375,11 @@ fn while_one_stream_captures_another_streams_malloc_frees_no_segment() {
         );
         let cached = allocator.malloc(40 * MIB, cacher).unwrap();
         allocator.free(cached.ptr).unwrap();
-        allocator.begin_allocate_to_pool(GRAPH_POOL).unwrap();
-        device.begin_capture(capture);
         // Only releasing the cached segment (or unmapping its pages) would make room: that
         // must wait for the capture to end, so the request fails instead.
-        let during = allocator.malloc(60 * MIB, other);
-        device.end_capture(capture);
-        allocator.end_allocate_to_pool(GRAPH_POOL).unwrap();
+        let during = during_capture(&allocator, &device, capture, || {
+            allocator.malloc(60 * MIB, other)
+        });
         assert!(device.races().is_empty(), "{:?}", device.races());
         assert!(during.is_err(), "{during:?}");
     }
