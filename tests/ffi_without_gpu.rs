@@ -206,3 +206,28 @@ fn pool_and_introspection_entry_points_fail_cleanly_without_cuda() {
     streamalloc_release_pool(0, 1, 0);
     assert!(ffi::streamalloc_malloc(1 << 20, 0, stream).is_null());
 }
+
+#[test]
+fn calls_from_thread_local_destructors_after_the_error_slot_is_gone_do_not_abort() {
+    // At exit, PyTorch frees tensors from its own thread-local and static destructors
+    // (CUDA IPC bookkeeping); by then the library's last-error slot may be destroyed. Its
+    // destructor is registered after this one (the first C call touches it), so it runs
+    // first, and the free below finds it gone.
+    struct FreesAtThreadExit;
+    impl Drop for FreesAtThreadExit {
+        fn drop(&mut self) {
+            ffi::streamalloc_free(0x1000 as *mut c_void, 16, 0, std::ptr::null_mut());
+            ffi::streamalloc_record_stream(0x1000 as *mut c_void, std::ptr::null_mut());
+            assert!(!ffi::streamalloc_last_error().is_null());
+        }
+    }
+    thread_local! {
+        static AT_EXIT: FreesAtThreadExit = const { FreesAtThreadExit };
+    }
+    let status = std::thread::spawn(|| {
+        AT_EXIT.with(|_| {});
+        ffi::streamalloc_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());
+    })
+    .join();
+    assert!(status.is_ok());
+}

@@ -15,12 +15,16 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
+// Every access goes through `try_with`: C calls also arrive from other libraries'
+// thread-local and exit-time destructors (PyTorch frees IPC-shared tensors there), after
+// this slot may be destroyed, and `with` would then panic where nothing may unwind.
+
 /// Stores `message` as this thread's last error.
 #[cold]
 pub fn set(message: impl Display) {
     let text = message.to_string().replace('\0', " ");
     let text = CString::new(text).unwrap_or_default();
-    LAST_ERROR.with(|slot| *slot.borrow_mut() = text);
+    let _ = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = text);
 }
 
 /// Empties this thread's last error: called on entry to every C call, so a success leaves
@@ -28,7 +32,7 @@ pub fn set(message: impl Display) {
 /// error pending, writes nothing.
 #[inline]
 pub fn clear() {
-    LAST_ERROR.with(|slot| {
+    let _ = LAST_ERROR.try_with(|slot| {
         if !slot.borrow().as_bytes().is_empty() {
             *slot.borrow_mut() = CString::default();
         }
@@ -37,12 +41,16 @@ pub fn clear() {
 
 /// This thread's last error ("" if none), valid until the next C call on this thread.
 pub fn last() -> *const c_char {
-    LAST_ERROR.with(|slot| slot.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|slot| slot.borrow().as_ptr())
+        .unwrap_or(c"".as_ptr())
 }
 
 /// This thread's last error as a Rust string.
 pub fn last_string() -> String {
-    LAST_ERROR.with(|slot| slot.borrow().to_string_lossy().into_owned())
+    LAST_ERROR
+        .try_with(|slot| slot.borrow().to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// Runs `body`, turning a panic into `fallback` plus a last error: no panic may unwind
