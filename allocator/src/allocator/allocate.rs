@@ -34,7 +34,7 @@ impl State {
         //    First the hot list (same size freed recently: no split, no merge); on a miss
         //    its blocks are merged into the free lists before best fit looks.
         if let Some(key) = self.streams.get_mut(slot).hot.take(size) {
-            self.arena.blocks[key].hot = false;
+            self.arena.blocks[key].state = BlockUse::Free;
             return Ok(self.hand_out_hot(key, slot, requested, now));
         }
         self.hot_missed(slot);
@@ -244,7 +244,7 @@ impl State {
     ) -> Allocation {
         let block = &mut self.arena.blocks[key];
         debug_assert!(block.stream == slot && block.pending.is_empty());
-        block.allocated = true;
+        block.state = BlockUse::Allocated;
         block.requested = requested;
         let (addr, size) = (block.addr, block.size);
         debug_assert_eq!(self.allocated.get(&addr), Some(&key));
@@ -291,7 +291,7 @@ impl State {
         let block = &self.arena.blocks[key];
         let (pool, expandable, block_size) = (block.pool, block.expandable, block.size);
         // Taken before the remainder is listed, so the remainder cannot merge back into it.
-        self.arena.blocks[key].allocated = true;
+        self.arena.blocks[key].state = BlockUse::Allocated;
         // In an expandable segment a free sliver costs no more than the same bytes kept
         // inside the allocation, and may serve a later request: split down to the minimum.
         if should_split(block_size, size, pool)

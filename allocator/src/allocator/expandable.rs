@@ -71,7 +71,7 @@ impl State {
         let reusable = |neighbour: Option<BlockKey>| {
             neighbour.filter(|&n| {
                 let b = &blocks[n];
-                !b.allocated && !b.unmapped && !b.hot && b.pending.is_empty() && b.stream == slot
+                b.is_free() && b.pending.is_empty() && b.stream == slot
             })
         };
         let pages_for = |bytes: u64| (bytes.div_ceil(page) * page).max(page);
@@ -173,7 +173,7 @@ impl State {
             .live_peak_at_growth
             .max(self.stats.allocated_bytes.current + size);
         let block = &mut self.arena.blocks[mapped];
-        block.unmapped = false;
+        block.state = BlockUse::Free;
         block.stream = slot;
         self.stats.reserved_bytes.add(map);
         self.note(backend, TraceAction::SegmentMap, addr, map, slot);
@@ -195,7 +195,7 @@ impl State {
         let ptr = backend.reserve_address_space(size)?;
         let head = self.arena.add_segment(ptr.0, size, pool, slot, true);
         let segment = self.arena.blocks[head].segment();
-        self.arena.blocks[head].unmapped = true;
+        self.arena.blocks[head].state = BlockUse::Unmapped;
         vmm.add(slot, pool, segment, ptr.0, head);
         tracing::debug!(?ptr, size, "address space reserved");
         Ok(segment)
@@ -307,7 +307,7 @@ impl State {
             let tail = self.arena.split(middle, len);
             self.list(tail);
         }
-        self.arena.blocks[middle].unmapped = true;
+        self.arena.blocks[middle].state = BlockUse::Unmapped;
         self.stats.reserved_bytes.sub(len);
         self.stats.page_unmap_bytes += len;
         self.note(backend, TraceAction::SegmentUnmap, start, len, owner);
@@ -316,14 +316,14 @@ impl State {
         let holes = vmm.unmapped_mut(segment);
         let (mut merged, mut merged_addr) = (middle, start);
         if let Some(prev) = self.arena.blocks[middle].prev() {
-            if self.arena.blocks[prev].unmapped {
+            if self.arena.blocks[prev].is_unmapped() {
                 self.arena.merge(prev, middle);
                 merged = prev;
                 merged_addr = self.arena.blocks[prev].addr;
             }
         }
         if let Some(next) = self.arena.blocks[merged].next() {
-            if self.arena.blocks[next].unmapped {
+            if self.arena.blocks[next].is_unmapped() {
                 holes.remove(&self.arena.blocks[next].addr);
                 self.arena.merge(merged, next);
             }
@@ -346,7 +346,9 @@ impl State {
                 .filter(|&segment| {
                     let seg = &self.arena.segments[segment];
                     let head = &self.arena.blocks[seg.head];
-                    head.unmapped && head.next().is_none() && self.releasable(which, seg.stream)
+                    head.is_unmapped()
+                        && head.next().is_none()
+                        && self.releasable(which, seg.stream)
                 })
                 .collect(),
         };

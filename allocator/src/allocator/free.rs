@@ -13,7 +13,7 @@ impl State {
     ) -> Result<(), AllocError> {
         // One map lookup; the entry stays while the block is hot (see `allocated`).
         let entry = match self.allocated.entry(ptr.0) {
-            MapEntry::Occupied(entry) if self.arena.blocks[*entry.get()].allocated => entry,
+            MapEntry::Occupied(entry) if self.arena.blocks[*entry.get()].is_allocated() => entry,
             _ => {
                 self.stats.invalid_frees += 1;
                 return Err(AllocError::UnknownPointer(ptr));
@@ -27,7 +27,7 @@ impl State {
         if !park {
             entry.remove();
         }
-        block.allocated = false;
+        block.state = BlockUse::Free;
         block.requested = 0;
         let stats = &mut self.stats;
         stats.allocated_bytes.sub(size);
@@ -54,7 +54,7 @@ impl State {
             // An event recorded now on a capturing stream would become part of the
             // capture: the block waits, out of every list and counted as pending, until
             // the captures end (`complete_deferred_frees`) or the device synchronises.
-            self.arena.blocks[key].allocated = true;
+            self.arena.blocks[key].state = BlockUse::Allocated;
             self.stats.pending_free_bytes.add(size);
             self.stats.active_bytes.add(size);
             self.deferred_frees.push((key, ptr.0, uses));
@@ -96,8 +96,8 @@ impl State {
     /// Takes a deferred block out of its waiting state (free, unlisted, uncounted).
     pub(super) fn undefer(&mut self, key: BlockKey) {
         let block = &mut self.arena.blocks[key];
-        debug_assert!(block.allocated && self.allocated.get(&block.addr) != Some(&key));
-        block.allocated = false;
+        debug_assert!(block.is_allocated() && self.allocated.get(&block.addr) != Some(&key));
+        block.state = BlockUse::Free;
         let size = block.size;
         self.stats.pending_free_bytes.sub(size);
         self.stats.active_bytes.sub(size);
@@ -107,7 +107,7 @@ impl State {
     #[inline]
     pub(super) fn allocated_key(&self, addr: u64) -> Option<BlockKey> {
         let key = *self.allocated.get(&addr)?;
-        self.arena.blocks[key].allocated.then_some(key)
+        self.arena.blocks[key].is_allocated().then_some(key)
     }
 
     /// One event on each use stream, now; the block and the stream's in-flight queue each

@@ -28,7 +28,7 @@ impl State {
     #[inline]
     pub(super) fn push_hot(&mut self, key: BlockKey, owner: StreamSlot, size: u64) {
         let evicted = self.streams.get_mut(owner).hot.push(size, key);
-        self.arena.blocks[key].hot = true;
+        self.arena.blocks[key].state = BlockUse::Hot;
         if let Some(evicted) = evicted {
             self.unhot(evicted);
         }
@@ -62,7 +62,7 @@ impl State {
     /// lists, merging it.
     pub(super) fn unhot(&mut self, key: BlockKey) {
         let block = &mut self.arena.blocks[key];
-        block.hot = false;
+        block.state = BlockUse::Free;
         let addr = block.addr;
         self.allocated.remove(&addr);
         self.insert_free(key);
@@ -72,12 +72,8 @@ impl State {
     /// same owner, and both ready or both pending.
     pub(super) fn mergeable(&self, a: BlockKey, b: BlockKey) -> bool {
         let (a, b) = (&self.arena.blocks[a], &self.arena.blocks[b]);
-        !a.allocated
-            && !b.allocated
-            && !a.unmapped
-            && !b.unmapped
-            && !a.hot
-            && !b.hot
+        a.is_free()
+            && b.is_free()
             && a.stream == b.stream
             && a.pending.is_empty() == b.pending.is_empty()
     }
@@ -160,7 +156,7 @@ impl State {
     /// which finds it as an allocated block absent from the allocated map.
     pub(super) fn list_quarantined(&mut self, key: BlockKey) {
         let block = &mut self.arena.blocks[key];
-        block.allocated = true;
+        block.state = BlockUse::Allocated;
         block.requested = 0;
         self.stats.allocated_bytes.add(block.size);
         self.stats.active_bytes.add(block.size);

@@ -36,7 +36,7 @@ use crate::config::{Config, ReusePolicy};
 use crate::error::{AllocError, BackendError, OutOfMemory};
 use crate::lifetime::{EventKey, EventTable, PoolTable, StreamTable};
 use crate::lock::EngineLock;
-use crate::pool::arena::{Arena, BlockKey, StreamSlot};
+use crate::pool::arena::{Arena, BlockKey, BlockUse, StreamSlot};
 use crate::pool::expandable::ExpandableTable;
 use crate::pool::size::{
     pool_of, round_size, segment_size_for, should_split, MAX_REQUEST, MIN_BLOCK_SIZE,

@@ -28,7 +28,7 @@ impl State {
             .allocated
             .iter()
             .map(|(_, &key)| (key, &self.arena.blocks[key]))
-            .filter(|(_, block)| block.allocated && self.streams.pool(block.stream) == pool)
+            .filter(|(_, block)| block.is_allocated() && self.streams.pool(block.stream) == pool)
             .map(|(_, block)| PoolBlock {
                 ptr: DevicePtr(block.addr),
                 size: block.size,
@@ -97,7 +97,7 @@ impl State {
                 .expect("checked: the pool's memory covers every checkpoint block");
             self.unlist(key);
             let key = self.carve(key, block.ptr.0, block.size);
-            self.arena.blocks[key].allocated = true;
+            self.arena.blocks[key].state = BlockUse::Allocated;
             self.arena.blocks[key].stream = slot;
             self.arena.blocks[key].requested = block.requested;
             self.allocated.insert(block.ptr.0, key);
@@ -133,7 +133,7 @@ impl State {
                     && seg.addr <= addr
                     && addr + size <= seg.addr + seg.size
                     && self.arena.segment_blocks(segment).all(|(_, b)| {
-                        !b.unmapped || b.addr + b.size <= addr || addr + size <= b.addr
+                        !b.is_unmapped() || b.addr + b.size <= addr || addr + size <= b.addr
                     })
             });
             if !inside {
@@ -156,7 +156,7 @@ impl State {
         self.arena
             .segment_blocks(segment)
             .find(|(_, b)| b.addr <= addr && addr + size <= b.addr + b.size)
-            .filter(|(_, b)| !b.allocated && !b.unmapped && !b.hot)
+            .filter(|(_, b)| b.is_free())
             .map(|(key, _)| key)
     }
 

@@ -111,12 +111,14 @@ impl State {
             .arena
             .blocks
             .iter()
-            .filter(|(key, block)| block.allocated && self.allocated.get(&block.addr) != Some(key))
+            .filter(|(key, block)| {
+                block.is_allocated() && self.allocated.get(&block.addr) != Some(key)
+            })
             .map(|(key, _)| key)
             .collect();
         for key in quarantined {
             let block = &mut self.arena.blocks[key];
-            block.allocated = false;
+            block.state = BlockUse::Free;
             let size = block.size;
             self.stats.allocated_bytes.sub(size);
             self.stats.active_bytes.sub(size);
@@ -136,13 +138,15 @@ impl State {
         for head in heads {
             let mut cursor = Some(head);
             while let Some(key) = cursor {
-                if self.arena.blocks[key].allocated || self.arena.blocks[key].unmapped {
+                if self.arena.blocks[key].is_allocated() || self.arena.blocks[key].is_unmapped() {
                     cursor = self.arena.blocks[key].next();
                     continue;
                 }
                 let mut unlisted = false;
                 while let Some(next) = self.arena.blocks[key].next() {
-                    if self.arena.blocks[next].allocated || self.arena.blocks[next].unmapped {
+                    if self.arena.blocks[next].is_allocated()
+                        || self.arena.blocks[next].is_unmapped()
+                    {
                         break;
                     }
                     if !unlisted {

@@ -77,7 +77,7 @@ impl State {
                 size: self
                     .arena
                     .segment_blocks(segment)
-                    .filter(|(_, block)| !block.unmapped)
+                    .filter(|(_, block)| !block.is_unmapped())
                     .map(|(_, block)| block.size)
                     .sum(),
                 pool: seg.pool,
@@ -87,12 +87,12 @@ impl State {
                 blocks: self
                     .arena
                     .segment_blocks(segment)
-                    .filter(|(_, block)| !block.unmapped)
+                    .filter(|(_, block)| !block.is_unmapped())
                     .map(|(_, block)| BlockInfo {
                         addr: DevicePtr(block.addr),
                         size: block.size,
                         requested: block.requested,
-                        state: if block.allocated {
+                        state: if block.is_allocated() {
                             BlockState::ActiveAllocated
                         } else if block.pending.is_empty() {
                             BlockState::Inactive
@@ -144,7 +144,7 @@ impl State {
                     self.streams.pool(block.stream)
                 ));
             }
-            if block.unmapped {
+            if block.is_unmapped() {
                 self.check_unmapped(key)?;
                 unmapped_bytes += block.size;
                 unmapped_blocks += 1;
@@ -152,13 +152,13 @@ impl State {
             }
             if deferred.contains(&key) {
                 // Freed during a capture; counted as pending until its events are recorded.
-                if !block.allocated || self.allocated.get(&block.addr) == Some(&key) {
+                if !block.is_allocated() || self.allocated.get(&block.addr) == Some(&key) {
                     return Err(format!("deferred block {key} is listed or handed out"));
                 }
                 pending_bytes += block.size;
                 continue;
             }
-            if block.allocated {
+            if block.is_allocated() {
                 if self.allocated.get(&block.addr) == Some(&key) {
                     requested += block.requested;
                 }
@@ -171,7 +171,7 @@ impl State {
             if !block.uses.is_empty() {
                 return Err(format!("free block {key} has uses"));
             }
-            if block.hot {
+            if block.is_hot() {
                 let hot = &self.streams.get(block.stream).hot;
                 if !block.pending.is_empty() || hot.keys().filter(|k| *k == key).count() != 1 {
                     return Err(format!(
@@ -230,10 +230,10 @@ impl State {
         // at its own address.
         for (&addr, &key) in &self.allocated {
             match self.arena.blocks.get(key) {
-                Some(block) if block.addr == addr && (block.allocated || block.hot) => {}
+                Some(block) if block.addr == addr && (block.is_allocated() || block.is_hot()) => {}
                 _ => return Err(format!("allocated map sends {addr:#x} to block {key}")),
             }
-            if self.arena.blocks[key].hot && self.arena.blocks[key].allocated {
+            if self.arena.blocks[key].is_hot() && self.arena.blocks[key].is_allocated() {
                 return Err(format!("hot block {key} is allocated"));
             }
         }
@@ -241,7 +241,7 @@ impl State {
             .arena
             .blocks
             .iter()
-            .filter(|(key, block)| block.hot && self.allocated.get(&block.addr) != Some(key))
+            .filter(|(key, block)| block.is_hot() && self.allocated.get(&block.addr) != Some(key))
             .count();
         if hot_unmapped != 0 {
             return Err(format!(
@@ -339,7 +339,7 @@ impl State {
                 "unmapped block {key} outside an expandable segment"
             ));
         }
-        if block.allocated || !block.pending.is_empty() || !block.uses.is_empty() {
+        if block.is_allocated() || !block.pending.is_empty() || !block.uses.is_empty() {
             return Err(format!("unmapped block {key} is in use"));
         }
         if !block.addr.is_multiple_of(vmm.page) || !block.size.is_multiple_of(vmm.page) {
@@ -359,7 +359,7 @@ impl State {
         if neighbours
             .iter()
             .flatten()
-            .any(|&n| self.arena.blocks[n].unmapped)
+            .any(|&n| self.arena.blocks[n].is_unmapped())
         {
             return Err(format!("unmapped block {key} borders another"));
         }

@@ -54,17 +54,30 @@ pub(crate) struct Block {
     pub(crate) pool: PoolKind,
     /// Its segment is expandable.
     pub(crate) expandable: bool,
-    /// Handed to a caller and not yet freed.
-    pub(crate) allocated: bool,
-    /// Free, ready for its owner and unmerged, in the owner's hot list (see
-    /// `lifetime::streams::StreamState::hot`); never merged while there.
-    pub(crate) hot: bool,
-    /// A stretch of an expandable segment with no pages mapped (see [`super::expandable`]):
-    /// free, page-aligned, in no free list.
-    pub(crate) unmapped: bool,
+    /// Which of the allocator's structures may hold the block (see [`BlockUse`]).
+    pub(crate) state: BlockUse,
 }
 
 const _: () = assert!(std::mem::size_of::<Block>() == 64);
+
+/// What a block is doing. One field instead of independent flags, so that no block can be
+/// both handed out and parked, or unmapped and listed: each state names the one structure
+/// that may hold the block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BlockUse {
+    /// Handed to a caller and not yet freed: in the allocator's address map only.
+    Allocated,
+    /// Free, ready for its owner and unmerged, parked in the owner's hot list (see
+    /// `lifetime::streams::StreamState::hot`) and still in the address map; never merged
+    /// while there.
+    Hot,
+    /// Free and mapped: in its owner's free lists (ready, or pending on events), or being
+    /// moved between them.
+    Free,
+    /// A stretch of an expandable segment with no pages mapped (see [`super::expandable`]):
+    /// page-aligned and in no free list.
+    Unmapped,
+}
 
 /// A block or segment index in 32 bits, `u32::MAX` for none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,6 +118,30 @@ impl Block {
     #[inline]
     pub(crate) fn segment(&self) -> SegmentKey {
         self.segment.0 as usize
+    }
+
+    /// Handed to a caller and not yet freed.
+    #[inline]
+    pub(crate) fn is_allocated(&self) -> bool {
+        self.state == BlockUse::Allocated
+    }
+
+    /// Parked in its owner's hot list.
+    #[inline]
+    pub(crate) fn is_hot(&self) -> bool {
+        self.state == BlockUse::Hot
+    }
+
+    /// An unmapped stretch of an expandable segment.
+    #[inline]
+    pub(crate) fn is_unmapped(&self) -> bool {
+        self.state == BlockUse::Unmapped
+    }
+
+    /// Free and mapped: the only state in which a block may sit in a free list or merge.
+    #[inline]
+    pub(crate) fn is_free(&self) -> bool {
+        self.state == BlockUse::Free
     }
 }
 
@@ -156,9 +193,7 @@ impl Arena {
             stream,
             pool,
             expandable,
-            allocated: false,
-            hot: false,
-            unmapped: false,
+            state: BlockUse::Free,
         });
         self.segments.insert(Segment {
             addr,
@@ -175,7 +210,7 @@ impl Arena {
     pub(crate) fn remove_segment(&mut self, segment: SegmentKey) -> (u64, u64) {
         let seg = self.segments.remove(segment);
         let head = self.blocks.remove(seg.head);
-        debug_assert!(head.next().is_none() && !head.allocated && head.size == seg.size);
+        debug_assert!(head.next().is_none() && !head.is_allocated() && head.size == seg.size);
         (seg.addr, seg.size)
     }
 
@@ -197,9 +232,11 @@ impl Arena {
             stream: block.stream,
             pool: block.pool,
             expandable: block.expandable,
-            allocated: false,
-            hot: false,
-            unmapped: block.unmapped,
+            state: if block.is_unmapped() {
+                BlockUse::Unmapped
+            } else {
+                BlockUse::Free
+            },
         };
         let next = right.next.get();
         let right = self.blocks.insert(right);
@@ -217,7 +254,7 @@ impl Arena {
     pub(crate) fn merge(&mut self, left: BlockKey, right: BlockKey) -> ThinVec<EventKey> {
         let removed = self.blocks.remove(right);
         debug_assert_eq!(removed.prev(), Some(left));
-        debug_assert!(!removed.allocated);
+        debug_assert!(!removed.is_allocated());
         if let Some(next) = removed.next() {
             self.blocks[next].prev = Link::to(left);
         }
@@ -232,7 +269,7 @@ impl Arena {
     pub(crate) fn segment_is_free(&self, segment: SegmentKey) -> bool {
         let seg = &self.segments[segment];
         let head = &self.blocks[seg.head];
-        !head.allocated && head.next().is_none()
+        !head.is_allocated() && head.next().is_none()
     }
 
     /// Blocks of a segment in address order.
