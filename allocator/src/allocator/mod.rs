@@ -24,6 +24,7 @@ mod completion;
 mod expandable;
 mod free;
 mod free_lists;
+mod invariants;
 mod pools;
 mod release;
 mod report;
