@@ -4,8 +4,23 @@
 //! in the comments below.
 
 use super::*;
+use crate::pool::arena::SegmentKey;
 
 impl State {
+    /// The expandable segments' table. Everything in this file runs only after an entry
+    /// point found expandable segments (`grow_expandable`, the reclaims and releases each
+    /// return early without them), so a missing table here is a bug in the engine.
+    fn table(&self) -> &ExpandableTable {
+        self.growth
+            .expandable()
+            .expect("expandable-segment policy reached with whole segments")
+    }
+
+    /// See [`State::table`].
+    fn table_mut(&mut self) -> &mut ExpandableTable {
+        table_in(&mut self.growth)
+    }
+
     /// Room for a rounded `size` in `slot`'s expandable segment of `pool`, unlisted and
     /// owned by `slot`; `None` if the limit, the device or the address space refuses.
     ///
@@ -16,7 +31,6 @@ impl State {
     /// retry the caller's free list, then unmap free mappings until the excess is gone.
     /// Then map the fewest pages that give room, right after a free block of the caller
     /// when one borders an unmapped stretch, so the request packs against it.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn grow_expandable<B: Backend>(
         &mut self,
         backend: &B,
@@ -26,9 +40,42 @@ impl State {
         slot: StreamSlot,
         capturing: bool,
     ) -> Result<Option<BlockKey>, AllocError> {
-        let Some(vmm) = self.vmm.as_ref() else {
+        if self.growth.expandable().is_none() {
+            return Ok(None);
+        }
+        if !capturing {
+            if let Some(key) = self.reclaim_before_mapping(backend, size, pool, max_size, slot)? {
+                return Ok(Some(key));
+            }
+        }
+        let segment = match self
+            .growth
+            .expandable()
+            .and_then(|v| v.segment_of(slot, pool))
+        {
+            Some(segment) => segment,
+            None => self.add_expandable_segment(backend, pool, slot)?,
+        };
+        let Some(placement) = self.placement(segment, size, slot) else {
             return Ok(None);
         };
+        self.map_placement(backend, segment, placement, size, slot)
+    }
+
+    /// If mapping `size` more bytes would take reserved memory past the live peak plus the
+    /// slack, or past the limit, and a ready free block covers a whole mapping: synchronise
+    /// the device, settle every event, and take a ready block of `slot` if one now fits
+    /// (returned); else unmap free mappings until the excess is gone. Never while a capture
+    /// is under way.
+    fn reclaim_before_mapping<B: Backend>(
+        &mut self,
+        backend: &B,
+        size: u64,
+        pool: PoolKind,
+        max_size: u64,
+        slot: StreamSlot,
+    ) -> Result<Option<BlockKey>, AllocError> {
+        let vmm = self.table();
         // Reclaim (synchronise, unmap free mappings, map where there is room) only when
         // mapping would take reserved memory past the live peak plus a slack, or past the
         // limit. Measured on an H200 (GPT-2 small), what a reclaim costs decides the policy:
@@ -47,25 +94,25 @@ impl State {
             .max(self.stats.allocated_bytes.current + size);
         let budget = live_peak + live_peak / 10_000 * vmm.slack_bp;
         let over_limit = after > budget || self.limit.is_some_and(|limit| after > limit);
-        if !capturing && over_limit && self.has_unmappable_pages(Release::Unpinned) {
+        if over_limit && self.has_unmappable_pages(Release::Unpinned) {
             self.synchronize(backend)?;
             if let Some(key) = self.take_ready(slot, pool, size, max_size) {
                 return Ok(Some(key));
             }
             let excess = after.saturating_sub(self.limit.map_or(budget, |limit| limit.min(budget)));
             self.unmap_free_pages_upto(backend, excess, Release::Unpinned)?;
-            let vmm = self.vmm.as_mut().expect("expandable segments");
+            let vmm = table_in(&mut self.growth);
             vmm.slack_bp = (vmm.slack_bp * 5 / 4 + 1).min(MAX_RECLAIM_SLACK_BP);
         }
-        let segment = match self.vmm.as_ref().and_then(|v| v.segment_of(slot, pool)) {
-            Some(segment) => segment,
-            None => self.add_expandable_segment(backend, pool, slot)?,
-        };
-        // Where to map: over every unmapped stretch, the placement that maps the fewest pages
-        // (lowest address among equals) — at the bottom of the stretch, continuing the
-        // caller's free block below it; at the top, continuing the free block above; or the
-        // whole stretch, joining both.
-        let vmm = self.vmm.as_ref().expect("expandable segments");
+        Ok(None)
+    }
+
+    /// Where to map room for `size` bytes of `slot` in `segment`: over every unmapped
+    /// stretch, the placement that maps the fewest pages (lowest address among equals): at
+    /// the bottom of the stretch, continuing the caller's free block below it; at the top,
+    /// continuing the free block above; or the whole stretch, joining both.
+    fn placement(&self, segment: SegmentKey, size: u64, slot: StreamSlot) -> Option<Placement> {
+        let vmm = self.table();
         let page = vmm.page;
         let blocks = &self.arena.blocks;
         let reusable = |neighbour: Option<BlockKey>| {
@@ -114,9 +161,20 @@ impl State {
                 break;
             }
         }
-        let Some(placement) = best else {
-            return Ok(None);
-        };
+        best
+    }
+
+    /// Maps `placement` in `segment` for `size` bytes of `slot` and returns the block that
+    /// holds the new room, merged with the caller's free neighbours; `None` if the limit or
+    /// the device refuses.
+    fn map_placement<B: Backend>(
+        &mut self,
+        backend: &B,
+        segment: SegmentKey,
+        placement: Placement,
+        size: u64,
+        slot: StreamSlot,
+    ) -> Result<Option<BlockKey>, AllocError> {
         let Placement {
             addr,
             hole,
@@ -130,12 +188,7 @@ impl State {
         }
         // One physical allocation per piece; on failure, undo the pieces already mapped
         // (untouched, so unmapping them needs no synchronisation).
-        let pieces: Vec<_> = self
-            .vmm
-            .as_ref()
-            .expect("expandable segments")
-            .pieces(addr, map)
-            .collect();
+        let pieces: Vec<_> = self.table().pieces(addr, map).collect();
         for (index, &(at, len)) in pieces.iter().enumerate() {
             if let Err(err) = backend.map_pages(DevicePtr(at), len) {
                 for &(done, done_len) in &pieces[..index] {
@@ -148,12 +201,12 @@ impl State {
                 };
             }
         }
-        let vmm = self.vmm.as_mut().expect("expandable segments");
+        let vmm = table_in(&mut self.growth);
         for &(at, len) in &pieces {
             vmm.add_mapping(at, len);
         }
         // Cut the mapped part out of the stretch; what stays unmapped stays indexed.
-        let vmm = self.vmm.as_mut().expect("expandable segments");
+        let vmm = table_in(&mut self.growth);
         let holes = vmm.unmapped_mut(segment);
         let room = self.arena.blocks[hole].size;
         let mapped = if map == room {
@@ -190,7 +243,7 @@ impl State {
         pool: PoolKind,
         slot: StreamSlot,
     ) -> Result<usize, AllocError> {
-        let vmm = self.vmm.as_mut().expect("expandable segments");
+        let vmm = table_in(&mut self.growth);
         let size = vmm.reservation;
         let ptr = backend.reserve_address_space(size)?;
         let head = self.arena.add_segment(ptr.0, size, pool, slot, true);
@@ -205,7 +258,7 @@ impl State {
     /// covers a whole mapping. Blocks awaiting other streams' events do not count:
     /// synchronising for them would be the host wait the lifetime model avoids.
     pub(super) fn has_unmappable_pages(&self, which: Release) -> bool {
-        let Some(vmm) = self.vmm.as_ref() else {
+        let Some(vmm) = self.growth.expandable() else {
             return false;
         };
         self.streams.states.iter().enumerate().any(|(slot, state)| {
@@ -223,7 +276,7 @@ impl State {
     /// mappings lying wholly inside it, lowest first (contiguous: the block lies on mapped
     /// memory).
     pub(super) fn unmappable(&self, which: Release) -> Vec<(BlockKey, Vec<(u64, u64)>)> {
-        let Some(vmm) = self.vmm.as_ref() else {
+        let Some(vmm) = self.growth.expandable() else {
             return Vec::new();
         };
         let mut victims = Vec::new();
@@ -289,10 +342,7 @@ impl State {
         len: u64,
     ) -> Result<(), BackendError> {
         backend.unmap_pages(DevicePtr(start), len)?;
-        self.vmm
-            .as_mut()
-            .expect("expandable segments")
-            .remove_mappings(start, len);
+        self.table_mut().remove_mappings(start, len);
         self.unlist(key);
         let (addr, size, segment, owner) = {
             let block = &self.arena.blocks[key];
@@ -311,7 +361,7 @@ impl State {
         self.stats.reserved_bytes.sub(len);
         self.stats.page_unmap_bytes += len;
         self.note(backend, TraceAction::SegmentUnmap, start, len, owner);
-        let vmm = self.vmm.as_mut().expect("expandable segments");
+        let vmm = table_in(&mut self.growth);
         vmm.mapped -= len;
         let holes = vmm.unmapped_mut(segment);
         let (mut merged, mut merged_addr) = (middle, start);
@@ -339,7 +389,7 @@ impl State {
         backend: &B,
         which: Release,
     ) -> Result<(), BackendError> {
-        let empty: Vec<usize> = match self.vmm.as_ref() {
+        let empty: Vec<usize> = match self.growth.expandable() {
             None => return Ok(()),
             Some(vmm) => vmm
                 .segments()
@@ -352,7 +402,7 @@ impl State {
                 })
                 .collect(),
         };
-        let vmm = self.vmm.as_mut().expect("expandable segments");
+        let vmm = table_in(&mut self.growth);
         for segment in empty {
             let (addr, size) = (
                 self.arena.segments[segment].addr,
@@ -374,4 +424,12 @@ pub(super) struct Placement {
     hole: BlockKey,
     map: u64,
     top: bool,
+}
+
+/// [`State::table_mut`] over the one field, for code that holds other fields of the state
+/// at the same time.
+fn table_in(growth: &mut Growth) -> &mut ExpandableTable {
+    growth
+        .expandable_mut()
+        .expect("expandable-segment policy reached with whole segments")
 }

@@ -207,7 +207,7 @@ impl State {
     /// The expandable segments' index holds every unmapped stretch, and the mapped count is
     /// what the segments map.
     fn check_expandable(&self, tally: &Tally) -> Result<(), String> {
-        let indexed: usize = self.vmm.as_ref().map_or(0, |vmm| {
+        let indexed: usize = self.growth.expandable().map_or(0, |vmm| {
             vmm.segments()
                 .map(|segment| vmm.unmapped(segment).len())
                 .sum()
@@ -225,7 +225,7 @@ impl State {
             .filter(|(_, s)| s.expandable)
             .map(|(_, s)| s.size)
             .sum();
-        let mapped = self.vmm.as_ref().map_or(0, |vmm| vmm.mapped);
+        let mapped = self.growth.expandable().map_or(0, |vmm| vmm.mapped);
         if mapped != expandable_size - tally.unmapped_bytes {
             return Err(format!(
                 "{mapped} bytes counted mapped, the segments map {}",
@@ -287,7 +287,7 @@ impl State {
     /// not listed, and not adjacent to another unmapped block.
     fn check_unmapped(&self, key: BlockKey) -> Result<(), String> {
         let block = &self.arena.blocks[key];
-        let Some(vmm) = self.vmm.as_ref() else {
+        let Some(vmm) = self.growth.expandable() else {
             return Err(format!("unmapped block {key} without expandable segments"));
         };
         if !vmm.contains(block.segment()) || !block.expandable {

@@ -110,8 +110,8 @@ struct State {
     /// Reserved bytes never exceeded (from `memory_limit`, `memory_fraction` or
     /// [`Allocator::set_memory_limit`]).
     limit: Option<u64>,
-    /// Expandable segments, when configured and the backend has virtual memory.
-    vmm: Option<ExpandableTable>,
+    /// How memory is obtained: whole segments or expandable ones.
+    growth: Growth,
     /// Use counts of the memory pools other than the default one, and the pools being
     /// allocated to.
     pools: PoolTable,
@@ -119,6 +119,35 @@ struct State {
     /// events: recording them then would put the events into the capture, so the blocks
     /// stay allocated to nobody, with their address and uses, until the last capture ends.
     deferred_frees: Vec<(BlockKey, u64, thin_vec::ThinVec<StreamSlot>)>,
+}
+
+/// How the allocator obtains memory from the device: what `expandable_segments` chose,
+/// fixed when the allocator is created.
+#[derive(Debug)]
+enum Growth {
+    /// Whole segments, obtained and returned whole: PyTorch's rules, what
+    /// `cudaIpcGetMemHandle` needs, and all a backend without virtual memory offers.
+    WholeSegments,
+    /// Address reservations with pages mapped on demand (`pool::expandable`).
+    Expandable(ExpandableTable),
+}
+
+impl Growth {
+    /// The expandable segments' table, if memory grows that way.
+    fn expandable(&self) -> Option<&ExpandableTable> {
+        match self {
+            Growth::Expandable(table) => Some(table),
+            Growth::WholeSegments => None,
+        }
+    }
+
+    /// The expandable segments' table, if memory grows that way.
+    fn expandable_mut(&mut self) -> Option<&mut ExpandableTable> {
+        match self {
+            Growth::Expandable(table) => Some(table),
+            Growth::WholeSegments => None,
+        }
+    }
 }
 
 impl<B: Backend> Allocator<B> {
@@ -131,10 +160,10 @@ impl<B: Backend> Allocator<B> {
             let by_fraction = (total as f64 * fraction) as u64;
             limit = Some(limit.map_or(by_fraction, |l| l.min(by_fraction)));
         }
-        let vmm = if !config.expandable_segments {
-            None
+        let growth = if !config.expandable_segments {
+            Growth::WholeSegments
         } else if backend.supports_virtual_memory() {
-            Some(ExpandableTable::new(
+            Growth::Expandable(ExpandableTable::new(
                 backend.page_size(),
                 backend.total_memory()?,
                 RECLAIM_SLACK_BP,
@@ -145,7 +174,7 @@ impl<B: Backend> Allocator<B> {
             tracing::info!(
                 "expandable_segments:true needs a backend with virtual memory; using whole segments"
             );
-            None
+            Growth::WholeSegments
         };
         let state = State {
             arena: Arena::default(),
@@ -155,7 +184,7 @@ impl<B: Backend> Allocator<B> {
             stats: Stats::default(),
             trace: CompactRing::new(config.trace_capacity),
             limit,
-            vmm,
+            growth,
             pools: PoolTable::default(),
             deferred_frees: Vec::new(),
         };

@@ -27,7 +27,7 @@ impl State {
             reserved: self.stats.reserved_bytes.current,
             allocated: self.stats.allocated_bytes.current,
             limit: self.limit,
-            expandable: self.vmm.is_some(),
+            expandable: self.growth.expandable().is_some(),
         };
         tracing::warn!(%report, "allocation failed");
         report
