@@ -15,7 +15,7 @@ fn allocator(capacity: u64, config: Config) -> (SimBackend, Allocator<SimBackend
     (device, allocator)
 }
 
-/// DESIGN.md problem 1: 32 activations of 64 MiB, each read by a slower comm stream.
+/// The `record_stream` pipeline (docs/design.md, "The lifetime model: streams"): 32 activations of 64 MiB, each read by a slower comm stream.
 #[test]
 fn record_stream_scenario_stays_within_three_activations() {
     let ours = record_stream_pipeline(ReusePolicy::StreamWait, 32, 64 * MIB).unwrap();

@@ -24,9 +24,10 @@ pub struct ScenarioReport {
     pub races: Vec<String>,
 }
 
-/// DESIGN.md problem 1: a compute stream produces a `size`-byte activation `iterations`
-/// times; a slower communication stream reads each one (an `isend`), recorded with
-/// `record_use`, and the compute side frees it at once. The host runs ahead of both.
+/// The `record_stream` pipeline (docs/design.md, "The lifetime model: streams"): a compute
+/// stream produces a `size`-byte activation `iterations` times; a slower communication
+/// stream reads each one (an `isend`), recorded with `record_use`, and the compute side
+/// frees it at once. The host runs ahead of both.
 ///
 /// Under [`ReusePolicy::Pytorch`] every activation is held until the host sees its send
 /// complete, so memory grows with `iterations`; under [`ReusePolicy::StreamWait`] the

@@ -1,5 +1,6 @@
-//! `streamalloc demo`: the record_stream pipeline of DESIGN.md on the simulated device,
-//! under both reuse policies, printed side by side. Needs no GPU.
+//! `streamalloc demo`: the `record_stream` pipeline (docs/design.md, "The lifetime model:
+//! streams") on the simulated device, under both reuse policies, printed side by side.
+//! Needs no GPU.
 
 use super::CliError;
 use clap::Args;

@@ -100,7 +100,7 @@ struct State {
     events: EventTable,
     /// Address → block, for blocks handed out and for hot blocks (freed and parked in their
     /// stream's hot list, so that a same-size malloc+free pair touches the map not at all);
-    /// [`State::allocated_key`] tells the two apart by `Block::allocated`. A quarantined
+    /// [`State::allocated_key`] tells the two apart by the block's state. A quarantined
     /// block is allocated but absent.
     allocated: HashMap<u64, BlockKey, BuildAddrHasher>,
     /// Counters.
