@@ -607,4 +607,29 @@ mod tests {
         assert_eq!(snapshot.trace_dropped, 6);
         assert_eq!(snapshot.trace[0].time_ns, 2);
     }
+
+    #[test]
+    fn a_checkpoint_block_past_the_end_of_the_address_space_is_refused_not_summed() {
+        let (device, allocator) = sim(0);
+        let stream = device.create_stream();
+        let pool = PoolId(7, 1);
+        allocator.create_or_incref_pool(pool).unwrap();
+        let block = allocator.malloc_in(4096, stream, pool).unwrap();
+        let mut checkpoint = allocator.pool_checkpoint(pool);
+        checkpoint.push(PoolBlock {
+            ptr: DevicePtr(u64::MAX - 511),
+            size: 1024,
+            requested: 1024,
+            stream,
+        });
+        let err = allocator.restore_pool(pool, &checkpoint).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("runs past the end of the address space"),
+            "{err}"
+        );
+        // Refused whole: the pool's live block is untouched.
+        assert_eq!(allocator.pool_live_allocations(pool), vec![block.ptr]);
+        allocator.check_invariants().unwrap();
+    }
 }

@@ -110,6 +110,23 @@ impl State {
     /// in mapped memory of one of `pool`'s segments at block granularity.
     fn check_checkpoint(&self, pool: PoolId, checkpoint: &[PoolBlock]) -> Result<(), AllocError> {
         let refuse = |reason: String| AllocError::Checkpoint { pool, reason };
+        // A checkpoint comes from outside (PyTorch's graph trees, through the C ABI): sizes
+        // and alignment first, so that no sum below can overflow.
+        for block in checkpoint {
+            let (addr, size) = (block.ptr.0, block.size);
+            if size == 0
+                || !size.is_multiple_of(MIN_BLOCK_SIZE)
+                || !addr.is_multiple_of(MIN_BLOCK_SIZE)
+            {
+                return Err(refuse(format!("block at {} has size {size}", block.ptr)));
+            }
+            if addr.checked_add(size).is_none() {
+                return Err(refuse(format!(
+                    "the block at {} of {size} bytes runs past the end of the address space",
+                    block.ptr
+                )));
+            }
+        }
         let mut sorted: Vec<&PoolBlock> = checkpoint.iter().collect();
         sorted.sort_unstable_by_key(|b| b.ptr);
         for pair in sorted.windows(2) {
@@ -122,12 +139,6 @@ impl State {
         }
         for block in checkpoint {
             let (addr, size) = (block.ptr.0, block.size);
-            if size == 0
-                || !size.is_multiple_of(MIN_BLOCK_SIZE)
-                || !addr.is_multiple_of(MIN_BLOCK_SIZE)
-            {
-                return Err(refuse(format!("block at {} has size {size}", block.ptr)));
-            }
             let inside = self.arena.segments.iter().any(|(segment, seg)| {
                 self.streams.pool(seg.stream) == pool
                     && seg.addr <= addr
