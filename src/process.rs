@@ -15,21 +15,22 @@
 //! Only devices whose allocator already exists are visited: asking the registry for any
 //! other would create a CUDA context at exit.
 
+use crate::ffi::error;
+use crate::registry::{self, Registry};
 use std::ffi::c_int;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use streamalloc_allocator::backend::cuda::registry::{self, CudaAllocator};
+use streamalloc_allocator::{Allocator, Backend};
 
 /// Variable that makes [`streamalloc_at_exit`] print the counters.
 pub const STATS_ENV: &str = "STREAMALLOC_STATS_AT_EXIT";
 /// Variable naming the snapshot file [`streamalloc_at_exit`] writes.
 pub const SNAPSHOT_ENV: &str = "STREAMALLOC_SNAPSHOT";
 
-/// The ordinals of the devices whose allocator exists in this process.
-pub fn devices_in_use() -> Vec<i32> {
-    registry::global()
+/// The ordinals of the devices whose allocator exists in `registry`.
+pub fn devices_in_use<B: Backend>(registry: &Registry<B>) -> Vec<i32> {
+    registry
         .initialized()
-        .map(|(device, _)| device)
+        .map(|device| device.ordinal())
         .collect()
 }
 
@@ -68,7 +69,7 @@ pub fn snapshot_path(base: &Path, rank: Option<&str>, device: i32, several: bool
 }
 
 /// The stats line [`streamalloc_at_exit`] prints for one device.
-pub fn stats_line(device: i32, allocator: &CudaAllocator, rank: Option<&str>) -> String {
+pub fn stats_line<B: Backend>(device: i32, allocator: &Allocator<B>, rank: Option<&str>) -> String {
     let s = allocator.stats();
     format!(
         "streamalloc: exit pid={} rank={} device={device} allocs={} frees={} \
@@ -87,32 +88,21 @@ pub fn stats_line(device: i32, allocator: &CudaAllocator, rank: Option<&str>) ->
     )
 }
 
-fn write_snapshot(path: &Path, allocator: &CudaAllocator) -> Result<(), String> {
-    let shown = path.display();
-    let file = std::fs::File::create(path)
-        .map_err(|err| format!("streamalloc: cannot create snapshot file {shown}: {err}"))?;
-    let mut writer = std::io::BufWriter::new(file);
-    serde_json::to_writer(&mut writer, &allocator.snapshot())
-        .map_err(|err| format!("streamalloc: writing snapshot {shown}: {err}"))?;
-    writer
-        .flush()
-        .map_err(|err| format!("streamalloc: writing snapshot {shown}: {err}"))
-}
-
 fn flag(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
 }
 
-/// Does what [`STATS_ENV`] and [`SNAPSHOT_ENV`] ask for every device in use. Returns the
-/// number of snapshots that could not be written (each reported on stderr).
-pub fn at_exit() -> usize {
+/// Does what [`STATS_ENV`] and [`SNAPSHOT_ENV`] ask for every device in use in
+/// `registry`. Returns the number of snapshots that could not be written (each reported on
+/// stderr). A device made unusable by a panic is reported, not read.
+pub fn at_exit<B: Backend>(registry: &Registry<B>) -> usize {
     let stats = flag(STATS_ENV);
     let snapshot = std::env::var_os(SNAPSHOT_ENV).filter(|p| !p.is_empty());
     if !stats && snapshot.is_none() {
         return 0;
     }
     let rank = rank();
-    let devices: Vec<_> = registry::global().initialized().collect();
+    let devices: Vec<_> = registry.initialized().collect();
     if stats && devices.is_empty() {
         eprintln!(
             "streamalloc: exit pid={} rank={}: no CUDA memory was allocated through streamalloc",
@@ -121,18 +111,27 @@ pub fn at_exit() -> usize {
         );
     }
     let mut failures = 0;
-    for &(device, allocator) in &devices {
-        if stats {
-            eprintln!("{}", stats_line(device, allocator, rank.as_deref()));
-        }
-        if let Some(base) = &snapshot {
-            let path = snapshot_path(Path::new(base), rank.as_deref(), device, devices.len() > 1);
-            match write_snapshot(&path, allocator) {
-                Ok(()) => eprintln!("streamalloc: wrote snapshot {}", path.display()),
-                Err(message) => {
-                    eprintln!("{message}");
-                    failures += 1;
-                }
+    for device in &devices {
+        let ordinal = device.ordinal();
+        let written = device.run(|allocator| {
+            if stats {
+                eprintln!("{}", stats_line(ordinal, allocator, rank.as_deref()));
+            }
+            let base = snapshot.as_ref()?;
+            let path = snapshot_path(Path::new(base), rank.as_deref(), ordinal, devices.len() > 1);
+            let shown = path.to_string_lossy().into_owned();
+            Some(crate::ffi::write_json(&shown, &allocator.snapshot()).map(|()| shown))
+        });
+        match written {
+            Ok(None) => {}
+            Ok(Some(Ok(path))) => eprintln!("streamalloc: wrote snapshot {path}"),
+            Ok(Some(Err(message))) => {
+                eprintln!("{message}");
+                failures += 1;
+            }
+            Err(err) => {
+                eprintln!("streamalloc: exit pid={}: {err}", std::process::id());
+                failures += usize::from(snapshot.is_some());
             }
         }
     }
@@ -145,7 +144,13 @@ pub fn at_exit() -> usize {
 /// allocator; safe to call more than once.
 #[no_mangle]
 pub extern "C" fn streamalloc_at_exit() -> c_int {
-    crate::ffi::error::guard(-1, || if at_exit() == 0 { 0 } else { -1 })
+    error::call(-1, || match at_exit(registry::global()) {
+        0 => 0,
+        failures => crate::ffi::fail(
+            -1,
+            format_args!("streamalloc_at_exit: {failures} snapshots could not be written"),
+        ),
+    })
 }
 
 /// `int streamalloc_devices_in_use(int* out, int capacity)`: writes up to `capacity`
@@ -156,8 +161,8 @@ pub extern "C" fn streamalloc_at_exit() -> c_int {
 /// `out` must be null or point to `capacity` writable `int`s.
 #[no_mangle]
 pub unsafe extern "C" fn streamalloc_devices_in_use(out: *mut c_int, capacity: c_int) -> c_int {
-    crate::ffi::error::guard(-1, || {
-        let devices = devices_in_use();
+    error::call(-1, || {
+        let devices = devices_in_use(registry::global());
         if !out.is_null() {
             for (i, &device) in devices
                 .iter()
@@ -201,7 +206,7 @@ mod tests {
     #[test]
     fn nothing_in_use_without_a_gpu_call() {
         // No test in this binary creates a CUDA allocator.
-        assert!(devices_in_use().is_empty());
+        assert!(devices_in_use(registry::global()).is_empty());
         // SAFETY: capacity 0 with a null pointer writes nothing.
         assert_eq!(
             unsafe { streamalloc_devices_in_use(std::ptr::null_mut(), 0) },

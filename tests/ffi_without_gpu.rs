@@ -41,12 +41,12 @@ fn every_entry_point_fails_cleanly_without_cuda() {
     assert!(ffi::streamalloc_malloc(1 << 20, 1000, stream).is_null());
 
     // Frees and record_stream of pointers nobody handed out are counted, not fatal.
-    let before = streamalloc_allocator::backend::cuda::registry::global().invalid_frees();
+    let before = streamalloc::registry::global().invalid_frees();
     ffi::streamalloc_free(0x1000 as *mut c_void, 16, 0, stream);
     ffi::streamalloc_free(0x1000 as *mut c_void, 16, -1, stream);
     assert!(last_error().contains("unknown pointer"), "{}", last_error());
     ffi::streamalloc_free(std::ptr::null_mut(), 0, 0, stream);
-    let after = streamalloc_allocator::backend::cuda::registry::global().invalid_frees();
+    let after = streamalloc::registry::global().invalid_frees();
     assert_eq!(after - before, 2);
     ffi::streamalloc_record_stream(0x1000 as *mut c_void, stream);
 

@@ -58,12 +58,15 @@
 //! The real functions come from `dlsym(RTLD_NEXT, …)`, resolved once.
 //!
 //! ## Errors
-//! No panic crosses into C (every entry point is guarded). An allocation streamalloc
-//! cannot serve returns `cudaErrorMemoryAllocation` (2) with the engine's report on
-//! stderr; a null out-pointer or a failed free returns `cudaErrorInvalidValue` (1). If the
-//! device's allocator cannot be created at all (no driver, a bad `STREAMALLOC_CONF`), that
-//! is reported once on stderr and the calls pass through to the real runtime, so the
-//! program still runs, on CUDA's allocator.
+//! Every entry point runs through the C ABI's one guard (`streamalloc::ffi::error::call`):
+//! no panic crosses into C, and `streamalloc_last_error()` holds the reason for the last
+//! failure on the thread ("" after a success). An allocation streamalloc cannot serve
+//! returns `cudaErrorMemoryAllocation` (2) with the engine's report on stderr; a null
+//! out-pointer or a failed free returns `cudaErrorInvalidValue` (1). If the device's
+//! allocator cannot be created at all (no driver, a bad `STREAMALLOC_CONF`), or a panic
+//! inside it made it unusable (see `streamalloc::registry`), that is reported once on
+//! stderr and the calls pass through to the real runtime, so the program still runs, on
+//! CUDA's allocator (frees of blocks the unusable allocator handed out then fail).
 //!
 //! ## Limits
 //! - A statically linked runtime (`nvcc`'s default `-cudart static`) calls its own copy of
@@ -84,11 +87,16 @@
 #![warn(missing_docs, rust_2018_idioms)]
 
 use std::ffi::{c_int, c_void, CStr};
+use std::fmt::Display;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Once, OnceLock};
-use streamalloc::ffi::error::guard;
-use streamalloc_allocator::backend::cuda::registry::{self, CudaAllocator};
-use streamalloc_allocator::{AllocError, Backend, Config, DevicePtr, StreamId};
+use streamalloc::ffi::error;
+use streamalloc::registry::{self, CudaAllocator, Device};
+use streamalloc_allocator::backend::cuda::CudaBackend;
+use streamalloc_allocator::{Backend, Config, DevicePtr, StreamId};
+
+/// A device of the process's registry.
+type CudaDevice = Device<CudaBackend>;
 
 /// `cudaError_t`.
 pub type CudaError = c_int;
@@ -168,7 +176,7 @@ fn warn_once(flag: &AtomicBool, message: std::fmt::Arguments<'_>) {
 }
 
 extern "C" fn exit_hook() {
-    guard(0, streamalloc::process::at_exit);
+    error::call(0, || streamalloc::process::at_exit(registry::global()));
 }
 
 /// Registers the exit hook on the first call that reaches the engine (after the runtime
@@ -183,13 +191,13 @@ fn register_exit_hook() {
 
 // ---- Routing ----
 
-/// The current device's allocator, or the real runtime's error code. `Ok(None)`: the
-/// allocator cannot be created; the caller passes through.
-fn current_allocator() -> Result<Option<&'static CudaAllocator>, CudaError> {
+/// The current device, or the real runtime's error code. `Ok(None)`: its allocator
+/// cannot be created, or a panic made it unusable; the caller passes through.
+fn current_device() -> Result<Option<&'static CudaDevice>, CudaError> {
     let get_device = real_get_device().ok_or(CUDA_ERROR_INITIALIZATION)?;
-    let mut device: c_int = 0;
+    let mut ordinal: c_int = 0;
     // SAFETY: a valid out pointer for the real cudaGetDevice.
-    let code = unsafe { get_device(&mut device) };
+    let code = unsafe { get_device(&mut ordinal) };
     if code != CUDA_SUCCESS {
         return Err(code);
     }
@@ -203,28 +211,28 @@ fn current_allocator() -> Result<Option<&'static CudaAllocator>, CudaError> {
             ..Config::default()
         });
     });
-    match registry::global().device(device) {
-        Ok(allocator) => {
+    let device = registry::global().device(ordinal);
+    match device.as_ref().map(|device| device.poisoned()) {
+        Ok(None) => {
             register_exit_hook();
-            Ok(Some(allocator))
+            Ok(device.ok())
         }
-        Err(err) => {
+        Ok(Some(err)) | Err(err) => {
             warn_once(
                 &UNAVAILABLE,
-                format_args!("device {device}: {err}; using CUDA's own allocator"),
+                format_args!("device {ordinal}: {err}; using CUDA's own allocator"),
             );
             Ok(None)
         }
     }
 }
 
-/// The allocator that handed out `ptr`, if any.
-fn owner(ptr: *mut c_void) -> Option<&'static CudaAllocator> {
+/// The device whose allocator handed out `ptr`, if any.
+fn owner(ptr: *mut c_void) -> Option<&'static CudaDevice> {
     let ptr = DevicePtr(ptr as usize as u64);
     registry::global()
         .initialized()
-        .find(|(_, allocator)| allocator.owns(ptr))
-        .map(|(_, allocator)| allocator)
+        .find(|device| device.run(|allocator| allocator.owns(ptr)) == Ok(true))
 }
 
 /// Whether `stream` may be part of a graph being captured: the real
@@ -244,9 +252,21 @@ fn maybe_capturing(stream: *mut c_void) -> bool {
     code != CUDA_SUCCESS || status != 0
 }
 
-fn malloc_error(err: &AllocError) -> CudaError {
-    eprintln!("streamalloc preload: {err}");
-    CUDA_ERROR_MEMORY_ALLOCATION
+/// Reports a failure: the message on stderr and as the last error, and `code`.
+#[cold]
+fn failed(code: CudaError, message: impl Display) -> CudaError {
+    let message = format!("streamalloc preload: {message}");
+    eprintln!("{message}");
+    error::set(message);
+    code
+}
+
+/// Refuses a call with `cudaErrorInvalidValue`, the reason only in the last error (as the
+/// runtime, which prints nothing).
+#[cold]
+fn refused(message: &str) -> CudaError {
+    error::set(format_args!("streamalloc preload: {message}"));
+    CUDA_ERROR_INVALID_VALUE
 }
 
 /// Serves an allocation of `size` bytes for `stream` (`None`: `cudaMalloc`, usable from
@@ -258,35 +278,50 @@ unsafe fn allocate(
     dev_ptr: *mut *mut c_void,
     size: usize,
     stream: Option<*mut c_void>,
-    allocator: &CudaAllocator,
+    device: &CudaDevice,
 ) -> CudaError {
+    let served = device.run(|allocator| serve(allocator, size, stream));
+    match served {
+        Ok(Ok(ptr)) => {
+            // SAFETY: non-null and writable (see # Safety).
+            unsafe { dev_ptr.write(ptr as usize as *mut c_void) };
+            CUDA_SUCCESS
+        }
+        Ok(Err(message)) => failed(CUDA_ERROR_MEMORY_ALLOCATION, message),
+        Err(err) => failed(CUDA_ERROR_MEMORY_ALLOCATION, err),
+    }
+}
+
+/// A block of `size` bytes for `stream` (see [`allocate`]).
+fn serve(
+    allocator: &CudaAllocator,
+    size: usize,
+    stream: Option<*mut c_void>,
+) -> Result<u64, String> {
     let tag = StreamId(stream.map_or(0, |s| s as usize as u64));
     let waits_before = stream
         .is_none()
         .then(|| allocator.stats().cross_stream_waits);
-    match allocator.malloc(size as u64, tag) {
-        Ok(block) => {
-            if let Some(before) = waits_before {
-                if allocator.stats().cross_stream_waits != before {
-                    // Reuse was ordered on the device behind another stream's work; a
-                    // cudaMalloc caller may use the block on any stream right away.
-                    if let Err(err) = allocator.backend().synchronize_device() {
-                        eprintln!("streamalloc preload: synchronising before reuse: {err}");
-                        let _ = allocator.free(block.ptr);
-                        return CUDA_ERROR_MEMORY_ALLOCATION;
-                    }
-                }
+    let block = allocator
+        .malloc(size as u64, tag)
+        .map_err(|err| err.to_string())?;
+    if let Some(before) = waits_before {
+        if allocator.stats().cross_stream_waits != before {
+            // Reuse was ordered on the device behind another stream's work; a cudaMalloc
+            // caller may use the block on any stream right away.
+            if let Err(err) = allocator.backend().synchronize_device() {
+                let _ = allocator.free(block.ptr);
+                return Err(format!("synchronising before reuse: {err}"));
             }
-            // SAFETY: non-null and writable (see # Safety).
-            unsafe { dev_ptr.write(block.ptr.0 as usize as *mut c_void) };
-            CUDA_SUCCESS
         }
-        Err(err) => malloc_error(&err),
     }
+    Ok(block.ptr.0)
 }
 
-fn free_failed(ptr: *mut c_void, err: &dyn std::fmt::Display) -> CudaError {
+fn free_failed(ptr: *mut c_void, err: &dyn Display) -> CudaError {
+    let message = format!("streamalloc preload: free of {ptr:p}: {err}");
     warn_once(&FAILED_FREE, format_args!("free of {ptr:p}: {err}"));
+    error::set(message);
     CUDA_ERROR_INVALID_VALUE
 }
 
@@ -298,20 +333,22 @@ fn free_failed(ptr: *mut c_void, err: &dyn std::fmt::Display) -> CudaError {
 /// As the CUDA runtime's: `dev_ptr` is null (rejected) or writable.
 #[no_mangle]
 pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> CudaError {
-    if dev_ptr.is_null() {
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    guard(CUDA_ERROR_MEMORY_ALLOCATION, || match current_allocator() {
-        Ok(Some(allocator)) if size > 0 => {
-            // SAFETY: checked non-null above; writable per the caller's contract.
-            unsafe { allocate(dev_ptr, size, None, allocator) }
+    error::call(CUDA_ERROR_MEMORY_ALLOCATION, || {
+        if dev_ptr.is_null() {
+            return refused("cudaMalloc: devPtr is null");
         }
-        Ok(_) => match real_malloc() {
-            // SAFETY: forwarding the caller's arguments unchanged.
-            Some(real) => unsafe { real(dev_ptr, size) },
-            None => CUDA_ERROR_INITIALIZATION,
-        },
-        Err(code) => code,
+        match current_device() {
+            Ok(Some(device)) if size > 0 => {
+                // SAFETY: checked non-null above; writable per the caller's contract.
+                unsafe { allocate(dev_ptr, size, None, device) }
+            }
+            Ok(_) => match real_malloc() {
+                // SAFETY: forwarding the caller's arguments unchanged.
+                Some(real) => unsafe { real(dev_ptr, size) },
+                None => CUDA_ERROR_INITIALIZATION,
+            },
+            Err(code) => code,
+        }
     })
 }
 
@@ -328,21 +365,23 @@ pub unsafe extern "C" fn cudaMallocAsync(
     size: usize,
     stream: *mut c_void,
 ) -> CudaError {
-    if dev_ptr.is_null() {
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    guard(CUDA_ERROR_MEMORY_ALLOCATION, || match current_allocator() {
-        Ok(Some(allocator)) if size > 0 && !maybe_capturing(stream) => {
-            // SAFETY: checked non-null above; writable per the caller's contract.
-            unsafe { allocate(dev_ptr, size, Some(stream), allocator) }
+    error::call(CUDA_ERROR_MEMORY_ALLOCATION, || {
+        if dev_ptr.is_null() {
+            return refused("cudaMallocAsync: devPtr is null");
         }
-        // Captured streams get a graph allocation from the real runtime.
-        Ok(_) => match real_malloc_async() {
-            // SAFETY: forwarding the caller's arguments unchanged.
-            Some(real) => unsafe { real(dev_ptr, size, stream) },
-            None => CUDA_ERROR_INITIALIZATION,
-        },
-        Err(code) => code,
+        match current_device() {
+            Ok(Some(device)) if size > 0 && !maybe_capturing(stream) => {
+                // SAFETY: checked non-null above; writable per the caller's contract.
+                unsafe { allocate(dev_ptr, size, Some(stream), device) }
+            }
+            // Captured streams get a graph allocation from the real runtime.
+            Ok(_) => match real_malloc_async() {
+                // SAFETY: forwarding the caller's arguments unchanged.
+                Some(real) => unsafe { real(dev_ptr, size, stream) },
+                None => CUDA_ERROR_INITIALIZATION,
+            },
+            Err(code) => code,
+        }
     })
 }
 
@@ -353,20 +392,27 @@ pub unsafe extern "C" fn cudaMallocAsync(
 /// As the CUDA runtime's.
 #[no_mangle]
 pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> CudaError {
-    guard(CUDA_ERROR_INVALID_VALUE, || {
+    error::call(CUDA_ERROR_INVALID_VALUE, || {
         let ours = if ptr.is_null() { None } else { owner(ptr) };
-        let Some(allocator) = ours else {
+        let Some(device) = ours else {
             return match real_free() {
                 // SAFETY: forwarding the caller's pointer, which is not ours.
                 Some(real) => unsafe { real(ptr) },
                 None => CUDA_ERROR_INITIALIZATION,
             };
         };
-        if let Err(err) = allocator.backend().synchronize_device() {
-            return free_failed(ptr, &err);
-        }
-        match allocator.free(DevicePtr(ptr as usize as u64)) {
-            Ok(()) => CUDA_SUCCESS,
+        let freed = device.run(|allocator| {
+            allocator
+                .backend()
+                .synchronize_device()
+                .map_err(|err| err.to_string())?;
+            allocator
+                .free(DevicePtr(ptr as usize as u64))
+                .map_err(|err| err.to_string())
+        });
+        match freed {
+            Ok(Ok(())) => CUDA_SUCCESS,
+            Ok(Err(message)) => free_failed(ptr, &message),
             Err(err) => free_failed(ptr, &err),
         }
     })
@@ -380,9 +426,9 @@ pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> CudaError {
 /// As the CUDA runtime's.
 #[no_mangle]
 pub unsafe extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: *mut c_void) -> CudaError {
-    guard(CUDA_ERROR_INVALID_VALUE, || {
+    error::call(CUDA_ERROR_INVALID_VALUE, || {
         let ours = if ptr.is_null() { None } else { owner(ptr) };
-        let Some(allocator) = ours else {
+        let Some(device) = ours else {
             return match real_free_async() {
                 // SAFETY: forwarding the caller's arguments; the pointer is not ours.
                 Some(real) => unsafe { real(ptr, stream) },
@@ -393,20 +439,22 @@ pub unsafe extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: *mut c_void) ->
             // The free would happen at each replay, which our pool cannot follow; CUDA
             // itself frees only graph allocations inside a graph. The block stays ours
             // and allocated, so nothing can reuse it under the graph.
-            warn_once(
-                &FREE_IN_CAPTURE,
-                format_args!(
-                    "cudaFreeAsync({ptr:p}) on a stream being captured: the block was not allocated in the graph; refused (free it outside the capture)"
-                ),
+            let message = format!(
+                "cudaFreeAsync({ptr:p}) on a stream being captured: the block was not allocated in the graph; refused (free it outside the capture)"
             );
+            warn_once(&FREE_IN_CAPTURE, format_args!("{message}"));
+            error::set(message);
             return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
         }
         let block = DevicePtr(ptr as usize as u64);
-        let freed = allocator
-            .record_use(block, StreamId(stream as usize as u64))
-            .and_then(|()| allocator.free(block));
+        let freed = device.run(|allocator| {
+            allocator
+                .record_use(block, StreamId(stream as usize as u64))
+                .and_then(|()| allocator.free(block))
+        });
         match freed {
-            Ok(()) => CUDA_SUCCESS,
+            Ok(Ok(())) => CUDA_SUCCESS,
+            Ok(Err(err)) => free_failed(ptr, &err),
             Err(err) => free_failed(ptr, &err),
         }
     })
@@ -416,5 +464,5 @@ pub unsafe extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: *mut c_void) ->
 /// `dlsym(RTLD_DEFAULT, "streamalloc_preload_active")` that the interposer is loaded.
 #[no_mangle]
 pub extern "C" fn streamalloc_preload_active() -> c_int {
-    1
+    error::call(1, || 1)
 }

@@ -47,8 +47,11 @@ int cudaMallocAsync(void**, size_t, void*); int cudaFreeAsync(void*, void*);
 int main(void) {
     int failures = 0;
     printf("preload active: %s\n", dlsym(RTLD_DEFAULT, "streamalloc_preload_active") ? "yes" : "no");
-    if (cudaFree(NULL) != 0) failures++;
+    const char* (*last_error)(void) = (const char* (*)(void))dlsym(RTLD_DEFAULT, "streamalloc_last_error");
     if (cudaMalloc(NULL, 8) != 1) failures++;
+    if (last_error) printf("last error after cudaMalloc(NULL, 8): %s\n", last_error());
+    if (cudaFree(NULL) != 0) failures++;
+    if (last_error && last_error()[0] != 0) failures++;
     for (int i = 0; i < 10; i++) {
         char* p = NULL;
         if (cudaMalloc((void**)&p, 4096) != 0 || !p) { failures++; continue; }
@@ -143,6 +146,14 @@ fn calls_reach_the_real_runtime_when_no_gpu_is_there() {
     assert!(out.status.success(), "stdout: {stdout}\nstderr: {stderr}");
     assert!(stdout.contains("preload active: yes"), "{stdout}");
     assert!(stdout.contains("failures=0"), "{stdout}");
+    // The interposed functions share the library's last-error slot: set by the refusal,
+    // cleared by the next call, which succeeded.
+    assert!(
+        stdout.contains(
+            "last error after cudaMalloc(NULL, 8): streamalloc preload: cudaMalloc: devPtr is null"
+        ),
+        "{stdout}"
+    );
     // Every call reached the runtime, arguments intact (the data check passed); the
     // zero-argument ones (cudaMalloc(NULL, 8)) never did.
     assert!(

@@ -46,7 +46,7 @@ from . import _ce
 __all__ = ["exchange", "Exchange", "P2PError"]
 
 _MAGIC = 0x5350_3250  # "SP2P", as in plan.rs
-_ROW = 9  # columns of a plan row (src/ffi_p2p.rs)
+_ROW = 9  # columns of a plan row (src/ffi/p2p.rs)
 _DTYPE_NAMES = [
     "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64",
     "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32",

@@ -29,7 +29,7 @@ use streamalloc::ffi::{
     self, streamalloc_empty_cache, streamalloc_free, streamalloc_last_error, streamalloc_malloc,
     streamalloc_record_stream, streamalloc_set_memory_fraction, StreamallocStats,
 };
-use streamalloc_allocator::backend::cuda::registry::{self, CudaAllocator};
+use streamalloc::registry::{self, CudaAllocator};
 use streamalloc_allocator::backend::cuda::{driver, sys, CudaBackend};
 use streamalloc_allocator::{AllocError, Allocator, Config, StreamId};
 
@@ -47,7 +47,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let allocator = match registry::global().device(DEVICE) {
-        Ok(allocator) => allocator,
+        Ok(device) => device.allocator(),
         Err(err) => {
             println!("SKIP: no usable CUDA device: {err}");
             return ExitCode::SUCCESS;
@@ -75,7 +75,7 @@ fn main() -> ExitCode {
     }
     println!(
         "stats: {}",
-        ffi::stats::stats_json(DEVICE).unwrap_or_default()
+        ffi::stats::stats_json_text(registry::global(), DEVICE).unwrap_or_default()
     );
     if failed == 0 {
         ExitCode::SUCCESS

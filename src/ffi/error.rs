@@ -1,10 +1,15 @@
-//! Errors across the C ABI: a thread-local last-error string, panic containment, and
-//! warnings printed once per kind.
+//! The one guard and the one last-error slot of every C export: the C ABI of
+//! `libstreamalloc.so` (allocation, pools, stats, IPC, the p2p planner, the exit hooks) and
+//! the LD_PRELOAD interposer's CUDA functions. Also panic containment and warnings printed
+//! once per kind.
 //!
-//! C callers see failures as a null pointer or a negative return code; the message is
-//! then read with `streamalloc_last_error()`. Every call clears it on entry, so after a call
-//! that succeeded it reads "" and never a stale message from an earlier failure.
+//! C callers see failures as a null pointer, a negative return code or (the interposer) a
+//! CUDA error code; the message is then read with `streamalloc_last_error()`. Every export
+//! runs its body through [`call`], which clears the slot on entry, so after a call that
+//! succeeded it reads "" and never a stale message from an earlier failure, and which turns
+//! a panic into the call's failure value: no panic unwinds into C.
 
+use std::any::Any;
 use std::cell::RefCell;
 use std::ffi::{c_char, CString};
 use std::fmt::Display;
@@ -53,28 +58,39 @@ pub fn last_string() -> String {
         .unwrap_or_default()
 }
 
-/// Runs `body`, turning a panic into `fallback` plus a last error: no panic may unwind
-/// into C.
+/// One C call: clears this thread's last error, then runs `body`, which sets it on
+/// failure. A panic becomes `on_panic` plus a last error naming it: no panic may unwind
+/// into C. (A panic inside a device's allocator is caught closer, by the registry, which
+/// also makes that device unusable.)
 #[inline]
-pub fn guard<T>(fallback: T, body: impl FnOnce() -> T) -> T {
+pub fn call<T>(on_panic: T, body: impl FnOnce() -> T) -> T {
+    clear();
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(value) => value,
         Err(payload) => {
-            let what = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_string());
-            set(format_args!("streamalloc internal error (panic): {what}"));
-            fallback
+            set(format_args!(
+                "streamalloc internal error (panic): {}",
+                panic_message(payload.as_ref())
+            ));
+            on_panic
         }
     }
+}
+
+/// The message a panic was raised with.
+#[cold]
+pub fn panic_message(payload: &(dyn Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_string())
 }
 
 /// Kinds of misuse reported once per process, then only counted.
 #[derive(Clone, Copy, Debug)]
 pub enum Once {
-    /// A device's allocator could not be created.
+    /// A device's allocator could not be created, or a panic made it unusable.
     Unavailable = 0,
     /// `free` of a pointer no allocator handed out, or already freed.
     InvalidFree = 1,

@@ -37,10 +37,10 @@
 //! Decoding never trusts the handle: lengths, counts and sizes are checked (against the
 //! bytes actually present) before anything is allocated or imported.
 
-use super::error::{self, guard};
+use super::{error, fail, on_device};
+use crate::registry::{self, CudaAllocator};
 use std::ffi::{c_int, c_void};
 use streamalloc_allocator::backend::cuda::ipc::{ExportedMapping, ForeignMapping, IpcError};
-use streamalloc_allocator::backend::cuda::registry::{self, CudaAllocator};
 use streamalloc_allocator::DevicePtr;
 
 /// The version byte PyTorch 2.x writes and accepts.
@@ -214,10 +214,14 @@ fn array<const N: usize>(bytes: &[u8]) -> [u8; N] {
 
 // ---- the C ABI ------------------------------------------------------------------------
 
-/// The allocator owning the live allocation at `ptr`, its device, and the allocation's
-/// first byte and size, if it lies in an expandable segment.
-fn expandable_block(ptr: u64) -> Result<(i32, &'static CudaAllocator, u64, u64), String> {
-    let Some((ordinal, allocator, site)) = super::pools::allocation_owner(ptr) else {
+/// Runs `body` on the allocator owning the live allocation at `ptr`, which must lie in an
+/// expandable segment, with the device, the allocation's first byte and its size.
+fn on_expandable_block<T>(
+    ptr: u64,
+    body: impl FnOnce(i32, &CudaAllocator, u64, u64) -> Result<T, String>,
+) -> Result<T, String> {
+    let registry = registry::global();
+    let Some((device, site)) = super::pools::allocation_owner(registry, ptr) else {
         return Err(format!("{ptr:#x} is not a live allocation of streamalloc"));
     };
     if !site.expandable {
@@ -225,17 +229,21 @@ fn expandable_block(ptr: u64) -> Result<(i32, &'static CudaAllocator, u64, u64),
             "{ptr:#x} lies in a whole segment, which is shared with cudaIpcGetMemHandle"
         ));
     }
-    Ok((ordinal, allocator, ptr, site.size))
+    let ordinal = device.ordinal();
+    on_device(registry, ordinal, |allocator| {
+        body(ordinal, allocator, ptr, site.size)
+    })
 }
 
 fn export(ptr: u64) -> Result<(Vec<u8>, u64), String> {
-    let (ordinal, allocator, start, size) = expandable_block(ptr)?;
-    let mappings = allocator
-        .backend()
-        .ipc_export(DevicePtr(start), size)
-        .map_err(|err| format!("device {ordinal}: {err}"))?;
-    let first = mappings.first().map_or(start, |m| m.address);
-    Ok((encode(std::process::id() as i32, &mappings), ptr - first))
+    on_expandable_block(ptr, |ordinal, allocator, start, size| {
+        let mappings = allocator
+            .backend()
+            .ipc_export(DevicePtr(start), size)
+            .map_err(|err| format!("device {ordinal}: {err}"))?;
+        let first = mappings.first().map_or(start, |m| m.address);
+        Ok((encode(std::process::id() as i32, &mappings), ptr - first))
+    })
 }
 
 /// Writes the IPC handle of the live allocation at `ptr`, which lies in an expandable
@@ -254,11 +262,7 @@ pub unsafe extern "C" fn streamalloc_ipc_export(
     capacity: usize,
     offset: *mut u64,
 ) -> i64 {
-    error::clear();
-    let result = guard(Err("panic while exporting".to_string()), || {
-        export(ptr as usize as u64)
-    });
-    match result {
+    error::call(-1, || match export(ptr as usize as u64) {
         Ok((handle, off)) => {
             if handle.len() <= capacity && !out.is_null() {
                 // SAFETY: `out` is writable for `capacity` >= `handle.len()` bytes (see
@@ -271,23 +275,19 @@ pub unsafe extern "C" fn streamalloc_ipc_export(
             }
             handle.len() as i64
         }
-        Err(message) => {
-            error::set(format_args!("streamalloc_ipc_export: {message}"));
-            -1
-        }
-    }
+        Err(message) => fail(-1, format_args!("streamalloc_ipc_export: {message}")),
+    })
 }
 
 fn open(handle: &[u8], device: c_int) -> Result<u64, String> {
     let shared = decode(handle).map_err(|err| err.to_string())?;
-    let allocator = registry::global()
-        .device(device)
-        .map_err(|err| format!("device {device}: {err}"))?;
-    allocator
-        .backend()
-        .ipc_import(shared.pid, &shared.mappings)
-        .map(|ptr| ptr.0)
-        .map_err(|err: IpcError| format!("device {device}: {err}"))
+    on_device(registry::global(), device, |allocator| {
+        allocator
+            .backend()
+            .ipc_import(shared.pid, &shared.mappings)
+            .map(|ptr| ptr.0)
+            .map_err(|err: IpcError| format!("device {device}: {err}"))
+    })
 }
 
 /// Opens an expandable-segment IPC handle (PyTorch's `'e'` or ours) of another process
@@ -302,49 +302,47 @@ pub unsafe extern "C" fn streamalloc_ipc_open(
     len: usize,
     device: c_int,
 ) -> *mut c_void {
-    error::clear();
-    if handle.is_null() {
-        error::set("streamalloc_ipc_open: handle is null");
-        return std::ptr::null_mut();
-    }
-    // SAFETY: readable for `len` bytes (see # Safety).
-    let bytes = unsafe { std::slice::from_raw_parts(handle, len) };
-    match guard(Err("panic while opening".to_string()), || {
-        open(bytes, device)
-    }) {
-        Ok(ptr) => ptr as usize as *mut c_void,
-        Err(message) => {
-            error::set(format_args!("streamalloc_ipc_open: {message}"));
-            std::ptr::null_mut()
+    error::call(std::ptr::null_mut(), || {
+        if handle.is_null() {
+            return fail(std::ptr::null_mut(), "streamalloc_ipc_open: handle is null");
         }
-    }
+        // SAFETY: readable for `len` bytes (see # Safety).
+        let bytes = unsafe { std::slice::from_raw_parts(handle, len) };
+        match open(bytes, device) {
+            Ok(ptr) => ptr as usize as *mut c_void,
+            Err(message) => fail(
+                std::ptr::null_mut(),
+                format_args!("streamalloc_ipc_open: {message}"),
+            ),
+        }
+    })
 }
 
 /// Closes what `streamalloc_ipc_open` returned: synchronises its device, unmaps and
 /// releases the memory. 0, or -1 (not an open handle, or a driver error).
 #[no_mangle]
 pub extern "C" fn streamalloc_ipc_close(base: *mut c_void) -> c_int {
-    error::clear();
     let ptr = DevicePtr(base as usize as u64);
-    let result = guard(Err("panic while closing".to_string()), || {
-        let owner = registry::global()
-            .initialized()
-            .find(|(_, allocator)| allocator.backend().ipc_import_size(ptr).is_some());
-        match owner {
-            Some((ordinal, allocator)) => allocator
-                .backend()
-                .ipc_close(ptr)
-                .map_err(|err| format!("device {ordinal}: {err}")),
+    error::call(-1, || {
+        let owner = registry::global().initialized().find(|device| {
+            device
+                .run(|allocator| allocator.backend().ipc_import_size(ptr).is_some())
+                .unwrap_or(false)
+        });
+        let closed = match owner {
+            Some(device) => on_device(registry::global(), device.ordinal(), |allocator| {
+                allocator
+                    .backend()
+                    .ipc_close(ptr)
+                    .map_err(|err| format!("device {}: {err}", device.ordinal()))
+            }),
             None => Err(format!("{base:p} is not an open IPC handle")),
+        };
+        match closed {
+            Ok(()) => 0,
+            Err(message) => fail(-1, format_args!("streamalloc_ipc_close: {message}")),
         }
-    });
-    match result {
-        Ok(()) => 0,
-        Err(message) => {
-            error::set(format_args!("streamalloc_ipc_close: {message}"));
-            -1
-        }
-    }
+    })
 }
 
 #[cfg(test)]

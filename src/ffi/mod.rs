@@ -1,9 +1,13 @@
 //! The C ABI of `libstreamalloc.so`: PyTorch's pluggable-allocator hooks and a small C API.
 //!
-//! Every function delegates to the process-wide [`registry`] (one engine per device, see
-//! `streamalloc_allocator::backend::cuda::registry`) and contains every panic
-//! ([`error::guard`]). Failures are a null pointer or a negative return code, with the
-//! message in `streamalloc_last_error()`.
+//! Each export `streamalloc_X(args)` is a thin wrapper: `X(registry::global(), args)`, where
+//! `X` is generic over the registry's backend. So the very code C reaches runs on
+//! simulated devices too (`Registry::simulated`): the misuse tests and the `c_abi` fuzz
+//! target drive it there. Every call goes through [`error::call`] (the last error cleared
+//! on entry, no panic across the boundary) and every engine call through the registry's
+//! `Device::run` (a panic inside makes that device unusable, see [`crate::registry`]).
+//! Failures are a null pointer or a negative return code, with the message in
+//! `streamalloc_last_error()`.
 //!
 //! ```c
 //! void* streamalloc_malloc(size_t size, int device, cudaStream_t stream);
@@ -19,7 +23,9 @@
 //! const char* streamalloc_last_error(void);
 //! ```
 //!
-//! CUDA IPC of expandable-segment memory (`streamalloc_ipc_*`) is in [`ipc`].
+//! Memory pools and introspection are in [`pools`], counters in [`stats`], CUDA IPC of
+//! expandable-segment memory (`streamalloc_ipc_*`, CUDA only) in [`ipc`], the p2p planner
+//! in [`p2p`], the structs shared with C in [`layout`].
 //!
 //! The first four are exactly the function types PyTorch's `CUDAPluggableAllocator`
 //! stores (`malloc`, `free`, `set_record_stream_fn`, `set_reset_fn`,
@@ -27,23 +33,28 @@
 //!
 //! # Misuse
 //! Freeing a pointer streamalloc did not hand out (or already freed) is reported on stderr
-//! once and counted (`invalid_frees`); naming the wrong device is served on the right one
-//! and reported once. Neither ever crashes or touches memory.
+//! once and counted (`invalid_frees`); naming the wrong device is served on the right one,
+//! reported once and not counted. Neither ever crashes or touches memory.
 //!
 //! # Cost
-//! `malloc`/`free` do one registry lookup (an array index and an atomic load), then the
-//! engine's fast path; nothing allocates or formats unless something fails.
+//! `malloc`/`free` do one registry lookup (an array index and an atomic load, then the
+//! device's poison flag), then the engine's fast path; nothing allocates or formats
+//! unless something fails.
 
 pub mod error;
 pub mod ipc;
+pub mod layout;
+pub mod p2p;
 pub mod pools;
 pub mod stats;
+pub mod testing;
 
-use self::error::{guard, warn_once, Once};
+use self::error::{warn_once, Once};
+use crate::registry::{self, CallError, Freed, Registry, RegistryError};
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::fmt::Display;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use streamalloc_allocator::backend::cuda::registry::{self, Freed, RegistryError};
-use streamalloc_allocator::{AllocError, DevicePtr, StreamId};
+use streamalloc_allocator::{AllocError, Allocator, Backend, DevicePtr, StreamId};
 
 pub use self::stats::StreamallocStats;
 
@@ -52,14 +63,68 @@ fn stream_id(stream: *mut c_void) -> StreamId {
     StreamId(stream as usize as u64)
 }
 
+/// What a C caller reads when `device` cannot serve a call.
+#[cold]
+#[inline(never)]
+pub(crate) fn unavailable_message(device: c_int, err: &RegistryError) -> String {
+    match err {
+        RegistryError::Poisoned { .. } => format!("streamalloc: {err}"),
+        _ => format!("streamalloc: device {device}: {err}"),
+    }
+}
+
+/// Sets `message` as the last error and returns `fallback`.
+#[cold]
+pub(crate) fn fail<T>(fallback: T, message: impl Display) -> T {
+    error::set(message);
+    fallback
+}
+
+/// Runs `body` on `device`'s allocator (created on first use) through `Device::run`; an
+/// unavailable or poisoned device becomes its message.
+#[inline]
+pub(crate) fn on_device<B: Backend, T>(
+    registry: &Registry<B>,
+    device: c_int,
+    body: impl FnOnce(&Allocator<B>) -> Result<T, String>,
+) -> Result<T, String> {
+    registry
+        .device(device)
+        .and_then(|d| d.run(body))
+        .map_err(|err| unavailable_message(device, &err))?
+}
+
+/// One C call on `device` ([`error::call`] around [`on_device`]): an `Err` becomes
+/// `fallback` plus the message.
+#[inline]
+pub(crate) fn device_call<B: Backend, T: Copy>(
+    registry: &Registry<B>,
+    device: c_int,
+    fallback: T,
+    body: impl FnOnce(&Allocator<B>) -> Result<T, String>,
+) -> T {
+    error::call(fallback, || {
+        on_device(registry, device, body).unwrap_or_else(|message| fail(fallback, message))
+    })
+}
+
+/// The engine's error on `device`, as a C caller reads it.
+#[cold]
+pub(crate) fn engine_message(device: c_int, err: AllocError) -> String {
+    format!("streamalloc: device {device}: {err}")
+}
+
 #[cold]
 #[inline(never)]
 fn unavailable(device: c_int, err: &RegistryError) {
-    error::set(format_args!("streamalloc: device {device}: {err}"));
-    warn_once(
-        Once::Unavailable,
-        format_args!("device {device} unavailable: {err}"),
-    );
+    match err {
+        RegistryError::Poisoned { .. } => warn_once(Once::Unavailable, err),
+        _ => warn_once(
+            Once::Unavailable,
+            format_args!("device {device} unavailable: {err}"),
+        ),
+    }
+    error::set(unavailable_message(device, err));
 }
 
 #[cold]
@@ -93,8 +158,9 @@ static THROWER: AtomicUsize = AtomicUsize::new(0);
 /// foreign (e.g. C++) exception or returns; it is called from the allocating thread.
 #[no_mangle]
 pub unsafe extern "C" fn streamalloc_set_error_thrower(thrower: Option<ErrorThrower>) {
-    error::clear();
-    THROWER.store(thrower.map_or(0, |f| f as usize), Ordering::Release);
+    error::call((), || {
+        THROWER.store(thrower.map_or(0, |f| f as usize), Ordering::Release);
+    })
 }
 
 /// Hands this thread's last error to the registered thrower, if any.
@@ -131,62 +197,79 @@ pub extern "C-unwind" fn streamalloc_malloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    error::clear();
-    if size == 0 {
-        return std::ptr::null_mut();
-    }
-    let ptr = if pools::routing() {
-        malloc_routed(size, device, stream)
-    } else {
-        malloc_guarded(size, device, stream)
-    };
-    if ptr.is_null() {
+    let ptr = malloc(registry::global(), size, device, stream);
+    if ptr.is_null() && size != 0 {
+        // Outside the guard: the thrower unwinds with a foreign exception.
         throw_last_error();
     }
     ptr
 }
 
+/// [`streamalloc_malloc`] on `registry`, without the thrower.
+#[inline]
+pub fn malloc<B: Backend>(
+    registry: &Registry<B>,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    error::call(std::ptr::null_mut(), || {
+        if size == 0 {
+            std::ptr::null_mut()
+        } else if pools::routing(registry) {
+            malloc_routed(registry, size, device, stream)
+        } else {
+            malloc_unrouted(registry, size, device, stream)
+        }
+    })
+}
+
 /// A request while the pluggable door allocates to a pool: to that pool if the routing
 /// rule says so (see [`pools`]), else as usual.
 #[cold]
-fn malloc_routed(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    let route = guard(Err("panic while routing".to_string()), || {
-        pools::routed_pool(device, stream_id(stream))
-    });
-    match route {
+fn malloc_routed<B: Backend>(
+    registry: &Registry<B>,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    match pools::routed_pool(registry, device, stream_id(stream)) {
         Ok(Some(pool)) => {
-            let ptr = pools::streamalloc_malloc_in_pool(size, device, stream, pool.0, pool.1);
+            let ptr = pools::malloc_in_pool(registry, size, device, stream, pool.0, pool.1);
             if ptr.is_null() {
                 eprintln!("{}", error::last_string());
             }
             ptr
         }
-        Ok(None) => malloc_guarded(size, device, stream),
+        Ok(None) => malloc_unrouted(registry, size, device, stream),
         Err(message) => {
-            error::set(&message);
             eprintln!("{message}");
-            std::ptr::null_mut()
+            fail(std::ptr::null_mut(), message)
         }
     }
 }
 
 #[inline]
-fn malloc_guarded(size: usize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    guard(std::ptr::null_mut(), || {
-        match registry::global().device(device) {
-            Ok(allocator) => match allocator.malloc(size as u64, stream_id(stream)) {
-                Ok(block) => block.ptr.0 as usize as *mut c_void,
-                Err(err) => {
-                    malloc_failed(device, &err);
-                    std::ptr::null_mut()
-                }
-            },
-            Err(err) => {
-                unavailable(device, err);
-                std::ptr::null_mut()
-            }
+fn malloc_unrouted<B: Backend>(
+    registry: &Registry<B>,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    let served = registry
+        .device(device)
+        .and_then(|d| d.run(|allocator| allocator.malloc(size as u64, stream_id(stream))));
+    match served {
+        Ok(Ok(block)) => block.ptr.0 as usize as *mut c_void,
+        Ok(Err(err)) => {
+            malloc_failed(device, &err);
+            std::ptr::null_mut()
         }
-    })
+        Err(err) => {
+            unavailable(device, &err);
+            std::ptr::null_mut()
+        }
+    }
 }
 
 /// Returns `ptr` (PyTorch's pluggable `free`). `size` and `stream` are ignored: the
@@ -195,27 +278,39 @@ fn malloc_guarded(size: usize, device: c_int, stream: *mut c_void) -> *mut c_voi
 #[no_mangle]
 pub extern "C" fn streamalloc_free(
     ptr: *mut c_void,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) {
+    free(registry::global(), ptr, size, device, stream)
+}
+
+/// [`streamalloc_free`] on `registry`.
+#[inline]
+pub fn free<B: Backend>(
+    registry: &Registry<B>,
+    ptr: *mut c_void,
     _size: usize,
     device: c_int,
     _stream: *mut c_void,
 ) {
-    error::clear();
-    if ptr.is_null() {
-        return;
-    }
-    guard((), || {
-        match registry::global().free(DevicePtr(ptr as usize as u64), device) {
+    error::call((), || {
+        if ptr.is_null() {
+            return;
+        }
+        match registry.free(DevicePtr(ptr as usize as u64), device) {
             Ok(Freed::Here) => {}
             Ok(Freed::OnDevice(_)) if device < 0 => {}
             Ok(Freed::OnDevice(owner)) => warn_once(
                 Once::WrongDevice,
                 format_args!("free of {ptr:p} named device {device}, but it belongs to device {owner}; freed there"),
             ),
-            Err(err @ AllocError::UnknownPointer(_)) => {
+            Err(CallError::Engine(err @ AllocError::UnknownPointer(_))) => {
                 error::set(&err);
                 warn_once(Once::InvalidFree, format_args!("free on device {device}: {err}"));
             }
-            Err(err) => {
+            Err(CallError::Unavailable(err)) => unavailable(device, &err),
+            Err(CallError::Engine(err)) => {
                 error::set(&err);
                 eprintln!("streamalloc: free of {ptr:p} on device {device}: {err}");
             }
@@ -227,14 +322,16 @@ pub extern "C" fn streamalloc_free(
 /// will be ordered after the work `stream` has queued by then.
 #[no_mangle]
 pub extern "C" fn streamalloc_record_stream(ptr: *mut c_void, stream: *mut c_void) {
-    error::clear();
-    if ptr.is_null() {
-        return;
-    }
-    guard((), || {
-        if let Err(err) =
-            registry::global().record_use(DevicePtr(ptr as usize as u64), stream_id(stream))
-        {
+    record_stream(registry::global(), ptr, stream)
+}
+
+/// [`streamalloc_record_stream`] on `registry`.
+pub fn record_stream<B: Backend>(registry: &Registry<B>, ptr: *mut c_void, stream: *mut c_void) {
+    error::call((), || {
+        if ptr.is_null() {
+            return;
+        }
+        if let Err(err) = registry.record_use(DevicePtr(ptr as usize as u64), stream_id(stream)) {
             error::set(&err);
             warn_once(
                 Once::UnknownRecordStream,
@@ -248,14 +345,23 @@ pub extern "C" fn streamalloc_record_stream(ptr: *mut c_void, stream: *mut c_voi
 /// (PyTorch's `empty_cache`).
 #[no_mangle]
 pub extern "C" fn streamalloc_empty_cache() {
-    error::clear();
-    guard((), || {
-        for (device, allocator) in registry::global().initialized() {
-            if let Err(err) = allocator.empty_cache() {
-                error::set(format_args!(
-                    "streamalloc: empty_cache on device {device}: {err}"
-                ));
-                eprintln!("streamalloc: empty_cache on device {device}: {err}");
+    empty_cache(registry::global())
+}
+
+/// [`streamalloc_empty_cache`] on `registry`.
+pub fn empty_cache<B: Backend>(registry: &Registry<B>) {
+    error::call((), || {
+        for device in registry.initialized() {
+            let ordinal = device.ordinal();
+            match device.run(|allocator| allocator.empty_cache()) {
+                Ok(Ok(_)) => {}
+                Ok(Err(err)) => {
+                    error::set(format_args!(
+                        "streamalloc: empty_cache on device {ordinal}: {err}"
+                    ));
+                    eprintln!("streamalloc: empty_cache on device {ordinal}: {err}");
+                }
+                Err(err) => unavailable(ordinal, &err),
             }
         }
     })
@@ -265,48 +371,48 @@ pub extern "C" fn streamalloc_empty_cache() {
 /// `set_per_process_memory_fraction`). A fraction outside (0, 1] is refused.
 #[no_mangle]
 pub extern "C" fn streamalloc_set_memory_fraction(fraction: f64, device: c_int) {
-    error::clear();
-    guard((), || {
-        if let Err(message) = set_memory_fraction(fraction, device) {
-            error::set(&message);
-            eprintln!("{message}");
-        }
-    })
+    set_memory_fraction(registry::global(), fraction, device)
 }
 
-fn set_memory_fraction(fraction: f64, device: c_int) -> Result<(), String> {
-    if !(fraction > 0.0 && fraction <= 1.0) {
-        return Err(format!(
-            "streamalloc: memory fraction {fraction} is not in (0, 1]"
-        ));
-    }
-    let allocator = registry::global()
-        .device(device)
-        .map_err(|err| format!("streamalloc: device {device}: {err}"))?;
-    use streamalloc_allocator::Backend;
-    let total = allocator
-        .backend()
-        .total_memory()
-        .map_err(|err| format!("streamalloc: {err}"))?;
-    allocator
-        .set_memory_limit(Some((total as f64 * fraction) as u64))
-        .map_err(|err| format!("streamalloc: set_memory_fraction on device {device}: {err}"))
+/// [`streamalloc_set_memory_fraction`] on `registry`.
+pub fn set_memory_fraction<B: Backend>(registry: &Registry<B>, fraction: f64, device: c_int) {
+    error::call((), || {
+        let set = if fraction > 0.0 && fraction <= 1.0 {
+            on_device(registry, device, |allocator| {
+                let total = allocator
+                    .backend()
+                    .total_memory()
+                    .map_err(|err| format!("streamalloc: {err}"))?;
+                allocator
+                    .set_memory_limit(Some((total as f64 * fraction) as u64))
+                    .map_err(|err| {
+                        format!("streamalloc: set_memory_fraction on device {device}: {err}")
+                    })
+            })
+        } else {
+            Err(format!(
+                "streamalloc: memory fraction {fraction} is not in (0, 1]"
+            ))
+        };
+        if let Err(message) = set {
+            eprintln!("{message}");
+            error::set(message);
+        }
+    })
 }
 
 /// Sets every peak counter of `device` to its current value. Returns 0, or -1 if the
 /// device is unavailable.
 #[no_mangle]
 pub extern "C" fn streamalloc_reset_peak_stats(device: c_int) -> c_int {
-    error::clear();
-    guard(-1, || match registry::global().device(device) {
-        Ok(allocator) => {
-            allocator.reset_peak_stats();
-            0
-        }
-        Err(err) => {
-            unavailable(device, err);
-            -1
-        }
+    reset_peak_stats(registry::global(), device)
+}
+
+/// [`streamalloc_reset_peak_stats`] on `registry`.
+pub fn reset_peak_stats<B: Backend>(registry: &Registry<B>, device: c_int) -> c_int {
+    device_call(registry, device, -1, |allocator| {
+        allocator.reset_peak_stats();
+        Ok(0)
     })
 }
 
@@ -317,33 +423,44 @@ pub extern "C" fn streamalloc_reset_peak_stats(device: c_int) -> c_int {
 /// `path` must be null or a NUL-terminated string valid for the call.
 #[no_mangle]
 pub unsafe extern "C" fn streamalloc_dump_snapshot(path: *const c_char, device: c_int) -> c_int {
-    error::clear();
-    if path.is_null() {
-        error::set("streamalloc_dump_snapshot: path is null");
-        return -1;
-    }
-    // SAFETY: the caller passes a valid NUL-terminated string (see # Safety).
-    let path = unsafe { CStr::from_ptr(path) }
-        .to_string_lossy()
-        .into_owned();
-    guard(-1, || match dump_snapshot(&path, device) {
-        Ok(()) => 0,
-        Err(message) => {
-            error::set(message);
-            -1
+    // SAFETY: forwarded from this function's # Safety.
+    unsafe { dump_snapshot(registry::global(), path, device) }
+}
+
+/// [`streamalloc_dump_snapshot`] on `registry`.
+///
+/// # Safety
+/// As [`streamalloc_dump_snapshot`].
+pub unsafe fn dump_snapshot<B: Backend>(
+    registry: &Registry<B>,
+    path: *const c_char,
+    device: c_int,
+) -> c_int {
+    error::call(-1, || {
+        if path.is_null() {
+            return fail(-1, "streamalloc_dump_snapshot: path is null");
+        }
+        // SAFETY: the caller passes a valid NUL-terminated string (see # Safety).
+        let path = unsafe { CStr::from_ptr(path) }
+            .to_string_lossy()
+            .into_owned();
+        let snapshot = match on_device(registry, device, |allocator| Ok(allocator.snapshot())) {
+            Ok(snapshot) => snapshot,
+            Err(message) => return fail(-1, message),
+        };
+        match write_json(&path, &snapshot) {
+            Ok(()) => 0,
+            Err(message) => fail(-1, message),
         }
     })
 }
 
-fn dump_snapshot(path: &str, device: c_int) -> Result<(), String> {
-    let allocator = registry::global()
-        .device(device)
-        .map_err(|err| format!("streamalloc: device {device}: {err}"))?;
-    let snapshot = allocator.snapshot();
+/// Writes `value` as JSON to the file `path`.
+pub(crate) fn write_json(path: &str, value: &impl serde::Serialize) -> Result<(), String> {
     let file = std::fs::File::create(path)
         .map_err(|err| format!("streamalloc: cannot create snapshot file {path}: {err}"))?;
     let mut writer = std::io::BufWriter::new(file);
-    serde_json::to_writer(&mut writer, &snapshot)
+    serde_json::to_writer(&mut writer, value)
         .map_err(|err| format!("streamalloc: writing snapshot {path}: {err}"))?;
     use std::io::Write;
     writer

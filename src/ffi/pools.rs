@@ -37,21 +37,20 @@
 //! wrongly kept out of a graph's pool costs data. The native door evaluates the real
 //! filters.
 
-use super::error::{self, guard};
+use super::layout::c_struct;
+use super::{device_call, engine_message, error, fail, on_device};
+use crate::registry::{self, Device, Registry};
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::thread::ThreadId;
-use streamalloc_allocator::backend::cuda::registry::{self, CudaAllocator};
 use streamalloc_allocator::snapshot::{BlockState, Snapshot};
-use streamalloc_allocator::{
-    AllocError, AllocationSite, Backend, DevicePtr, PoolBlock, PoolId, StreamId,
-};
+use streamalloc_allocator::{AllocationSite, Backend, DevicePtr, PoolBlock, PoolId, StreamId};
 
+c_struct! {
 /// `streamalloc_pool_block_t`: one live allocation of a pool checkpoint.
-#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocPoolBlock {
+pub struct StreamallocPoolBlock as "streamalloc_pool_block_t" {
     /// First byte.
     pub address: u64,
     /// Bytes reserved (rounded).
@@ -61,12 +60,13 @@ pub struct StreamallocPoolBlock {
     /// The `cudaStream_t` it belongs to.
     pub stream: u64,
 }
+}
 
+c_struct! {
 /// `streamalloc_segment_info_t`: one segment of a snapshot; an expandable segment
 /// appears as one of these per run of mapped pages.
-#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocSegmentInfo {
+pub struct StreamallocSegmentInfo as "streamalloc_segment_info_t" {
     /// First byte.
     pub address: u64,
     /// Bytes.
@@ -86,11 +86,12 @@ pub struct StreamallocSegmentInfo {
     /// Its blocks.
     pub block_count: u64,
 }
+}
 
+c_struct! {
 /// `streamalloc_block_state_t`: one block of a snapshot.
-#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocBlockState {
+pub struct StreamallocBlockState as "streamalloc_block_state_t" {
     /// First byte.
     pub address: u64,
     /// Bytes.
@@ -104,34 +105,6 @@ pub struct StreamallocBlockState {
     /// Zero.
     pub reserved: u32,
 }
-
-fn device_allocator(device: c_int) -> Result<&'static CudaAllocator, String> {
-    registry::global()
-        .device(device)
-        .map_err(|err| format!("streamalloc: device {device}: {err}"))
-}
-
-/// Runs `body` on `device`'s allocator with panics contained; an error becomes
-/// `fallback` plus the last error.
-fn with_device<T>(
-    device: c_int,
-    fallback: T,
-    body: impl FnOnce(&'static CudaAllocator) -> Result<T, String>,
-) -> T
-where
-    T: Copy,
-{
-    guard(fallback, || match device_allocator(device).and_then(body) {
-        Ok(value) => value,
-        Err(message) => {
-            error::set(message);
-            fallback
-        }
-    })
-}
-
-fn pool_error(device: c_int, err: AllocError) -> String {
-    format!("streamalloc: device {device}: {err}")
 }
 
 /// Allocates `size` bytes on `device` for `stream` from pool `(id0, id1)`; `(0, 0)` is
@@ -145,16 +118,27 @@ pub extern "C" fn streamalloc_malloc_in_pool(
     id0: u64,
     id1: u64,
 ) -> *mut c_void {
-    error::clear();
+    malloc_in_pool(registry::global(), size, device, stream, id0, id1)
+}
+
+/// [`streamalloc_malloc_in_pool`] on `registry`.
+pub fn malloc_in_pool<B: Backend>(
+    registry: &Registry<B>,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+    id0: u64,
+    id1: u64,
+) -> *mut c_void {
     if size == 0 {
-        return std::ptr::null_mut();
+        return error::call(std::ptr::null_mut(), std::ptr::null_mut);
     }
     let stream = StreamId(stream as usize as u64);
-    with_device(device, std::ptr::null_mut(), |allocator| {
+    device_call(registry, device, std::ptr::null_mut(), |allocator| {
         allocator
             .malloc_in(size as u64, stream, PoolId(id0, id1))
             .map(|block| block.ptr.0 as usize as *mut c_void)
-            .map_err(|err| pool_error(device, err))
+            .map_err(|err| engine_message(device, err))
     })
 }
 
@@ -163,48 +147,84 @@ pub extern "C" fn streamalloc_malloc_in_pool(
 /// synchronisation a capture forbids, on any stream. Returns the new use count, or -1.
 #[no_mangle]
 pub extern "C" fn streamalloc_pool_begin_allocate(device: c_int, id0: u64, id1: u64) -> c_int {
-    error::clear();
-    with_device(device, -1, |allocator| {
+    pool_begin_allocate(registry::global(), device, id0, id1)
+}
+
+/// [`streamalloc_pool_begin_allocate`] on `registry`.
+pub fn pool_begin_allocate<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    id0: u64,
+    id1: u64,
+) -> c_int {
+    device_call(registry, device, -1, |allocator| {
         allocator
             .begin_allocate_to_pool(PoolId(id0, id1))
-            .map(|uses| uses as c_int)
-            .map_err(|err| pool_error(device, err))
+            .map(use_count)
+            .map_err(|err| engine_message(device, err))
     })
+}
+
+/// A use count as C's `int` (saturated: a count beyond `INT_MAX` is no error).
+fn use_count(uses: u32) -> c_int {
+    c_int::try_from(uses).unwrap_or(c_int::MAX)
 }
 
 /// Ends the newest begin of pool `(id0, id1)` (the pool keeps its use). 0, or -1.
 #[no_mangle]
 pub extern "C" fn streamalloc_pool_end_allocate(device: c_int, id0: u64, id1: u64) -> c_int {
-    error::clear();
-    with_device(device, -1, |allocator| {
+    pool_end_allocate(registry::global(), device, id0, id1)
+}
+
+/// [`streamalloc_pool_end_allocate`] on `registry`.
+pub fn pool_end_allocate<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    id0: u64,
+    id1: u64,
+) -> c_int {
+    device_call(registry, device, -1, |allocator| {
         allocator
             .end_allocate_to_pool(PoolId(id0, id1))
             .map(|()| 0)
-            .map_err(|err| pool_error(device, err))
+            .map_err(|err| engine_message(device, err))
     })
 }
 
 /// Creates pool `(id0, id1)` with one use, or adds one. Returns the new use count, or -1.
 #[no_mangle]
 pub extern "C" fn streamalloc_pool_incref(device: c_int, id0: u64, id1: u64) -> c_int {
-    error::clear();
-    with_device(device, -1, |allocator| {
+    pool_incref(registry::global(), device, id0, id1)
+}
+
+/// [`streamalloc_pool_incref`] on `registry`.
+pub fn pool_incref<B: Backend>(registry: &Registry<B>, device: c_int, id0: u64, id1: u64) -> c_int {
+    device_call(registry, device, -1, |allocator| {
         allocator
             .create_or_incref_pool(PoolId(id0, id1))
-            .map(|uses| uses as c_int)
-            .map_err(|err| pool_error(device, err))
+            .map(use_count)
+            .map_err(|err| engine_message(device, err))
     })
 }
 
 /// Drops a use of pool `(id0, id1)`. Returns the remaining use count, or -1.
 #[no_mangle]
 pub extern "C" fn streamalloc_pool_release(device: c_int, id0: u64, id1: u64) -> c_int {
-    error::clear();
-    with_device(device, -1, |allocator| {
+    pool_release(registry::global(), device, id0, id1)
+}
+
+/// [`streamalloc_pool_release`] on `registry`.
+pub fn pool_release<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    id0: u64,
+    id1: u64,
+) -> c_int {
+    device_call(registry, device, -1, |allocator| {
         allocator
             .release_pool(PoolId(id0, id1))
-            .map(|uses| uses as c_int)
-            .map_err(|err| pool_error(device, err))
+            .map(use_count)
+            .map_err(|err| engine_message(device, err))
     })
 }
 
@@ -212,9 +232,18 @@ pub extern "C" fn streamalloc_pool_release(device: c_int, id0: u64, id1: u64) ->
 /// unavailable.
 #[no_mangle]
 pub extern "C" fn streamalloc_pool_use_count(device: c_int, id0: u64, id1: u64) -> c_int {
-    error::clear();
-    with_device(device, -1, |allocator| {
-        Ok(allocator.pool_use_count(PoolId(id0, id1)) as c_int)
+    pool_use_count(registry::global(), device, id0, id1)
+}
+
+/// [`streamalloc_pool_use_count`] on `registry`.
+pub fn pool_use_count<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    id0: u64,
+    id1: u64,
+) -> c_int {
+    device_call(registry, device, -1, |allocator| {
+        Ok(use_count(allocator.pool_use_count(PoolId(id0, id1))))
     })
 }
 
@@ -245,8 +274,23 @@ pub unsafe extern "C" fn streamalloc_pool_live_allocations(
     out: *mut u64,
     capacity: usize,
 ) -> i64 {
-    error::clear();
-    with_device(device, -1, |allocator| {
+    // SAFETY: forwarded from this function's # Safety.
+    unsafe { pool_live_allocations(registry::global(), device, id0, id1, out, capacity) }
+}
+
+/// [`streamalloc_pool_live_allocations`] on `registry`.
+///
+/// # Safety
+/// As [`streamalloc_pool_live_allocations`].
+pub unsafe fn pool_live_allocations<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    id0: u64,
+    id1: u64,
+    out: *mut u64,
+    capacity: usize,
+) -> i64 {
+    device_call(registry, device, -1, |allocator| {
         let live: Vec<u64> = allocator
             .pool_live_allocations(PoolId(id0, id1))
             .iter()
@@ -270,8 +314,23 @@ pub unsafe extern "C" fn streamalloc_pool_checkpoint(
     out: *mut StreamallocPoolBlock,
     capacity: usize,
 ) -> i64 {
-    error::clear();
-    with_device(device, -1, |allocator| {
+    // SAFETY: forwarded from this function's # Safety.
+    unsafe { pool_checkpoint(registry::global(), device, id0, id1, out, capacity) }
+}
+
+/// [`streamalloc_pool_checkpoint`] on `registry`.
+///
+/// # Safety
+/// As [`streamalloc_pool_checkpoint`].
+pub unsafe fn pool_checkpoint<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    id0: u64,
+    id1: u64,
+    out: *mut StreamallocPoolBlock,
+    capacity: usize,
+) -> i64 {
+    device_call(registry, device, -1, |allocator| {
         let blocks: Vec<StreamallocPoolBlock> = allocator
             .pool_checkpoint(PoolId(id0, id1))
             .iter()
@@ -306,10 +365,38 @@ pub unsafe extern "C" fn streamalloc_pool_restore(
     freed: *mut u64,
     freed_capacity: usize,
 ) -> i64 {
-    error::clear();
+    // SAFETY: forwarded from this function's # Safety.
+    unsafe {
+        pool_restore(
+            registry::global(),
+            device,
+            id0,
+            id1,
+            blocks,
+            count,
+            freed,
+            freed_capacity,
+        )
+    }
+}
+
+/// [`streamalloc_pool_restore`] on `registry`.
+///
+/// # Safety
+/// As [`streamalloc_pool_restore`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn pool_restore<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    id0: u64,
+    id1: u64,
+    blocks: *const StreamallocPoolBlock,
+    count: usize,
+    freed: *mut u64,
+    freed_capacity: usize,
+) -> i64 {
     if count > 0 && blocks.is_null() {
-        error::set("streamalloc_pool_restore: blocks is null");
-        return -1;
+        return error::call(-1, || fail(-1, "streamalloc_pool_restore: blocks is null"));
     }
     let checkpoint: Vec<PoolBlock> = if count == 0 {
         Vec::new()
@@ -325,7 +412,7 @@ pub unsafe extern "C" fn streamalloc_pool_restore(
             })
             .collect()
     };
-    with_device(device, -1, |allocator| {
+    device_call(registry, device, -1, |allocator| {
         let pool = PoolId(id0, id1);
         let live = allocator.pool_live_allocations(pool).len();
         if live > freed_capacity || (live > 0 && freed.is_null()) {
@@ -335,7 +422,7 @@ pub unsafe extern "C" fn streamalloc_pool_restore(
         }
         let addresses: Vec<u64> = allocator
             .restore_pool(pool, &checkpoint)
-            .map_err(|err| pool_error(device, err))?
+            .map_err(|err| engine_message(device, err))?
             .iter()
             .map(|ptr| ptr.0)
             .collect();
@@ -350,8 +437,17 @@ pub unsafe extern "C" fn streamalloc_pool_restore(
 /// default pool and of released pools; otherwise that pool's only. 0, or -1.
 #[no_mangle]
 pub extern "C" fn streamalloc_empty_cache_pool(device: c_int, id0: u64, id1: u64) -> c_int {
-    error::clear();
-    with_device(device, -1, |allocator| {
+    empty_cache_pool(registry::global(), device, id0, id1)
+}
+
+/// [`streamalloc_empty_cache_pool`] on `registry`.
+pub fn empty_cache_pool<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    id0: u64,
+    id1: u64,
+) -> c_int {
+    device_call(registry, device, -1, |allocator| {
         allocator
             .empty_pool_cache(PoolId(id0, id1))
             .map(|_| 0)
@@ -365,12 +461,23 @@ pub extern "C" fn streamalloc_empty_cache_pool(device: c_int, id0: u64, id1: u64
 /// `largest` must be null or writable for one `uint64_t`.
 #[no_mangle]
 pub unsafe extern "C" fn streamalloc_cache_info(device: c_int, largest: *mut u64) -> c_int {
-    error::clear();
+    // SAFETY: forwarded from this function's # Safety.
+    unsafe { cache_info(registry::global(), device, largest) }
+}
+
+/// [`streamalloc_cache_info`] on `registry`.
+///
+/// # Safety
+/// As [`streamalloc_cache_info`].
+pub unsafe fn cache_info<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    largest: *mut u64,
+) -> c_int {
     if largest.is_null() {
-        error::set("streamalloc_cache_info: largest is null");
-        return -1;
+        return error::call(-1, || fail(-1, "streamalloc_cache_info: largest is null"));
     }
-    with_device(device, -1, |allocator| {
+    device_call(registry, device, -1, |allocator| {
         // SAFETY: `largest` is non-null and writable (see # Safety).
         unsafe { largest.write(allocator.largest_free_block()) };
         Ok(0)
@@ -380,22 +487,26 @@ pub unsafe extern "C" fn streamalloc_cache_info(device: c_int, largest: *mut u64
 /// The reserved-bytes limit of `device` (0: none, or the device is unavailable).
 #[no_mangle]
 pub extern "C" fn streamalloc_memory_limit(device: c_int) -> u64 {
-    error::clear();
-    with_device(device, 0, |allocator| {
+    memory_limit(registry::global(), device)
+}
+
+/// [`streamalloc_memory_limit`] on `registry`.
+pub fn memory_limit<B: Backend>(registry: &Registry<B>, device: c_int) -> u64 {
+    device_call(registry, device, 0, |allocator| {
         Ok(allocator.memory_limit().unwrap_or(0))
     })
 }
 
-/// The device and allocator that handed out the live allocation at `ptr`, and where it
-/// lies.
-pub(super) fn allocation_owner(
+/// The device that handed out the live allocation at `ptr`, and where it lies. Devices
+/// made unusable by a panic are not searched.
+pub(super) fn allocation_owner<B: Backend>(
+    registry: &Registry<B>,
     ptr: u64,
-) -> Option<(c_int, &'static CudaAllocator, AllocationSite)> {
-    registry::global()
-        .initialized()
-        .find_map(|(ordinal, allocator)| {
-            Some((ordinal, allocator, allocator.allocation_at(DevicePtr(ptr))?))
-        })
+) -> Option<(&Device<B>, AllocationSite)> {
+    registry.initialized().find_map(|device| {
+        let site = device.run(|allocator| allocator.allocation_at(DevicePtr(ptr)));
+        Some((device, site.ok()??))
+    })
 }
 
 /// For the live allocation at `ptr`: its device and the base, size and kind of the
@@ -411,31 +522,48 @@ pub unsafe extern "C" fn streamalloc_block_info(
     size: *mut u64,
     expandable: *mut c_int,
 ) -> c_int {
-    error::clear();
-    let Some((ordinal, _, site)) = guard(None, || allocation_owner(ptr as usize as u64)) else {
-        error::set(format_args!(
-            "streamalloc_block_info: {ptr:p} is not a live allocation of streamalloc"
-        ));
-        return -1;
-    };
-    let (segment_base, segment_size, is_expandable) =
-        (site.segment, site.segment_size, site.expandable);
-    // SAFETY: each pointer is null or writable for one value (see # Safety).
-    unsafe {
-        if !device.is_null() {
-            device.write(ordinal);
+    // SAFETY: forwarded from this function's # Safety.
+    unsafe { block_info(registry::global(), ptr, device, base, size, expandable) }
+}
+
+/// [`streamalloc_block_info`] on `registry`.
+///
+/// # Safety
+/// As [`streamalloc_block_info`].
+pub unsafe fn block_info<B: Backend>(
+    registry: &Registry<B>,
+    ptr: *mut c_void,
+    device: *mut c_int,
+    base: *mut u64,
+    size: *mut u64,
+    expandable: *mut c_int,
+) -> c_int {
+    error::call(-1, || {
+        let Some((owner, site)) = allocation_owner(registry, ptr as usize as u64) else {
+            return fail(
+                -1,
+                format_args!(
+                    "streamalloc_block_info: {ptr:p} is not a live allocation of streamalloc"
+                ),
+            );
+        };
+        // SAFETY: each pointer is null or writable for one value (see # Safety).
+        unsafe {
+            if !device.is_null() {
+                device.write(owner.ordinal());
+            }
+            if !base.is_null() {
+                base.write(site.segment.0);
+            }
+            if !size.is_null() {
+                size.write(site.segment_size);
+            }
+            if !expandable.is_null() {
+                expandable.write(c_int::from(site.expandable));
+            }
         }
-        if !base.is_null() {
-            base.write(segment_base.0);
-        }
-        if !size.is_null() {
-            size.write(segment_size);
-        }
-        if !expandable.is_null() {
-            expandable.write(c_int::from(is_expandable));
-        }
-    }
-    0
+        0
+    })
 }
 
 /// Segments and blocks of `device` as flat arrays (see the module docs). Fills up to the
@@ -455,8 +583,37 @@ pub unsafe extern "C" fn streamalloc_snapshot_segments(
     block_capacity: usize,
     block_count: *mut usize,
 ) -> c_int {
-    error::clear();
-    with_device(device, -1, |allocator| {
+    // SAFETY: forwarded from this function's # Safety.
+    unsafe {
+        snapshot_segments(
+            registry::global(),
+            device,
+            segments,
+            segment_capacity,
+            segment_count,
+            blocks,
+            block_capacity,
+            block_count,
+        )
+    }
+}
+
+/// [`streamalloc_snapshot_segments`] on `registry`.
+///
+/// # Safety
+/// As [`streamalloc_snapshot_segments`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn snapshot_segments<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    segments: *mut StreamallocSegmentInfo,
+    segment_capacity: usize,
+    segment_count: *mut usize,
+    blocks: *mut StreamallocBlockState,
+    block_capacity: usize,
+    block_count: *mut usize,
+) -> c_int {
+    device_call(registry, device, -1, |allocator| {
         let (segment_rows, block_rows) = snapshot_rows(&allocator.snapshot());
         // SAFETY: forwarded from this function's # Safety.
         unsafe {
@@ -533,36 +690,53 @@ struct Route {
     thread: ThreadId,
 }
 
-/// Pools being allocated to, oldest first.
-static ROUTES: Mutex<Vec<Route>> = Mutex::new(Vec::new());
-/// `ROUTES.len()`, read without the lock by every malloc.
-static ROUTES_ACTIVE: AtomicUsize = AtomicUsize::new(0);
-
-/// The routes; a panic while they were held cannot have left them half-updated (each
-/// change is one push or remove), so a poisoned lock is used as it is.
-fn routes() -> MutexGuard<'static, Vec<Route>> {
-    ROUTES
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+/// The pools a registry's pluggable door is allocating to, oldest first.
+#[derive(Debug)]
+pub(crate) struct Routes {
+    list: Mutex<Vec<Route>>,
+    /// `list.len()`, read without the lock by every malloc.
+    active: AtomicUsize,
 }
 
-/// True while some pool is being allocated to (then `streamalloc_malloc` asks
-/// [`routed_pool`]).
+impl Routes {
+    pub(crate) const fn new() -> Self {
+        Self {
+            list: Mutex::new(Vec::new()),
+            active: AtomicUsize::new(0),
+        }
+    }
+
+    /// The routes; a panic while they were held cannot have left them half-updated (each
+    /// change is one push or remove), so a poisoned lock is used as it is.
+    fn lock(&self) -> MutexGuard<'_, Vec<Route>> {
+        self.list
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// True while some pool is being allocated to (then `malloc` asks [`routed_pool`]).
 #[inline]
-pub(super) fn routing() -> bool {
-    ROUTES_ACTIVE.load(Ordering::Acquire) != 0
+pub(super) fn routing<B: Backend>(registry: &Registry<B>) -> bool {
+    registry.routes.active.load(Ordering::Acquire) != 0
 }
 
 /// The pool a request from this thread on `stream` of `device` goes to while pools are
 /// being allocated to (see the module docs), if any.
 #[cold]
-pub(super) fn routed_pool(device: c_int, stream: StreamId) -> Result<Option<PoolId>, String> {
-    let routes = routes();
+pub(super) fn routed_pool<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    stream: StreamId,
+) -> Result<Option<PoolId>, String> {
+    let routes = registry.routes.lock();
     choose_route(&routes, device, std::thread::current().id(), || {
-        device_allocator(device)?
-            .backend()
-            .is_capturing(stream)
-            .map_err(|err| format!("streamalloc: device {device}: {err}"))
+        on_device(registry, device, |allocator| {
+            allocator
+                .backend()
+                .is_capturing(stream)
+                .map_err(|err| format!("streamalloc: device {device}: {err}"))
+        })
     })
 }
 
@@ -586,36 +760,50 @@ fn choose_route(
 }
 
 /// PyTorch's pluggable `beginAllocateToPool` hook: begins allocating to pool `(id0,
-/// id1)` (see [`streamalloc_pool_begin_allocate`]) and routes this thread's requests and those on capturing streams to it until
-/// [`streamalloc_end_allocate_to_pool`]. The C++ `std::function` filter is not called
-/// (see the module docs).
+/// id1)` (see [`streamalloc_pool_begin_allocate`]) and routes this thread's requests and
+/// those on capturing streams to it until [`streamalloc_end_allocate_to_pool`]. The C++
+/// `std::function` filter is not called (see the module docs).
 #[no_mangle]
 pub extern "C" fn streamalloc_begin_allocate_to_pool(
     device: c_int,
     id0: u64,
     id1: u64,
+    filter: *mut c_void,
+) {
+    begin_allocate_to_pool(registry::global(), device, id0, id1, filter)
+}
+
+/// [`streamalloc_begin_allocate_to_pool`] on `registry`.
+pub fn begin_allocate_to_pool<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    id0: u64,
+    id1: u64,
     _filter: *mut c_void,
 ) {
-    error::clear();
-    guard((), || {
+    error::call((), || {
         let pool = PoolId(id0, id1);
-        match device_allocator(device).and_then(|allocator| {
+        let begun = on_device(registry, device, |allocator| {
             allocator
                 .begin_allocate_to_pool(pool)
-                .map_err(|err| pool_error(device, err))
-        }) {
+                .map_err(|err| engine_message(device, err))
+        });
+        match begun {
             Ok(_) => {
-                let mut routes = routes();
+                let mut routes = registry.routes.lock();
                 routes.push(Route {
                     device,
                     pool,
                     thread: std::thread::current().id(),
                 });
-                ROUTES_ACTIVE.store(routes.len(), Ordering::Release);
+                registry
+                    .routes
+                    .active
+                    .store(routes.len(), Ordering::Release);
             }
             Err(message) => {
-                error::set(&message);
                 eprintln!("{message}");
+                error::set(message);
             }
         }
     })
@@ -625,21 +813,28 @@ pub extern "C" fn streamalloc_begin_allocate_to_pool(
 /// id1)` (its memory stays reserved for it until released).
 #[no_mangle]
 pub extern "C" fn streamalloc_end_allocate_to_pool(device: c_int, id0: u64, id1: u64) {
-    error::clear();
-    guard((), || {
+    end_allocate_to_pool(registry::global(), device, id0, id1)
+}
+
+/// [`streamalloc_end_allocate_to_pool`] on `registry`.
+pub fn end_allocate_to_pool<B: Backend>(registry: &Registry<B>, device: c_int, id0: u64, id1: u64) {
+    error::call((), || {
         let pool = PoolId(id0, id1);
         {
-            let mut routes = routes();
+            let mut routes = registry.routes.lock();
             if let Some(index) = routes
                 .iter()
                 .rposition(|route| route.device == device && route.pool == pool)
             {
                 routes.remove(index);
             }
-            ROUTES_ACTIVE.store(routes.len(), Ordering::Release);
+            registry
+                .routes
+                .active
+                .store(routes.len(), Ordering::Release);
         }
-        if streamalloc_pool_end_allocate(device, id0, id1) < 0 {
-            eprintln!("streamalloc: {}", error::last_string());
+        if pool_end_allocate(registry, device, id0, id1) < 0 {
+            eprintln!("{}", error::last_string());
         }
     })
 }
@@ -647,10 +842,16 @@ pub extern "C" fn streamalloc_end_allocate_to_pool(device: c_int, id0: u64, id1:
 /// PyTorch's pluggable `releasePool` hook: drops a use of pool `(id0, id1)`.
 #[no_mangle]
 pub extern "C" fn streamalloc_release_pool(device: c_int, id0: u64, id1: u64) {
-    error::clear();
-    if streamalloc_pool_release(device, id0, id1) < 0 {
-        eprintln!("streamalloc: {}", error::last_string());
-    }
+    release_pool(registry::global(), device, id0, id1)
+}
+
+/// [`streamalloc_release_pool`] on `registry`.
+pub fn release_pool<B: Backend>(registry: &Registry<B>, device: c_int, id0: u64, id1: u64) {
+    error::call((), || {
+        if pool_release(registry, device, id0, id1) < 0 {
+            eprintln!("{}", error::last_string());
+        }
+    })
 }
 
 #[cfg(test)]

@@ -1,17 +1,18 @@
 //! Counters across the C ABI: a flat `#[repr(C)]` struct for C callers and a JSON string
 //! for Python (whose `memory_stats()` maps it to PyTorch's key names).
 
-use super::error::{self, guard};
+use super::layout::c_struct;
+use super::{device_call, error, on_device};
+use crate::registry::{self, Registry};
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, CString};
-use streamalloc_allocator::backend::cuda::registry;
-use streamalloc_allocator::Stats;
+use streamalloc_allocator::{Backend, Stats};
 
+c_struct! {
 /// `streamalloc_stats_t`: the engine's [`Stats`], flattened. Byte gauges come as
 /// `*_current` / `*_peak` pairs.
-#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocStats {
+pub struct StreamallocStats as "streamalloc_stats_t" {
     /// Bytes in blocks handed out (rounded sizes), now.
     pub allocated_current: u64,
     /// Peak of `allocated_current`.
@@ -67,6 +68,7 @@ pub struct StreamallocStats {
     /// Bytes unmapped from expandable segments, in all.
     pub page_unmap_bytes: u64,
 }
+}
 
 impl StreamallocStats {
     /// Flattens `stats`.
@@ -110,22 +112,27 @@ impl StreamallocStats {
 /// `out` must be null or point to writable memory for one `streamalloc_stats_t`.
 #[no_mangle]
 pub unsafe extern "C" fn streamalloc_get_stats(device: c_int, out: *mut StreamallocStats) -> c_int {
-    error::clear();
+    // SAFETY: forwarded from this function's # Safety.
+    unsafe { get_stats(registry::global(), device, out) }
+}
+
+/// [`streamalloc_get_stats`] on `registry`.
+///
+/// # Safety
+/// As [`streamalloc_get_stats`].
+pub unsafe fn get_stats<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    out: *mut StreamallocStats,
+) -> c_int {
     if out.is_null() {
-        error::set("streamalloc_get_stats: out is null");
-        return -1;
+        return error::call(-1, || super::fail(-1, "streamalloc_get_stats: out is null"));
     }
-    guard(-1, || match registry::global().device(device) {
-        Ok(allocator) => {
-            let stats = StreamallocStats::new(&allocator.stats(), allocator.memory_limit());
-            // SAFETY: `out` is non-null and writable (see # Safety).
-            unsafe { out.write(stats) };
-            0
-        }
-        Err(err) => {
-            error::set(format_args!("streamalloc: device {device}: {err}"));
-            -1
-        }
+    device_call(registry, device, -1, |allocator| {
+        let stats = StreamallocStats::new(&allocator.stats(), allocator.memory_limit());
+        // SAFETY: `out` is non-null and writable (see # Safety).
+        unsafe { out.write(stats) };
+        Ok(0)
     })
 }
 
@@ -138,29 +145,41 @@ thread_local! {
 /// string stays valid until the next call on the same thread.
 #[no_mangle]
 pub extern "C" fn streamalloc_stats_json(device: c_int) -> *const c_char {
-    error::clear();
-    guard(std::ptr::null(), || match stats_json(device) {
-        Ok(text) => JSON.with(|slot| {
-            *slot.borrow_mut() = CString::new(text).unwrap_or_default();
-            slot.borrow().as_ptr()
-        }),
-        Err(message) => {
-            error::set(message);
-            std::ptr::null()
+    stats_json(registry::global(), device)
+}
+
+/// [`streamalloc_stats_json`] on `registry`.
+pub fn stats_json<B: Backend>(registry: &Registry<B>, device: c_int) -> *const c_char {
+    error::call(std::ptr::null(), || {
+        match stats_json_text(registry, device) {
+            Ok(text) => JSON
+                .try_with(|slot| {
+                    *slot.borrow_mut() = CString::new(text).unwrap_or_default();
+                    slot.borrow().as_ptr()
+                })
+                .unwrap_or_else(|_| {
+                    super::fail(
+                        std::ptr::null(),
+                        "streamalloc_stats_json: called while this thread exits",
+                    )
+                }),
+            Err(message) => super::fail(std::ptr::null(), message),
         }
     })
 }
 
 /// The JSON text of [`streamalloc_stats_json`].
-pub fn stats_json(device: c_int) -> Result<String, String> {
-    let registry = registry::global();
-    let allocator = registry
-        .device(device)
-        .map_err(|err| format!("streamalloc: device {device}: {err}"))?;
+pub fn stats_json_text<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+) -> Result<String, String> {
+    let (stats, limit) = on_device(registry, device, |allocator| {
+        Ok((allocator.stats(), allocator.memory_limit()))
+    })?;
     let value = serde_json::json!({
         "device": device,
-        "stats": allocator.stats(),
-        "memory_limit": allocator.memory_limit(),
+        "stats": stats,
+        "memory_limit": limit,
         "process": {
             "invalid_frees": registry.invalid_frees(),
             "unknown_record_streams": registry.unknown_record_streams(),

@@ -1,10 +1,15 @@
 /* The C ABI of libstreamalloc.so that the native PyTorch door calls.
  *
  * Every function contains its own errors: a failure is a null pointer or a negative
- * return, with the message in streamalloc_last_error() (this thread's, valid until its
- * next failing call). No function throws or unwinds, except streamalloc_malloc when an
- * error thrower is registered (the door never registers one: it calls
- * streamalloc_malloc_in_pool, which never throws).
+ * return, with the message in streamalloc_last_error() (this thread's; every call clears
+ * it or sets it, and it stays valid until the thread's next call). No function throws or
+ * unwinds, except streamalloc_malloc when an error thrower is registered (the door never
+ * registers one: it calls streamalloc_malloc_in_pool, which never throws). After a panic
+ * inside a device's engine (a bug), every call on that device fails with "streamalloc:
+ * device N is unusable after an internal panic: ...".
+ *
+ * The structs below copy Rust's (src/ffi/layout.rs); tests/c_header.rs checks them field
+ * for field, and checks that every function declared here is exported.
  *
  * A pool id is PyTorch's MempoolId_t, two unsigned 64-bit integers; (0, 0) is the
  * default pool. A block of a pool is only ever handed to an allocation in the same pool,
@@ -20,7 +25,7 @@
 extern "C" {
 #endif
 
-/* Counters of one device (see src/ffi/stats.rs for every field). */
+/* Counters of one device (src/ffi/stats.rs documents every field). */
 typedef struct streamalloc_stats {
   uint64_t allocated_current, allocated_peak;
   uint64_t requested_current, requested_peak;

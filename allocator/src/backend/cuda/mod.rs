@@ -23,8 +23,8 @@
 //!
 //! # Loading
 //! Nothing here touches the driver before [`driver::load`] succeeded, so a machine
-//! without CUDA gets a typed [`CudaError`], never a panic. [`registry`] holds one
-//! allocator per device for the C ABI and any other in-process user.
+//! without CUDA gets a typed [`CudaError`], never a panic. The allocators of a process,
+//! one per device, are held by the C ABI's registry (the root crate's `registry`).
 //!
 //! # IPC
 //! Expandable-segment memory is shared between processes mapping by mapping, as POSIX
@@ -33,7 +33,6 @@
 
 pub mod driver;
 pub mod ipc;
-pub mod registry;
 mod vmm;
 
 pub use cudarc::driver::sys;

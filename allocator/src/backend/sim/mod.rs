@@ -228,6 +228,8 @@ struct SimState {
     calls: BTreeMap<&'static str, u64>,
     /// Fail the next `alloc_segment` calls with a non-OOM error (failure injection).
     fail_next_allocs: u32,
+    /// Panic in the next call of this name (panic injection).
+    panic_next: Option<&'static str>,
 }
 
 /// The simulated device. Cloning shares the device (it is an `Arc` inside).
@@ -241,9 +243,15 @@ pub struct SimBackend {
 impl SimBackend {
     /// A device with `capacity` bytes of memory.
     pub fn new(capacity: u64) -> Self {
+        Self::with_base_address(capacity, BASE_ADDRESS)
+    }
+
+    /// A device with `capacity` bytes of memory whose segments start at `base`: several
+    /// simulated devices in one process then hand out disjoint addresses, as real GPUs do.
+    pub fn with_base_address(capacity: u64, base: u64) -> Self {
         let state = SimState {
             capacity,
-            next_address: BASE_ADDRESS,
+            next_address: base,
             next_event: 1,
             next_graph: 1,
             ..SimState::default()
@@ -393,6 +401,13 @@ impl SimBackend {
         self.state.lock().fail_next_allocs = count;
     }
 
+    /// Makes the next backend call named `name` (as counted by [`SimBackend::calls`], e.g.
+    /// `"alloc_segment"`) panic, with the message `injected panic in NAME`: for tests of
+    /// how callers contain a panic inside the engine.
+    pub fn panic_on_next(&self, name: &'static str) {
+        self.state.lock().panic_next = Some(name);
+    }
+
     /// Every violation found so far.
     pub fn races(&self) -> Vec<Race> {
         self.state.lock().races.clone()
@@ -447,6 +462,11 @@ impl SimBackend {
     fn call(&self, name: &'static str) -> parking_lot::MutexGuard<'_, SimState> {
         let mut state = self.state.lock();
         *state.calls.entry(name).or_default() += 1;
+        if state.panic_next == Some(name) {
+            state.panic_next = None;
+            drop(state);
+            panic!("injected panic in {name}");
+        }
         state
     }
 }
