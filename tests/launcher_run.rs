@@ -127,6 +127,25 @@ fn bad_conf_is_one_line_and_nothing_runs() {
 }
 
 #[test]
+fn a_conf_that_is_not_utf8_is_one_line_and_nothing_runs() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = scratch("conf_not_utf8");
+    let marker = dir.join("ran");
+    let touch = format!("touch {}", marker.display());
+    let out = run(streamalloc()
+        .env(
+            "STREAMALLOC_CONF",
+            std::ffi::OsStr::from_bytes(b"trace_capacity:\xff4096"),
+        )
+        .args(["run", "--", "sh", "-c", &touch]));
+    assert_one_line(&out, "STREAMALLOC_CONF is not valid UTF-8");
+    assert!(
+        !marker.exists(),
+        "the program ran with an unreadable STREAMALLOC_CONF"
+    );
+}
+
+#[test]
 fn missing_library_is_one_line() {
     let out = run(streamalloc()
         .env("STREAMALLOC_LIB", "/nonexistent/libstreamalloc.so")

@@ -140,15 +140,17 @@ impl Config {
                 }
             }
             "memory_limit" => {
+                // Zero however written (`0`, `0GiB`) is no limit, as `to_conf_string` reads it.
                 self.memory_limit = match value {
-                    "none" | "0" => None,
+                    "none" => None,
                     _ => Some(parse_bytes(value).ok_or_else(|| {
                         bad(
                             "memory_limit",
                             value,
                             "a byte count such as 8GiB, 512MiB or 0",
                         )
-                    })?),
+                    })?)
+                    .filter(|limit| *limit > 0),
                 }
             }
             "memory_fraction" => {
@@ -332,6 +334,15 @@ mod tests {
             Config::parse("novalue"),
             Err(ConfigError::Malformed(_))
         ));
+    }
+
+    #[test]
+    fn a_zero_memory_limit_in_any_spelling_is_no_limit() {
+        for zero in ["0", "00", "0GiB", "0 KiB"] {
+            let config = Config::parse(&format!("memory_limit:{zero}")).unwrap();
+            assert_eq!(config.memory_limit, None, "{zero}");
+            assert_eq!(Config::parse(&config.to_conf_string()).unwrap(), config);
+        }
     }
 
     #[test]

@@ -37,7 +37,8 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicI32, Ordering};
-use streamalloc_allocator::Config;
+use streamalloc_allocator::config::ENV_VAR as CONF_ENV;
+use streamalloc_allocator::{Config, ConfigError};
 
 /// The shared library's file name.
 pub(crate) const LIB_NAME: &str = "libstreamalloc.so";
@@ -130,22 +131,22 @@ impl Plan {
     fn new(args: &RunArgs) -> Result<Self, CliError> {
         let mut env = Vec::new();
         // The configuration: --conf, else whatever STREAMALLOC_CONF the user already has;
-        // either way it must parse, or every process would fail on its first allocation.
+        // either way it must be UTF-8 and parse, or every process would fail on its first
+        // allocation.
         match &args.conf {
             Some(text) => {
                 Config::parse(text).map_err(|err| {
-                    let err = err.to_string();
-                    let err = err.strip_prefix("STREAMALLOC_CONF: ").unwrap_or(&err);
-                    CliError::Message(format!("run: bad --conf: {err}"))
+                    CliError::Message(format!("run: bad {}", err.describe("--conf")))
                 })?;
-                env.push(("STREAMALLOC_CONF", OsString::from(text)));
+                env.push((CONF_ENV, OsString::from(text)));
             }
             None => {
-                if let Ok(text) = std::env::var("STREAMALLOC_CONF") {
-                    Config::parse(&text).map_err(|err| {
-                        CliError::Message(format!("run: bad STREAMALLOC_CONF: {err}"))
-                    })?;
-                }
+                Config::from_env().map_err(|err| {
+                    CliError::Message(match err {
+                        ConfigError::NotUnicode => format!("run: {err}"),
+                        _ => format!("run: bad {err}"),
+                    })
+                })?;
             }
         }
         let exe_dir = exe_dir()?;

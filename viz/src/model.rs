@@ -460,7 +460,9 @@ pub fn parse_json(path: &Path, bytes: &[u8]) -> Result<Snapshot, VizError> {
                          snapshot",
                     )
                 })?;
-            Ok(from_engine(&engine))
+            let snap = from_engine(&engine);
+            snap.validate(path)?;
+            Ok(snap)
         }
     }
 }
@@ -493,7 +495,7 @@ pub fn from_engine(s: &streamalloc_allocator::Snapshot) -> Snapshot {
             stream: seg.stream.0,
             expandable: mapped
                 .iter()
-                .any(|&a| a >= seg.addr.0 && a < seg.addr.0 + seg.size),
+                .any(|&a| a.checked_sub(seg.addr.0).is_some_and(|off| off < seg.size)),
             blocks: seg
                 .blocks
                 .iter()
@@ -711,6 +713,12 @@ pub fn to_torch(s: &Snapshot) -> TorchSnapshot {
 /// pickle; each optionally gzip-compressed. Recognised by content, not by name.
 pub fn load(path: &Path) -> Result<Snapshot, VizError> {
     let raw = std::fs::read(path).map_err(|e| VizError::io(path, e))?;
+    from_bytes(path, raw)
+}
+
+/// [`load`] of a file's content already in memory: `raw` is what the file `path` holds
+/// (`path` only names it in errors).
+pub fn from_bytes(path: &Path, raw: Vec<u8>) -> Result<Snapshot, VizError> {
     let bytes = crate::pytorch::maybe_gunzip(path, raw)?;
     let first = bytes.iter().find(|b| !b.is_ascii_whitespace()).copied();
     match first {

@@ -287,28 +287,39 @@ fn parse_byte_count(text: &str) -> Option<u64> {
 /// output is capped (see [`GUNZIP_MAX_BYTES`], [`GUNZIP_MAX_RATIO`], [`GUNZIP_LIMIT_ENV`]):
 /// past the cap the file is refused with one line naming it and the limit.
 pub fn maybe_gunzip(path: &Path, raw: Vec<u8>) -> Result<Vec<u8>, VizError> {
-    if raw.starts_with(&[0x1f, 0x8b]) {
-        let (limit, how) = gunzip_limit(path, raw.len())?;
-        let capacity = (raw.len() as u64).saturating_mul(8).min(limit) as usize;
-        let mut out = Vec::with_capacity(capacity);
-        // One byte past the limit tells "exactly at the limit" from "over it".
-        flate2::read::MultiGzDecoder::new(&raw[..])
-            .take(limit.saturating_add(1))
-            .read_to_end(&mut out)
-            .map_err(|source| VizError::Gzip {
-                path: path.into(),
-                source,
-            })?;
-        if out.len() as u64 > limit {
-            return Err(VizError::Limit {
-                path: path.into(),
-                what: format!("decompresses to more than {limit} bytes (limit: {how})"),
-            });
-        }
-        Ok(out)
-    } else {
-        Ok(raw)
+    if !raw.starts_with(&GZIP_MAGIC) {
+        return Ok(raw);
     }
+    let (limit, how) = gunzip_limit(path, raw.len())?;
+    gunzip_within(path, &raw, limit, &how)
+}
+
+/// The first two bytes of every gzip member.
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+
+/// Decompresses the gzip stream `raw` (every member, as `gzip -d` does) into at most
+/// `limit` bytes: a stream that would give more is refused with [`VizError::Limit`], whose
+/// message says `how` the limit was set. Corrupt or truncated data is [`VizError::Gzip`].
+/// `path` only names the source in errors. [`maybe_gunzip`] is this with the limit of
+/// [`GUNZIP_LIMIT_ENV`] or the ratio.
+pub fn gunzip_within(path: &Path, raw: &[u8], limit: u64, how: &str) -> Result<Vec<u8>, VizError> {
+    let capacity = (raw.len() as u64).saturating_mul(8).min(limit) as usize;
+    let mut out = Vec::with_capacity(capacity);
+    // One byte past the limit tells "exactly at the limit" from "over it".
+    flate2::read::MultiGzDecoder::new(raw)
+        .take(limit.saturating_add(1))
+        .read_to_end(&mut out)
+        .map_err(|source| VizError::Gzip {
+            path: path.into(),
+            source,
+        })?;
+    if out.len() as u64 > limit {
+        return Err(VizError::Limit {
+            path: path.into(),
+            what: format!("decompresses to more than {limit} bytes (limit: {how})"),
+        });
+    }
+    Ok(out)
 }
 
 /// Decodes a snapshot from uncompressed pickle bytes. `path` only names the source in

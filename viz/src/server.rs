@@ -11,7 +11,9 @@
 //! is the loopback name or address and the port the server listens on are answered (else
 //! 403). A request must arrive whole within [`Limits::request_deadline`] (not per read, so
 //! a client trickling a byte at a time is cut off) and within [`Limits::max_request_bytes`]
-//! (else 431); connections past the cap get 503 at once.
+//! (else 431); connections past the cap get 503 at once. The head is parsed by
+//! [`parse_request`], a function of the bytes received so far rather than of the socket,
+//! so the fuzz target `http` feeds it hostile heads directly.
 //!
 //! Routes: `/` (the page), `/app.js`, `/style.css`, `/api/files` (JSON list of the loaded
 //! files and their devices), `/api/data?f=F&d=D` (the [`crate::wire`] blob of file `F`,
@@ -20,7 +22,7 @@
 use crate::model::Snapshot;
 use serde_json::json;
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -277,6 +279,100 @@ fn host_allowed(host: &str, port: u16) -> bool {
         && (name == "127.0.0.1" || name == "[::1]" || name.eq_ignore_ascii_case("localhost"))
 }
 
+/// A request the viewer answers: `GET` or `HEAD` of `path`, from an allowed `Host`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// `HEAD`: answer with the head only.
+    pub head_only: bool,
+    /// The request target as sent (`/api/data?f=0&d=0`).
+    pub path: String,
+}
+
+/// Why a request gets no page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The head (request line and headers) has not ended yet and is within the cap: the
+    /// server reads on, and answers nothing if the client stops here.
+    Incomplete,
+    /// The head is longer than the cap: 431.
+    TooLarge,
+    /// The head is not UTF-8 text: 400.
+    Malformed,
+    /// No `Host`, two of them, or one that does not name this server: 403.
+    ForbiddenHost,
+    /// Neither `GET` nor `HEAD`: 405.
+    MethodNotAllowed,
+}
+
+impl Refusal {
+    /// The status and body to answer with; `None` for [`Refusal::Incomplete`].
+    pub fn answer(self) -> Option<(u16, &'static [u8])> {
+        Some(match self {
+            Refusal::Incomplete => return None,
+            Refusal::TooLarge => (431, b"request too large\n"),
+            Refusal::Malformed => (400, b"malformed request\n"),
+            Refusal::ForbiddenHost => (403, b"forbidden host\n"),
+            Refusal::MethodNotAllowed => (405, b"method not allowed\n"),
+        })
+    }
+}
+
+/// Parses what a client has sent so far to the server listening on `port`: the request
+/// line and the headers up to the empty line that ends them (anything after it is
+/// ignored), which must fit in `max_bytes`. Once the answer is not
+/// [`Refusal::Incomplete`], more bytes do not change it.
+pub fn parse_request(received: &[u8], port: u16, max_bytes: usize) -> Result<Request, Refusal> {
+    let end = match head_end(received) {
+        Some(end) if end <= max_bytes => end,
+        Some(_) => return Err(Refusal::TooLarge),
+        None if received.len() > max_bytes => return Err(Refusal::TooLarge),
+        None => return Err(Refusal::Incomplete),
+    };
+    let head = std::str::from_utf8(&received[..end]).map_err(|_| Refusal::Malformed)?;
+    let mut lines = head.split('\n');
+    let request_line = lines.next().unwrap_or("");
+    let mut host = None;
+    for line in lines {
+        if let Some((name, value)) = line.split_once(':') {
+            if name.trim().eq_ignore_ascii_case("host") {
+                // Two Host headers are a request smuggling trick: refuse them.
+                host = if host.is_none() {
+                    Some(value.trim())
+                } else {
+                    Some("")
+                };
+            }
+        }
+    }
+    let mut parts = request_line.split_whitespace();
+    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or("/"));
+    if !host.is_some_and(|h| host_allowed(h, port)) {
+        return Err(Refusal::ForbiddenHost);
+    }
+    let head_only = match method {
+        "GET" => false,
+        "HEAD" => true,
+        _ => return Err(Refusal::MethodNotAllowed),
+    };
+    Ok(Request {
+        head_only,
+        path: path.to_string(),
+    })
+}
+
+/// Where a request's head ends: just past the first empty line (`\r\n` or `\n`) after the
+/// request line, if one has arrived.
+fn head_end(bytes: &[u8]) -> Option<usize> {
+    let mut start = bytes.iter().position(|&b| b == b'\n')? + 1;
+    loop {
+        let newline = start + bytes[start..].iter().position(|&b| b == b'\n')?;
+        if matches!(&bytes[start..newline], b"" | b"\r") {
+            return Some(newline + 1);
+        }
+        start = newline + 1;
+    }
+}
+
 fn handle(
     mut stream: TcpStream,
     viewer: &Viewer,
@@ -285,73 +381,49 @@ fn handle(
     closer: &Closer,
 ) -> std::io::Result<()> {
     stream.set_write_timeout(Some(limits.write_timeout))?;
-    let until = Instant::now() + limits.request_deadline;
-    // One byte past the cap tells a request at the cap from one over it.
-    let cap = limits.max_request_bytes as u64;
-    let mut reader = BufReader::new(
-        Deadline {
-            stream: &stream,
-            until,
+    let mut reader = Deadline {
+        stream: &stream,
+        until: Instant::now() + limits.request_deadline,
+    };
+    let mut received = Vec::with_capacity(1 << 10);
+    let mut chunk = [0u8; 4 << 10];
+    let parsed = loop {
+        match parse_request(&received, port, limits.max_request_bytes) {
+            Err(Refusal::Incomplete) => {}
+            parsed => break parsed,
         }
-        .take(cap + 1),
-    );
-    let mut request_line = String::new();
-    let mut host = None;
-    let mut read = reader.read_line(&mut request_line)?;
-    let mut complete = false;
-    let mut line = String::new();
-    while read as u64 <= cap {
-        line.clear();
-        let n = reader.read_line(&mut line)?;
-        read += n;
-        if n == 0 || !line.ends_with('\n') {
-            break;
-        }
-        if line == "\r\n" || line == "\n" {
-            complete = true;
-            break;
-        }
-        if let Some((name, value)) = line.split_once(':') {
-            if name.trim().eq_ignore_ascii_case("host") {
-                // Two Host headers are a request smuggling trick: refuse them.
-                host = if host.is_none() {
-                    Some(value.trim().to_string())
-                } else {
-                    Some(String::new())
-                };
-            }
-        }
-    }
-    drop(reader);
-    if !complete {
-        if read as u64 > cap {
-            respond(
-                &mut stream,
-                false,
-                431,
-                "text/plain",
-                b"request too large\n",
-            )?;
-            linger(closer, stream);
+        // One byte past the cap tells a request at the cap from one over it.
+        let room = (limits.max_request_bytes + 1)
+            .saturating_sub(received.len())
+            .min(chunk.len());
+        let n = match reader.read(&mut chunk[..room]) {
+            Ok(n) => n,
+            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(err) => return Err(err),
+        };
+        if n == 0 {
+            // The client closed early, or sent an incomplete request: nothing to answer.
             return Ok(());
         }
-        // The client closed early, or sent an incomplete request: nothing to answer.
-        return Ok(());
-    }
-    let mut parts = request_line.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or("/"));
-    if !host.as_deref().is_some_and(|h| host_allowed(h, port)) {
-        return respond(&mut stream, false, 403, "text/plain", b"forbidden host\n");
-    }
-    let (status, ctype, body) = match method {
-        "GET" | "HEAD" => viewer.route(path),
-        _ => (
-            405,
-            "text/plain",
-            Arc::new(b"method not allowed\n".to_vec()),
-        ),
+        received.extend_from_slice(&chunk[..n]);
     };
-    respond(&mut stream, method == "HEAD", status, ctype, &body)
+    match parsed {
+        Ok(request) => {
+            let (status, ctype, body) = viewer.route(&request.path);
+            respond(&mut stream, request.head_only, status, ctype, &body)
+        }
+        Err(refusal) => {
+            let Some((status, body)) = refusal.answer() else {
+                return Ok(());
+            };
+            respond(&mut stream, false, status, "text/plain", body)?;
+            if refusal == Refusal::TooLarge {
+                // Unread request bytes would reset the connection before the answer is read.
+                linger(closer, stream);
+            }
+            Ok(())
+        }
+    }
 }
 
 fn respond(
@@ -363,6 +435,7 @@ fn respond(
 ) -> std::io::Result<()> {
     let reason = match status {
         200 => "OK",
+        400 => "Bad Request",
         403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",

@@ -263,3 +263,33 @@ fn pickles_past_the_device_and_address_limits_are_refused() {
     model::load(&path).unwrap();
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The engine's own snapshot JSON (no `"format"` key) is held to the same limits as ours:
+/// a segment ending past 2^63, with a page mapped in it, is refused with the limit named,
+/// not converted with a sum that wraps.
+#[test]
+fn engine_json_past_the_address_limit_is_refused() {
+    use streamalloc_allocator::trace::{TraceAction, TraceEntry};
+    use streamalloc_allocator::{DevicePtr, StreamId};
+    let mut engine = common::engine::engine_snapshot();
+    let top = u64::MAX - (1 << 20);
+    engine.segments[0].addr = DevicePtr(top);
+    engine.trace.push(TraceEntry {
+        action: TraceAction::SegmentMap,
+        addr: DevicePtr(u64::MAX - 1),
+        size: 1 << 20,
+        stream: StreamId(0),
+        time_ns: 0,
+    });
+    // The conversion itself takes any address.
+    let converted = model::from_engine(&engine);
+    assert!(converted.devices[0].segments.iter().any(|s| s.expandable));
+    let bytes = serde_json::to_vec(&engine).unwrap();
+    let err = model::parse_json("engine.json".as_ref(), &bytes)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("engine.json") && err.contains("address limit"),
+        "{err}"
+    );
+}

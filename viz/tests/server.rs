@@ -197,3 +197,58 @@ fn connections_past_the_cap_get_503_and_slots_free_up() {
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     drop(idle);
 }
+
+#[test]
+fn a_head_that_is_not_text_gets_400() {
+    let addr = start(server::Limits::default());
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(format!("GET / HTTP/1.1\r\nHost: {addr}\r\n").as_bytes())
+        .unwrap();
+    s.write_all(b"X-Bytes: \xff\xfe\r\n\r\n").unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let head = String::from_utf8_lossy(&raw);
+    assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+}
+
+/// The parser the server runs on the bytes received so far: the answer depends only on the
+/// head (request line and headers up to the empty line), whatever follows it.
+#[test]
+fn a_request_is_parsed_from_its_head_alone() {
+    use server::{parse_request, Refusal, Request};
+    let cap = 256;
+    let get = b"GET /api/files HTTP/1.1\r\nHost: localhost:8765\r\n\r\n";
+    let request = Request {
+        head_only: false,
+        path: "/api/files".into(),
+    };
+    assert_eq!(parse_request(get, 8765, cap), Ok(request.clone()));
+    let mut with_body = get.to_vec();
+    with_body.extend_from_slice(&[0xff; 1000]);
+    assert_eq!(parse_request(&with_body, 8765, cap), Ok(request));
+    assert_eq!(
+        parse_request(&get[..get.len() - 2], 8765, cap),
+        Err(Refusal::Incomplete)
+    );
+    assert_eq!(parse_request(get, 8766, cap), Err(Refusal::ForbiddenHost));
+    assert_eq!(
+        parse_request(b"HEAD / HTTP/1.1\nHost: [::1]:8765\n\n", 8765, cap),
+        Ok(Request {
+            head_only: true,
+            path: "/".into()
+        })
+    );
+    assert_eq!(
+        parse_request(
+            b"DELETE / HTTP/1.1\r\nHost: 127.0.0.1:8765\r\n\r\n",
+            8765,
+            cap
+        ),
+        Err(Refusal::MethodNotAllowed)
+    );
+    let long = format!("GET /{} HTTP/1.1\r\n", "a".repeat(cap));
+    assert_eq!(
+        parse_request(long.as_bytes(), 8765, cap),
+        Err(Refusal::TooLarge)
+    );
+}
