@@ -1,7 +1,7 @@
 //! The C ABI driven by arbitrary bytes, on simulated devices: a hostile C caller.
 //!
 //! The `c_abi` cargo-fuzz target (`fuzz/fuzz_targets/c_abi.rs`) and the stable replay of
-//! its corpus (`tests/fuzz_corpus_c_abi.rs`) share [`run_bytes`], so both check the same
+//! its corpus (`tests/fuzz_corpus.rs`) share [`run_bytes`], so both check the same
 //! things. The bytes become a configuration and a sequence of calls of the generic
 //! functions behind the exports (the very code `streamalloc_*` runs, on a
 //! `Registry<SimBackend>`), with hostile arguments: null, foreign, interior and double
