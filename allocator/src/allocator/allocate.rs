@@ -38,29 +38,32 @@ impl State {
             return Ok(self.hand_out_hot(key, slot, requested, now));
         }
         self.hot_missed(slot);
-        if let Some(key) = self.take_ready(slot, pool, size, max_size) {
+        let need = Need {
+            slot,
+            pool,
+            size,
+            max_size,
+        };
+        if let Some(key) = self.take_ready(need) {
             return Ok(self.hand_out(key, slot, size, requested, now));
         }
-        self.malloc_slow(backend, config, requested, size, pool, max_size, slot)
+        self.malloc_slow(backend, config, requested, need)
     }
 
     #[cold]
     #[inline(never)]
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn malloc_slow<B: Backend>(
         &mut self,
         backend: &B,
         config: &Config,
         requested: u64,
-        size: u64,
-        pool: PoolKind,
-        max_size: u64,
-        slot: StreamSlot,
+        need: Need,
     ) -> Result<Allocation, AllocError> {
+        let Need { slot, size, .. } = need;
         let stream = self.streams.id(slot);
         // Hot blocks are invisible to best fit and to other streams: merge them back first.
         if self.flush_hot() {
-            if let Some(key) = self.take_ready(slot, pool, size, max_size) {
+            if let Some(key) = self.take_ready(need) {
                 return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
             }
         }
@@ -74,13 +77,13 @@ impl State {
             let due = config.reuse_policy == ReusePolicy::Pytorch
                 || self.events.outstanding() >= config.event_batch;
             if due && self.collect_completed(backend)? {
-                if let Some(key) = self.take_ready(slot, pool, size, max_size) {
+                if let Some(key) = self.take_ready(need) {
                     return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
                 }
             }
             // 3. Any other free block, reused after a device-side wait.
             if config.reuse_policy == ReusePolicy::StreamWait {
-                if let Some(key) = self.best_waitable(slot, pool, size, max_size) {
+                if let Some(key) = self.best_waitable(need) {
                     self.unlist(key);
                     self.wait_for_block(backend, key, slot)?;
                     return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
@@ -88,13 +91,13 @@ impl State {
             }
         }
         // 4. Grow.
-        if let Some(key) = self.grow_any(backend, size, pool, max_size, slot, capturing)? {
+        if let Some(key) = self.grow_any(backend, need, capturing)? {
             return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
         }
         // 5. Return cached memory to the device and grow again.
         if !capturing && self.stats.reserved_bytes.current > self.stats.allocated_bytes.current {
             self.release_cached(backend)?;
-            if let Some(key) = self.grow_any(backend, size, pool, max_size, slot, capturing)? {
+            if let Some(key) = self.grow_any(backend, need, capturing)? {
                 self.stats.retries += 1;
                 return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
             }
@@ -105,15 +108,15 @@ impl State {
         ))
     }
 
-    /// The best-fitting block of `pool` that `slot` can take after device-side waits: its
-    /// own pending blocks, and every free block of other streams in its memory pool.
-    pub(super) fn best_waitable(
-        &self,
-        slot: StreamSlot,
-        pool: PoolKind,
-        size: u64,
-        max_size: u64,
-    ) -> Option<BlockKey> {
+    /// The best-fitting block that `need.slot` can take after device-side waits: its own
+    /// pending blocks, and every free block of other streams in its memory pool.
+    pub(super) fn best_waitable(&self, need: Need) -> Option<BlockKey> {
+        let Need {
+            slot,
+            pool,
+            size,
+            max_size,
+        } = need;
         let mut best: Option<(u64, u64, BlockKey)> = None;
         let memory_pool = self.streams.pool(slot);
         for (index, state) in self.streams.states.iter().enumerate() {
@@ -175,21 +178,18 @@ impl State {
         Ok(())
     }
 
-    /// Room for a rounded `size`, unlisted and owned by `slot`, from a new segment or from
-    /// pages mapped into an expandable one; `None` if the limit or the device refuses.
+    /// Room for `need`, unlisted and owned by its slot, from a new segment or from pages
+    /// mapped into an expandable one; `None` if the limit or the device refuses.
     pub(super) fn grow_any<B: Backend>(
         &mut self,
         backend: &B,
-        size: u64,
-        pool: PoolKind,
-        max_size: u64,
-        slot: StreamSlot,
+        need: Need,
         capturing: bool,
     ) -> Result<Option<BlockKey>, AllocError> {
         if self.growth.expandable().is_some() {
-            self.grow_expandable(backend, size, pool, max_size, slot, capturing)
+            self.grow_expandable(backend, need, capturing)
         } else {
-            self.grow(backend, size, pool, slot)
+            self.grow(backend, need.size, need.pool, need.slot)
         }
     }
 

@@ -34,17 +34,17 @@ impl State {
     pub(super) fn grow_expandable<B: Backend>(
         &mut self,
         backend: &B,
-        size: u64,
-        pool: PoolKind,
-        max_size: u64,
-        slot: StreamSlot,
+        need: Need,
         capturing: bool,
     ) -> Result<Option<BlockKey>, AllocError> {
+        let Need {
+            slot, pool, size, ..
+        } = need;
         if self.growth.expandable().is_none() {
             return Ok(None);
         }
         if !capturing {
-            if let Some(key) = self.reclaim_before_mapping(backend, size, pool, max_size, slot)? {
+            if let Some(key) = self.reclaim_before_mapping(backend, need)? {
                 return Ok(Some(key));
             }
         }
@@ -70,11 +70,9 @@ impl State {
     fn reclaim_before_mapping<B: Backend>(
         &mut self,
         backend: &B,
-        size: u64,
-        pool: PoolKind,
-        max_size: u64,
-        slot: StreamSlot,
+        need: Need,
     ) -> Result<Option<BlockKey>, AllocError> {
+        let size = need.size;
         let vmm = self.table();
         // Reclaim (synchronise, unmap free mappings, map where there is room) only when
         // mapping would take reserved memory past the live peak plus a slack, or past the
@@ -96,7 +94,7 @@ impl State {
         let over_limit = after > budget || self.limit.is_some_and(|limit| after > limit);
         if over_limit && self.has_unmappable_pages(Release::Unpinned) {
             self.synchronize(backend)?;
-            if let Some(key) = self.take_ready(slot, pool, size, max_size) {
+            if let Some(key) = self.take_ready(need) {
                 return Ok(Some(key));
             }
             let excess = after.saturating_sub(self.limit.map_or(budget, |limit| limit.min(budget)));

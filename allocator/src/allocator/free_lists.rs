@@ -6,19 +6,13 @@ use super::*;
 use crate::pool::free_list::FreeList;
 
 impl State {
-    /// Takes the best-fitting ready block of `slot`'s own list out of it: reuse that needs no
-    /// synchronisation at all.
+    /// Takes the best-fitting ready block of `need.slot`'s own list out of it: reuse that
+    /// needs no synchronisation at all.
     #[inline]
-    pub(super) fn take_ready(
-        &mut self,
-        slot: StreamSlot,
-        pool: PoolKind,
-        size: u64,
-        max_size: u64,
-    ) -> Option<BlockKey> {
+    pub(super) fn take_ready(&mut self, need: Need) -> Option<BlockKey> {
         // What `unlist` would do for a ready block: no pending bytes to count.
-        let (_, _, key) =
-            self.streams.get_mut(slot).ready[pool as usize].take_best_fit(size, max_size)?;
+        let (_, _, key) = self.streams.get_mut(need.slot).ready[need.pool as usize]
+            .take_best_fit(need.size, need.max_size)?;
         debug_assert!(self.arena.blocks[key].pending.is_empty());
         Some(key)
     }

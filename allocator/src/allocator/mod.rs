@@ -121,6 +121,17 @@ struct State {
     deferred_frees: Vec<(BlockKey, u64, thin_vec::ThinVec<StreamSlot>)>,
 }
 
+/// What a request needs from a free block: its stream slot, the pool kind whose lists may
+/// serve it, its rounded size, and the largest block that may be split for it
+/// (`max_split_size`). The policy's steps pass it along whole.
+#[derive(Clone, Copy, Debug)]
+struct Need {
+    slot: StreamSlot,
+    pool: PoolKind,
+    size: u64,
+    max_size: u64,
+}
+
 /// How the allocator obtains memory from the device: what `expandable_segments` chose,
 /// fixed when the allocator is created.
 #[derive(Debug)]

@@ -10,11 +10,11 @@
 //! [`sim::SimTransport`] runs ranks as threads over channels, for CI. Every wait in it has a
 //! deadline, so a protocol error is an error, never a hang.
 //!
-//! `nccl::NcclTransport` (feature `cuda`) runs the same protocol over NCCL between GPUs,
+//! `nccl::NcclTransport` (feature `nccl`) runs the same protocol over NCCL between GPUs,
 //! from Rust: a non-blocking communicator bootstrapped from a unique id shared through a
 //! file, every wait bounded by a deadline.
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod sim;
 

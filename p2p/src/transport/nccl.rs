@@ -1,5 +1,5 @@
 //! [`NcclTransport`]: the [`Transport`] trait over NCCL, for running the staged exchange
-//! between real GPUs from Rust (feature `cuda`).
+//! between real GPUs from Rust (feature `nccl`).
 //!
 //! The staging executor speaks [`Transport`] with host byte slices; this module is the
 //! piece that lets it run across processes and GPUs without Python. It lets the Rust side of
@@ -26,9 +26,10 @@
 //!   (`ncclGetErrorString` and `ncclGetLastError`). After any failure the communicator is
 //!   aborted and every later call fails at once.
 //! - cudarc's dynamic loading panics when `libnccl` or a symbol is missing; [`load`] probes
-//!   the library first (`is_culib_present`, then every symbol inside `catch_unwind`), as
-//!   [`crate::backend::cuda::driver::load`] does for `libcuda`. A machine without NCCL or
-//!   CUDA gets a typed [`NcclError`].
+//!   the library first through the driver's shared loader
+//!   ([`streamalloc_allocator::backend::cuda::driver::probe_library`], the one `libcuda`
+//!   goes through too), and NCCL's result codes go through the same result layer
+//!   ([`Status`]). A machine without NCCL or CUDA gets a typed [`NcclError`].
 //!
 //! # Bootstrap
 //! Ranks share NCCL's 128-byte unique id through a file ([`NcclTransport::from_file`]):
@@ -41,15 +42,16 @@
 //! on the calling thread at every call.
 
 use super::{P2pOp, Transport, TransportError};
-use crate::backend::cuda::sys as cu;
-use crate::backend::cuda::{
-    device_count as cuda_device_count, driver, retain_primary_context, CudaError,
-};
 use cudarc::nccl::sys as nc;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+use streamalloc_allocator::backend::cuda::driver::{self, Library, LibraryError, Status};
+use streamalloc_allocator::backend::cuda::sys as cu;
+use streamalloc_allocator::backend::cuda::{
+    device_count as cuda_device_count, retain_primary_context, CudaError,
+};
 
 /// Size of an NCCL unique id, bytes.
 pub const UNIQUE_ID_BYTES: usize = 128;
@@ -75,14 +77,10 @@ const SYMBOLS: &[&str] = &[
 /// Why an [`NcclTransport`] could not be made.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum NcclError {
-    /// No `libnccl` could be opened.
-    #[error(
-        "NCCL (libnccl.so) could not be loaded: it is not installed or not on the library path"
-    )]
-    LibraryNotFound,
-    /// `libnccl` lacks a symbol this module calls (an NCCL older than 2.14).
-    #[error("libnccl lacks `{0}`: it is too old for streamalloc (needs NCCL 2.14 or newer)")]
-    MissingSymbol(String),
+    /// `libnccl` is missing, or lacks a symbol this module calls (an NCCL older than
+    /// 2.14).
+    #[error(transparent)]
+    Library(#[from] LibraryError),
     /// The CUDA driver could not be loaded, or the device is missing or unusable.
     #[error(transparent)]
     Device(#[from] CudaError),
@@ -100,8 +98,7 @@ impl NcclError {
     pub fn is_unavailable(&self) -> bool {
         matches!(
             self,
-            NcclError::LibraryNotFound
-                | NcclError::MissingSymbol(_)
+            NcclError::Library(_)
                 | NcclError::Device(CudaError::Driver(_) | CudaError::NoSuchDevice { .. })
         )
     }
@@ -124,32 +121,14 @@ pub fn load() -> Result<i32, NcclError> {
 }
 
 fn load_uncached() -> Result<i32, NcclError> {
-    // SAFETY: `is_culib_present` only calls `dlopen`/`dlclose` on candidate names.
-    if !unsafe { nc::is_culib_present() } {
-        return Err(NcclError::LibraryNotFound);
-    }
-    let probed = std::panic::catch_unwind(|| {
-        // SAFETY: the library is present (checked above), so `culib` opens it instead of
-        // panicking; `get` only looks a symbol up.
-        let lib = unsafe { nc::culib() };
-        for name in SYMBOLS {
-            // SAFETY: the symbol is looked up, never called, through this pointer type.
-            if unsafe { lib.get::<*const ()>(name.as_bytes()) }.is_err() {
-                return Err(NcclError::MissingSymbol((*name).to_string()));
-            }
-        }
-        Ok(())
-    });
-    probed.unwrap_or(Err(NcclError::LibraryNotFound))?;
+    driver::probe_library(NCCL, nc::is_culib_present, nc::culib, SYMBOLS)?;
     let mut version: c_int = 0;
     // SAFETY: every symbol exists; `version` is a valid out-pointer.
-    let code = unsafe { nc::ncclGetVersion(&mut version) };
-    if code != nc::ncclResult_t::ncclSuccess {
-        return Err(NcclError::Bootstrap(format!(
-            "ncclGetVersion failed: {}",
-            error_string(code)
-        )));
-    }
+    Nccl(unsafe { nc::ncclGetVersion(&mut version) })
+        .check()
+        .map_err(|code| {
+            NcclError::Bootstrap(format!("ncclGetVersion failed: {}", code.describe()))
+        })?;
     Ok(version)
 }
 
@@ -159,16 +138,47 @@ pub fn device_count() -> Result<i32, NcclError> {
     Ok(cuda_device_count()?)
 }
 
-/// NCCL's name for a result code. Only called once the library is loaded.
-fn error_string(code: nc::ncclResult_t) -> String {
-    // SAFETY: the library is loaded; the call returns a static string or null.
-    let text = unsafe { nc::ncclGetErrorString(code) };
-    if text.is_null() {
-        format!("{code:?}")
-    } else {
-        // SAFETY: non-null pointers from NCCL are static NUL-terminated strings.
-        let text = unsafe { CStr::from_ptr(text) }.to_string_lossy();
-        format!("{code:?} ({text})")
+/// NCCL, as [`LibraryError`]s name it.
+const NCCL: Library = Library {
+    name: "NCCL (libnccl.so)",
+    absent: "it is not installed or not on the library path",
+    needs: "NCCL 2.14 or newer",
+};
+
+/// An NCCL result code in the driver's result layer ([`Status`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Nccl(nc::ncclResult_t);
+
+impl Status for Nccl {
+    fn is_success(self) -> bool {
+        self.0 == nc::ncclResult_t::ncclSuccess
+    }
+
+    /// `ncclX (NCCL's text)`.
+    fn describe(self) -> String {
+        let code = self.0;
+        // SAFETY: the library is loaded (a code exists only then); the call returns a
+        // static string or null.
+        let text = unsafe { nc::ncclGetErrorString(code) };
+        if text.is_null() {
+            format!("{code:?}")
+        } else {
+            // SAFETY: non-null pointers from NCCL are static NUL-terminated strings.
+            let text = unsafe { CStr::from_ptr(text) }.to_string_lossy();
+            format!("{code:?} ({text})")
+        }
+    }
+}
+
+impl Nccl {
+    /// As [`Status::check`], but `ncclInProgress` is also `Ok`: on a non-blocking
+    /// communicator it means the call was queued.
+    fn queued(self) -> Result<(), Self> {
+        if self.0 == nc::ncclResult_t::ncclInProgress {
+            Ok(())
+        } else {
+            self.check()
+        }
     }
 }
 
@@ -179,13 +189,11 @@ pub fn new_unique_id() -> Result<[u8; UNIQUE_ID_BYTES], NcclError> {
         internal: [0; UNIQUE_ID_BYTES],
     };
     // SAFETY: the library is loaded; `id` is a valid out-pointer.
-    let code = unsafe { nc::ncclGetUniqueId(&mut id) };
-    if code != nc::ncclResult_t::ncclSuccess {
-        return Err(NcclError::Bootstrap(format!(
-            "ncclGetUniqueId failed: {}",
-            error_string(code)
-        )));
-    }
+    Nccl(unsafe { nc::ncclGetUniqueId(&mut id) })
+        .check()
+        .map_err(|code| {
+            NcclError::Bootstrap(format!("ncclGetUniqueId failed: {}", code.describe()))
+        })?;
     Ok(id.internal.map(|c| c as u8))
 }
 
@@ -364,7 +372,7 @@ impl NcclTransport {
                 &mut config,
             )
         };
-        if code != nc::ncclResult_t::ncclSuccess && code != nc::ncclResult_t::ncclInProgress {
+        if let Err(code) = Nccl(code).queued() {
             return Err(transport.fail("ncclCommInitRankConfig", code).into());
         }
         // Rank 0 hosts the rendezvous and waits for everyone: it names rank 1.
@@ -404,7 +412,7 @@ impl NcclTransport {
     }
 
     /// A failed NCCL call: abort, and the error with NCCL's messages.
-    fn fail(&mut self, what: &str, code: nc::ncclResult_t) -> TransportError {
+    fn fail(&mut self, what: &str, code: Nccl) -> TransportError {
         let last = if self.comm.is_null() {
             String::new()
         } else {
@@ -425,7 +433,7 @@ impl NcclTransport {
         let message = format!(
             "rank {}: NCCL {what} failed: {}{last}",
             self.rank,
-            error_string(code)
+            code.describe()
         );
         self.abort(message.clone());
         TransportError::Backend(message)
@@ -460,13 +468,13 @@ impl NcclTransport {
             let mut state = nc::ncclResult_t::ncclSuccess;
             // SAFETY: `comm` is live; `state` is a valid out-pointer.
             let code = unsafe { nc::ncclCommGetAsyncError(self.comm, &mut state) };
-            if code != nc::ncclResult_t::ncclSuccess {
+            if let Err(code) = Nccl(code).check() {
                 return Err(self.fail(what, code));
             }
             match state {
                 nc::ncclResult_t::ncclSuccess => return Ok(()),
                 nc::ncclResult_t::ncclInProgress => {}
-                failed => return Err(self.fail(what, failed)),
+                failed => return Err(self.fail(what, Nccl(failed))),
             }
             if Instant::now() >= deadline {
                 return Err(self.time_out(what, peer));
@@ -483,8 +491,8 @@ impl NcclTransport {
         peer: u32,
         deadline: Instant,
     ) -> Result<(), TransportError> {
-        // SAFETY: event and stream are live, in the current context.
         cuda(
+            // SAFETY: event and stream are live, in the current context.
             unsafe { cu::cuEventRecord(self.done, self.stream) },
             "cuEventRecord",
         )?;
@@ -504,11 +512,11 @@ impl NcclTransport {
             let mut state = nc::ncclResult_t::ncclSuccess;
             // SAFETY: `comm` is live (checked by the callers' `enter`); valid out-pointer.
             let code = unsafe { nc::ncclCommGetAsyncError(self.comm, &mut state) };
-            if code != nc::ncclResult_t::ncclSuccess {
+            if let Err(code) = Nccl(code).check() {
                 return Err(self.fail(what, code));
             }
-            if state != nc::ncclResult_t::ncclSuccess && state != nc::ncclResult_t::ncclInProgress {
-                return Err(self.fail(what, state));
+            if let Err(code) = Nccl(state).queued() {
+                return Err(self.fail(what, code));
             }
             if Instant::now() >= deadline {
                 return Err(self.time_out(what, peer));
@@ -563,15 +571,15 @@ impl Transport for NcclTransport {
         Self::reserve(&mut self.send_buf, 8)?;
         Self::reserve(&mut self.recv_buf, 8 * world)?;
         let len = (data.len() as u64).to_le_bytes();
-        // SAFETY: the buffer holds at least 8 bytes; `len` is 8 readable bytes.
         cuda(
+            // SAFETY: the buffer holds at least 8 bytes; `len` is 8 readable bytes.
             unsafe { cu::cuMemcpyHtoD_v2(self.send_buf.ptr, len.as_ptr().cast(), 8) },
             "cuMemcpyHtoD",
         )?;
         self.gather(8, predecessor, deadline)?;
         let mut lens = vec![0u8; 8 * world];
-        // SAFETY: the stream is done; the receive buffer holds `8 * world` bytes.
         cuda(
+            // SAFETY: the stream is done; the receive buffer holds `8 * world` bytes.
             unsafe { cu::cuMemcpyDtoH_v2(lens.as_mut_ptr().cast(), self.recv_buf.ptr, 8 * world) },
             "cuMemcpyDtoH",
         )?;
@@ -602,16 +610,16 @@ impl Transport for NcclTransport {
         Self::reserve(&mut self.send_buf, longest)?;
         Self::reserve(&mut self.recv_buf, total)?;
         if !data.is_empty() {
-            // SAFETY: the buffer holds at least `longest >= data.len()` bytes.
             cuda(
+                // SAFETY: the buffer holds at least `longest >= data.len()` bytes.
                 unsafe { cu::cuMemcpyHtoD_v2(self.send_buf.ptr, data.as_ptr().cast(), data.len()) },
                 "cuMemcpyHtoD",
             )?;
         }
         self.gather(longest, predecessor, deadline)?;
         let mut all = vec![0u8; total];
-        // SAFETY: the stream is done; the receive buffer holds `total` bytes.
         cuda(
+            // SAFETY: the stream is done; the receive buffer holds `total` bytes.
             unsafe { cu::cuMemcpyDtoH_v2(all.as_mut_ptr().cast(), self.recv_buf.ptr, total) },
             "cuMemcpyDtoH",
         )?;
@@ -658,8 +666,8 @@ impl Transport for NcclTransport {
         for op in ops.iter() {
             if let P2pOp::Send { data, .. } = op {
                 if !data.is_empty() {
-                    // SAFETY: offsets stay within `send_total` bytes of the buffer.
                     cuda(
+                        // SAFETY: offsets stay within `send_total` bytes of the buffer.
                         unsafe {
                             cu::cuMemcpyHtoD_v2(
                                 self.send_buf.ptr + at as u64,
@@ -677,8 +685,8 @@ impl Transport for NcclTransport {
         // One NCCL group.
         // SAFETY: group calls only queue work; the library is loaded.
         let started = unsafe { nc::ncclGroupStart() };
-        if started != nc::ncclResult_t::ncclSuccess {
-            return Err(self.fail("ncclGroupStart", started));
+        if let Err(code) = Nccl(started).check() {
+            return Err(self.fail("ncclGroupStart", code));
         }
         let (mut send_at, mut recv_at) = (0usize, 0usize);
         let mut queued = Ok(());
@@ -714,7 +722,7 @@ impl Transport for NcclTransport {
                     _ => nc::ncclResult_t::ncclSuccess,
                 }
             };
-            if code != nc::ncclResult_t::ncclSuccess && code != nc::ncclResult_t::ncclInProgress {
+            if let Err(code) = Nccl(code).queued() {
                 queued = Err(("ncclSend/ncclRecv", code));
                 break;
             }
@@ -725,8 +733,8 @@ impl Transport for NcclTransport {
         if let Err((what, code)) = queued {
             return Err(self.fail(what, code));
         }
-        if ended != nc::ncclResult_t::ncclSuccess && ended != nc::ncclResult_t::ncclInProgress {
-            return Err(self.fail("ncclGroupEnd", ended));
+        if let Err(code) = Nccl(ended).queued() {
+            return Err(self.fail("ncclGroupEnd", code));
         }
         self.wait_comm("group", first_peer, deadline)?;
         self.wait_stream("group", first_peer, deadline)?;
@@ -736,8 +744,8 @@ impl Transport for NcclTransport {
         for op in ops.iter_mut() {
             if let P2pOp::Recv { buf, .. } = op {
                 if !buf.is_empty() {
-                    // SAFETY: the stream is done; offsets stay within `recv_total` bytes.
                     cuda(
+                        // SAFETY: the stream is done; offsets stay within `recv_total` bytes.
                         unsafe {
                             cu::cuMemcpyDtoH_v2(
                                 buf.as_mut_ptr().cast(),
@@ -772,7 +780,7 @@ impl NcclTransport {
                 self.stream(),
             )
         };
-        if code != nc::ncclResult_t::ncclSuccess && code != nc::ncclResult_t::ncclInProgress {
+        if let Err(code) = Nccl(code).queued() {
             return Err(self.fail("ncclAllGather", code));
         }
         self.wait_comm("all-gather", peer, deadline)?;
@@ -789,9 +797,7 @@ impl Drop for NcclTransport {
             let deadline = Instant::now() + self.timeout.min(Duration::from_secs(10));
             // SAFETY: `comm` is live and idle (every call waited for its work).
             let code = unsafe { nc::ncclCommFinalize(self.comm) };
-            let finalised = if code == nc::ncclResult_t::ncclSuccess
-                || code == nc::ncclResult_t::ncclInProgress
-            {
+            let finalised = if Nccl(code).queued().is_ok() {
                 self.wait_comm("finalisation", self.rank, deadline).is_ok()
             } else {
                 false

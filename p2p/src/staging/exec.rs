@@ -17,9 +17,9 @@
 use super::plan::{Description, LocalDescription, Payload, Plan, StagingConfig};
 use super::pool::StagingPool;
 use super::StagingError;
-use crate::backend::Backend;
 use crate::transport::{P2pOp, Transport};
-use crate::types::Allocation;
+use streamalloc_allocator::backend::Backend;
+use streamalloc_allocator::types::Allocation;
 
 /// What one rank's run of a plan did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

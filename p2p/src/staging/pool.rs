@@ -8,10 +8,10 @@
 //! every instant, and [`StagingPool::peak`] records the highest `in_use` seen.
 
 use super::StagingError;
-use crate::backend::Backend;
-use crate::trace::TraceAction;
-use crate::types::{Allocation, StreamId};
-use crate::Allocator;
+use streamalloc_allocator::backend::Backend;
+use streamalloc_allocator::trace::TraceAction;
+use streamalloc_allocator::types::{Allocation, StreamId};
+use streamalloc_allocator::Allocator;
 
 /// A bounded set of staging buffers over an [`Allocator`].
 #[derive(Debug)]
@@ -89,8 +89,8 @@ impl<'a, B: Backend> StagingPool<'a, B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::sim::SimBackend;
-    use crate::Config;
+    use streamalloc_allocator::backend::sim::SimBackend;
+    use streamalloc_allocator::Config;
 
     #[test]
     fn buffers_show_in_stats_and_trace_and_respect_the_budget() {

@@ -9,14 +9,14 @@
 //! - [`plan`]: the deterministic planner (rounds, packing, zero-copy, splitting, circle
 //!   pairing) and the plan digest.
 //! - [`pool`]: the staging buffers, drawn from and returned to the engine's
-//!   [`crate::Allocator`], so they show in its stats and trace.
+//!   [`streamalloc_allocator::Allocator`], so they show in its stats and trace.
 //! - [`exec`]: agreeing on a plan across ranks (description all-gather, validation, digest
 //!   check) and running it over a [`crate::transport::Transport`] with host buffers.
 //!
 //! # Example
 //! ```
-//! use streamalloc_allocator::staging::{exec, plan::*};
-//! use streamalloc_allocator::transport::{sim::SimTransport, Transport};
+//! use streamalloc_p2p::staging::{exec, plan::*};
+//! use streamalloc_p2p::transport::{sim::SimTransport, Transport};
 //!
 //! let handles: Vec<_> = SimTransport::mesh(2, std::time::Duration::from_secs(5))
 //!     .into_iter()
@@ -41,8 +41,8 @@ pub use exec::{agree_on_plan, execute, ExecStats};
 pub use plan::{Description, LocalDescription, Plan, StagingConfig, TensorMeta};
 pub use pool::StagingPool;
 
-use crate::error::AllocError;
 use crate::transport::TransportError;
+use streamalloc_allocator::error::AllocError;
 
 /// Every way a staged exchange can fail. Errors that come from the gathered description
 /// (mismatches, digest disagreement) are computed from data every rank holds, so every
