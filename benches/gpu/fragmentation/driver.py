@@ -12,6 +12,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from driverlib import last_error_line  # noqa: E402
 OUT = os.path.abspath(sys.argv[1])
 LOGS, RESULTS = os.path.join(OUT, "logs"), os.path.join(OUT, "results")
 TOTAL_S = float(os.environ.get("TOTAL_S", 450))
@@ -75,17 +77,6 @@ class Job:
                 self.rc = proc.wait()
             self.seconds = time.monotonic() - t0
             log.write(f"\n[driver] rc={self.rc} seconds={self.seconds:.1f}{' TIMEOUT' if self.timed_out else ''}\n")
-
-
-def last_error_line(path):
-    try:
-        lines = [l.strip() for l in open(path, errors="replace") if l.strip() and not l.startswith("[driver]")]
-    except OSError:
-        return "no log"
-    for l in reversed(lines):
-        if "Error" in l or "error" in l or "Exception" in l:
-            return l
-    return lines[-1] if lines else "empty log"
 
 
 def load(job):

@@ -17,11 +17,7 @@ OUT=${1:?usage: run.sh OUT}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../../.." && pwd)
 mkdir -p "$OUT"
-export STREAMALLOC_LIB=${STREAMALLOC_LIB:?path of libstreamalloc.so}
-[ -f "$STREAMALLOC_LIB" ] || { echo "run.sh: STREAMALLOC_LIB=$STREAMALLOC_LIB is not a file" >&2; exit 2; }
-export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
-export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$ROOT/benches/gpu/env.sh"
 # No network: transformers must not look for anything online.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The driver sets these per column; anything inherited would change what a column measures.

@@ -13,6 +13,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from driverlib import last_error_line  # noqa: E402
 OUT = os.path.abspath(sys.argv[1])
 LOGS, RESULTS = os.path.join(OUT, "logs"), os.path.join(OUT, "results")
 JOBS = int(os.environ.get("JOBS", 6))
@@ -141,17 +143,6 @@ def check_job(row, col, timeout, after=()):
     if row == "graph_nopools":
         conf = "graph_pools:false"
     return Job(row, col, [PY, os.path.join(HERE, "checks.py"), row, alloc, ""], timeout, conf, after)
-
-
-def last_error_line(path):
-    try:
-        lines = [l.strip() for l in open(path, errors="replace") if l.strip() and not l.startswith("[driver]")]
-    except OSError:
-        return "no log"
-    for l in reversed(lines):
-        if "Error" in l or "error" in l or "Exception" in l:
-            return l
-    return lines[-1] if lines else "empty log"
 
 
 def failure_cell(j):

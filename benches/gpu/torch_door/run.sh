@@ -16,11 +16,7 @@ OUT=${1:?usage: run.sh OUT}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../../.." && pwd)
 mkdir -p "$OUT"
-export STREAMALLOC_LIB=${STREAMALLOC_LIB:?path of libstreamalloc.so}
-[ -f "$STREAMALLOC_LIB" ] || { echo "run.sh: STREAMALLOC_LIB=$STREAMALLOC_LIB is not a file" >&2; exit 2; }
-export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
-export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$ROOT/benches/gpu/env.sh"
 # One inductor cache for every process: the first GPT-2 compile fills it for the others.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torch_door_inductor}
 unset STREAMALLOC_CONF PYTORCH_CUDA_ALLOC_CONF PYTORCH_NO_CUDA_MEMORY_CACHING
