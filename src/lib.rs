@@ -6,11 +6,13 @@
 //! `main.rs`) is a thin caller of the same crates.
 
 #![warn(missing_docs, rust_2018_idioms)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod ffi;
 pub mod process;
 pub mod registry;
 
 pub use streamalloc_allocator as allocator;
+pub use streamalloc_p2p as p2p;
 
 pub mod replay;

@@ -34,11 +34,36 @@ pub fn devices_in_use<B: Backend>(registry: &Registry<B>) -> Vec<i32> {
         .collect()
 }
 
+/// What the environment asks of the process's exit, read in one place: [`STATS_ENV`],
+/// [`SNAPSHOT_ENV`] and the rank launchers set.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExitRequests {
+    /// Print each device's stats line.
+    pub stats: bool,
+    /// Write each device's snapshot to this file (see [`snapshot_path`]).
+    pub snapshot: Option<std::ffi::OsString>,
+    /// This process's rank (see [`rank_from`]).
+    pub rank: Option<String>,
+}
+
+impl ExitRequests {
+    /// The requests of this process's environment.
+    pub fn from_env() -> Self {
+        let flag = |name: &str| std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0");
+        ExitRequests {
+            stats: flag(STATS_ENV),
+            snapshot: std::env::var_os(SNAPSHOT_ENV).filter(|p| !p.is_empty()),
+            rank: rank_from(|name| std::env::var(name).ok()),
+        }
+    }
+}
+
 /// This process's rank as launchers report it: `RANK`, else `LOCAL_RANK` (torchrun,
-/// mpirun with PyTorch's conventions). Only digits are kept, so it is safe in a file name.
-pub fn rank() -> Option<String> {
+/// mpirun with PyTorch's conventions), looked up with `var`. Only digits are kept, so it
+/// is safe in a file name.
+pub fn rank_from(var: impl Fn(&str) -> Option<String>) -> Option<String> {
     ["RANK", "LOCAL_RANK"].iter().find_map(|name| {
-        let value = std::env::var(name).ok()?;
+        let value = var(name)?;
         let digits: String = value.chars().filter(char::is_ascii_digit).collect();
         (!digits.is_empty()).then_some(digits)
     })
@@ -88,20 +113,24 @@ pub fn stats_line<B: Backend>(device: i32, allocator: &Allocator<B>, rank: Optio
     )
 }
 
-fn flag(name: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
-}
-
-/// Does what [`STATS_ENV`] and [`SNAPSHOT_ENV`] ask for every device in use in
+/// Does what the environment's [`ExitRequests`] ask for every device in use in
 /// `registry`. Returns the number of snapshots that could not be written (each reported on
 /// stderr). A device made unusable by a panic is reported, not read.
 pub fn at_exit<B: Backend>(registry: &Registry<B>) -> usize {
-    let stats = flag(STATS_ENV);
-    let snapshot = std::env::var_os(SNAPSHOT_ENV).filter(|p| !p.is_empty());
+    at_exit_with(registry, &ExitRequests::from_env())
+}
+
+/// [`at_exit`] for explicit `requests`.
+pub fn at_exit_with<B: Backend>(registry: &Registry<B>, requests: &ExitRequests) -> usize {
+    let ExitRequests {
+        stats,
+        snapshot,
+        rank,
+    } = requests;
+    let stats = *stats;
     if !stats && snapshot.is_none() {
         return 0;
     }
-    let rank = rank();
     let devices: Vec<_> = registry.initialized().collect();
     if stats && devices.is_empty() {
         eprintln!(
@@ -207,11 +236,54 @@ mod tests {
     fn nothing_in_use_without_a_gpu_call() {
         // No test in this binary creates a CUDA allocator.
         assert!(devices_in_use(registry::global()).is_empty());
-        // SAFETY: capacity 0 with a null pointer writes nothing.
         assert_eq!(
+            // SAFETY: capacity 0 with a null pointer writes nothing.
             unsafe { streamalloc_devices_in_use(std::ptr::null_mut(), 0) },
             0
         );
         assert_eq!(streamalloc_at_exit(), 0);
+    }
+
+    #[test]
+    fn the_rank_is_rank_else_local_rank_and_only_its_digits() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(key, _)| *key == name)
+                    .map(|(_, value)| value.to_string())
+            }
+        };
+        assert_eq!(
+            rank_from(env(&[("RANK", "3"), ("LOCAL_RANK", "1")])).as_deref(),
+            Some("3")
+        );
+        assert_eq!(rank_from(env(&[("LOCAL_RANK", "1")])).as_deref(), Some("1"));
+        assert_eq!(rank_from(env(&[("RANK", "../7")])).as_deref(), Some("7"));
+        assert_eq!(
+            rank_from(env(&[("RANK", "x"), ("LOCAL_RANK", "2")])).as_deref(),
+            Some("2")
+        );
+        assert_eq!(rank_from(env(&[])), None);
+    }
+
+    #[test]
+    fn a_simulated_device_writes_its_snapshot_where_the_requests_say() {
+        let registry = Registry::simulated(streamalloc_allocator::Config::default());
+        let device = registry.device(0).unwrap();
+        let stream = device.allocator().backend().create_stream();
+        device.run(|a| a.malloc(4096, stream).unwrap()).unwrap();
+        let dir = std::env::temp_dir().join(format!("streamalloc-exit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let requests = ExitRequests {
+            stats: false,
+            snapshot: Some(dir.join("snap.json").into_os_string()),
+            rank: Some("2".into()),
+        };
+        assert_eq!(at_exit_with(&registry, &requests), 0);
+        let written = std::fs::read_to_string(dir.join("snap.rank2.json")).unwrap();
+        assert!(written.contains("\"segments\""), "{written}");
+        assert_eq!(at_exit_with(&registry, &ExitRequests::default()), 0);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -13,8 +13,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use streamalloc_allocator::trace::{TraceAction, TraceEntry};
 use streamalloc_allocator::{DevicePtr, StreamId};
-use streamalloc_viz::model::{Action, DeviceSnapshot, Snapshot};
-use streamalloc_viz::pytorch::{maybe_gunzip, parse_snapshot, TorchAction, TorchSnapshot};
+use streamalloc_viz::model::{DeviceSnapshot, Snapshot};
+use streamalloc_viz::pytorch::{parse_snapshot, TorchSnapshot};
+use streamalloc_viz::sniff::{self, Content};
 
 /// Where the test PyTorch traces are for a checkout at `workspace_root`: `tests/data/traces`
 /// in the repository, so a clone runs the same tests and benchmark without anything beside it.
@@ -53,13 +54,25 @@ pub fn traces_from_bytes(path: &Path, raw: Vec<u8>) -> Result<Vec<LoadedTrace>, 
         || path.display().to_string(),
         |n| n.to_string_lossy().into(),
     );
-    // The viewer's bounded gunzip, so replay has the same decompressed-size limits.
-    let bytes = maybe_gunzip(path, raw).map_err(|e| LoadError(e.to_string()))?;
-    if bytes.first() == Some(&0x80) {
+    // The viewer's bounded gunzip and sniffing, so replay has the same decompressed-size
+    // limits and tells formats apart the same way.
+    let (content, bytes) = sniff::open(path, raw).map_err(|e| LoadError(e.to_string()))?;
+    if content == Content::Pickle {
         let snapshot = parse_snapshot(path, &bytes).map_err(|e| LoadError(e.to_string()))?;
         return from_torch(&file_name, path, &snapshot);
     }
-    from_json(&file_name, path, &bytes)
+    from_json(&file_name, path, content, &bytes)
+}
+
+/// The engine's record of one event of a file.
+fn entry(action: TraceAction, addr: u64, size: u64, stream: u64, time_ns: u64) -> TraceEntry {
+    TraceEntry {
+        action,
+        addr: DevicePtr(addr),
+        size,
+        stream: StreamId(stream),
+        time_ns,
+    }
 }
 
 /// One trace per device with events; an empty snapshot is an error (nothing to replay).
@@ -92,25 +105,10 @@ fn from_torch(
             },
             entries: trace
                 .iter()
-                .filter_map(|e| {
-                    let action = match e.action {
-                        TorchAction::Alloc => TraceAction::Alloc,
-                        TorchAction::FreeRequested => TraceAction::FreeRequested,
-                        TorchAction::FreeCompleted => TraceAction::FreeCompleted,
-                        TorchAction::SegmentAlloc => TraceAction::SegmentAlloc,
-                        TorchAction::SegmentFree => TraceAction::SegmentFree,
-                        TorchAction::SegmentMap => TraceAction::SegmentMap,
-                        TorchAction::SegmentUnmap => TraceAction::SegmentUnmap,
-                        TorchAction::Oom => TraceAction::Oom,
-                        TorchAction::Snapshot | TorchAction::UserDefined => return None,
-                    };
-                    Some(TraceEntry {
-                        action,
-                        addr: DevicePtr(e.addr),
-                        size: e.size,
-                        stream: StreamId(e.stream),
-                        time_ns: e.time_us.unwrap_or(0).saturating_mul(1000),
-                    })
+                .filter(|e| !e.action.is_marker())
+                .map(|e| {
+                    let time_ns = e.time_us.unwrap_or(0).saturating_mul(1000);
+                    entry(e.action, e.addr, e.size, e.stream, time_ns)
                 })
                 .collect(),
         })
@@ -121,7 +119,12 @@ fn from_torch(
 /// trace entries; an object with `"format"`, our snapshot (read by `viz`, one trace per
 /// device with events); any other object with a `trace` list of entries (the engine's
 /// snapshot). Anything else is refused, saying what the file holds instead.
-fn from_json(file_name: &str, path: &Path, bytes: &[u8]) -> Result<Vec<LoadedTrace>, LoadError> {
+fn from_json(
+    file_name: &str,
+    path: &Path,
+    content: Content,
+    bytes: &[u8],
+) -> Result<Vec<LoadedTrace>, LoadError> {
     let not_json = |e: serde_json::Error| {
         LoadError(format!(
             "{}: neither a PyTorch snapshot pickle nor streamalloc JSON: {e}",
@@ -130,19 +133,21 @@ fn from_json(file_name: &str, path: &Path, bytes: &[u8]) -> Result<Vec<LoadedTra
     };
     let bad_entry =
         |e: serde_json::Error| LoadError(format!("{}: bad trace entry: {e}", path.display()));
-    let one = |entries| {
+    // PyTorch's markers are left out here too, as from every format.
+    let one = |mut entries: Vec<TraceEntry>| {
+        entries.retain(|e| !e.action.is_marker());
         Ok(vec![LoadedTrace {
             name: file_name.to_string(),
             entries,
         }])
     };
-    match bytes.iter().find(|b| !b.is_ascii_whitespace()) {
-        Some(b'[') => {
+    match content {
+        Content::JsonArray => {
             // Checked as JSON first, so that broken syntax is not blamed on an entry.
             serde_json::from_slice::<IgnoredAny>(bytes).map_err(not_json)?;
             one(serde_json::from_slice(bytes).map_err(bad_entry)?)
         }
-        Some(b'{') => {
+        Content::JsonObject => {
             let keys: BTreeMap<String, IgnoredAny> =
                 serde_json::from_slice(bytes).map_err(not_json)?;
             if keys.contains_key("format") {
@@ -164,7 +169,7 @@ fn from_json(file_name: &str, path: &Path, bytes: &[u8]) -> Result<Vec<LoadedTra
                 )))
             }
         }
-        _ => {
+        Content::Gzip | Content::Pickle | Content::Empty | Content::Other => {
             let value: serde_json::Value = serde_json::from_slice(bytes).map_err(not_json)?;
             let kind = match value {
                 serde_json::Value::String(_) => "a JSON string",
@@ -231,30 +236,8 @@ fn from_model(
             entries: d
                 .trace
                 .iter()
-                .filter_map(|e| {
-                    let action = match e.action {
-                        Action::Alloc => TraceAction::Alloc,
-                        Action::FreeRequested => TraceAction::FreeRequested,
-                        Action::FreeCompleted => TraceAction::FreeCompleted,
-                        Action::SegmentAlloc => TraceAction::SegmentAlloc,
-                        Action::SegmentFree => TraceAction::SegmentFree,
-                        Action::SegmentMap => TraceAction::SegmentMap,
-                        Action::SegmentUnmap => TraceAction::SegmentUnmap,
-                        Action::Oom => TraceAction::Oom,
-                        Action::CrossStreamWait => TraceAction::CrossStreamWait,
-                        Action::StagingAcquire => TraceAction::StagingAcquire,
-                        Action::StagingRelease => TraceAction::StagingRelease,
-                        Action::EmptyCache => TraceAction::EmptyCache,
-                        Action::Snapshot | Action::UserDefined => return None,
-                    };
-                    Some(TraceEntry {
-                        action,
-                        addr: DevicePtr(e.addr),
-                        size: e.size,
-                        stream: StreamId(e.stream),
-                        time_ns: e.time_ns,
-                    })
-                })
+                .filter(|e| !e.action.is_marker())
+                .map(|e| entry(e.action, e.addr, e.size, e.stream, e.time_ns))
                 .collect(),
         })
         .collect())

@@ -4,6 +4,8 @@
 //! and a last error saying why, never a crash; a success leaves the last error empty; and a
 //! panic inside a device's engine makes that device refuse every later call.
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 use std::ffi::{c_int, c_void, CStr};
 use streamalloc::ffi::pools::{
     self, StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo,
@@ -571,8 +573,8 @@ fn every_call_clears_the_last_error_when_it_succeeds() {
             pools::release_pool(&registry, 0, 5, 0);
             true
         })),
-        // SAFETY: null is allowed.
         ("p2p_plan_free(NULL)", Box::new(|| {
+            // SAFETY: null is allowed.
             unsafe { p2p::streamalloc_p2p_plan_free(std::ptr::null_mut()) };
             true
         })),

@@ -2,6 +2,8 @@
 //! or an error code and a readable `streamalloc_last_error()`, never a panic or a crash.
 //! On a machine with a GPU these checks are skipped (`streamalloc-gpu-test` covers it).
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 use std::ffi::{c_void, CStr, CString};
 use streamalloc::ffi::{self, StreamallocStats};
 use streamalloc_allocator::backend::cuda::driver;
@@ -12,6 +14,10 @@ fn last_error() -> String {
         .to_string_lossy()
         .into_owned()
 }
+
+/// Held by the tests that free foreign pointers: the registry counts invalid frees for the
+/// whole process, and tests run on parallel threads.
+static INVALID_FREES: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn no_gpu() -> bool {
     match driver::load() {
@@ -41,6 +47,9 @@ fn every_entry_point_fails_cleanly_without_cuda() {
     assert!(ffi::streamalloc_malloc(1 << 20, 1000, stream).is_null());
 
     // Frees and record_stream of pointers nobody handed out are counted, not fatal.
+    let counting = INVALID_FREES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let before = streamalloc::registry::global().invalid_frees();
     ffi::streamalloc_free(0x1000 as *mut c_void, 16, 0, stream);
     ffi::streamalloc_free(0x1000 as *mut c_void, 16, -1, stream);
@@ -48,6 +57,7 @@ fn every_entry_point_fails_cleanly_without_cuda() {
     ffi::streamalloc_free(std::ptr::null_mut(), 0, 0, stream);
     let after = streamalloc::registry::global().invalid_frees();
     assert_eq!(after - before, 2);
+    drop(counting);
     ffi::streamalloc_record_stream(0x1000 as *mut c_void, stream);
 
     ffi::streamalloc_empty_cache();
@@ -98,8 +108,8 @@ fn last_error_is_cleared_by_success_and_set_by_failure() {
     assert!(ffi::streamalloc_malloc(0, 0, stream).is_null());
     assert_eq!(last_error(), "", "malloc(0) succeeded");
 
-    // SAFETY: null is refused with an error.
     assert_eq!(
+        // SAFETY: null is refused with an error.
         unsafe { ffi::streamalloc_dump_snapshot(std::ptr::null(), 0) },
         -1
     );
@@ -224,6 +234,9 @@ fn calls_from_thread_local_destructors_after_the_error_slot_is_gone_do_not_abort
     thread_local! {
         static AT_EXIT: FreesAtThreadExit = const { FreesAtThreadExit };
     }
+    let _counting = INVALID_FREES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let status = std::thread::spawn(|| {
         AT_EXIT.with(|_| {});
         ffi::streamalloc_free(std::ptr::null_mut(), 0, 0, std::ptr::null_mut());

@@ -256,7 +256,7 @@ fn cli_reports_good_traces_past_bad_ones_and_fails_at_the_end() {
 
 #[test]
 fn a_snapshot_of_several_devices_gives_one_trace_per_device() {
-    use streamalloc_viz::pytorch::{write_pickle, TorchAction, TorchSnapshot, TorchTraceEntry};
+    use streamalloc_viz::pytorch::{write_pickle, TorchSnapshot, TorchTraceEntry, TraceAction};
     let event = |action, addr, size, stream| TorchTraceEntry {
         action,
         addr,
@@ -268,12 +268,12 @@ fn a_snapshot_of_several_devices_gives_one_trace_per_device() {
     };
     let device = |base: u64| {
         vec![
-            event(TorchAction::SegmentAlloc, base, 20 << 20, 0),
-            event(TorchAction::Alloc, base, 3 << 20, 0),
-            event(TorchAction::Alloc, base + (3 << 20), 5 << 20, 9),
-            event(TorchAction::FreeRequested, base, 3 << 20, 0),
-            event(TorchAction::FreeCompleted, base, 3 << 20, 0),
-            event(TorchAction::Snapshot, 0, 0, 0),
+            event(TraceAction::SegmentAlloc, base, 20 << 20, 0),
+            event(TraceAction::Alloc, base, 3 << 20, 0),
+            event(TraceAction::Alloc, base + (3 << 20), 5 << 20, 9),
+            event(TraceAction::FreeRequested, base, 3 << 20, 0),
+            event(TraceAction::FreeCompleted, base, 3 << 20, 0),
+            event(TraceAction::Snapshot, 0, 0, 0),
         ]
     };
     let snapshot = TorchSnapshot {

@@ -7,15 +7,15 @@ use std::collections::HashSet;
 use std::thread;
 use std::time::{Duration, Instant};
 use streamalloc::allocator::backend::sim::SimBackend;
-use streamalloc::allocator::staging::exec::{agree_on_plan, execute};
-use streamalloc::allocator::staging::plan::{
-    LocalDescription, Payload, Plan, StagingConfig, TensorMeta, ALIGN,
-};
-use streamalloc::allocator::staging::{StagingError, StagingPool};
 use streamalloc::allocator::testing::SplitMix64;
 use streamalloc::allocator::trace::TraceAction;
-use streamalloc::allocator::transport::{sim::SimTransport, Transport};
 use streamalloc::allocator::{Allocator, Config};
+use streamalloc::p2p::staging::exec::{agree_on_plan, execute};
+use streamalloc::p2p::staging::plan::{
+    LocalDescription, Payload, Plan, StagingConfig, TensorMeta, ALIGN,
+};
+use streamalloc::p2p::staging::{StagingError, StagingPool};
+use streamalloc::p2p::transport::{sim::SimTransport, Transport};
 
 /// Every rank's description for `total` tensors spread at random over the ordered pairs
 /// (self included), sizes up to `max_bytes`, mostly small (parameter-like).

@@ -23,6 +23,10 @@
 //!   per step of the policy), behind one lock released by a plain store (`lock`).
 //! - [`backend`]: the [`Backend`] trait, the simulator with its race detector
 //!   ([`backend::sim`]) and the CUDA driver backend (feature `cuda`).
+//! - [`trace`], [`snapshot`]: the trace ring and snapshots; their record types come from
+//!   `streamalloc-records`, shared with the snapshot formats, and are re-exported there.
+//! - `testing` (feature `testing`): the operation-level harness of the property tests and
+//!   the fuzz target, outside the engine's API.
 //!
 //! ## Example
 //! ```
@@ -53,6 +57,7 @@
     unreachable_pub,
     rust_2018_idioms
 )]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod allocator;
 pub mod backend;
@@ -63,13 +68,15 @@ pub(crate) mod lifetime;
 mod lock;
 pub mod pool;
 pub mod replay;
+pub mod rng;
 pub mod scenarios;
 pub mod snapshot;
-pub mod staging;
 pub mod stats;
+/// The operation-level harness of the property tests and the fuzz target (feature
+/// `testing`): not part of the engine's API.
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod trace;
-pub mod transport;
 pub mod types;
 mod util;
 

@@ -1,24 +1,14 @@
 //! A picture of the allocator at one instant: segments with their blocks, the trace ring,
 //! counters and configuration. `viz/` turns it into files (our JSON, PyTorch pickles,
-//! Perfetto traces); the engine only builds it.
+//! Perfetto traces); the engine only builds it. [`BlockState`] is shared with the formats
+//! (`streamalloc-records`) and re-exported here.
 
 use crate::config::Config;
 use crate::stats::Stats;
 use crate::trace::TraceEntry;
 use crate::types::{DevicePtr, PoolId, PoolKind, StreamId};
 use serde::{Deserialize, Serialize};
-
-/// State of a block, in PyTorch's vocabulary.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BlockState {
-    /// Handed to a caller.
-    ActiveAllocated,
-    /// Freed, but other streams' events are pending on it.
-    ActivePendingFree,
-    /// Free and ready for its stream.
-    Inactive,
-}
+pub use streamalloc_records::BlockState;
 
 /// One block of a segment.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -11,7 +11,9 @@
 //! names are PyTorch's (`alloc`, `free_requested`, `free_completed`, `segment_alloc`,
 //! `segment_free`, `segment_map`, `segment_unmap`, `oom`) plus streamalloc's own
 //! (`cross_stream_wait`, `staging_acquire`, `staging_release`, `empty_cache`), so `viz/`
-//! can write both PyTorch-compatible pickles and our JSON from the same records.
+//! can write both PyTorch-compatible pickles and our JSON from the same records. Both
+//! types are defined in `streamalloc-records`, which the formats share, and re-exported
+//! here.
 //!
 //! # The engine's ring
 //! The allocator keeps a `CompactRing` rather than a [`TraceRing`]: its records hold the
@@ -41,75 +43,7 @@
 //! last: pushes clamp each time to the newest one, and the ring reads back in time order.
 
 use crate::types::{DevicePtr, StreamId};
-use serde::{Deserialize, Serialize};
-
-/// What happened. Serialised in snake_case, matching PyTorch's trace action names where
-/// PyTorch has one.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TraceAction {
-    /// A block was handed to a caller.
-    Alloc,
-    /// The caller freed a block; other streams may still be using it.
-    FreeRequested,
-    /// The block is reusable by any stream without waiting (its pending events are
-    /// known complete, or it had none).
-    FreeCompleted,
-    /// A segment was obtained from the device.
-    SegmentAlloc,
-    /// A segment was returned to the device.
-    SegmentFree,
-    /// Pages were mapped into an expandable segment.
-    SegmentMap,
-    /// Pages were unmapped from an expandable segment.
-    SegmentUnmap,
-    /// A request failed for lack of memory.
-    Oom,
-    /// A stream was made to wait on the device for another stream's event, so that a block
-    /// could be reused: `stream` is the waiting stream, `addr`/`size` the block.
-    CrossStreamWait,
-    /// A staging buffer was taken from the pool.
-    StagingAcquire,
-    /// A staging buffer was returned.
-    StagingRelease,
-    /// Cached memory was returned to the device (`addr`/`size` are 0 / bytes released).
-    EmptyCache,
-}
-
-impl TraceAction {
-    /// The action's name as written in traces (`"free_requested"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            TraceAction::Alloc => "alloc",
-            TraceAction::FreeRequested => "free_requested",
-            TraceAction::FreeCompleted => "free_completed",
-            TraceAction::SegmentAlloc => "segment_alloc",
-            TraceAction::SegmentFree => "segment_free",
-            TraceAction::SegmentMap => "segment_map",
-            TraceAction::SegmentUnmap => "segment_unmap",
-            TraceAction::Oom => "oom",
-            TraceAction::CrossStreamWait => "cross_stream_wait",
-            TraceAction::StagingAcquire => "staging_acquire",
-            TraceAction::StagingRelease => "staging_release",
-            TraceAction::EmptyCache => "empty_cache",
-        }
-    }
-}
-
-/// One recorded event.
-#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
-pub struct TraceEntry {
-    /// What happened.
-    pub action: TraceAction,
-    /// The block or segment address (0 where none applies).
-    pub addr: DevicePtr,
-    /// Bytes concerned.
-    pub size: u64,
-    /// The stream concerned.
-    pub stream: StreamId,
-    /// Backend clock at the event, nanoseconds.
-    pub time_ns: u64,
-}
+pub use streamalloc_records::{TraceAction, TraceEntry};
 
 /// The fixed-capacity ring. Capacity 0 turns tracing off at the cost of one branch.
 #[derive(Debug)]

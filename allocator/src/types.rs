@@ -3,48 +3,18 @@
 //!
 //! Handles are plain integers so the engine stays free of FFI types: a `CUstream` or
 //! `CUevent` is carried as its address, a simulated one as a counter. Only a backend ever
-//! interprets them.
+//! interprets them. [`StreamId`] and [`DevicePtr`] appear in trace records, so they are
+//! defined with them in `streamalloc-records` and re-exported here.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// A stream as the caller names it (a `CUstream` cast to an integer; `0` is the legacy
-/// default stream). The engine only compares and hashes it.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
-pub struct StreamId(pub u64);
-
-/// A device address handed out by a backend (`CUdeviceptr`).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
-pub struct DevicePtr(pub u64);
+pub use streamalloc_records::{DevicePtr, StreamId};
 
 /// An event object owned by a backend (`CUevent`). Created, recorded, queried, waited on
 /// and destroyed only through [`crate::Backend`].
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct EventHandle(pub u64);
-
-impl fmt::Debug for StreamId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "stream:{:#x}", self.0)
-    }
-}
-
-impl fmt::Display for StreamId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(self, f)
-    }
-}
-
-impl fmt::Debug for DevicePtr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:#x}", self.0)
-    }
-}
-
-impl fmt::Display for DevicePtr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(self, f)
-    }
-}
 
 impl fmt::Debug for EventHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -85,6 +85,7 @@
 //! (see `streamalloc::process`).
 
 #![warn(missing_docs, rust_2018_idioms)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::ffi::{c_int, c_void, CStr};
 use std::fmt::Display;

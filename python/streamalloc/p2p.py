@@ -7,7 +7,7 @@ across nodes) and without one concatenated buffer per peer (doubles memory):
 
 1. every rank all-gathers a compact description of its lists (bytes and dtype per tensor);
 2. every rank plans with the Rust planner in ``libstreamalloc.so`` (the same code the CI
-   tests: ``allocator/src/staging/plan.rs``): rounds in which each rank exchanges at most
+   tests: ``p2p/src/staging/plan.rs``): rounds in which each rank exchanges at most
    one message with one partner (circle-method pairing), large tensors zero-copy, small
    ones packed into staging buffers, tensors larger than the room left split;
 3. every rank all-gathers the plan digest: a mismatch in sizes, dtypes or counts, or a

@@ -22,6 +22,8 @@
 //! - `events_not_leaked`: after `empty_cache`, no event is outstanding and every event
 //!   object created was destroyed; the engine's invariants hold.
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 use std::ffi::{c_void, CStr};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -110,8 +112,8 @@ struct Stream(sys::CUstream);
 impl Stream {
     fn new() -> Result<Self, String> {
         let mut stream: sys::CUstream = std::ptr::null_mut();
-        // SAFETY: valid out pointer; a context is current.
         ck(
+            // SAFETY: valid out pointer; a context is current.
             unsafe {
                 sys::cuStreamCreate(
                     &mut stream,
@@ -185,8 +187,8 @@ fn copy(dst: *mut c_void, src: *mut c_void, len: usize, stream: &Stream) -> Resu
 /// Reads `len` bytes at `ptr + offset` (the caller has synchronised the writer).
 fn read(ptr: *mut c_void, offset: usize, len: usize) -> Result<Vec<u8>, String> {
     let mut host = vec![0u8; len];
-    // SAFETY: the device range is live and its writers are complete; `host` has `len` bytes.
     ck(
+        // SAFETY: the device range is live and its writers are complete; `host` has `len` bytes.
         unsafe { sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), ptr as u64 + offset as u64, len) },
         "cuMemcpyDtoH",
     )?;
@@ -343,8 +345,8 @@ fn capture(allocator: &CudaAllocator) -> Check {
     free(warm, &stream);
     stream.sync()?;
     let segments_before = stats().segment_allocs;
-    // SAFETY: a live stream with no capture in progress.
     ck(
+        // SAFETY: a live stream with no capture in progress.
         unsafe {
             sys::cuStreamBeginCapture_v2(
                 stream.0,

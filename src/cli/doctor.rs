@@ -314,7 +314,7 @@ fn cuda_text(version: c_int) -> String {
 // ---- NCCL ----
 
 fn nccl(report: &mut Report) {
-    use streamalloc_allocator::transport::nccl;
+    use streamalloc_p2p::transport::nccl;
     match nccl::load() {
         Ok(code) => {
             let (major, minor, patch) = if code >= 10000 {

@@ -24,8 +24,8 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
-use streamalloc_allocator::staging::plan::{LocalDescription, StagingConfig};
-use streamalloc_allocator::transport::nccl::{self, NcclTransport};
+use streamalloc_p2p::staging::plan::{LocalDescription, StagingConfig};
+use streamalloc_p2p::transport::nccl::{self, NcclTransport};
 
 /// Arguments of `streamalloc p2p-nccl`.
 #[derive(Args, Debug)]

@@ -13,12 +13,12 @@ use std::thread;
 use std::time::{Duration, Instant};
 use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::config::format_bytes;
-use streamalloc_allocator::staging::exec::{agree_on_plan, execute_with_progress};
-use streamalloc_allocator::staging::plan::{LocalDescription, StagingConfig, TensorMeta};
-use streamalloc_allocator::staging::StagingPool;
-use streamalloc_allocator::testing::SplitMix64;
-use streamalloc_allocator::transport::{sim::SimTransport, Transport};
+use streamalloc_allocator::rng::SplitMix64;
 use streamalloc_allocator::{Allocator, Config};
+use streamalloc_p2p::staging::exec::{agree_on_plan, execute_with_progress};
+use streamalloc_p2p::staging::plan::{LocalDescription, StagingConfig, TensorMeta};
+use streamalloc_p2p::staging::StagingPool;
+use streamalloc_p2p::transport::{sim::SimTransport, Transport};
 
 /// Arguments of `streamalloc p2p-sim`.
 #[derive(Args, Debug)]
@@ -275,7 +275,7 @@ pub(crate) fn rank_main<T: Transport + ?Sized>(
     config: StagingConfig,
     quiet: bool,
     label: &str,
-) -> Result<RankOutcome, streamalloc_allocator::staging::StagingError> {
+) -> Result<RankOutcome, streamalloc_p2p::staging::StagingError> {
     let rank = transport.rank();
     let agreeing = Instant::now();
     let plan = agree_on_plan(transport, &local, config)?;
@@ -302,7 +302,7 @@ pub(crate) fn rank_main<T: Transport + ?Sized>(
         .collect();
     let device = SimBackend::new(1 << 40);
     let allocator = Allocator::new(device.clone(), Config::default())
-        .map_err(streamalloc_allocator::staging::StagingError::Alloc)?;
+        .map_err(streamalloc_p2p::staging::StagingError::Alloc)?;
     let mut pool = StagingPool::new(&allocator, device.create_stream(), config.budget_bytes);
     let send_refs: Vec<Vec<&[u8]>> = sends
         .iter()

@@ -16,9 +16,7 @@
 
 use super::{error, fail};
 use std::ffi::c_char;
-use streamalloc_allocator::staging::plan::{
-    Description, LocalDescription, Payload, Plan, StagingConfig,
-};
+use streamalloc_p2p::staging::plan::{Description, LocalDescription, Payload, Plan, StagingConfig};
 
 /// Columns of one row of [`streamalloc_p2p_plan_rows`].
 pub const ROW_COLUMNS: usize = 9;
@@ -238,7 +236,7 @@ pub unsafe extern "C" fn streamalloc_p2p_plan_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use streamalloc_allocator::staging::plan::TensorMeta;
+    use streamalloc_p2p::staging::plan::TensorMeta;
 
     #[test]
     fn plans_through_the_c_abi_and_reports_mismatches() {

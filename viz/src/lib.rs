@@ -11,6 +11,7 @@
 //!   PyTorch's own viewer opens ours.
 //! - [`pickle`]: the bounded pickle decoder those snapshots are read with (plain data
 //!   only, shared references resolved, no code run).
+//! - [`sniff`]: which of those formats a file holds, told from its content.
 //! - [`model`]: the one model every format converts through, which is also our versioned
 //!   JSON format (schema in the module docs); [`model::load`] opens any supported file.
 //! - [`timeline`]: allocation and segment lifetimes and memory counters over time.
@@ -40,6 +41,7 @@ pub mod pickle;
 pub mod plot;
 pub mod pytorch;
 pub mod server;
+pub mod sniff;
 pub mod timeline;
 pub mod wire;
 

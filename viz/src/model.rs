@@ -45,17 +45,14 @@
 //! its time.
 
 use crate::error::VizError;
-use crate::pytorch::{
-    Frame, Stack, TorchAction, TorchBlock, TorchBlockState, TorchSegment, TorchSnapshot,
-    TorchTraceEntry,
-};
+use crate::pytorch::{Frame, Stack, TorchBlock, TorchSegment, TorchSnapshot, TorchTraceEntry};
+use crate::sniff::Content;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
-use streamalloc_allocator::snapshot::BlockState as EngineBlockState;
-use streamalloc_allocator::trace::TraceAction;
 use streamalloc_allocator::PoolKind;
+pub use streamalloc_records::{BlockState, TraceAction};
 
 /// The value of the `format` key.
 pub const FORMAT: &str = "streamalloc-snapshot";
@@ -73,149 +70,6 @@ pub const MAX_DEVICE_INDEX: u32 = 1023;
 pub const MAX_ADDRESS_END: u64 = 1 << 63;
 
 // ---- Types ----
-
-/// A trace action: PyTorch's names plus streamalloc's own.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Action {
-    /// A block was handed to a caller.
-    Alloc,
-    /// The caller freed a block; other streams may still use it.
-    FreeRequested,
-    /// The block became reusable.
-    FreeCompleted,
-    /// A segment was obtained from the device.
-    SegmentAlloc,
-    /// A segment was returned to the device.
-    SegmentFree,
-    /// Pages were mapped into an expandable segment.
-    SegmentMap,
-    /// Pages were unmapped from an expandable segment.
-    SegmentUnmap,
-    /// A request failed for lack of memory.
-    Oom,
-    /// PyTorch: a snapshot was taken here.
-    Snapshot,
-    /// PyTorch: a user marker.
-    UserDefined,
-    /// streamalloc: a stream was made to wait on the device for another's event.
-    CrossStreamWait,
-    /// streamalloc: a staging buffer was taken.
-    StagingAcquire,
-    /// streamalloc: a staging buffer was returned.
-    StagingRelease,
-    /// streamalloc: cached memory was returned to the device.
-    EmptyCache,
-}
-
-impl Action {
-    /// Every action, in the order of the viewer's numeric codes.
-    pub const ALL: [Action; 14] = [
-        Action::Alloc,
-        Action::FreeRequested,
-        Action::FreeCompleted,
-        Action::SegmentAlloc,
-        Action::SegmentFree,
-        Action::SegmentMap,
-        Action::SegmentUnmap,
-        Action::Oom,
-        Action::Snapshot,
-        Action::UserDefined,
-        Action::CrossStreamWait,
-        Action::StagingAcquire,
-        Action::StagingRelease,
-        Action::EmptyCache,
-    ];
-
-    /// The name written in files (`"free_requested"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Action::Alloc => "alloc",
-            Action::FreeRequested => "free_requested",
-            Action::FreeCompleted => "free_completed",
-            Action::SegmentAlloc => "segment_alloc",
-            Action::SegmentFree => "segment_free",
-            Action::SegmentMap => "segment_map",
-            Action::SegmentUnmap => "segment_unmap",
-            Action::Oom => "oom",
-            Action::Snapshot => "snapshot",
-            Action::UserDefined => "user_defined",
-            Action::CrossStreamWait => "cross_stream_wait",
-            Action::StagingAcquire => "staging_acquire",
-            Action::StagingRelease => "staging_release",
-            Action::EmptyCache => "empty_cache",
-        }
-    }
-
-    /// Its index in [`Action::ALL`].
-    pub fn code(self) -> u8 {
-        Action::ALL.iter().position(|a| *a == self).unwrap_or(0) as u8
-    }
-
-    /// PyTorch's equivalent, or `None` for streamalloc's own actions.
-    pub fn to_torch(self) -> Option<TorchAction> {
-        Some(match self {
-            Action::Alloc => TorchAction::Alloc,
-            Action::FreeRequested => TorchAction::FreeRequested,
-            Action::FreeCompleted => TorchAction::FreeCompleted,
-            Action::SegmentAlloc => TorchAction::SegmentAlloc,
-            Action::SegmentFree => TorchAction::SegmentFree,
-            Action::SegmentMap => TorchAction::SegmentMap,
-            Action::SegmentUnmap => TorchAction::SegmentUnmap,
-            Action::Oom => TorchAction::Oom,
-            Action::Snapshot => TorchAction::Snapshot,
-            Action::UserDefined => TorchAction::UserDefined,
-            Action::CrossStreamWait
-            | Action::StagingAcquire
-            | Action::StagingRelease
-            | Action::EmptyCache => return None,
-        })
-    }
-
-    fn from_torch(a: TorchAction) -> Self {
-        match a {
-            TorchAction::Alloc => Action::Alloc,
-            TorchAction::FreeRequested => Action::FreeRequested,
-            TorchAction::FreeCompleted => Action::FreeCompleted,
-            TorchAction::SegmentAlloc => Action::SegmentAlloc,
-            TorchAction::SegmentFree => Action::SegmentFree,
-            TorchAction::SegmentMap => Action::SegmentMap,
-            TorchAction::SegmentUnmap => Action::SegmentUnmap,
-            TorchAction::Oom => Action::Oom,
-            TorchAction::Snapshot => Action::Snapshot,
-            TorchAction::UserDefined => Action::UserDefined,
-        }
-    }
-
-    fn from_engine(a: TraceAction) -> Self {
-        match a {
-            TraceAction::Alloc => Action::Alloc,
-            TraceAction::FreeRequested => Action::FreeRequested,
-            TraceAction::FreeCompleted => Action::FreeCompleted,
-            TraceAction::SegmentAlloc => Action::SegmentAlloc,
-            TraceAction::SegmentFree => Action::SegmentFree,
-            TraceAction::SegmentMap => Action::SegmentMap,
-            TraceAction::SegmentUnmap => Action::SegmentUnmap,
-            TraceAction::Oom => Action::Oom,
-            TraceAction::CrossStreamWait => Action::CrossStreamWait,
-            TraceAction::StagingAcquire => Action::StagingAcquire,
-            TraceAction::StagingRelease => Action::StagingRelease,
-            TraceAction::EmptyCache => Action::EmptyCache,
-        }
-    }
-}
-
-/// State of a block, in PyTorch's vocabulary.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BlockState {
-    /// Held by a caller.
-    ActiveAllocated,
-    /// Freed, other streams' events still pending on it.
-    ActivePendingFree,
-    /// Free.
-    Inactive,
-}
 
 /// One block of a segment.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -260,7 +114,7 @@ pub struct Segment {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Event {
     /// What happened.
-    pub action: Action,
+    pub action: TraceAction,
     /// Block or segment address (0 where none applies).
     pub addr: u64,
     /// Bytes concerned.
@@ -503,11 +357,7 @@ pub fn from_engine(s: &streamalloc_allocator::Snapshot) -> Snapshot {
                     addr: b.addr.0,
                     size: b.size,
                     requested: b.requested,
-                    state: match b.state {
-                        EngineBlockState::ActiveAllocated => BlockState::ActiveAllocated,
-                        EngineBlockState::ActivePendingFree => BlockState::ActivePendingFree,
-                        EngineBlockState::Inactive => BlockState::Inactive,
-                    },
+                    state: b.state,
                     stream: b.stream.0,
                     pending_events: b.pending_events,
                     stack: None,
@@ -519,7 +369,7 @@ pub fn from_engine(s: &streamalloc_allocator::Snapshot) -> Snapshot {
         .trace
         .iter()
         .map(|e| Event {
-            action: Action::from_engine(e.action),
+            action: e.action,
             addr: e.addr.0,
             size: e.size,
             stream: e.stream.0,
@@ -602,11 +452,7 @@ pub fn from_torch(t: &TorchSnapshot) -> Snapshot {
                         addr: b.address,
                         size: b.size,
                         requested: b.requested_size,
-                        state: match b.state {
-                            TorchBlockState::ActiveAllocated => BlockState::ActiveAllocated,
-                            TorchBlockState::ActivePendingFree => BlockState::ActivePendingFree,
-                            TorchBlockState::Inactive => BlockState::Inactive,
-                        },
+                        state: b.state,
                         stream: s.stream,
                         pending_events: 0,
                         stack: table.intern(&b.frames),
@@ -619,7 +465,7 @@ pub fn from_torch(t: &TorchSnapshot) -> Snapshot {
             .iter()
             .enumerate()
             .map(|(i, e)| Event {
-                action: Action::from_torch(e.action),
+                action: e.action,
                 addr: e.addr,
                 size: e.size,
                 stream: e.stream,
@@ -674,11 +520,7 @@ pub fn to_torch(s: &Snapshot) -> TorchSnapshot {
                         address: b.addr,
                         size: b.size,
                         requested_size: b.requested,
-                        state: match b.state {
-                            BlockState::ActiveAllocated => TorchBlockState::ActiveAllocated,
-                            BlockState::ActivePendingFree => TorchBlockState::ActivePendingFree,
-                            BlockState::Inactive => TorchBlockState::Inactive,
-                        },
+                        state: b.state,
                         frames: stack(b.stack),
                     })
                     .collect(),
@@ -691,16 +533,15 @@ pub fn to_torch(s: &Snapshot) -> TorchSnapshot {
         out.device_traces[idx] = d
             .trace
             .iter()
-            .filter_map(|e| {
-                Some(TorchTraceEntry {
-                    action: e.action.to_torch()?,
-                    addr: e.addr,
-                    size: e.size,
-                    stream: e.stream,
-                    time_us: Some(e.time_ns / 1000),
-                    frames: stack(e.stack),
-                    device_free: e.device_free,
-                })
+            .filter(|e| e.action.is_pytorch())
+            .map(|e| TorchTraceEntry {
+                action: e.action,
+                addr: e.addr,
+                size: e.size,
+                stream: e.stream,
+                time_us: Some(e.time_ns / 1000),
+                frames: stack(e.stack),
+                device_free: e.device_free,
             })
             .collect();
     }
@@ -719,17 +560,16 @@ pub fn load(path: &Path) -> Result<Snapshot, VizError> {
 /// [`load`] of a file's content already in memory: `raw` is what the file `path` holds
 /// (`path` only names it in errors).
 pub fn from_bytes(path: &Path, raw: Vec<u8>) -> Result<Snapshot, VizError> {
-    let bytes = crate::pytorch::maybe_gunzip(path, raw)?;
-    let first = bytes.iter().find(|b| !b.is_ascii_whitespace()).copied();
-    match first {
-        Some(0x80) => {
+    let (content, bytes) = crate::sniff::open(path, raw)?;
+    match content {
+        Content::Pickle => {
             let snapshot = from_torch(&crate::pytorch::parse_snapshot(path, &bytes)?);
             snapshot.check_limits(path)?;
             Ok(snapshot)
         }
-        Some(b'{') => parse_json(path, &bytes),
-        None => Err(VizError::format(path, "the file is empty")),
-        Some(_) => Err(VizError::format(
+        Content::JsonObject => parse_json(path, &bytes),
+        Content::Empty => Err(VizError::format(path, "the file is empty")),
+        Content::Gzip | Content::JsonArray | Content::Other => Err(VizError::format(
             path,
             "unrecognised content (expected a streamalloc JSON snapshot or a PyTorch memory \
              snapshot pickle, optionally gzip-compressed)",

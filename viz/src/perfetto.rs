@@ -12,7 +12,7 @@
 //! buffered writer.
 
 use crate::error::VizError;
-use crate::model::{Action, Snapshot};
+use crate::model::{Snapshot, TraceAction};
 use crate::timeline::{Counter, Timeline};
 use std::io::Write;
 
@@ -86,8 +86,8 @@ fn write_inner(snapshot: &Snapshot, w: &mut impl Write) -> std::io::Result<()> {
         }
         for (i, e) in device.trace.iter().enumerate() {
             let name = match e.action {
-                Action::CrossStreamWait => "cross_stream_wait",
-                Action::Oom => "oom",
+                TraceAction::CrossStreamWait => "cross_stream_wait",
+                TraceAction::Oom => "oom",
                 _ => continue,
             };
             out.event(format_args!(

@@ -16,6 +16,11 @@
 //! or key, never a panic. Call stacks repeat across entries, so identical stacks are shared
 //! ([`Stack`]), which keeps a million-entry trace small in memory.
 //!
+//! Actions and block states are the shared records of `streamalloc-records`
+//! ([`TraceAction`], [`BlockState`], re-exported here), whose names are PyTorch's; only
+//! PyTorch's actions are read from or belong in these files
+//! ([`TraceAction::from_pytorch_name`]).
+//!
 //! [`write_pickle`] writes the same shape back with only the opcodes PyTorch's own
 //! JavaScript viewer (`MemoryViz.js`) decodes: protocol 4, dicts, lists, tuples, strings
 //! (memoised with `BINPUT`/`BINGET`, as Python does), integers of at most 8 bytes, floats,
@@ -23,22 +28,24 @@
 //!
 //! # Example
 //! ```no_run
-//! use streamalloc_viz::pytorch::{read_snapshot, TorchAction};
+//! use streamalloc_viz::pytorch::{read_snapshot, TraceAction};
 //!
 //! let snapshot = read_snapshot("gpt2.pickle.gz".as_ref())?;
 //! for (device, trace) in snapshot.device_traces.iter().enumerate() {
-//!     let allocs = trace.iter().filter(|e| e.action == TorchAction::Alloc).count();
+//!     let allocs = trace.iter().filter(|e| e.action == TraceAction::Alloc).count();
 //!     println!("device {device}: {allocs} allocations");
 //! }
 //! # Ok::<(), streamalloc_viz::VizError>(())
 //! ```
 
 use crate::error::VizError;
+use crate::sniff::{sniff, Content};
 use serde_pickle::{HashableValue, Value};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::path::Path;
 use std::sync::Arc;
+pub use streamalloc_records::{BlockState, TraceAction};
 
 // ---- Types ----
 
@@ -56,73 +63,12 @@ pub struct Frame {
 /// A call stack, innermost frame first. Shared between the entries that have the same one.
 pub type Stack = Arc<[Frame]>;
 
-/// What a trace entry records, with PyTorch's names (`TraceEntry::Action`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TorchAction {
-    /// `alloc`: a block was handed to the caller.
-    Alloc,
-    /// `free_requested`: the caller freed the block; other streams may still use it.
-    FreeRequested,
-    /// `free_completed`: the block is reusable (its recorded streams' events completed).
-    FreeCompleted,
-    /// `segment_alloc`: `cudaMalloc` of a new segment.
-    SegmentAlloc,
-    /// `segment_free`: `cudaFree` of a segment.
-    SegmentFree,
-    /// `segment_map`: pages mapped into an expandable segment.
-    SegmentMap,
-    /// `segment_unmap`: pages unmapped from an expandable segment.
-    SegmentUnmap,
-    /// `snapshot`: a snapshot was taken at this point.
-    Snapshot,
-    /// `oom`: an allocation failed; `device_free` says what the device had left.
-    Oom,
-    /// `user_defined`: a marker inserted by the user.
-    UserDefined,
-}
-
-impl TorchAction {
-    /// All actions, in PyTorch's enum order.
-    pub const ALL: [TorchAction; 10] = [
-        TorchAction::Alloc,
-        TorchAction::FreeRequested,
-        TorchAction::FreeCompleted,
-        TorchAction::SegmentAlloc,
-        TorchAction::SegmentFree,
-        TorchAction::SegmentMap,
-        TorchAction::SegmentUnmap,
-        TorchAction::Snapshot,
-        TorchAction::Oom,
-        TorchAction::UserDefined,
-    ];
-
-    /// The name PyTorch writes (`"free_requested"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            TorchAction::Alloc => "alloc",
-            TorchAction::FreeRequested => "free_requested",
-            TorchAction::FreeCompleted => "free_completed",
-            TorchAction::SegmentAlloc => "segment_alloc",
-            TorchAction::SegmentFree => "segment_free",
-            TorchAction::SegmentMap => "segment_map",
-            TorchAction::SegmentUnmap => "segment_unmap",
-            TorchAction::Snapshot => "snapshot",
-            TorchAction::Oom => "oom",
-            TorchAction::UserDefined => "user_defined",
-        }
-    }
-
-    /// The action with PyTorch name `name`, if there is one.
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|a| a.name() == name)
-    }
-}
-
 /// One entry of a device trace.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TorchTraceEntry {
-    /// What happened.
-    pub action: TorchAction,
+    /// What happened: one of PyTorch's actions ([`TraceAction::PYTORCH`]); the reader
+    /// gives no others, and [`crate::model::to_torch`] leaves streamalloc's own out.
+    pub action: TraceAction,
     /// Block or segment address (0 for `oom`, `snapshot`).
     pub addr: u64,
     /// Bytes: the rounded block size for `alloc`/`free_*`, the segment size for
@@ -138,38 +84,6 @@ pub struct TorchTraceEntry {
     pub device_free: Option<u64>,
 }
 
-/// State of a block in PyTorch's vocabulary.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TorchBlockState {
-    /// `active_allocated`: held by the caller.
-    ActiveAllocated,
-    /// `active_pending_free`: freed, waiting on other streams' events.
-    ActivePendingFree,
-    /// `inactive`: free.
-    Inactive,
-}
-
-impl TorchBlockState {
-    /// The name PyTorch writes.
-    pub fn name(self) -> &'static str {
-        match self {
-            TorchBlockState::ActiveAllocated => "active_allocated",
-            TorchBlockState::ActivePendingFree => "active_pending_free",
-            TorchBlockState::Inactive => "inactive",
-        }
-    }
-
-    fn from_name(name: &str) -> Option<Self> {
-        [
-            TorchBlockState::ActiveAllocated,
-            TorchBlockState::ActivePendingFree,
-            TorchBlockState::Inactive,
-        ]
-        .into_iter()
-        .find(|s| s.name() == name)
-    }
-}
-
 /// One block of a segment at the instant of the snapshot.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TorchBlock {
@@ -181,7 +95,7 @@ pub struct TorchBlock {
     /// Bytes the caller asked for (equal to `size` when the file does not say).
     pub requested_size: u64,
     /// Allocated, pending or free.
-    pub state: TorchBlockState,
+    pub state: BlockState,
     /// Where it was allocated; empty when unknown.
     pub frames: Stack,
 }
@@ -222,7 +136,7 @@ impl TorchSnapshot {
         self.device_traces
             .iter()
             .flatten()
-            .filter(|e| e.action == TorchAction::Alloc)
+            .filter(|e| e.action == TraceAction::Alloc)
             .count()
     }
 }
@@ -287,15 +201,12 @@ fn parse_byte_count(text: &str) -> Option<u64> {
 /// output is capped (see [`GUNZIP_MAX_BYTES`], [`GUNZIP_MAX_RATIO`], [`GUNZIP_LIMIT_ENV`]):
 /// past the cap the file is refused with one line naming it and the limit.
 pub fn maybe_gunzip(path: &Path, raw: Vec<u8>) -> Result<Vec<u8>, VizError> {
-    if !raw.starts_with(&GZIP_MAGIC) {
+    if sniff(&raw) != Content::Gzip {
         return Ok(raw);
     }
     let (limit, how) = gunzip_limit(path, raw.len())?;
     gunzip_within(path, &raw, limit, &how)
 }
-
-/// The first two bytes of every gzip member.
-const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 
 /// Decompresses the gzip stream `raw` (every member, as `gzip -d` does) into at most
 /// `limit` bytes: a stream that would give more is refused with [`VizError::Limit`], whose
@@ -325,7 +236,7 @@ pub fn gunzip_within(path: &Path, raw: &[u8], limit: u64, how: &str) -> Result<V
 /// Decodes a snapshot from uncompressed pickle bytes. `path` only names the source in
 /// errors.
 pub fn parse_snapshot(path: &Path, bytes: &[u8]) -> Result<TorchSnapshot, VizError> {
-    if bytes.first() != Some(&0x80) {
+    if sniff(bytes) != Content::Pickle {
         return Err(VizError::Pickle {
             path: path.into(),
             message: "no pickle protocol header (expected a PyTorch memory snapshot, \
@@ -573,7 +484,7 @@ impl Converter<'_> {
                 address: addr,
                 size: 0,
                 requested_size: 0,
-                state: TorchBlockState::Inactive,
+                state: BlockState::Inactive,
                 frames: self.empty.clone(),
             };
             let (mut have_size, mut have_state, mut have_requested) = (false, false, false);
@@ -591,7 +502,7 @@ impl Converter<'_> {
                     }
                     "state" => {
                         let name = self.string(v, &key_at)?;
-                        block.state = TorchBlockState::from_name(&name).ok_or_else(|| {
+                        block.state = BlockState::from_name(&name).ok_or_else(|| {
                             self.err(format!("{}: unknown block state {name:?}", key_at()))
                         })?;
                         have_state = true;
@@ -615,7 +526,7 @@ impl Converter<'_> {
     fn entry(&mut self, v: Value, d: usize, i: usize) -> Result<TorchTraceEntry, VizError> {
         let at = || format!("device_traces[{d}][{i}]");
         let mut entry = TorchTraceEntry {
-            action: TorchAction::Alloc,
+            action: TraceAction::Alloc,
             addr: 0,
             size: 0,
             stream: 0,
@@ -629,7 +540,7 @@ impl Converter<'_> {
             match k.as_str() {
                 "action" => {
                     let name = self.string(v, &key_at)?;
-                    entry.action = TorchAction::from_name(&name).ok_or_else(|| {
+                    entry.action = TraceAction::from_pytorch_name(&name).ok_or_else(|| {
                         self.err(format!("{}: unknown action {name:?}", key_at()))
                     })?;
                     have_action = true;
@@ -849,10 +760,10 @@ impl<W: Write> PickleWriter<W> {
     fn segment(&mut self, s: &TorchSegment) -> Result<(), VizError> {
         let (mut allocated, mut active, mut requested) = (0u64, 0u64, 0u64);
         for b in &s.blocks {
-            if b.state != TorchBlockState::Inactive {
+            if b.state != BlockState::Inactive {
                 active += b.size;
             }
-            if b.state == TorchBlockState::ActiveAllocated {
+            if b.state == BlockState::ActiveAllocated {
                 allocated += b.size;
                 requested += b.requested_size;
             }

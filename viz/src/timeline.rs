@@ -22,7 +22,7 @@
 //!
 //! and, per stream, `cached`: bytes of the stream's segments not in active blocks.
 
-use crate::model::{Action, BlockState, DeviceSnapshot};
+use crate::model::{BlockState, DeviceSnapshot, TraceAction};
 use std::collections::{BTreeMap, HashMap};
 
 /// One allocation's lifetime, as event indices.
@@ -144,7 +144,7 @@ impl Timeline {
         for (i, e) in trace.iter().enumerate() {
             let at = Some(i as u32);
             match e.action {
-                Action::SegmentAlloc | Action::SegmentMap => {
+                TraceAction::SegmentAlloc | TraceAction::SegmentMap => {
                     let s = stream(e.stream, &mut t.streams);
                     late_segs.push(SegmentSpan {
                         start: at,
@@ -155,7 +155,7 @@ impl Timeline {
                     });
                     live_segs.insert(e.addr, late_segs.len() - 1);
                 }
-                Action::SegmentFree | Action::SegmentUnmap => {
+                TraceAction::SegmentFree | TraceAction::SegmentUnmap => {
                     let lo = e.addr;
                     let hi = match (e.size, live_segs.get(&lo)) {
                         (0, Some(&k)) => lo.saturating_add(late_segs[k].size),
@@ -245,7 +245,7 @@ impl Timeline {
         for (i, e) in trace.iter().enumerate() {
             let i32_ = i as u32;
             match e.action {
-                Action::Alloc => {
+                TraceAction::Alloc => {
                     // streamalloc hands a freed block carrying pending events to another
                     // request at once (after a device-side wait), with no free_completed:
                     // the reuse ends the old lifetime.
@@ -265,7 +265,7 @@ impl Timeline {
                     });
                     live.insert(e.addr, late.len() - 1);
                 }
-                Action::FreeRequested => {
+                TraceAction::FreeRequested => {
                     if let Some(&k) = live.get(&e.addr) {
                         late[k].free_requested = Some(i32_);
                     } else {
@@ -283,7 +283,7 @@ impl Timeline {
                         orphan.insert(e.addr, early.len() - 1);
                     }
                 }
-                Action::FreeCompleted => {
+                TraceAction::FreeCompleted => {
                     if let Some(k) = live.remove(&e.addr) {
                         late[k].end = Some(i32_);
                     } else if let Some(k) = orphan.remove(&e.addr) {
@@ -436,8 +436,12 @@ impl Timeline {
         }
         for (i, e) in trace.iter().enumerate() {
             match e.action {
-                Action::StagingAcquire => delta[Counter::Staging as usize][i] += e.size as i128,
-                Action::StagingRelease => delta[Counter::Staging as usize][i] -= e.size as i128,
+                TraceAction::StagingAcquire => {
+                    delta[Counter::Staging as usize][i] += e.size as i128
+                }
+                TraceAction::StagingRelease => {
+                    delta[Counter::Staging as usize][i] -= e.size as i128
+                }
                 _ => {}
             }
         }
@@ -517,7 +521,7 @@ mod tests {
     use super::*;
     use crate::model::{Block, Event, Segment};
 
-    fn ev(action: Action, addr: u64, size: u64, stream: u64) -> Event {
+    fn ev(action: TraceAction, addr: u64, size: u64, stream: u64) -> Event {
         Event {
             action,
             addr,
@@ -541,7 +545,7 @@ mod tests {
 
     #[test]
     fn pairs_lifetimes_and_counts_pending() {
-        use Action::*;
+        use TraceAction::*;
         let d = device(
             vec![],
             vec![
@@ -581,7 +585,7 @@ mod tests {
 
     #[test]
     fn before_the_trace_and_reuse_without_free_completed() {
-        use Action::*;
+        use TraceAction::*;
         let seg = Segment {
             addr: 0x1000,
             size: 100,
@@ -643,7 +647,7 @@ mod tests {
 
     #[test]
     fn expandable_unmaps_split_and_join_mappings() {
-        use Action::*;
+        use TraceAction::*;
         let d = device(
             vec![],
             vec![

@@ -25,7 +25,7 @@
 //! for none); `sg_start`, `sg_end` (i32), `sg_addr`, `sg_size` (f64), `sg_stream` (u16).
 //! Addresses travel as f64: exact below 2^53, which device addresses are.
 
-use crate::model::{Action, DeviceSnapshot, Snapshot};
+use crate::model::{DeviceSnapshot, Snapshot, TraceAction};
 use crate::timeline::{Counter, Timeline};
 use serde_json::json;
 
@@ -141,7 +141,7 @@ pub fn encode_device(snapshot: &Snapshot, device: &DeviceSnapshot) -> Vec<u8> {
         "segments": s.len(),
         "t0_ns": t0,
         "streams": streams.iter().map(|s| format!("{s:#x}")).collect::<Vec<_>>(),
-        "actions": Action::ALL.iter().map(|a| a.name()).collect::<Vec<_>>(),
+        "actions": TraceAction::ALL.iter().map(|a| a.name()).collect::<Vec<_>>(),
         "stacks": stacks,
         "peak": {"active": peak(Counter::Active), "reserved": peak(Counter::Reserved)},
         "trace_dropped": device.trace_dropped,

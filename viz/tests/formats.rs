@@ -3,7 +3,7 @@
 
 mod common;
 
-use streamalloc_viz::model::{self, Action, Snapshot};
+use streamalloc_viz::model::{self, Snapshot, TraceAction};
 use streamalloc_viz::pytorch::{self, parse_snapshot, write_pickle};
 use streamalloc_viz::timeline::{Counter, Timeline};
 use streamalloc_viz::VizError;
@@ -40,12 +40,16 @@ fn engine_snapshot_round_trips() {
     assert_eq!(ours.source, "streamalloc");
     let d = &ours.devices[0];
     assert!(
-        d.trace.iter().any(|e| e.action == Action::CrossStreamWait)
-            || d.trace.iter().any(|e| e.action == Action::FreeRequested)
+        d.trace
+            .iter()
+            .any(|e| e.action == TraceAction::CrossStreamWait)
+            || d.trace
+                .iter()
+                .any(|e| e.action == TraceAction::FreeRequested)
     );
     assert_eq!(json_round_trip(&ours), ours);
     // Segments whose pages the trace maps are marked expandable.
-    if d.trace.iter().any(|e| e.action == Action::SegmentMap) {
+    if d.trace.iter().any(|e| e.action == TraceAction::SegmentMap) {
         assert!(d.segments.iter().any(|s| s.expandable));
     }
 
@@ -62,7 +66,7 @@ fn engine_snapshot_round_trips() {
     let kept: Vec<_> = d
         .trace
         .iter()
-        .filter(|e| e.action.to_torch().is_some())
+        .filter(|e| e.action.is_pytorch())
         .map(|e| (e.action, e.addr, e.size, e.stream, e.time_ns / 1000))
         .collect();
     let got: Vec<_> = bd
@@ -202,7 +206,7 @@ fn unreadable_inputs_are_named_errors() {
         trace_dropped: 0,
         segments: vec![],
         trace: vec![model::Event {
-            action: Action::Alloc,
+            action: TraceAction::Alloc,
             addr: 1,
             size: 1,
             stream: 0,
@@ -215,7 +219,7 @@ fn unreadable_inputs_are_named_errors() {
     model::write_json(&s, &mut bytes).unwrap();
     let err = model::load(&temp("stack.json", &bytes)).unwrap_err();
     assert!(matches!(err, VizError::Format { .. }), "{err}");
-    let _ = pytorch::TorchAction::ALL;
+    let _ = pytorch::TraceAction::PYTORCH;
 }
 
 /// A pickle naming a device past the limit, or a segment ending past 2^63, is refused

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use streamalloc_viz::pickle::{decode, MAX_DEPTH};
 use streamalloc_viz::pytorch::{
-    parse_snapshot, read_snapshot, write_pickle, Frame, TorchAction, TorchBlock, TorchBlockState,
-    TorchSegment, TorchSnapshot, TorchTraceEntry,
+    parse_snapshot, read_snapshot, write_pickle, BlockState, Frame, TorchBlock, TorchSegment,
+    TorchSnapshot, TorchTraceEntry, TraceAction,
 };
 
 fn fixture(name: &str) -> PathBuf {
@@ -91,21 +91,21 @@ fn torch211_snapshots_with_shared_objects_read_as_python_reads_them() {
         assert_eq!(snap.device_traces.len(), 1, "{name}");
         let trace = &snap.device_traces[0];
         assert_eq!(trace.len(), 130, "{name}");
-        let count = |a: TorchAction| trace.iter().filter(|e| e.action == a).count();
-        assert_eq!(count(TorchAction::Alloc), 54, "{name}");
-        assert_eq!(count(TorchAction::FreeRequested), 34, "{name}");
-        assert_eq!(count(TorchAction::FreeCompleted), 34, "{name}");
-        assert_eq!(count(TorchAction::SegmentAlloc), 8, "{name}");
+        let count = |a: TraceAction| trace.iter().filter(|e| e.action == a).count();
+        assert_eq!(count(TraceAction::Alloc), 54, "{name}");
+        assert_eq!(count(TraceAction::FreeRequested), 34, "{name}");
+        assert_eq!(count(TraceAction::FreeCompleted), 34, "{name}");
+        assert_eq!(count(TraceAction::SegmentAlloc), 8, "{name}");
         let alloc_bytes: u64 = trace
             .iter()
-            .filter(|e| e.action == TorchAction::Alloc)
+            .filter(|e| e.action == TraceAction::Alloc)
             .map(|e| e.size)
             .sum();
         assert_eq!(alloc_bytes, 252_706_816, "{name}");
         assert!(trace.iter().all(|e| !e.frames.is_empty()), "{name}");
         let frames: usize = trace.iter().map(|e| e.frames.len()).sum();
         assert_eq!(frames, want.frames, "{name}");
-        assert_eq!(trace[0].action, TorchAction::SegmentAlloc, "{name}");
+        assert_eq!(trace[0].action, TraceAction::SegmentAlloc, "{name}");
         assert_eq!(trace[0].addr, want.first_addr, "{name}");
         assert_eq!(trace[0].size, 2_097_152, "{name}");
         assert_eq!(trace[0].time_us, Some(want.first_time_us), "{name}");
@@ -661,9 +661,9 @@ fn torch_snapshot() -> impl Strategy<Value = TorchSnapshot> {
         u63(),
         u63(),
         proptest::sample::select(vec![
-            TorchBlockState::ActiveAllocated,
-            TorchBlockState::ActivePendingFree,
-            TorchBlockState::Inactive,
+            BlockState::ActiveAllocated,
+            BlockState::ActivePendingFree,
+            BlockState::Inactive,
         ]),
         stack(),
     )
@@ -698,7 +698,7 @@ fn torch_snapshot() -> impl Strategy<Value = TorchSnapshot> {
             },
         );
     let entry = (
-        proptest::sample::select(TorchAction::ALL.to_vec()),
+        proptest::sample::select(TraceAction::PYTORCH.to_vec()),
         u63(),
         u63(),
         any::<u64>(),

@@ -3,7 +3,7 @@
 mod common;
 
 use std::io::Write;
-use streamalloc_viz::pytorch::{read_snapshot, TorchAction};
+use streamalloc_viz::pytorch::{read_snapshot, TraceAction};
 use streamalloc_viz::VizError;
 
 /// Allocation counts from shared/baselines/results.md (computed by trace_stats.py).
@@ -15,7 +15,7 @@ fn shared_traces_have_the_reference_allocation_counts() {
         let trace = snap.device_traces.iter().find(|t| !t.is_empty()).unwrap();
         let n = trace
             .iter()
-            .filter(|e| e.action == TorchAction::Alloc)
+            .filter(|e| e.action == TraceAction::Alloc)
             .count();
         assert_eq!(n, allocs, "{name}");
         assert!(!snap.segments.is_empty());
@@ -27,8 +27,8 @@ fn shared_traces_have_the_reference_allocation_counts() {
             let (mut live, mut peak) = (0i64, 0i64);
             for e in trace {
                 match e.action {
-                    TorchAction::Alloc => live += e.size as i64,
-                    TorchAction::FreeCompleted => live -= e.size as i64,
+                    TraceAction::Alloc => live += e.size as i64,
+                    TraceAction::FreeCompleted => live -= e.size as i64,
                     _ => {}
                 }
                 peak = peak.max(live);

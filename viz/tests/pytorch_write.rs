@@ -98,7 +98,7 @@ fn engine_snapshot_as_pickle_loads_in_python() {
     let allocs = ours.devices[0]
         .trace
         .iter()
-        .filter(|e| e.action == model::Action::Alloc)
+        .filter(|e| e.action == model::TraceAction::Alloc)
         .count();
     assert_eq!(out, format!("{} {allocs}\n", torch.device_traces[0].len()));
     assert!(allocs > 0);

@@ -1,14 +1,22 @@
-//! Loading the CUDA driver without ever panicking.
+//! The one door to run-time loaded NVIDIA libraries: loading them without ever panicking,
+//! and turning their result codes into errors.
 //!
-//! cudarc's `dynamic-loading` resolves `libcuda` and each symbol on first use and panics
-//! when either is missing. Every entry into the driver therefore goes through [`load`]
-//! first: it probes the library with cudarc's non-panicking `is_culib_present`, resolves
-//! every symbol the backend uses (inside `catch_unwind`, as a second guard), and calls
-//! `cuInit` — once per process. Afterwards the symbols are known to exist, so the lazy
-//! lookups in `cudarc::driver::sys` cannot panic.
+//! cudarc's `dynamic-loading` resolves a library and each symbol on first use and panics
+//! when either is missing. Every library this workspace calls (the CUDA driver here, NCCL
+//! in `streamalloc-p2p`) is therefore probed once by [`probe_library`] before any call: it
+//! asks cudarc's non-panicking `is_culib_present`, then resolves every symbol the caller
+//! uses (inside `catch_unwind`, as a second guard). Afterwards the symbols are known to
+//! exist, so cudarc's lazy lookups cannot panic. A failure is a [`LibraryError`] naming
+//! the library and, where one is missing, the symbol.
 //!
-//! The rest of the backend calls `sys` directly and turns `CUresult`s into
-//! [`BackendError`]s with [`check`].
+//! Result codes go through one thin layer, [`Status`]: `check(code)` is `Ok` on success and
+//! otherwise carries the code, which the library itself describes. The `unsafe` calls that
+//! ask a library for its error text live here (and in each library's [`Status`] impl)
+//! only.
+//!
+//! For the driver, [`load`] probes `libcuda` and calls `cuInit`, once per process; the
+//! backend then calls `sys` directly and turns `CUresult`s into [`BackendError`]s with
+//! [`check`].
 
 use crate::error::BackendError;
 use cudarc::driver::sys;
@@ -55,15 +63,114 @@ const SYMBOLS: &[&str] = &[
     "cuMemImportFromShareableHandle",
 ];
 
+/// A library loaded at run time, as its errors name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Library {
+    /// How messages name it, file included: `the CUDA driver (libcuda.so)`.
+    pub name: &'static str,
+    /// Why it is usually absent, for the not-found message.
+    pub absent: &'static str,
+    /// The oldest version with every symbol used, for the missing-symbol message.
+    pub needs: &'static str,
+}
+
+/// The CUDA driver, as [`LibraryError`]s name it.
+pub const CUDA_DRIVER: Library = Library {
+    name: "the CUDA driver (libcuda.so)",
+    absent: "no NVIDIA driver on this machine, or it is not on the library path",
+    needs: "a driver for CUDA 12 or newer",
+};
+
+/// Why a run-time loaded library cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LibraryError {
+    /// No candidate file of the library could be opened.
+    #[error("{} could not be loaded: {}", .library.name, .library.absent)]
+    NotFound {
+        /// The library.
+        library: Library,
+    },
+    /// The library lacks a symbol the caller needs (an older version).
+    #[error(
+        "{} lacks `{symbol}`: it is too old for streamalloc (needs {})",
+        .library.name,
+        .library.needs
+    )]
+    MissingSymbol {
+        /// The library.
+        library: Library,
+        /// The first missing symbol.
+        symbol: &'static str,
+    },
+}
+
+/// Probes `library` without panicking: `present` (cudarc's `is_culib_present` for it)
+/// must say a file opens, then every name of `symbols` must resolve in the handle `open`
+/// (cudarc's `culib`) returns. Calls nothing in the library.
+pub fn probe_library(
+    library: Library,
+    present: unsafe fn() -> bool,
+    open: unsafe fn() -> &'static libloading::Library,
+    symbols: &[&'static str],
+) -> Result<(), LibraryError> {
+    // SAFETY: `present` is a cudarc `is_culib_present`, which only calls
+    // `dlopen`/`dlclose` on candidate names.
+    if !unsafe { present() } {
+        return Err(LibraryError::NotFound { library });
+    }
+    let probed = std::panic::catch_unwind(|| {
+        // SAFETY: the library is present (checked above), so `open` (a cudarc `culib`)
+        // opens it instead of panicking; should it panic anyway, `catch_unwind` holds it.
+        let lib = unsafe { open() };
+        for &symbol in symbols {
+            // SAFETY: the symbol is looked up, never called, through this pointer type.
+            if unsafe { lib.get::<*const ()>(symbol.as_bytes()) }.is_err() {
+                return Err(LibraryError::MissingSymbol { library, symbol });
+            }
+        }
+        Ok(())
+    });
+    probed.unwrap_or(Err(LibraryError::NotFound { library }))
+}
+
+/// A library's result code: one value means success, any other is a failure the library
+/// can describe once loaded.
+pub trait Status: Copy {
+    /// Whether the code is the library's success.
+    fn is_success(self) -> bool;
+
+    /// The library's own description of the code. Only called once the library is
+    /// loaded (a code exists only then).
+    fn describe(self) -> String;
+
+    /// `Ok` for success, otherwise the code, to describe or match on.
+    #[inline]
+    fn check(self) -> Result<(), Self> {
+        if self.is_success() {
+            Ok(())
+        } else {
+            Err(self)
+        }
+    }
+}
+
+impl Status for sys::CUresult {
+    #[inline]
+    fn is_success(self) -> bool {
+        self == sys::CUresult::CUDA_SUCCESS
+    }
+
+    fn describe(self) -> String {
+        describe(self)
+    }
+}
+
 /// Why the driver could not be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DriverError {
-    /// No `libcuda` could be opened.
-    #[error("the CUDA driver (libcuda.so) could not be loaded: no NVIDIA driver on this machine, or it is not on the library path")]
-    NotFound,
-    /// The library lacks a symbol the backend needs (a driver older than CUDA 12).
-    #[error("the CUDA driver lacks `{0}`: it is too old for streamalloc")]
-    MissingSymbol(String),
+    /// `libcuda` is missing or lacks a symbol the backend needs.
+    #[error(transparent)]
+    Library(#[from] LibraryError),
     /// `cuInit` failed (for example, no device visible).
     #[error("cuInit failed: {0}")]
     Init(String),
@@ -76,29 +183,11 @@ pub fn load() -> Result<(), DriverError> {
 }
 
 fn load_uncached() -> Result<(), DriverError> {
-    // SAFETY: `is_culib_present` only calls `dlopen`/`dlclose` on candidate names.
-    if !unsafe { sys::is_culib_present() } {
-        return Err(DriverError::NotFound);
-    }
-    let probed = std::panic::catch_unwind(|| {
-        // SAFETY: the library is present (checked above), so `culib` opens it instead of
-        // panicking; `get` only looks a symbol up.
-        let lib = unsafe { sys::culib() };
-        for name in SYMBOLS {
-            // SAFETY: the symbol is looked up, never called, through this pointer type.
-            if unsafe { lib.get::<*const ()>(name.as_bytes()) }.is_err() {
-                return Err(DriverError::MissingSymbol((*name).to_string()));
-            }
-        }
-        Ok(())
-    });
-    probed.unwrap_or(Err(DriverError::NotFound))?;
+    probe_library(CUDA_DRIVER, sys::is_culib_present, sys::culib, SYMBOLS)?;
     // SAFETY: every symbol exists; cuInit(0) has no preconditions.
-    let code = unsafe { sys::cuInit(0) };
-    if code != sys::CUresult::CUDA_SUCCESS {
-        return Err(DriverError::Init(describe(code)));
-    }
-    Ok(())
+    unsafe { sys::cuInit(0) }
+        .check()
+        .map_err(|code| DriverError::Init(describe(code)))
 }
 
 /// `CUDA_ERROR_X: message` for a result code. Only called once the driver is loaded.
@@ -126,11 +215,7 @@ pub fn describe(code: sys::CUresult) -> String {
 /// out-of-memory one for `CUDA_ERROR_OUT_OF_MEMORY`).
 #[inline]
 pub fn check(code: sys::CUresult, operation: &'static str) -> Result<(), BackendError> {
-    if code == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(failure(code, operation))
-    }
+    code.check().map_err(|code| failure(code, operation))
 }
 
 #[cold]

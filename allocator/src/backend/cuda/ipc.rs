@@ -158,9 +158,9 @@ impl CudaBackend {
         for mapping in mappings {
             let local = os::pidfd_getfd(&pidfd, mapping.fd)?;
             let mut handle: sys::CUmemGenericAllocationHandle = 0;
-            // SAFETY: valid out pointer; for POSIX descriptors the driver takes the
-            // descriptor's number in place of the pointer. `local` is open for the call.
             driver::check(
+                // SAFETY: valid out pointer; for POSIX descriptors the driver takes the
+                // descriptor's number in place of the pointer. `local` is open for the call.
                 unsafe {
                     sys::cuMemImportFromShareableHandle(
                         &mut handle,
@@ -175,8 +175,8 @@ impl CudaBackend {
         }
         drop(pidfd);
         let mut base: sys::CUdeviceptr = 0;
-        // SAFETY: valid out pointer; no fixed address requested.
         driver::check(
+            // SAFETY: valid out pointer; no fixed address requested.
             unsafe {
                 sys::cuMemAddressReserve(
                     &mut base,
@@ -193,10 +193,10 @@ impl CudaBackend {
         let mut offset = 0;
         let mut record = Vec::with_capacity(mappings.len());
         for (mapping, &handle) in mappings.iter().zip(&opened.handles) {
-            // SAFETY: `[base + offset, + size)` lies in the reservation just made and is
-            // not mapped; `handle` is an imported allocation of `size` bytes (the driver
-            // refuses a size that does not match).
             driver::check(
+                // SAFETY: `[base + offset, + size)` lies in the reservation just made and is
+                // not mapped; `handle` is an imported allocation of `size` bytes (the driver
+                // refuses a size that does not match).
                 unsafe { sys::cuMemMap(base + offset, mapping.size as usize, 0, handle, 0) },
                 "cuMemMap",
             )?;
@@ -208,8 +208,8 @@ impl CudaBackend {
             location: vmm::location(self.ordinal),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: the whole range was just mapped; one valid descriptor.
         driver::check(
+            // SAFETY: the whole range was just mapped; one valid descriptor.
             unsafe { sys::cuMemSetAccess(base, total as usize, &access, 1) },
             "cuMemSetAccess",
         )?;

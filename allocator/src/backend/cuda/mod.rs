@@ -68,8 +68,8 @@ pub enum CudaError {
 pub fn device_count() -> Result<i32, CudaError> {
     driver::load()?;
     let mut count: c_int = 0;
-    // SAFETY: the driver is loaded and initialised; `count` is a valid out pointer.
     driver::check(
+        // SAFETY: the driver is loaded and initialised; `count` is a valid out pointer.
         unsafe { sys::cuDeviceGetCount(&mut count) },
         "cuDeviceGetCount",
     )?;
@@ -78,9 +78,7 @@ pub fn device_count() -> Result<i32, CudaError> {
 
 /// Device `ordinal` and its primary context (PyTorch's), retained for the life of the
 /// process: like RMM's per-thread events, driver calls during teardown are undefined.
-pub(crate) fn retain_primary_context(
-    ordinal: i32,
-) -> Result<(sys::CUdevice, sys::CUcontext), CudaError> {
+pub fn retain_primary_context(ordinal: i32) -> Result<(sys::CUdevice, sys::CUcontext), CudaError> {
     let count = device_count()?;
     if ordinal < 0 || ordinal >= count {
         return Err(CudaError::NoSuchDevice { ordinal, count });
@@ -129,8 +127,8 @@ impl CudaBackend {
     pub fn new(ordinal: i32) -> Result<Self, CudaError> {
         let (device, ctx) = retain_primary_context(ordinal)?;
         let mut total: usize = 0;
-        // SAFETY: `device` is a valid device handle; `total` is a valid out pointer.
         driver::check(
+            // SAFETY: `device` is a valid device handle; `total` is a valid out pointer.
             unsafe { sys::cuDeviceTotalMem_v2(&mut total, device) },
             "cuDeviceTotalMem",
         )?;
@@ -162,8 +160,8 @@ impl CudaBackend {
     /// Makes the primary context current for the duration of the returned guard.
     fn enter(&self) -> BackendResult<CtxGuard> {
         let mut current: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: valid out pointer; the driver is loaded (a backend exists).
         driver::check(
+            // SAFETY: valid out pointer; the driver is loaded (a backend exists).
             unsafe { sys::cuCtxGetCurrent(&mut current) },
             "cuCtxGetCurrent",
         )?;
@@ -171,15 +169,15 @@ impl CudaBackend {
             return Ok(CtxGuard { pushed: false });
         }
         if current.is_null() {
-            // SAFETY: the context is retained for the life of the process.
             driver::check(
+                // SAFETY: the context is retained for the life of the process.
                 unsafe { sys::cuCtxSetCurrent(self.ctx.0) },
                 "cuCtxSetCurrent",
             )?;
             return Ok(CtxGuard { pushed: false });
         }
-        // SAFETY: as above; the guard pops it again.
         driver::check(
+            // SAFETY: as above; the guard pops it again.
             unsafe { sys::cuCtxPushCurrent_v2(self.ctx.0) },
             "cuCtxPushCurrent",
         )?;
@@ -224,8 +222,8 @@ impl Backend for CudaBackend {
         let _ctx = self.enter()?;
         let _relaxed = RelaxedCapture::enter()?;
         let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: valid out pointer; the primary context is current.
         driver::check(
+            // SAFETY: valid out pointer; the primary context is current.
             unsafe { sys::cuMemAlloc_v2(&mut ptr, size as usize) },
             "cuMemAlloc",
         )?;
@@ -242,8 +240,8 @@ impl Backend for CudaBackend {
     fn create_event(&self) -> BackendResult<EventHandle> {
         let _ctx = self.enter()?;
         let mut handle: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: valid out pointer; the primary context is current.
         driver::check(
+            // SAFETY: valid out pointer; the primary context is current.
             unsafe {
                 sys::cuEventCreate(
                     &mut handle,
@@ -377,8 +375,8 @@ struct RelaxedCapture {
 impl RelaxedCapture {
     fn enter() -> BackendResult<Self> {
         let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-        // SAFETY: valid in/out pointer.
         driver::check(
+            // SAFETY: valid in/out pointer.
             unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) },
             "cuThreadExchangeStreamCaptureMode",
         )?;

@@ -116,8 +116,8 @@ impl PageMap {
 
     pub(super) fn reserve(&self, size: u64) -> BackendResult<DevicePtr> {
         let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: valid out pointer; no fixed address requested.
         driver::check(
+            // SAFETY: valid out pointer; no fixed address requested.
             unsafe {
                 sys::cuMemAddressReserve(&mut ptr, size as usize, self.page_size as usize, 0, 0)
             },
@@ -141,15 +141,15 @@ impl PageMap {
         self.check_range(ptr, size, "cuMemMap")?;
         let prop = allocation_prop(self.ordinal, self.exportable);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: valid out pointer and property struct; `size` is a multiple of the
-        // granularity (checked above).
         driver::check(
+            // SAFETY: valid out pointer and property struct; `size` is a multiple of the
+            // granularity (checked above).
             unsafe { sys::cuMemCreate(&mut handle, size as usize, &prop, 0) },
             "cuMemCreate",
         )?;
-        // SAFETY: `[ptr, ptr + size)` lies in a reservation and is not mapped (the engine
-        // maps each range once); `handle` is a fresh allocation of exactly `size` bytes.
         if let Err(err) = driver::check(
+            // SAFETY: `[ptr, ptr + size)` lies in a reservation and is not mapped (the engine
+            // maps each range once); `handle` is a fresh allocation of exactly `size` bytes.
             unsafe { sys::cuMemMap(ptr.0, size as usize, 0, handle, 0) },
             "cuMemMap",
         ) {
@@ -161,8 +161,8 @@ impl PageMap {
             location: location(self.ordinal),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: the whole range was just mapped; one valid descriptor.
         if let Err(err) = driver::check(
+            // SAFETY: the whole range was just mapped; one valid descriptor.
             unsafe { sys::cuMemSetAccess(ptr.0, size as usize, &access, 1) },
             "cuMemSetAccess",
         ) {
@@ -216,9 +216,9 @@ impl PageMap {
             // An importer holds its own reference to the allocation; the descriptor only
             // served to hand it over.
             drop(fd);
-            // SAFETY: `start` was mapped by `map` with exactly this length, and the engine
-            // synchronised so no stream can still touch it.
             driver::check(
+                // SAFETY: `start` was mapped by `map` with exactly this length, and the engine
+                // synchronised so no stream can still touch it.
                 unsafe { sys::cuMemUnmap(start, len as usize) },
                 "cuMemUnmap",
             )?;
@@ -260,9 +260,9 @@ impl PageMap {
                 Some(fd) => fd.as_raw_fd(),
                 None => {
                     let mut raw: std::ffi::c_int = -1;
-                    // SAFETY: `raw` is a valid out location for a POSIX descriptor (the
-                    // handle type asked for); the handle is live, created exportable.
                     driver::check(
+                        // SAFETY: `raw` is a valid out location for a POSIX descriptor (the
+                        // handle type asked for); the handle is live, created exportable.
                         unsafe {
                             sys::cuMemExportToShareableHandle(
                                 (&mut raw as *mut std::ffi::c_int).cast(),
