@@ -16,7 +16,6 @@
 //! | `graph_pools` | `true`: allocations made for a pool (CUDA graph capture, `torch.cuda.MemPool`) come from that pool's own segments; `false`: from the default pool, as before pools existed, so graph replays can overwrite eager tensors (only to demonstrate that failure) | `true` |
 //! | `expandable_segments` | `true`: reserve address space per stream and map memory on demand (mappings sized to the live peak, 2–128 MiB), unmapping free mappings when mapping would go past the live peak plus a slack (needs a backend with virtual memory; others fall back to whole segments); `false`: whole segments, PyTorch's rules | `true` (`false` under the LD_PRELOAD interposer) |
 
-use crate::error::ConfigError;
 use serde::{Deserialize, Serialize};
 
 /// The environment variable read by [`Config::from_env`].
@@ -357,3 +356,56 @@ mod tests {
         assert_eq!(format_bytes(3 << 29), "1.50 GiB");
     }
 }
+
+/// A configuration string (`STREAMALLOC_CONF`, or a `--conf` flag) that cannot be parsed.
+/// It displays as coming from `STREAMALLOC_CONF`; [`ConfigError::describe`] names another
+/// source, so a flag's error does not blame the environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigError {
+    /// A key no version of streamalloc knows.
+    UnknownKey {
+        /// The key as written.
+        key: String,
+        /// The accepted keys, comma separated.
+        known: &'static str,
+    },
+    /// A known key with a value it does not accept.
+    BadValue {
+        /// The key.
+        key: &'static str,
+        /// The value as written.
+        value: String,
+        /// What the key accepts.
+        expected: &'static str,
+    },
+    /// An entry that is not `key:value`.
+    Malformed(String),
+    /// The variable holds bytes that are not UTF-8.
+    NotUnicode,
+}
+
+impl ConfigError {
+    /// The message with `source` (e.g. `--conf`) named as where the text came from.
+    pub fn describe(&self, source: &str) -> String {
+        match self {
+            Self::UnknownKey { key, known } => {
+                format!("{source}: unknown key `{key}`; known keys: {known}")
+            }
+            Self::BadValue {
+                key,
+                value,
+                expected,
+            } => format!("{source}: bad value `{value}` for `{key}`; expected {expected}"),
+            Self::Malformed(entry) => format!("{source}: `{entry}` is not of the form key:value"),
+            Self::NotUnicode => format!("{source} is not valid UTF-8"),
+        }
+    }
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe(ENV_VAR))
+    }
+}
+
+impl std::error::Error for ConfigError {}

@@ -158,55 +158,6 @@ pub enum AllocError {
     Backend(#[from] BackendError),
 }
 
-/// A configuration string (`STREAMALLOC_CONF`, or a `--conf` flag) that cannot be parsed.
-/// It displays as coming from `STREAMALLOC_CONF`; [`ConfigError::describe`] names another
-/// source, so a flag's error does not blame the environment.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ConfigError {
-    /// A key no version of streamalloc knows.
-    UnknownKey {
-        /// The key as written.
-        key: String,
-        /// The accepted keys, comma separated.
-        known: &'static str,
-    },
-    /// A known key with a value it does not accept.
-    BadValue {
-        /// The key.
-        key: &'static str,
-        /// The value as written.
-        value: String,
-        /// What the key accepts.
-        expected: &'static str,
-    },
-    /// An entry that is not `key:value`.
-    Malformed(String),
-    /// The variable holds bytes that are not UTF-8.
-    NotUnicode,
-}
-
-impl ConfigError {
-    /// The message with `source` (e.g. `--conf`) named as where the text came from.
-    pub fn describe(&self, source: &str) -> String {
-        match self {
-            Self::UnknownKey { key, known } => {
-                format!("{source}: unknown key `{key}`; known keys: {known}")
-            }
-            Self::BadValue {
-                key,
-                value,
-                expected,
-            } => format!("{source}: bad value `{value}` for `{key}`; expected {expected}"),
-            Self::Malformed(entry) => format!("{source}: `{entry}` is not of the form key:value"),
-            Self::NotUnicode => format!("{source} is not valid UTF-8"),
-        }
-    }
-}
-
-impl std::fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.describe(crate::config::ENV_VAR))
-    }
-}
-
-impl std::error::Error for ConfigError {}
+/// Configuration errors belong to the configuration (`crate::config`); re-exported here
+/// with every other error type.
+pub use crate::config::ConfigError;

@@ -73,3 +73,6 @@ pub struct Allocation {
     /// The stream the allocation belongs to: it may use it with no synchronisation.
     pub stream: StreamId,
 }
+
+/// Index of a recorded event.
+pub(crate) type EventKey = usize;

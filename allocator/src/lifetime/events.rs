@@ -11,11 +11,9 @@ use crate::backend::Backend;
 use crate::error::BackendError;
 use crate::pool::arena::StreamSlot;
 use crate::stats::Stats;
+pub(crate) use crate::types::EventKey;
 use crate::types::{EventHandle, StreamId};
 use slab::Slab;
-
-/// Index of a recorded event.
-pub(crate) type EventKey = usize;
 
 /// What the engine knows of one recorded event.
 #[derive(Debug)]

@@ -9,8 +9,7 @@
 //! The arena knows nothing of streams or events beyond the fields it stores for the
 //! lifetime layer; it never decides where a free block goes.
 
-use crate::lifetime::EventKey;
-use crate::types::PoolKind;
+use crate::types::{EventKey, PoolKind};
 use slab::Slab;
 use thin_vec::ThinVec;
 
