@@ -6,7 +6,6 @@
 //! `main.rs`) is a thin caller of the same crates.
 
 #![warn(missing_docs, rust_2018_idioms)]
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod ffi;
 pub mod process;

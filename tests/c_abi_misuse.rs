@@ -4,8 +4,6 @@
 //! and a last error saying why, never a crash; a success leaves the last error empty; and a
 //! panic inside a device's engine makes that device refuse every later call.
 
-#![deny(clippy::undocumented_unsafe_blocks)]
-
 use std::ffi::{c_int, c_void, CStr};
 use streamalloc::ffi::pools::{
     self, StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo,

@@ -6,8 +6,6 @@
 //! it declares, exported by the library; and the stats struct, complete against the
 //! engine's counters.
 
-#![deny(clippy::undocumented_unsafe_blocks)]
-
 use std::collections::BTreeSet;
 use std::path::Path;
 use streamalloc::ffi::layout::{CLayout, SHARED};

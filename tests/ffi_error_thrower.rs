@@ -5,8 +5,6 @@
 //! message. Without a GPU the failure is "no CUDA driver"; on a GPU machine the request is
 //! made too large to succeed.
 
-#![deny(clippy::undocumented_unsafe_blocks)]
-
 use std::ffi::{c_char, CStr};
 use streamalloc::ffi;
 

@@ -2,8 +2,6 @@
 //! or an error code and a readable `streamalloc_last_error()`, never a panic or a crash.
 //! On a machine with a GPU these checks are skipped (`streamalloc-gpu-test` covers it).
 
-#![deny(clippy::undocumented_unsafe_blocks)]
-
 use std::ffi::{c_void, CStr, CString};
 use streamalloc::ffi::{self, StreamallocStats};
 use streamalloc_allocator::backend::cuda::driver;

@@ -85,7 +85,6 @@
 //! (see `streamalloc::process`).
 
 #![warn(missing_docs, rust_2018_idioms)]
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 use std::ffi::{c_int, c_void, CStr};
 use std::fmt::Display;

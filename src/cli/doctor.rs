@@ -227,9 +227,9 @@ fn gpus(report: &mut Report) {
             .symbol("cuDeviceGetAttribute")
             .ok_or_else(|| missing("cuDeviceGetAttribute"))?;
         let mut version = 0;
-        // SAFETY (all calls below): driver API functions with their documented signatures,
-        // given valid out-pointers and buffer lengths.
+        // SAFETY: cuDriverGetVersion with its documented signature and a valid out-pointer.
         unsafe { driver_version(&mut version) };
+        // SAFETY: cuInit(0) has no preconditions.
         let code = unsafe { init(0) };
         if code == CUDA_ERROR_NO_DEVICE {
             return Ok((version, Vec::new()));
@@ -241,20 +241,27 @@ fn gpus(report: &mut Report) {
             ));
         }
         let mut n = 0;
+        // SAFETY: cuDeviceGetCount with a valid out-pointer, after cuInit succeeded.
         unsafe { count(&mut n) };
         let mut devices = Vec::new();
         for ordinal in 0..n {
             let mut device = 0;
+            // SAFETY: cuDeviceGet with a valid out-pointer and an ordinal below the count.
             if unsafe { get(&mut device, ordinal) } != 0 {
                 continue;
             }
             let mut buf = [0 as c_char; 256];
+            // SAFETY: cuDeviceGetName writes at most `buf.len()` bytes, NUL-terminated.
             unsafe { name(buf.as_mut_ptr(), buf.len() as c_int, device) };
+            // SAFETY: the buffer is NUL-terminated (zeroed, and the driver terminates it).
             let label = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy();
             let mut bytes = 0usize;
+            // SAFETY: cuDeviceTotalMem_v2 with a valid out-pointer and device.
             unsafe { total(&mut bytes, device) };
             let (mut major, mut minor) = (0, 0);
+            // SAFETY: cuDeviceGetAttribute with valid out-pointers and a known attribute.
             unsafe { attribute(&mut major, ATTRIBUTE_CC_MAJOR, device) };
+            // SAFETY: as above.
             unsafe { attribute(&mut minor, ATTRIBUTE_CC_MINOR, device) };
             devices.push(format!(
                 "GPU {ordinal}: {label}, {}, compute capability {major}.{minor}",
@@ -485,6 +492,7 @@ impl Dl {
             let text = if err.is_null() {
                 "dlopen failed".to_string()
             } else {
+                // SAFETY: non-null, so a NUL-terminated string from dlerror.
                 unsafe { CStr::from_ptr(err) }
                     .to_string_lossy()
                     .into_owned()
