@@ -13,8 +13,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use streamalloc::replay::{load_traces, shared_traces_dir};
+use streamalloc::replay::{replay, training_trace};
 use streamalloc_allocator::backend::sim::SimBackend;
-use streamalloc_allocator::replay::{replay, training_trace};
 use streamalloc_allocator::{Allocator, Config, StreamId};
 
 fn traces_dir() -> PathBuf {

@@ -9,8 +9,8 @@
 
 use common::harness_op;
 use proptest::prelude::*;
+use streamalloc::replay::{entry, replay_on};
 use streamalloc_allocator::backend::sim::{Access, RaceKind, SimBackend};
-use streamalloc_allocator::replay::{entry, replay_on};
 use streamalloc_allocator::testing::{proptest_cases, Harness, Op};
 
 mod common;

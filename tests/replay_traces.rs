@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use streamalloc::replay::{load_traces, shared_traces_dir};
-use streamalloc_allocator::replay::{replay, replay_steps};
+use streamalloc::replay::{replay, replay_steps};
 use streamalloc_allocator::Config;
 
 mod cli;

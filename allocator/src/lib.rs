@@ -66,7 +66,6 @@ pub mod implementation;
 pub(crate) mod lifetime;
 mod lock;
 pub mod pool;
-pub mod replay;
 pub mod rng;
 pub mod scenarios;
 pub mod snapshot;

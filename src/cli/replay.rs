@@ -12,7 +12,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use streamalloc::replay::load_traces;
-use streamalloc_allocator::replay::{replay_steps, ReplayReport};
+use streamalloc::replay::{replay_steps, ReplayReport};
 use streamalloc_allocator::Config;
 
 /// Arguments of `streamalloc replay`.

@@ -1,12 +1,10 @@
 //! Loading traces for `streamalloc replay`: PyTorch memory snapshots (pickle, gzipped or
 //! not) and our own JSON (a list of trace entries, our snapshot as `snapshot convert --to
 //! json` writes it, or the engine's snapshot with its `trace` list), turned into the
-//! engine's [`TraceEntry`] records that [`streamalloc_allocator::replay`] runs. Every
-//! snapshot the project writes replays; a Perfetto trace (counters, no allocation events)
-//! is refused with the keys it holds.
-//!
-//! The replay itself lives in the engine crate; this module only knows file formats, so
-//! the CLI, the tests and the benchmark read traces the same way.
+//! engine's [`TraceEntry`] records that [`super::run`] replays. Every snapshot the project
+//! writes replays; a Perfetto trace (counters, no allocation events) is refused with the
+//! keys it holds. This module only knows file formats, so the CLI, the tests and the
+//! benchmark read traces the same way.
 
 use serde::de::IgnoredAny;
 use std::collections::BTreeMap;

@@ -20,16 +20,16 @@
 //!   event. The native peak reserved sums `segment_alloc`/`segment_map` minus
 //!   `segment_free`/`segment_unmap`, as `trace_stats.py` does.
 
-use crate::backend::sim::SimBackend;
-use crate::backend::Backend;
-use crate::config::Config;
-use crate::error::AllocError;
-use crate::trace::{TraceAction, TraceEntry};
-use crate::types::{DevicePtr, StreamId};
-use crate::Allocator;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::time::Instant;
+use streamalloc_allocator::backend::sim::SimBackend;
+use streamalloc_allocator::backend::Backend;
+use streamalloc_allocator::config::Config;
+use streamalloc_allocator::error::AllocError;
+use streamalloc_allocator::trace::{TraceAction, TraceEntry};
+use streamalloc_allocator::types::{DevicePtr, StreamId};
+use streamalloc_allocator::Allocator;
 
 /// Device memory of the simulated device a replay runs on: far beyond any recorded run, so
 /// that replay measures packing, never out-of-memory.
