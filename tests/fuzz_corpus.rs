@@ -25,18 +25,8 @@ fn every_engine_corpus_input_keeps_the_invariants() {
 
 #[test]
 fn every_c_abi_corpus_input_runs_clean() {
-    // Planted panics are expected (the harness injects them to check poisoning); keep their
-    // reports off the output.
-    let default_hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        let planted = info
-            .payload()
-            .downcast_ref::<String>()
-            .is_some_and(|m| m.starts_with("injected panic in"));
-        if !planted {
-            default_hook(info);
-        }
-    }));
+    // Panics planted to check poisoning are expected: keep their reports off the output.
+    streamalloc::ffi::testing::pass_planted_panics();
     corpus::replay(&corpus_dir("c_abi"), |bytes| {
         if let Err(violation) = streamalloc::ffi::testing::run_bytes(bytes) {
             panic!("{violation}");

@@ -6,27 +6,12 @@
 //! error, or a call the model of live pointers contradicts.
 //!
 //! `cargo fuzz run c_abi` (needs cargo-fuzz and a nightly toolchain). Stable CI replays
-//! `fuzz/corpus/c_abi/` through `tests/fuzz_corpus_c_abi.rs`.
+//! `fuzz/corpus/c_abi/` through `tests/fuzz_corpus.rs`.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
-/// libFuzzer's panic hook aborts at any panic, caught or not. Planted panics must unwind
-/// to the registry, which catches them: they pass silently, every other panic still aborts.
-fn let_planted_panics_unwind() {
-    let abort = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        let planted = info
-            .payload()
-            .downcast_ref::<String>()
-            .is_some_and(|message| message.starts_with("injected panic in"));
-        if !planted {
-            abort(info);
-        }
-    }));
-}
-
-fuzz_target!(init: let_planted_panics_unwind(), |data: &[u8]| {
+fuzz_target!(init: streamalloc::ffi::testing::pass_planted_panics(), |data: &[u8]| {
     if let Err(violation) = streamalloc::ffi::testing::run_bytes(data) {
         panic!("{violation}");
     }

@@ -30,7 +30,7 @@ use super::{error, stats, StreamallocStats};
 use crate::registry::Registry;
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void, CStr};
-use streamalloc_allocator::backend::sim::SimBackend;
+use streamalloc_allocator::backend::sim::{SimBackend, INJECTED_PANIC};
 use streamalloc_allocator::{Config, DevicePtr, Stats};
 
 /// What the last error holds before each call; no call may leave it there.
@@ -78,6 +78,23 @@ impl Reader<'_> {
     fn below(&mut self, n: usize) -> usize {
         usize::from(self.u8()) % n
     }
+}
+
+/// Installs a panic hook that passes the panics [`run_bytes`] plants and hands every other
+/// one to the hook installed before it. libFuzzer's hook aborts at any panic, caught or not,
+/// so the fuzz target needs planted panics to unwind to the registry, which catches them;
+/// the corpus test keeps their reports off its output.
+pub fn pass_planted_panics() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let planted = info
+            .payload()
+            .downcast_ref::<String>()
+            .is_some_and(|message| message.starts_with(INJECTED_PANIC));
+        if !planted {
+            previous(info);
+        }
+    }));
 }
 
 /// Runs the program encoded by `bytes`; `Err` describes the first broken rule. The first
@@ -814,7 +831,7 @@ impl Harness {
             match device.poisoned() {
                 Some(poisoned) => {
                     let message = poisoned.to_string();
-                    if !self.planted.contains(&ordinal) || !message.contains("injected panic in") {
+                    if !self.planted.contains(&ordinal) || !message.contains(INJECTED_PANIC) {
                         return Err(format!("{call}: device {ordinal} poisoned by a panic nobody planted: {message}"));
                     }
                     let now = (device.allocator().stats(), driver_calls(backend));

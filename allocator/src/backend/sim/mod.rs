@@ -232,6 +232,10 @@ struct SimState {
     panic_next: Option<&'static str>,
 }
 
+/// How the message of a panic planted by [`SimBackend::panic_on_next`] begins, so that
+/// tests and harnesses tell planted panics from real ones.
+pub const INJECTED_PANIC: &str = "injected panic in";
+
 /// The simulated device. Cloning shares the device (it is an `Arc` inside).
 #[derive(Clone, Debug, Default)]
 pub struct SimBackend {
@@ -402,8 +406,8 @@ impl SimBackend {
     }
 
     /// Makes the next backend call named `name` (as counted by [`SimBackend::calls`], e.g.
-    /// `"alloc_segment"`) panic, with the message `injected panic in NAME`: for tests of
-    /// how callers contain a panic inside the engine.
+    /// `"alloc_segment"`) panic, with the message [`INJECTED_PANIC`] followed by the name:
+    /// for tests of how callers contain a panic inside the engine.
     pub fn panic_on_next(&self, name: &'static str) {
         self.state.lock().panic_next = Some(name);
     }
@@ -465,7 +469,7 @@ impl SimBackend {
         if state.panic_next == Some(name) {
             state.panic_next = None;
             drop(state);
-            panic!("injected panic in {name}");
+            panic!("{INJECTED_PANIC} {name}");
         }
         state
     }
