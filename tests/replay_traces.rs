@@ -415,21 +415,6 @@ fn replay_json(paths: &[&Path]) -> (bool, String, Vec<serde_json::Value>) {
     )
 }
 
-/// `streamalloc snapshot convert input output --to format`, which must succeed.
-fn convert(input: &Path, output: &Path, format: &str) {
-    let out = cli::streamalloc()
-        .args(["snapshot", "convert"])
-        .args([input, output])
-        .args(["--to", format])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// A replay row without what differs between runs or files: the name and the timing.
 fn figures(mut row: serde_json::Value) -> serde_json::Value {
     let map = row.as_object_mut().unwrap();
@@ -447,8 +432,8 @@ fn a_trace_converted_to_our_json_replays_to_the_same_figures() {
         let original = shared_trace(name);
         let json = dir.join(format!("{name}.json"));
         let json_gz = dir.join(format!("{name}.json.gz"));
-        convert(&original, &json, "json");
-        convert(&original, &json_gz, "json");
+        cli::convert(&original, &json, "json");
+        cli::convert(&original, &json_gz, "json");
         let (ok, stderr, rows) = replay_json(&[&original, &json, &json_gz]);
         assert!(ok, "{name}: {stderr}");
         assert_eq!(rows.len(), 3, "{name}: {rows:?}");
@@ -470,7 +455,7 @@ fn a_json_file_that_is_no_trace_is_refused_saying_what_it_holds() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let perfetto = dir.join("gpt2.trace.json");
-    convert(&shared_trace("gpt2.pickle.gz"), &perfetto, "perfetto");
+    cli::convert(&shared_trace("gpt2.pickle.gz"), &perfetto, "perfetto");
     let number = dir.join("number.json");
     std::fs::write(&number, "42").unwrap();
     for (path, found) in [

@@ -1,11 +1,9 @@
 //! `streamalloc snapshot convert`, `plot` and `view` as a user runs them.
 
+mod cli;
+
 use std::path::PathBuf;
 use std::process::Command;
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_streamalloc"))
-}
 
 /// A PyTorch trace from `tests/data/traces`; a missing one fails the test.
 fn shared_trace(name: &str) -> PathBuf {
@@ -35,18 +33,7 @@ fn convert_between_all_formats() {
         (&pickle, &json2, "json"),
         (&json2, &perfetto, "perfetto"),
     ] {
-        let out = bin()
-            .args(["snapshot", "convert"])
-            .arg(from)
-            .arg(to)
-            .args(["--to", fmt])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        cli::convert(from, to, fmt);
     }
     // pickle -> ours -> pickle -> ours: the same JSON.
     let a: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
@@ -61,7 +48,7 @@ fn convert_between_all_formats() {
 fn unreadable_input_is_one_line_and_fails() {
     let bad = tmp("bad.pickle");
     std::fs::write(&bad, b"\x80\x04garbage").unwrap();
-    let out = bin()
+    let out = cli::streamalloc()
         .args(["snapshot", "convert"])
         .arg(&bad)
         .arg(tmp("out.json"))
@@ -83,7 +70,7 @@ fn plot_writes_svg_and_png() {
     let svg = tmp("t.svg");
     let png = tmp("t.png");
     for out in [&svg, &png] {
-        let o = bin()
+        let o = cli::streamalloc()
             .arg("plot")
             .arg(&input)
             .arg("-o")
@@ -103,7 +90,7 @@ fn plot_writes_svg_and_png() {
     assert_eq!(u32::from_be_bytes(bytes[16..20].try_into().unwrap()), 400);
     assert_eq!(u32::from_be_bytes(bytes[20..24].try_into().unwrap()), 200);
 
-    let o = bin()
+    let o = cli::streamalloc()
         .arg("plot")
         .arg(&input)
         .arg("-o")
@@ -132,7 +119,7 @@ fn trace_stats_reads_our_pickle_like_the_original() {
     let json = tmp("stats.json");
     let pickle = tmp("stats.pickle");
     for (from, to, fmt) in [(&input, &json, "json"), (&json, &pickle, "pickle")] {
-        let o = bin()
+        let o = cli::streamalloc()
             .args(["snapshot", "convert"])
             .arg(from)
             .arg(to)
@@ -165,7 +152,7 @@ fn trace_stats_reads_our_pickle_like_the_original() {
 fn view_prints_a_loopback_url_and_serves_the_page() {
     use std::io::{BufRead, BufReader, Read, Write};
     let input = shared_trace("tp_allreduce_0.pickle.gz");
-    let mut child = bin()
+    let mut child = cli::streamalloc()
         .arg("view")
         .arg(&input)
         .args(["--port", "0"])
@@ -196,7 +183,7 @@ fn view_prints_a_loopback_url_and_serves_the_page() {
 fn view_refuses_an_unreadable_file_before_serving() {
     let bad = tmp("bad-view.json");
     std::fs::write(&bad, b"{\"format\": \"nope\"}").unwrap();
-    let out = bin().arg("view").arg(&bad).output().unwrap();
+    let out = cli::streamalloc().arg("view").arg(&bad).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("bad-view.json"));
 }
@@ -207,7 +194,7 @@ fn view_refuses_an_unreadable_file_before_serving() {
 #[test]
 fn device_indices_and_sizes_past_the_limits_are_one_line_errors() {
     let good = tmp("limits-good.json");
-    let out = bin()
+    let out = cli::streamalloc()
         .args(["snapshot", "convert"])
         .arg(shared_trace("tp_allreduce_0.pickle.gz"))
         .arg(&good)
@@ -244,7 +231,7 @@ fn device_indices_and_sizes_past_the_limits_are_one_line_errors() {
             vec!["snapshot", "convert", "--to", "pickle"],
             vec!["plot", "-o"],
         ] {
-            let mut cmd = bin();
+            let mut cmd = cli::streamalloc();
             cmd.args(&args);
             if args[0] == "plot" {
                 cmd.arg(&written).arg(&input);
@@ -269,7 +256,7 @@ fn view_reports_each_bad_file_and_fails_when_none_is_readable() {
     let b = tmp("view-bad-b.json");
     std::fs::write(&a, br#"{"format":"streamalloc-snapshot","version":1,"source":"x","devices":[{"device":2147483648,"segments":[],"trace":[]}]}"#).unwrap();
     std::fs::write(&b, b"not a snapshot").unwrap();
-    let out = bin()
+    let out = cli::streamalloc()
         .arg("view")
         .arg(&a)
         .arg(&b)

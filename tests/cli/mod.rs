@@ -1,5 +1,7 @@
 //! The `streamalloc` command as the CLI tests run it: with the library this test run built
-//! and none of the caller's streamalloc, Python or launcher settings.
+//! and none of the caller's streamalloc, Python or launcher settings. Each test file uses
+//! the part it needs.
+#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -39,4 +41,19 @@ pub fn streamalloc() -> Command {
         command.env_remove(name);
     }
     command
+}
+
+/// `streamalloc snapshot convert input output --to format`, which must succeed.
+pub fn convert(input: &Path, output: &Path, format: &str) {
+    let out = streamalloc()
+        .args(["snapshot", "convert"])
+        .args([input, output])
+        .args(["--to", format])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
