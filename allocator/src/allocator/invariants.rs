@@ -32,10 +32,10 @@ struct Tally {
 impl State {
     pub(super) fn check_invariants(&self) -> Result<(), String> {
         self.arena.validate()?;
-        let tally = self.check_blocks()?;
+        let mut tally = self.check_blocks()?;
         self.check_lists(&tally)?;
         self.check_address_map()?;
-        self.check_events(tally.event_refs.clone())?;
+        self.check_events(std::mem::take(&mut tally.event_refs))?;
         self.check_expandable(&tally)?;
         self.check_stats(&tally)
     }
