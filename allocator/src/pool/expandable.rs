@@ -42,12 +42,27 @@ use std::collections::{BTreeMap, HashMap};
 pub(crate) const MAP_CHUNK: u64 = 128 << 20;
 
 /// Mappings are at most the live peak divided by this (see [`ExpandableTable::chunk`]).
-/// Replayed with `--steps 3` (peak reserved / peak live, maps in the last step), a 32nd
-/// gave 1.102 on the KV-cache generation trace, a 64th 1.080, with the training traces
-/// (GPT-2, ResNet-50, BERT with varying length) unchanged within 0.001 and still mapping
-/// nothing in their last step. A 128th reached 1.043 on generation but made the BERT trace
-/// remap 1.3 GB every step: finer mappings let reclaims unmap what later steps map again.
-const MAP_PEAK_FRACTION: u64 = 64;
+/// Replayed with `--steps 3` (peak reserved / peak live), with the last page of each
+/// mapping run on its own (see [`ExpandableTable::pieces`]): a 64th gave 1.049 on the
+/// KV-cache generation trace, a 256th 1.036 (a 32nd without the separate last page: 1.102),
+/// the training traces (GPT-2, ResNet-50, BERT with varying length) within 0.002 of one
+/// another and mapping nothing in their last step either way. Below a 1 GiB peak a 256th is
+/// one page: what generation needs, since its live blocks move every request; above it,
+/// mappings stay 4–128 MiB and a GPT-2 step maps 1.5k times while warming up (~0.1 s on an
+/// H200) and never after.
+const MAP_PEAK_FRACTION: u64 = 256;
+
+/// A run of pages mapped for one request is cut into at most about this many pieces (and
+/// the last page), however small [`ExpandableTable::chunk`] is. On the replays (`--steps 3`)
+/// a 16th kept every ratio of pieces sized by the peak alone and mapped 13–22% less (GPT-2
+/// 1,451 mappings instead of 1,671); an 8th or a 4th raised the generation trace to 1.040 /
+/// 1.043, and a 4th made the BERT trace remap in its last step.
+const RUN_PIECES: u64 = 16;
+
+/// The largest power of two not above `bytes` (1 for 0).
+fn pow2_floor(bytes: u64) -> u64 {
+    1u64 << (63 - bytes.max(1).leading_zeros())
+}
 
 /// The expandable segments of one allocator.
 #[derive(Debug)]
@@ -133,25 +148,40 @@ impl ExpandableTable {
         self.unmapped.get_mut(&segment).expect("expandable segment")
     }
 
-    /// The most bytes one mapping may cover now: a 64th of the live peak (a power of two
+    /// The most bytes one mapping may cover now: a 256th of the live peak (a power of two
     /// of pages), between one page and [`MAP_CHUNK`]. A mapping is unmapped only whole,
     /// so a live block can pin up to a mapping of free memory around it: sized to the peak,
-    /// that stays a small fraction of it on small workloads (a 1 GiB inference peak under
-    /// 128 MiB mappings read 1.021 of peak live on the KV-cache replay), while large ones
-    /// keep large mappings and few driver calls.
+    /// that stays a small fraction of it on small workloads, while large ones keep large
+    /// mappings and few driver calls.
     pub(crate) fn chunk(&self) -> u64 {
-        let target = (self.live_peak_at_growth / MAP_PEAK_FRACTION).max(self.page);
-        let pow2 = 1u64 << (63 - target.leading_zeros());
-        pow2.clamp(self.page, MAP_CHUNK.max(self.page))
+        pow2_floor(self.live_peak_at_growth / MAP_PEAK_FRACTION)
+            .clamp(self.page, MAP_CHUNK.max(self.page))
     }
 
-    /// The pieces in which to map `[addr, addr + size)`: one physical allocation each, of
-    /// at most [`ExpandableTable::chunk`] bytes.
+    /// The pieces in which to map the whole pages `[addr, addr + size)`: one physical
+    /// allocation each, of at most [`ExpandableTable::chunk`] bytes, and the last page on
+    /// its own. The block that causes a mapping covers all of it but the end of its last
+    /// page, where the remainder of the block's free neighbour begins: the next small
+    /// request lands there. Mapped on its own, that page is all such a request pins, so the
+    /// rest can be unmapped once the large block is freed.
     pub(crate) fn pieces(&self, addr: u64, size: u64) -> impl Iterator<Item = (u64, u64)> {
-        let chunk = self.chunk();
-        (addr..addr + size)
+        debug_assert!(addr.is_multiple_of(self.page) && size.is_multiple_of(self.page));
+        // A long run needs no more than RUN_PIECES mappings whatever the peak: the block
+        // that causes it covers it all, so finer pieces would only add driver calls.
+        let chunk = self
+            .chunk()
+            .max(pow2_floor(size / RUN_PIECES))
+            .clamp(self.page, MAP_CHUNK.max(self.page));
+        let bulk = if size > self.page {
+            size - self.page
+        } else {
+            size
+        };
+        let last_page = (bulk < size).then_some((addr + bulk, self.page));
+        (addr..addr + bulk)
             .step_by(chunk as usize)
-            .map(move |start| (start, chunk.min(addr + size - start)))
+            .map(move |start| (start, chunk.min(addr + bulk - start)))
+            .chain(last_page)
     }
 
     /// Records a mapping made by one `map_pages` call.
@@ -196,24 +226,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn mappings_are_cut_in_chunks_and_found_whole() {
+    fn mappings_are_cut_in_chunks_with_the_last_page_alone_and_found_whole() {
         let mib = 1 << 20;
         let mut table = ExpandableTable::new(2 * mib, 5 * mib, 100);
         assert_eq!(table.reservation, 6 * mib);
         table.live_peak_at_growth = 64 << 30;
         let pieces: Vec<_> = table.pieces(0, MAP_CHUNK + 4 * mib).collect();
-        assert_eq!(pieces, vec![(0, MAP_CHUNK), (MAP_CHUNK, 4 * mib)]);
+        assert_eq!(
+            pieces,
+            vec![
+                (0, MAP_CHUNK),
+                (MAP_CHUNK, 2 * mib),
+                (MAP_CHUNK + 2 * mib, 2 * mib)
+            ]
+        );
+        assert_eq!(
+            table.pieces(8 * mib, 2 * mib).collect::<Vec<_>>(),
+            [(8 * mib, 2 * mib)],
+            "a single page is mapped once"
+        );
         for (addr, size) in pieces {
             table.add_mapping(addr, size);
         }
         // A block covering the second mapping and part of the first sees only the second.
         assert_eq!(
-            table.whole_mappings(2 * mib, MAP_CHUNK + 2 * mib),
-            vec![(MAP_CHUNK, 4 * mib)]
+            table.whole_mappings(2 * mib, MAP_CHUNK),
+            vec![(MAP_CHUNK, 2 * mib)]
         );
-        assert!(table.has_whole_mapping(2 * mib, MAP_CHUNK + 2 * mib));
-        assert!(!table.has_whole_mapping(2 * mib, MAP_CHUNK));
-        assert_eq!(table.whole_mappings(0, MAP_CHUNK + 4 * mib).len(), 2);
+        assert!(table.has_whole_mapping(2 * mib, MAP_CHUNK));
+        assert!(!table.has_whole_mapping(2 * mib, MAP_CHUNK - 2 * mib));
+        assert_eq!(table.whole_mappings(0, MAP_CHUNK + 4 * mib).len(), 3);
         table.remove_mappings(MAP_CHUNK, 4 * mib);
         assert!(table.whole_mappings(MAP_CHUNK, 4 * mib).is_empty());
     }
@@ -227,15 +269,30 @@ mod tests {
             table.chunk()
         };
         assert_eq!(chunk_at(&mut table, 0), 2 * mib, "one page at least");
-        assert_eq!(chunk_at(&mut table, 100 * mib), 2 * mib);
-        assert_eq!(chunk_at(&mut table, 1024 * mib), 16 * mib);
-        assert_eq!(chunk_at(&mut table, 1500 * mib), 16 * mib, "rounded down");
+        assert_eq!(chunk_at(&mut table, 1000 * mib), 2 * mib);
+        assert_eq!(chunk_at(&mut table, 4096 * mib), 16 * mib);
+        assert_eq!(chunk_at(&mut table, 6000 * mib), 16 * mib, "rounded down");
         assert_eq!(
             chunk_at(&mut table, 64 << 30),
             MAP_CHUNK,
             "at most MAP_CHUNK"
         );
+        // Under a small peak, a long run still takes few pieces: a 16th of it (4 MiB)
+        // each, then the last page.
+        table.live_peak_at_growth = 0;
+        let run: Vec<_> = table.pieces(0, 64 * mib).collect();
+        assert_eq!(run.len(), 17);
+        assert!(run[..16].iter().all(|&(_, len)| len <= 4 * mib));
+        assert_eq!(run[16], (62 * mib, 2 * mib));
+        table.live_peak_at_growth = 64 << 30;
         let pieces: Vec<_> = table.pieces(0, 3 * MAP_CHUNK / 2).collect();
-        assert_eq!(pieces, [(0, MAP_CHUNK), (MAP_CHUNK, MAP_CHUNK / 2)]);
+        assert_eq!(
+            pieces,
+            [
+                (0, MAP_CHUNK),
+                (MAP_CHUNK, MAP_CHUNK / 2 - 2 * mib),
+                (3 * MAP_CHUNK / 2 - 2 * mib, 2 * mib)
+            ]
+        );
     }
 }
