@@ -10,6 +10,9 @@
 //! - `mixed_sizes_64_live`: PyTorch's micro-benchmark pattern, per operation.
 //! - `crowded_size_class`: pairs whose best fit is the lowest-addressed of 20,000 free
 //!   blocks of one size (the free list's worst case for shifting).
+//! - `c_abi_pair`: the cached pair through the C ABI's code (`streamalloc_malloc` /
+//!   `streamalloc_free` over a registry of simulated devices): what the door adds to the
+//!   engine (guards, device lookup, poisoning check).
 //! - `host_cost_mixed`: `benches/gpu/host_cost.py`'s mixed workload exactly (the same
 //!   `mt19937_64` sequences: 60% of sizes uniform in 1 B–1 MiB, 35% in 1–64 MiB, 5% in
 //!   64–256 MiB; 64 live blocks, a random one freed after each malloc), per operation, so
@@ -51,6 +54,18 @@ fn cached_same_stream(c: &mut Criterion) {
             })
         });
     }
+
+    let registry = streamalloc::registry::Registry::simulated(Config::default());
+    let stream = std::ptr::null_mut();
+    let warm = streamalloc::ffi::malloc(&registry, 1 << 20, 0, stream);
+    streamalloc::ffi::free(&registry, warm, 1 << 20, 0, stream);
+    group.bench_function("c_abi_pair", |b| {
+        b.iter(|| {
+            let ptr = streamalloc::ffi::malloc(&registry, black_box(1 << 20), 0, stream);
+            assert!(!ptr.is_null());
+            streamalloc::ffi::free(&registry, ptr, 1 << 20, 0, stream);
+        })
+    });
 
     let (device, allocator) = sim_allocator(Config::default());
     let (compute, comm) = (device.create_stream(), device.create_stream());

@@ -10,7 +10,7 @@
 //! a panic into the call's failure value: no panic unwinds into C.
 
 use std::any::Any;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, CString};
 use std::fmt::Display;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -18,6 +18,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// Whether `LAST_ERROR` may hold a message. Const-initialised and without a destructor,
+    /// so reading it is one load: the slot itself, lazily registered with a destructor,
+    /// costs a registration check on every access, and every C call clears it.
+    static ERROR_PENDING: Cell<bool> = const { Cell::new(false) };
 }
 
 // Every access goes through `try_with`: C calls also arrive from other libraries'
@@ -30,6 +34,7 @@ pub fn set(message: impl Display) {
     let text = message.to_string().replace('\0', " ");
     let text = CString::new(text).unwrap_or_default();
     let _ = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = text);
+    ERROR_PENDING.set(true);
 }
 
 /// Empties this thread's last error: called on entry to every C call, so a success leaves
@@ -37,11 +42,16 @@ pub fn set(message: impl Display) {
 /// error pending, writes nothing.
 #[inline]
 pub fn clear() {
-    let _ = LAST_ERROR.try_with(|slot| {
-        if !slot.borrow().as_bytes().is_empty() {
-            *slot.borrow_mut() = CString::default();
-        }
-    });
+    if ERROR_PENDING.get() {
+        clear_message();
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn clear_message() {
+    ERROR_PENDING.set(false);
+    let _ = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = CString::default());
 }
 
 /// This thread's last error ("" if none), valid until the next C call on this thread.
