@@ -3,7 +3,6 @@
 //! in the order of the policy in the parent module's docs.
 
 use super::*;
-use thin_vec::ThinVec;
 
 impl State {
     #[inline]
@@ -244,8 +243,7 @@ impl State {
         now: u64,
     ) -> Allocation {
         debug_assert_eq!(self.arena.block(key).owner(), slot);
-        self.arena.hand_out(key, slot, requested);
-        let block = self.arena.block(key);
+        let block = self.arena.hand_out(key, slot, requested);
         let (addr, size) = (block.addr(), block.size());
         debug_assert_eq!(self.allocated.get(&addr), Some(&key));
         self.account_alloc(addr, size, slot, requested, now)
@@ -297,10 +295,9 @@ impl State {
         {
             let right = self.arena.split(key, size);
             // The remainder is still free and still needs what the whole block needed.
-            let pending: ThinVec<EventKey> = self.arena.block(key).pending().into();
-            for event in pending {
+            self.arena.copy_pending(key, right);
+            for &event in self.arena.block(right).pending() {
                 self.events.retain(event);
-                self.arena.add_pending(right, event);
             }
             // Listed as it is: the block was listed, so it had no neighbour it could merge
             // with, and the remainder has its owner and pending state (`check_invariants`
@@ -311,8 +308,7 @@ impl State {
         for event in self.arena.take_pending(key) {
             self.events.release(event, &mut self.stats);
         }
-        self.arena.hand_out(key, slot, requested);
-        let block = self.arena.block(key);
+        let block = self.arena.hand_out(key, slot, requested);
         let (addr, size) = (block.addr(), block.size());
         self.allocated.insert(addr, key);
         self.account_alloc(addr, size, slot, requested, now)

@@ -55,8 +55,9 @@ impl State {
     /// Moves a block taken out of its hot list out of the allocated map and into the free
     /// lists, merging it.
     pub(super) fn unhot(&mut self, key: BlockKey) {
+        let addr = self.arena.block(key).addr();
         self.arena.unpark(key);
-        self.allocated.remove(&self.arena.block(key).addr());
+        self.allocated.remove(&addr);
         self.insert_free(key);
     }
 
@@ -147,8 +148,8 @@ impl State {
     /// free lists and the allocated map until `release_cached` synchronises the device,
     /// which finds it as an allocated block absent from the allocated map.
     pub(super) fn list_quarantined(&mut self, key: BlockKey) {
-        self.arena.withhold(key);
         let size = self.arena.block(key).size();
+        self.arena.withhold(key);
         self.stats.allocated_bytes.add(size);
         self.stats.active_bytes.add(size);
     }

@@ -346,10 +346,11 @@ impl Arena {
     }
 
     /// Hands the free or hot block `key` to `owner` for a request of `requested` bytes
-    /// (Free | Hot → Allocated). It must carry no pending events (an allocated block never
-    /// does: the caller takes and settles them first) and no uses.
+    /// (Free | Hot → Allocated) and returns it, for the caller's accounting. It must carry
+    /// no pending events (an allocated block never does: the caller takes and settles them
+    /// first) and no uses.
     #[inline]
-    pub(crate) fn hand_out(&mut self, key: BlockKey, owner: StreamSlot, requested: u64) {
+    pub(crate) fn hand_out(&mut self, key: BlockKey, owner: StreamSlot, requested: u64) -> &Block {
         use BlockUse::{Allocated, Free, Hot};
         let block = self.transition(key, "hand_out", &[Free, Hot], Allocated);
         debug_assert!(
@@ -358,6 +359,7 @@ impl Arena {
         );
         block.owner = owner;
         block.requested = requested;
+        block
     }
 
     /// Keeps the free block `key` out of circulation, allocated to nobody (Free →
@@ -425,6 +427,19 @@ impl Arena {
             block.state
         );
         block.pending.push(event);
+    }
+
+    /// Gives the split remainder `right` the events that the free block `left`, cut from
+    /// the same block, waits for: the remainder needs what the whole block needed.
+    pub(crate) fn copy_pending(&mut self, left: BlockKey, right: BlockKey) {
+        debug_assert!(
+            self.blocks[left].is_free()
+                && self.blocks[right].is_free()
+                && self.blocks[right].pending.is_empty()
+                && self.blocks[left].next() == Some(right),
+            "copy_pending: block {right} is not the fresh remainder of free block {left}"
+        );
+        self.blocks[right].pending = self.blocks[left].pending.clone();
     }
 
     /// Takes the events the free block `key` waits for, leaving it ready for any stream
@@ -556,18 +571,20 @@ impl Arena {
     /// pending events for the caller to merge or release. Both must be free, or both
     /// unmapped: an allocated or hot block never merges.
     pub(crate) fn merge(&mut self, left: BlockKey, right: BlockKey) -> ThinVec<EventKey> {
-        let (below, above) = (&self.blocks[left], &self.blocks[right]);
-        debug_assert!(
-            below.state == above.state && (below.is_free() || below.is_unmapped()),
-            "merge: blocks {left} and {right} are {:?} and {:?}",
-            below.state,
-            above.state
-        );
-        debug_assert!(
-            below.next() == Some(right) && below.segment == above.segment,
-            "merge: block {right} is not just above block {left} in its segment"
-        );
-        debug_assert!(above.uses.is_empty(), "merge: block {right} has uses");
+        if cfg!(debug_assertions) {
+            let (below, above) = (&self.blocks[left], &self.blocks[right]);
+            debug_assert!(
+                below.state == above.state && (below.is_free() || below.is_unmapped()),
+                "merge: blocks {left} and {right} are {:?} and {:?}",
+                below.state,
+                above.state
+            );
+            debug_assert!(
+                below.next() == Some(right) && below.segment == above.segment,
+                "merge: block {right} is not just above block {left} in its segment"
+            );
+            debug_assert!(above.uses.is_empty(), "merge: block {right} has uses");
+        }
         let removed = self.blocks.remove(right);
         if let Some(next) = removed.next() {
             self.blocks[next].prev = Link::to(left);
