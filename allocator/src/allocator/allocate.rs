@@ -34,7 +34,6 @@ impl State {
         //    First the hot list (same size freed recently: no split, no merge); on a miss
         //    its blocks are merged into the free lists before best fit looks.
         if let Some(key) = self.streams.get_mut(slot).hot.take(size) {
-            self.arena.blocks[key].state = BlockUse::Free;
             return Ok(self.hand_out_hot(key, slot, requested, now));
         }
         self.hot_missed(slot);
@@ -149,9 +148,9 @@ impl State {
         slot: StreamSlot,
     ) -> Result<(), BackendError> {
         let stream = self.streams.id(slot);
-        let owner = self.arena.blocks[key].stream;
+        let owner = self.arena.block(key).owner();
         let mut waited = false;
-        for &event in &self.arena.blocks[key].pending {
+        for &event in self.arena.block(key).pending() {
             if !self.events.is_complete(event) && self.events.stream(event) != slot {
                 backend.stream_wait_event(stream, self.events.handle(event))?;
                 self.stats.cross_stream_waits += 1;
@@ -172,7 +171,8 @@ impl State {
             waited = true;
         }
         if waited {
-            let (addr, size) = (self.arena.blocks[key].addr, self.arena.blocks[key].size);
+            let block = self.arena.block(key);
+            let (addr, size) = (block.addr(), block.size());
             self.note(backend, TraceAction::CrossStreamWait, addr, size, slot);
         }
         Ok(())
@@ -242,11 +242,9 @@ impl State {
         requested: u64,
         now: u64,
     ) -> Allocation {
-        let block = &mut self.arena.blocks[key];
-        debug_assert!(block.stream == slot && block.pending.is_empty());
-        block.state = BlockUse::Allocated;
-        block.requested = requested;
-        let (addr, size) = (block.addr, block.size);
+        debug_assert_eq!(self.arena.block(key).owner(), slot);
+        let block = self.arena.hand_out(key, slot, requested);
+        let (addr, size) = (block.addr(), block.size());
         debug_assert_eq!(self.allocated.get(&addr), Some(&key));
         self.account_alloc(addr, size, slot, requested, now)
     }
@@ -288,10 +286,8 @@ impl State {
         requested: u64,
         now: u64,
     ) -> Allocation {
-        let block = &self.arena.blocks[key];
-        let (pool, expandable, block_size) = (block.pool, block.expandable, block.size);
-        // Taken before the remainder is listed, so the remainder cannot merge back into it.
-        self.arena.blocks[key].state = BlockUse::Allocated;
+        let block = self.arena.block(key);
+        let (pool, expandable, block_size) = (block.pool(), block.is_expandable(), block.size());
         // In an expandable segment a free sliver costs no more than the same bytes kept
         // inside the allocation, and may serve a later request: split down to the minimum.
         if should_split(block_size, size, pool)
@@ -299,25 +295,21 @@ impl State {
         {
             let right = self.arena.split(key, size);
             // The remainder is still free and still needs what the whole block needed.
-            let pending = self.arena.blocks[key].pending.clone();
-            for &event in &pending {
+            self.arena.copy_pending(key, right);
+            for &event in self.arena.block(right).pending() {
                 self.events.retain(event);
             }
-            self.arena.blocks[right].pending = pending;
             // Listed as it is: the block was listed, so it had no neighbour it could merge
             // with, and the remainder has its owner and pending state (`check_invariants`
             // checks that no listed block has one). Skipping the merge attempts saves
             // touching the next block, a cold line in a Python loop.
             self.list(right);
         }
-        let pending = std::mem::take(&mut self.arena.blocks[key].pending);
-        for event in pending {
+        for event in self.arena.take_pending(key) {
             self.events.release(event, &mut self.stats);
         }
-        let block = &mut self.arena.blocks[key];
-        block.stream = slot;
-        block.requested = requested;
-        let (addr, size) = (block.addr, block.size);
+        let block = self.arena.hand_out(key, slot, requested);
+        let (addr, size) = (block.addr(), block.size());
         self.allocated.insert(addr, key);
         self.account_alloc(addr, size, slot, requested, now)
     }

@@ -39,8 +39,9 @@ impl State {
         for state in &self.streams.states {
             for list in &state.pending {
                 ready.extend(list.keys().filter(|key| {
-                    self.arena.blocks[*key]
-                        .pending
+                    self.arena
+                        .block(*key)
+                        .pending()
                         .iter()
                         .all(|event| self.events.is_complete(*event))
                 }));
@@ -48,11 +49,11 @@ impl State {
         }
         for &key in &ready {
             self.unlist(key);
-            for event in std::mem::take(&mut self.arena.blocks[key].pending) {
+            for event in self.arena.take_pending(key) {
                 self.events.release(event, &mut self.stats);
             }
-            let block = &self.arena.blocks[key];
-            let (addr, size, owner) = (block.addr, block.size, block.stream);
+            let block = self.arena.block(key);
+            let (addr, size, owner) = (block.addr(), block.size(), block.owner());
             self.note(backend, TraceAction::FreeCompleted, addr, size, owner);
             self.insert_free(key);
         }

@@ -112,21 +112,22 @@ impl State {
     fn placement(&self, segment: SegmentKey, size: u64, slot: StreamSlot) -> Option<Placement> {
         let vmm = self.table();
         let page = vmm.page;
-        let blocks = &self.arena.blocks;
+        let arena = &self.arena;
         let reusable = |neighbour: Option<BlockKey>| {
             neighbour.filter(|&n| {
-                let b = &blocks[n];
-                b.is_free() && b.pending.is_empty() && b.stream == slot
+                let b = arena.block(n);
+                b.is_free() && b.pending().is_empty() && b.owner() == slot
             })
         };
         let pages_for = |bytes: u64| (bytes.div_ceil(page) * page).max(page);
         let mut best: Option<Placement> = None;
         for (&addr, &hole) in vmm.unmapped(segment) {
-            let room = blocks[hole].size;
-            let below = reusable(blocks[hole].prev());
-            let above = reusable(blocks[hole].next());
-            let lo = below.map_or(0, |k| blocks[k].size);
-            let hi = above.map_or(0, |k| blocks[k].size);
+            let hole_block = arena.block(hole);
+            let room = hole_block.size();
+            let below = reusable(hole_block.prev());
+            let above = reusable(hole_block.next());
+            let lo = below.map_or(0, |k| arena.block(k).size());
+            let hi = above.map_or(0, |k| arena.block(k).size());
             let options = [
                 (lo + room >= size).then(|| Placement {
                     addr,
@@ -205,17 +206,16 @@ impl State {
         }
         // Cut the mapped part out of the stretch; what stays unmapped stays indexed.
         let vmm = table_in(&mut self.growth);
-        let holes = vmm.unmapped_mut(segment);
-        let room = self.arena.blocks[hole].size;
+        let room = self.arena.block(hole).size();
         let mapped = if map == room {
-            holes.remove(&addr);
+            vmm.unindex_unmapped(segment, addr);
             hole
         } else if top {
             self.arena.split(hole, room - map)
         } else {
-            holes.remove(&addr);
+            vmm.unindex_unmapped(segment, addr);
             let rest = self.arena.split(hole, map);
-            holes.insert(addr + map, rest);
+            vmm.index_unmapped(segment, addr + map, room - map, rest);
             hole
         };
         vmm.mapped += map;
@@ -223,9 +223,7 @@ impl State {
         vmm.live_peak_at_growth = vmm
             .live_peak_at_growth
             .max(self.stats.allocated_bytes.current + size);
-        let block = &mut self.arena.blocks[mapped];
-        block.state = BlockUse::Free;
-        block.stream = slot;
+        self.arena.mark_mapped(mapped, slot);
         self.stats.reserved_bytes.add(map);
         self.note(backend, TraceAction::SegmentMap, addr, map, slot);
         // Join the caller's free blocks on both sides, not only the one the placement packed
@@ -245,8 +243,8 @@ impl State {
         let size = vmm.reservation;
         let ptr = backend.reserve_address_space(size)?;
         let head = self.arena.add_segment(ptr.0, size, pool, slot, true);
-        let segment = self.arena.blocks[head].segment();
-        self.arena.blocks[head].state = BlockUse::Unmapped;
+        let segment = self.arena.block(head).segment();
+        self.arena.mark_unmapped(head);
         vmm.add(slot, pool, segment, ptr.0, head);
         tracing::debug!(?ptr, size, "address space reserved");
         Ok(segment)
@@ -263,8 +261,8 @@ impl State {
             self.releasable(which, slot as StreamSlot)
                 && state.ready.iter().any(|list| {
                     list.keys_at_least(vmm.page).any(|key| {
-                        let block = &self.arena.blocks[key];
-                        block.expandable && vmm.has_whole_mapping(block.addr, block.size)
+                        let block = self.arena.block(key);
+                        block.is_expandable() && vmm.has_whole_mapping(block.addr(), block.size())
                     })
                 })
         })
@@ -284,11 +282,11 @@ impl State {
             }
             for list in &state.ready {
                 for key in list.keys_at_least(vmm.page) {
-                    let block = &self.arena.blocks[key];
-                    if !block.expandable {
+                    let block = self.arena.block(key);
+                    if !block.is_expandable() {
                         continue;
                     }
-                    let mappings = vmm.whole_mappings(block.addr, block.size);
+                    let mappings = vmm.whole_mappings(block.addr(), block.size());
                     if !mappings.is_empty() {
                         victims.push((key, mappings));
                     }
@@ -343,8 +341,8 @@ impl State {
         self.table_mut().remove_mappings(start, len);
         self.unlist(key);
         let (addr, size, segment, owner) = {
-            let block = &self.arena.blocks[key];
-            (block.addr, block.size, block.segment(), block.stream)
+            let block = self.arena.block(key);
+            (block.addr(), block.size(), block.segment(), block.owner())
         };
         let mut middle = key;
         if start > addr {
@@ -355,28 +353,32 @@ impl State {
             let tail = self.arena.split(middle, len);
             self.list(tail);
         }
-        self.arena.blocks[middle].state = BlockUse::Unmapped;
+        self.arena.mark_unmapped(middle);
         self.stats.reserved_bytes.sub(len);
         self.stats.page_unmap_bytes += len;
         self.note(backend, TraceAction::SegmentUnmap, start, len, owner);
         let vmm = table_in(&mut self.growth);
         vmm.mapped -= len;
-        let holes = vmm.unmapped_mut(segment);
         let (mut merged, mut merged_addr) = (middle, start);
-        if let Some(prev) = self.arena.blocks[middle].prev() {
-            if self.arena.blocks[prev].is_unmapped() {
+        if let Some(prev) = self.arena.block(middle).prev() {
+            if self.arena.block(prev).is_unmapped() {
                 self.arena.merge(prev, middle);
                 merged = prev;
-                merged_addr = self.arena.blocks[prev].addr;
+                merged_addr = self.arena.block(prev).addr();
             }
         }
-        if let Some(next) = self.arena.blocks[merged].next() {
-            if self.arena.blocks[next].is_unmapped() {
-                holes.remove(&self.arena.blocks[next].addr);
+        if let Some(next) = self.arena.block(merged).next() {
+            if self.arena.block(next).is_unmapped() {
+                vmm.unindex_unmapped(segment, self.arena.block(next).addr());
                 self.arena.merge(merged, next);
             }
         }
-        holes.insert(merged_addr, merged);
+        vmm.index_unmapped(
+            segment,
+            merged_addr,
+            self.arena.block(merged).size(),
+            merged,
+        );
         Ok(())
     }
 
@@ -392,20 +394,18 @@ impl State {
             Some(vmm) => vmm
                 .segments()
                 .filter(|&segment| {
-                    let seg = &self.arena.segments[segment];
-                    let head = &self.arena.blocks[seg.head];
+                    let seg = self.arena.segment(segment);
+                    let head = self.arena.block(seg.head());
                     head.is_unmapped()
                         && head.next().is_none()
-                        && self.releasable(which, seg.stream)
+                        && self.releasable(which, seg.stream())
                 })
                 .collect(),
         };
         let vmm = table_in(&mut self.growth);
         for segment in empty {
-            let (addr, size) = (
-                self.arena.segments[segment].addr,
-                self.arena.segments[segment].size,
-            );
+            let seg = self.arena.segment(segment);
+            let (addr, size) = (seg.addr(), seg.size());
             backend.release_address_space(DevicePtr(addr), size)?;
             vmm.remove(segment);
             self.arena.remove_segment(segment);

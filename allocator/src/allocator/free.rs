@@ -13,22 +13,20 @@ impl State {
     ) -> Result<(), AllocError> {
         // One map lookup; the entry stays while the block is hot (see `allocated`).
         let entry = match self.allocated.entry(ptr.0) {
-            MapEntry::Occupied(entry) if self.arena.blocks[*entry.get()].is_allocated() => entry,
+            MapEntry::Occupied(entry) if self.arena.block(*entry.get()).is_allocated() => entry,
             _ => {
                 self.stats.invalid_frees += 1;
                 return Err(AllocError::UnknownPointer(ptr));
             }
         };
         let key = *entry.get();
-        let block = &mut self.arena.blocks[key];
-        let (size, requested, owner) = (block.size, block.requested, block.stream);
-        let uses = std::mem::take(&mut block.uses);
+        let block = self.arena.block(key);
+        let (size, requested, owner) = (block.size(), block.requested(), block.owner());
+        let uses = self.arena.free(key);
         let park = uses.is_empty() && self.streams.get_mut(owner).hot.admit();
         if !park {
             entry.remove();
         }
-        block.state = BlockUse::Free;
-        block.requested = 0;
         let stats = &mut self.stats;
         stats.allocated_bytes.sub(size);
         stats.requested_bytes.sub(requested);
@@ -38,7 +36,7 @@ impl State {
             // No other stream used it, and an allocated block carries no pending events:
             // ready for its owner at once. The request and its completion are one trace
             // record, read back as PyTorch's `free_requested` + `free_completed`.
-            debug_assert!(self.arena.blocks[key].pending.is_empty());
+            debug_assert!(self.arena.block(key).pending().is_empty());
             if self.trace.enabled() {
                 self.trace.push_free_completed(ptr.0, size, owner, now);
             }
@@ -54,7 +52,7 @@ impl State {
             // An event recorded now on a capturing stream would become part of the
             // capture: the block waits, out of every list and counted as pending, until
             // the captures end (`complete_deferred_frees`) or the device synchronises.
-            self.arena.blocks[key].state = BlockUse::Allocated;
+            self.arena.withhold(key);
             self.stats.pending_free_bytes.add(size);
             self.stats.active_bytes.add(size);
             self.deferred_frees.push((key, ptr.0, uses));
@@ -64,12 +62,12 @@ impl State {
             // Without the events the block's reuse cannot be ordered: keep it out of
             // circulation (leaked until empty_cache synchronises) rather than risk a race.
             tracing::error!(%err, ?ptr, "recording a use event failed; block quarantined until empty_cache");
-            self.arena.blocks[key].pending.clear();
+            self.arena.take_pending(key);
             self.list_quarantined(key);
             return Err(err.into());
         }
         // One event per use stream: pending until they complete or are waited on.
-        debug_assert!(!self.arena.blocks[key].pending.is_empty());
+        debug_assert!(!self.arena.block(key).pending().is_empty());
         self.insert_free(key);
         Ok(())
     }
@@ -84,7 +82,7 @@ impl State {
             self.undefer(key);
             if let Err(err) = self.record_uses(backend, key, &uses) {
                 tracing::error!(%err, "recording a use event failed; block quarantined until empty_cache");
-                self.arena.blocks[key].pending.clear();
+                self.arena.take_pending(key);
                 self.list_quarantined(key);
                 return Err(err);
             }
@@ -95,10 +93,10 @@ impl State {
 
     /// Takes a deferred block out of its waiting state (free, unlisted, uncounted).
     pub(super) fn undefer(&mut self, key: BlockKey) {
-        let block = &mut self.arena.blocks[key];
-        debug_assert!(block.is_allocated() && self.allocated.get(&block.addr) != Some(&key));
-        block.state = BlockUse::Free;
-        let size = block.size;
+        let block = self.arena.block(key);
+        debug_assert!(self.allocated.get(&block.addr()) != Some(&key));
+        let size = block.size();
+        self.arena.free(key);
         self.stats.pending_free_bytes.sub(size);
         self.stats.active_bytes.sub(size);
     }
@@ -107,7 +105,7 @@ impl State {
     #[inline]
     pub(super) fn allocated_key(&self, addr: u64) -> Option<BlockKey> {
         let key = *self.allocated.get(&addr)?;
-        self.arena.blocks[key].is_allocated().then_some(key)
+        self.arena.block(key).is_allocated().then_some(key)
     }
 
     /// One event on each use stream, now; the block and the stream's in-flight queue each
@@ -127,7 +125,7 @@ impl State {
             )?;
             self.events.retain(event);
             self.streams.get_mut(use_slot).in_flight.push_back(event);
-            self.arena.blocks[key].pending.push(event);
+            self.arena.add_pending(key, event);
         }
         Ok(())
     }
@@ -141,10 +139,7 @@ impl State {
             .allocated_key(ptr.0)
             .ok_or(AllocError::UnknownPointer(ptr))?;
         let slot = self.streams.slot(stream);
-        let block = &mut self.arena.blocks[key];
-        if slot != block.stream && !block.uses.contains(&slot) {
-            block.uses.push(slot);
-        }
+        self.arena.add_use(key, slot);
         Ok(())
     }
 }

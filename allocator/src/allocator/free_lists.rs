@@ -13,7 +13,7 @@ impl State {
         // What `unlist` would do for a ready block: no pending bytes to count.
         let (_, _, key) = self.streams.get_mut(need.slot).ready[need.pool as usize]
             .take_best_fit(need.size, need.max_size)?;
-        debug_assert!(self.arena.blocks[key].pending.is_empty());
+        debug_assert!(self.arena.block(key).pending().is_empty());
         Some(key)
     }
 
@@ -22,7 +22,7 @@ impl State {
     #[inline]
     pub(super) fn push_hot(&mut self, key: BlockKey, owner: StreamSlot, size: u64) {
         let evicted = self.streams.get_mut(owner).hot.push(size, key);
-        self.arena.blocks[key].state = BlockUse::Hot;
+        self.arena.park_hot(key);
         if let Some(evicted) = evicted {
             self.unhot(evicted);
         }
@@ -55,9 +55,8 @@ impl State {
     /// Moves a block taken out of its hot list out of the allocated map and into the free
     /// lists, merging it.
     pub(super) fn unhot(&mut self, key: BlockKey) {
-        let block = &mut self.arena.blocks[key];
-        block.state = BlockUse::Free;
-        let addr = block.addr;
+        let addr = self.arena.block(key).addr();
+        self.arena.unpark(key);
         self.allocated.remove(&addr);
         self.insert_free(key);
     }
@@ -65,11 +64,11 @@ impl State {
     /// Two free blocks may merge if the result needs no more synchronisation than either:
     /// same owner, and both ready or both pending.
     pub(super) fn mergeable(&self, a: BlockKey, b: BlockKey) -> bool {
-        let (a, b) = (&self.arena.blocks[a], &self.arena.blocks[b]);
+        let (a, b) = (self.arena.block(a), self.arena.block(b));
         a.is_free()
             && b.is_free()
-            && a.stream == b.stream
-            && a.pending.is_empty() == b.pending.is_empty()
+            && a.owner() == b.owner()
+            && a.pending().is_empty() == b.pending().is_empty()
     }
 
     /// Puts the unlisted free block `key` in its owner's list, merging it with mergeable
@@ -84,14 +83,14 @@ impl State {
     #[inline]
     pub(super) fn merge_neighbours(&mut self, key: BlockKey) -> BlockKey {
         let mut key = key;
-        if let Some(prev) = self.arena.blocks[key].prev() {
+        if let Some(prev) = self.arena.block(key).prev() {
             if self.mergeable(prev, key) {
                 self.unlist(prev);
                 self.merge_into(prev, key);
                 key = prev;
             }
         }
-        if let Some(next) = self.arena.blocks[key].next() {
+        if let Some(next) = self.arena.block(key).next() {
             if self.mergeable(key, next) {
                 self.unlist(next);
                 self.merge_into(key, next);
@@ -103,10 +102,10 @@ impl State {
     /// Merges unlisted `right` into `left`, uniting their pending events.
     pub(super) fn merge_into(&mut self, left: BlockKey, right: BlockKey) {
         for event in self.arena.merge(left, right) {
-            if self.arena.blocks[left].pending.contains(&event) {
+            if self.arena.block(left).pending().contains(&event) {
                 self.events.release(event, &mut self.stats);
             } else {
-                self.arena.blocks[left].pending.push(event);
+                self.arena.add_pending(left, event);
             }
         }
     }
@@ -115,10 +114,10 @@ impl State {
     /// block's size and address and whether it is pending.
     #[inline]
     fn home_list(&mut self, key: BlockKey) -> (&mut FreeList, u64, u64, bool) {
-        let block = &self.arena.blocks[key];
-        let pool = block.pool;
-        let pending = !block.pending.is_empty();
-        let (size, addr, owner) = (block.size, block.addr, block.stream);
+        let block = self.arena.block(key);
+        let pool = block.pool();
+        let pending = !block.pending().is_empty();
+        let (size, addr, owner) = (block.size(), block.addr(), block.owner());
         let list = self.streams.get_mut(owner).list(pool, pending);
         (list, size, addr, pending)
     }
@@ -149,10 +148,9 @@ impl State {
     /// free lists and the allocated map until `release_cached` synchronises the device,
     /// which finds it as an allocated block absent from the allocated map.
     pub(super) fn list_quarantined(&mut self, key: BlockKey) {
-        let block = &mut self.arena.blocks[key];
-        block.state = BlockUse::Allocated;
-        block.requested = 0;
-        self.stats.allocated_bytes.add(block.size);
-        self.stats.active_bytes.add(block.size);
+        let size = self.arena.block(key).size();
+        self.arena.withhold(key);
+        self.stats.allocated_bytes.add(size);
+        self.stats.active_bytes.add(size);
     }
 }

@@ -54,48 +54,48 @@ impl State {
                 deferred.len()
             ));
         }
-        for (key, block) in &self.arena.blocks {
+        for (key, block) in self.arena.blocks() {
             // Blocks never leave their segment's memory pool: a pool's memory serves only
             // that pool's allocations.
             let segment_pool = self
                 .streams
-                .pool(self.arena.segments[block.segment()].stream);
-            if self.streams.pool(block.stream) != segment_pool {
+                .pool(self.arena.segment(block.segment()).stream());
+            if self.streams.pool(block.owner()) != segment_pool {
                 return Err(format!(
                     "block {key} is owned by a slot of {:?} in a segment of {segment_pool:?}",
-                    self.streams.pool(block.stream)
+                    self.streams.pool(block.owner())
                 ));
             }
             if block.is_unmapped() {
                 self.check_unmapped(key)?;
-                tally.unmapped_bytes += block.size;
+                tally.unmapped_bytes += block.size();
                 tally.unmapped_blocks += 1;
                 continue;
             }
             if deferred.contains(&key) {
                 // Freed during a capture; counted as pending until its events are recorded.
-                if !block.is_allocated() || self.allocated.get(&block.addr) == Some(&key) {
+                if !block.is_allocated() || self.allocated.get(&block.addr()) == Some(&key) {
                     return Err(format!("deferred block {key} is listed or handed out"));
                 }
-                tally.pending += block.size;
+                tally.pending += block.size();
                 continue;
             }
             if block.is_allocated() {
-                if self.allocated.get(&block.addr) == Some(&key) {
-                    tally.requested += block.requested;
+                if self.allocated.get(&block.addr()) == Some(&key) {
+                    tally.requested += block.requested();
                 }
-                tally.allocated += block.size;
-                if !block.pending.is_empty() {
+                tally.allocated += block.size();
+                if !block.pending().is_empty() {
                     return Err(format!("allocated block {key} carries pending events"));
                 }
                 continue;
             }
-            if !block.uses.is_empty() {
+            if !block.uses().is_empty() {
                 return Err(format!("free block {key} has uses"));
             }
             if block.is_hot() {
-                let hot = &self.streams.get(block.stream).hot;
-                if !block.pending.is_empty() || hot.keys().filter(|k| *k == key).count() != 1 {
+                let hot = &self.streams.get(block.owner()).hot;
+                if !block.pending().is_empty() || hot.keys().filter(|k| *k == key).count() != 1 {
                     return Err(format!(
                         "hot block {key} is not once in its owner's hot list, or is pending"
                     ));
@@ -103,14 +103,14 @@ impl State {
                 tally.hot += 1;
                 continue;
             }
-            let pending = !block.pending.is_empty();
-            let state = self.streams.get(block.stream);
+            let pending = !block.pending().is_empty();
+            let state = self.streams.get(block.owner());
             let list = if pending {
-                &state.pending[block.pool as usize]
+                &state.pending[block.pool() as usize]
             } else {
-                &state.ready[block.pool as usize]
+                &state.ready[block.pool() as usize]
             };
-            if !list.contains(block.size, block.addr, key) {
+            if !list.contains(block.size(), block.addr(), key) {
                 return Err(format!("free block {key} is not in its list"));
             }
             // Listed free blocks are merged with every neighbour they may merge with, so a
@@ -124,9 +124,9 @@ impl State {
             }
             tally.listed += 1;
             if pending {
-                tally.pending += block.size;
+                tally.pending += block.size();
             }
-            for event in &block.pending {
+            for event in block.pending() {
                 *tally.event_refs.entry(*event).or_default() += 1;
             }
         }
@@ -167,16 +167,16 @@ impl State {
     /// its own address.
     fn check_address_map(&self) -> Result<(), String> {
         for (&addr, &key) in &self.allocated {
-            match self.arena.blocks.get(key) {
-                Some(block) if block.addr == addr && (block.is_allocated() || block.is_hot()) => {}
+            match self.arena.get_block(key) {
+                Some(block) if block.addr() == addr && (block.is_allocated() || block.is_hot()) => {
+                }
                 _ => return Err(format!("allocated map sends {addr:#x} to block {key}")),
             }
         }
         let hot_missing = self
             .arena
-            .blocks
-            .iter()
-            .filter(|(key, block)| block.is_hot() && self.allocated.get(&block.addr) != Some(key))
+            .blocks()
+            .filter(|(key, block)| block.is_hot() && self.allocated.get(&block.addr()) != Some(key))
             .count();
         if hot_missing != 0 {
             return Err(format!(
@@ -220,10 +220,9 @@ impl State {
         }
         let expandable_size: u64 = self
             .arena
-            .segments
-            .iter()
-            .filter(|(_, s)| s.expandable)
-            .map(|(_, s)| s.size)
+            .segments()
+            .filter(|(_, s)| s.is_expandable())
+            .map(|(_, s)| s.size())
             .sum();
         let mapped = self.growth.expandable().map_or(0, |vmm| vmm.mapped);
         if mapped != expandable_size - tally.unmapped_bytes {
@@ -239,7 +238,7 @@ impl State {
     fn check_stats(&self, tally: &Tally) -> Result<(), String> {
         let stats = &self.stats;
         let reserved: u64 =
-            self.arena.segments.iter().map(|(_, s)| s.size).sum::<u64>() - tally.unmapped_bytes;
+            self.arena.segments().map(|(_, s)| s.size()).sum::<u64>() - tally.unmapped_bytes;
         let checks = [
             (
                 "allocated_bytes",
@@ -286,28 +285,28 @@ impl State {
     /// Checks one unmapped block: free, page-aligned, in an expandable segment, indexed,
     /// not listed, and not adjacent to another unmapped block.
     fn check_unmapped(&self, key: BlockKey) -> Result<(), String> {
-        let block = &self.arena.blocks[key];
+        let block = self.arena.block(key);
         let Some(vmm) = self.growth.expandable() else {
             return Err(format!("unmapped block {key} without expandable segments"));
         };
-        if !vmm.contains(block.segment()) || !block.expandable {
+        if !vmm.contains(block.segment()) || !block.is_expandable() {
             return Err(format!(
                 "unmapped block {key} outside an expandable segment"
             ));
         }
-        if block.is_allocated() || !block.pending.is_empty() || !block.uses.is_empty() {
+        if block.is_allocated() || !block.pending().is_empty() || !block.uses().is_empty() {
             return Err(format!("unmapped block {key} is in use"));
         }
-        if !block.addr.is_multiple_of(vmm.page) || !block.size.is_multiple_of(vmm.page) {
+        if !block.addr().is_multiple_of(vmm.page) || !block.size().is_multiple_of(vmm.page) {
             return Err(format!("unmapped block {key} is not page-aligned"));
         }
-        if vmm.unmapped(block.segment()).get(&block.addr) != Some(&key) {
+        if vmm.unmapped(block.segment()).get(&block.addr()) != Some(&key) {
             return Err(format!("unmapped block {key} is not indexed"));
         }
-        let pool = block.pool as usize;
-        let state = self.streams.get(block.stream);
-        if state.ready[pool].contains(block.size, block.addr, key)
-            || state.pending[pool].contains(block.size, block.addr, key)
+        let pool = block.pool() as usize;
+        let state = self.streams.get(block.owner());
+        if state.ready[pool].contains(block.size(), block.addr(), key)
+            || state.pending[pool].contains(block.size(), block.addr(), key)
         {
             return Err(format!("unmapped block {key} is in a free list"));
         }
@@ -315,7 +314,7 @@ impl State {
         if neighbours
             .iter()
             .flatten()
-            .any(|&n| self.arena.blocks[n].is_unmapped())
+            .any(|&n| self.arena.block(n).is_unmapped())
         {
             return Err(format!("unmapped block {key} borders another"));
         }

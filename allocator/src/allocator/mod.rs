@@ -37,7 +37,7 @@ use crate::config::{Config, ReusePolicy};
 use crate::error::{AllocError, BackendError, OutOfMemory};
 use crate::lifetime::{EventKey, EventTable, PoolTable, StreamTable};
 use crate::lock::EngineLock;
-use crate::pool::arena::{Arena, BlockKey, BlockUse, StreamSlot};
+use crate::pool::arena::{Arena, BlockKey, StreamSlot};
 use crate::pool::expandable::ExpandableTable;
 use crate::pool::size::{
     pool_of, round_size, segment_size_for, should_split, MAX_REQUEST, MIN_BLOCK_SIZE,
@@ -420,13 +420,13 @@ impl<B: Backend> Allocator<B> {
     pub fn allocation_at(&self, ptr: DevicePtr) -> Option<AllocationSite> {
         let state = self.state.lock();
         let key = state.allocated_key(ptr.0)?;
-        let block = &state.arena.blocks[key];
-        let segment = &state.arena.segments[block.segment()];
+        let block = state.arena.block(key);
+        let segment = state.arena.segment(block.segment());
         Some(AllocationSite {
-            size: block.size,
-            segment: DevicePtr(segment.addr),
-            segment_size: segment.size,
-            expandable: segment.expandable,
+            size: block.size(),
+            segment: DevicePtr(segment.addr()),
+            segment_size: segment.size(),
+            expandable: segment.is_expandable(),
         })
     }
 

@@ -27,13 +27,13 @@ impl State {
         let mut blocks: Vec<PoolBlock> = self
             .allocated
             .iter()
-            .map(|(_, &key)| (key, &self.arena.blocks[key]))
-            .filter(|(_, block)| block.is_allocated() && self.streams.pool(block.stream) == pool)
-            .map(|(_, block)| PoolBlock {
-                ptr: DevicePtr(block.addr),
-                size: block.size,
-                requested: block.requested,
-                stream: self.streams.id(block.stream),
+            .map(|(_, &key)| self.arena.block(key))
+            .filter(|block| block.is_allocated() && self.streams.pool(block.owner()) == pool)
+            .map(|block| PoolBlock {
+                ptr: DevicePtr(block.addr()),
+                size: block.size(),
+                requested: block.requested(),
+                stream: self.streams.id(block.owner()),
             })
             .collect();
         blocks.sort_unstable_by_key(|b| b.ptr);
@@ -59,9 +59,8 @@ impl State {
         }
         let holding: std::collections::HashSet<PoolId> = self
             .arena
-            .segments
-            .iter()
-            .map(|(_, seg)| self.streams.pool(seg.stream))
+            .segments()
+            .map(|(_, seg)| self.streams.pool(seg.stream()))
             .collect();
         self.pools.forget_empty(|pool| holding.contains(&pool));
     }
@@ -97,9 +96,7 @@ impl State {
                 .expect("checked: the pool's memory covers every checkpoint block");
             self.unlist(key);
             let key = self.carve(key, block.ptr.0, block.size);
-            self.arena.blocks[key].state = BlockUse::Allocated;
-            self.arena.blocks[key].stream = slot;
-            self.arena.blocks[key].requested = block.requested;
+            self.arena.hand_out(key, slot, block.requested);
             self.allocated.insert(block.ptr.0, key);
             self.account_alloc(block.ptr.0, block.size, slot, block.requested, now);
         }
@@ -139,12 +136,12 @@ impl State {
         }
         for block in checkpoint {
             let (addr, size) = (block.ptr.0, block.size);
-            let inside = self.arena.segments.iter().any(|(segment, seg)| {
-                self.streams.pool(seg.stream) == pool
-                    && seg.addr <= addr
-                    && addr + size <= seg.addr + seg.size
+            let inside = self.arena.segments().any(|(segment, seg)| {
+                self.streams.pool(seg.stream()) == pool
+                    && seg.addr() <= addr
+                    && addr + size <= seg.addr() + seg.size()
                     && self.arena.segment_blocks(segment).all(|(_, b)| {
-                        !b.is_unmapped() || b.addr + b.size <= addr || addr + size <= b.addr
+                        !b.is_unmapped() || b.addr() + b.size() <= addr || addr + size <= b.addr()
                     })
             });
             if !inside {
@@ -159,14 +156,14 @@ impl State {
 
     /// The listed free block of `pool` containing `[addr, addr + size)`, if any.
     fn free_block_covering(&self, pool: PoolId, addr: u64, size: u64) -> Option<BlockKey> {
-        let (segment, _) = self.arena.segments.iter().find(|(_, seg)| {
-            self.streams.pool(seg.stream) == pool
-                && seg.addr <= addr
-                && addr + size <= seg.addr + seg.size
+        let (segment, _) = self.arena.segments().find(|(_, seg)| {
+            self.streams.pool(seg.stream()) == pool
+                && seg.addr() <= addr
+                && addr + size <= seg.addr() + seg.size()
         })?;
         self.arena
             .segment_blocks(segment)
-            .find(|(_, b)| b.addr <= addr && addr + size <= b.addr + b.size)
+            .find(|(_, b)| b.addr() <= addr && addr + size <= b.addr() + b.size())
             .filter(|(_, b)| b.is_free())
             .map(|(key, _)| key)
     }
@@ -175,12 +172,12 @@ impl State {
     /// listing what lies on either side; returns the block of exactly that range, unlisted.
     fn carve(&mut self, key: BlockKey, addr: u64, size: u64) -> BlockKey {
         let mut middle = key;
-        let start = self.arena.blocks[key].addr;
+        let start = self.arena.block(key).addr();
         if addr > start {
             middle = self.arena.split(key, addr - start);
             self.list(key);
         }
-        if self.arena.blocks[middle].size > size {
+        if self.arena.block(middle).size() > size {
             let tail = self.arena.split(middle, size);
             self.list(tail);
         }

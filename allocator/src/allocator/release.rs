@@ -47,21 +47,18 @@ impl State {
         self.release_unmapped_segments(backend, which)?;
         let free_segments: Vec<_> = self
             .arena
-            .segments
-            .iter()
+            .segments()
             .filter(|(segment, seg)| {
-                !seg.expandable
-                    && self.releasable(which, seg.stream)
+                !seg.is_expandable()
+                    && self.releasable(which, seg.stream())
                     && self.arena.segment_is_free(*segment)
             })
-            .map(|(segment, seg)| (segment, seg.head, seg.stream))
+            .map(|(segment, seg)| (segment, seg.head(), seg.stream()))
             .collect();
         let mut released = reserved_before - self.stats.reserved_bytes.current;
         for (segment, head, stream) in free_segments {
-            let (addr, size) = (
-                self.arena.segments[segment].addr,
-                self.arena.segments[segment].size,
-            );
+            let seg = self.arena.segment(segment);
+            let (addr, size) = (seg.addr(), seg.size());
             backend.free_segment(DevicePtr(addr), size)?;
             self.unlist(head);
             self.arena.remove_segment(segment);
@@ -109,17 +106,15 @@ impl State {
         }
         let quarantined: Vec<BlockKey> = self
             .arena
-            .blocks
-            .iter()
+            .blocks()
             .filter(|(key, block)| {
-                block.is_allocated() && self.allocated.get(&block.addr) != Some(key)
+                block.is_allocated() && self.allocated.get(&block.addr()) != Some(key)
             })
             .map(|(key, _)| key)
             .collect();
         for key in quarantined {
-            let block = &mut self.arena.blocks[key];
-            block.state = BlockUse::Free;
-            let size = block.size;
+            let size = self.arena.block(key).size();
+            self.arena.free(key);
             self.stats.allocated_bytes.sub(size);
             self.stats.active_bytes.sub(size);
             self.insert_free(key);
@@ -129,24 +124,19 @@ impl State {
     /// Merges every run of adjacent free blocks regardless of owner; the run takes its
     /// first block's owner. Only valid right after a device-wide synchronisation.
     pub(super) fn coalesce_across_streams(&mut self) {
-        let heads: Vec<BlockKey> = self
-            .arena
-            .segments
-            .iter()
-            .map(|(_, seg)| seg.head)
-            .collect();
+        let heads: Vec<BlockKey> = self.arena.segments().map(|(_, seg)| seg.head()).collect();
         for head in heads {
             let mut cursor = Some(head);
             while let Some(key) = cursor {
-                if self.arena.blocks[key].is_allocated() || self.arena.blocks[key].is_unmapped() {
-                    cursor = self.arena.blocks[key].next();
+                let block = self.arena.block(key);
+                if block.is_allocated() || block.is_unmapped() {
+                    cursor = block.next();
                     continue;
                 }
                 let mut unlisted = false;
-                while let Some(next) = self.arena.blocks[key].next() {
-                    if self.arena.blocks[next].is_allocated()
-                        || self.arena.blocks[next].is_unmapped()
-                    {
+                while let Some(next) = self.arena.block(key).next() {
+                    let above = self.arena.block(next);
+                    if above.is_allocated() || above.is_unmapped() {
                         break;
                     }
                     if !unlisted {
@@ -159,7 +149,7 @@ impl State {
                 if unlisted {
                     self.list(key);
                 }
-                cursor = self.arena.blocks[key].next();
+                cursor = self.arena.block(key).next();
             }
         }
     }

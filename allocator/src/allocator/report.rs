@@ -67,39 +67,38 @@ impl State {
     pub(super) fn snapshot<B: Backend>(&mut self, backend: &B, config: &Config) -> Snapshot {
         let mut segments: Vec<SegmentInfo> = self
             .arena
-            .segments
-            .iter()
+            .segments()
             .map(|(segment, seg)| SegmentInfo {
-                addr: DevicePtr(seg.addr),
+                addr: DevicePtr(seg.addr()),
                 // An expandable segment reports the memory mapped into it, and only the
                 // blocks on mapped pages.
                 size: self
                     .arena
                     .segment_blocks(segment)
                     .filter(|(_, block)| !block.is_unmapped())
-                    .map(|(_, block)| block.size)
+                    .map(|(_, block)| block.size())
                     .sum(),
-                pool: seg.pool,
-                mempool: self.streams.pool(seg.stream),
-                expandable: seg.expandable,
-                stream: self.streams.id(seg.stream),
+                pool: seg.pool(),
+                mempool: self.streams.pool(seg.stream()),
+                expandable: seg.is_expandable(),
+                stream: self.streams.id(seg.stream()),
                 blocks: self
                     .arena
                     .segment_blocks(segment)
                     .filter(|(_, block)| !block.is_unmapped())
                     .map(|(_, block)| BlockInfo {
-                        addr: DevicePtr(block.addr),
-                        size: block.size,
-                        requested: block.requested,
+                        addr: DevicePtr(block.addr()),
+                        size: block.size(),
+                        requested: block.requested(),
                         state: if block.is_allocated() {
                             BlockState::ActiveAllocated
-                        } else if block.pending.is_empty() {
+                        } else if block.pending().is_empty() {
                             BlockState::Inactive
                         } else {
                             BlockState::ActivePendingFree
                         },
-                        stream: self.streams.id(block.stream),
-                        pending_events: block.pending.len() as u32,
+                        stream: self.streams.id(block.owner()),
+                        pending_events: block.pending().len() as u32,
                     })
                     .collect(),
             })

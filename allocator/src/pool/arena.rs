@@ -8,6 +8,14 @@
 //!
 //! The arena knows nothing of streams or events beyond the fields it stores for the
 //! lifetime layer; it never decides where a free block goes.
+//!
+//! # The contract with the policy
+//! Blocks and segments are private to this module. The policy reads them through getters
+//! and changes a block only through a few named operations, each of which states the
+//! transition of [`BlockUse`] it makes; debug builds check every transition against the
+//! one table on [`BlockUse`], and the local tiling after every split and merge (in the
+//! manner of mimalloc's debug walks), so a policy bug stops at the operation that commits
+//! it. Release builds check nothing: the operations are the field writes they replace.
 
 use crate::types::{EventKey, PoolKind};
 use slab::Slab;
@@ -26,20 +34,24 @@ pub(crate) type StreamSlot = u32;
 /// freed, its neighbours, a split remainder), so links and the segment index are 32-bit,
 /// the rarely used lists are thin (one pointer, no allocation while empty), and the
 /// segment's pool and kind are copied here so that listing a block reads no segment.
+///
+/// Every field is private: the policy reads them through getters and changes a block only
+/// through the [`Arena`]'s named operations, each of which checks (in debug builds) the
+/// state transition it makes.
 #[derive(Debug, Clone)]
 #[repr(align(64))]
 pub(crate) struct Block {
     /// First byte.
-    pub(crate) addr: u64,
+    addr: u64,
     /// Bytes, a multiple of the minimum block size.
-    pub(crate) size: u64,
+    size: u64,
     /// Bytes the caller asked for (0 while free).
-    pub(crate) requested: u64,
+    requested: u64,
     /// While allocated: other streams recorded as using it (`record_use`), deduplicated.
-    pub(crate) uses: ThinVec<StreamSlot>,
+    uses: ThinVec<StreamSlot>,
     /// While free: events, one per former use stream, that must complete (or be waited on)
     /// before any stream reuses these bytes. Empty for a block that is ready for its owner.
-    pub(crate) pending: ThinVec<EventKey>,
+    pending: ThinVec<EventKey>,
     /// The segment this block tiles.
     segment: Link,
     /// The block just below in the segment, if any.
@@ -48,13 +60,13 @@ pub(crate) struct Block {
     next: Link,
     /// The owning stream: while allocated, the stream it was allocated on; while free, the
     /// stream whose free list holds it. The owner may reuse it with no event.
-    pub(crate) stream: StreamSlot,
+    owner: StreamSlot,
     /// Its segment's pool.
-    pub(crate) pool: PoolKind,
+    pool: PoolKind,
     /// Its segment is expandable.
-    pub(crate) expandable: bool,
+    expandable: bool,
     /// Which of the allocator's structures may hold the block (see [`BlockUse`]).
-    pub(crate) state: BlockUse,
+    state: BlockUse,
 }
 
 const _: () = assert!(std::mem::size_of::<Block>() == 64);
@@ -62,6 +74,22 @@ const _: () = assert!(std::mem::size_of::<Block>() == 64);
 /// What a block is doing. One field instead of independent flags, so that no block can be
 /// both handed out and parked, or unmapped and listed: each state names the one structure
 /// that may hold the block.
+///
+/// The legal transitions, and the [`Arena`] operation that makes each:
+///
+/// | from        | to          | operation                                                  |
+/// | ----------- | ----------- | ---------------------------------------------------------- |
+/// | `Free`      | `Allocated` | [`Arena::hand_out`] (to a caller), [`Arena::withhold`] (to nobody) |
+/// | `Hot`       | `Allocated` | [`Arena::hand_out`] (back to its owner)                     |
+/// | `Allocated` | `Free`      | [`Arena::free`]                                             |
+/// | `Free`      | `Hot`       | [`Arena::park_hot`]                                         |
+/// | `Hot`       | `Free`      | [`Arena::unpark`]                                           |
+/// | `Free`      | `Unmapped`  | [`Arena::mark_unmapped`]                                    |
+/// | `Unmapped`  | `Free`      | [`Arena::mark_mapped`]                                      |
+///
+/// Nothing else: an unmapped block is never handed out or parked, a hot block never
+/// unmapped. [`Arena::split`] gives the new block its parent's state (`Free` or
+/// `Unmapped` only) and [`Arena::merge`] joins two blocks of one of those states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BlockUse {
     /// Handed to a caller and not yet freed: in the allocator's address map only.
@@ -76,6 +104,17 @@ pub(crate) enum BlockUse {
     /// A stretch of an expandable segment with no pages mapped (see [`super::expandable`]):
     /// page-aligned and in no free list.
     Unmapped,
+}
+
+impl BlockUse {
+    /// True if the table on [`BlockUse`] allows going from `self` to `to`.
+    const fn may_become(self, to: BlockUse) -> bool {
+        use BlockUse::{Allocated, Free, Hot, Unmapped};
+        matches!(
+            (self, to),
+            (Free | Hot, Allocated) | (Allocated | Hot | Unmapped, Free) | (Free, Hot | Unmapped)
+        )
+    }
 }
 
 /// A block or segment index in 32 bits, `u32::MAX` for none.
@@ -101,6 +140,54 @@ impl Link {
 }
 
 impl Block {
+    /// First byte.
+    #[inline]
+    pub(crate) fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Bytes, a multiple of the minimum block size.
+    #[inline]
+    pub(crate) fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Bytes the caller asked for (0 while free or allocated to nobody).
+    #[inline]
+    pub(crate) fn requested(&self) -> u64 {
+        self.requested
+    }
+
+    /// While allocated: the other streams recorded as using it.
+    #[inline]
+    pub(crate) fn uses(&self) -> &[StreamSlot] {
+        &self.uses
+    }
+
+    /// While free: the events that must complete before another stream reuses it.
+    #[inline]
+    pub(crate) fn pending(&self) -> &[EventKey] {
+        &self.pending
+    }
+
+    /// The owning stream (see the field).
+    #[inline]
+    pub(crate) fn owner(&self) -> StreamSlot {
+        self.owner
+    }
+
+    /// Its segment's pool.
+    #[inline]
+    pub(crate) fn pool(&self) -> PoolKind {
+        self.pool
+    }
+
+    /// Its segment is expandable.
+    #[inline]
+    pub(crate) fn is_expandable(&self) -> bool {
+        self.expandable
+    }
+
     /// The block just below in the segment, if any.
     #[inline]
     pub(crate) fn prev(&self) -> Option<BlockKey> {
@@ -144,32 +231,246 @@ impl Block {
     }
 }
 
-/// One range obtained from the device.
+/// One range obtained from the device. Fixed once registered: read through getters.
 #[derive(Debug, Clone)]
 pub(crate) struct Segment {
     /// First byte.
-    pub(crate) addr: u64,
+    addr: u64,
     /// Bytes.
-    pub(crate) size: u64,
+    size: u64,
     /// Small or large pool: a segment serves one pool only.
-    pub(crate) pool: PoolKind,
+    pool: PoolKind,
     /// The stream whose request created it (reported in snapshots).
-    pub(crate) stream: StreamSlot,
+    stream: StreamSlot,
     /// The lowest block; stable for the segment's life.
-    pub(crate) head: BlockKey,
+    head: BlockKey,
     /// An address reservation with pages mapped on demand (see [`super::expandable`]);
     /// its size is the reservation's, not the memory behind it.
-    pub(crate) expandable: bool,
+    expandable: bool,
 }
 
-/// All segments and blocks.
+impl Segment {
+    /// First byte.
+    #[inline]
+    pub(crate) fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Bytes (for an expandable segment, the whole reservation).
+    #[inline]
+    pub(crate) fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Small or large pool.
+    #[inline]
+    pub(crate) fn pool(&self) -> PoolKind {
+        self.pool
+    }
+
+    /// The stream whose request created it.
+    #[inline]
+    pub(crate) fn stream(&self) -> StreamSlot {
+        self.stream
+    }
+
+    /// The lowest block.
+    #[inline]
+    pub(crate) fn head(&self) -> BlockKey {
+        self.head
+    }
+
+    /// An address reservation with pages mapped on demand.
+    #[inline]
+    pub(crate) fn is_expandable(&self) -> bool {
+        self.expandable
+    }
+}
+
+/// All segments and blocks, changed only through the operations below.
 #[derive(Debug, Default)]
 pub(crate) struct Arena {
-    pub(crate) blocks: Slab<Block>,
-    pub(crate) segments: Slab<Segment>,
+    blocks: Slab<Block>,
+    segments: Slab<Segment>,
 }
 
 impl Arena {
+    /// The block `key`.
+    #[inline]
+    pub(crate) fn block(&self, key: BlockKey) -> &Block {
+        &self.blocks[key]
+    }
+
+    /// The block `key`, if it exists.
+    pub(crate) fn get_block(&self, key: BlockKey) -> Option<&Block> {
+        self.blocks.get(key)
+    }
+
+    /// Every block, in key order.
+    pub(crate) fn blocks(&self) -> impl Iterator<Item = (BlockKey, &Block)> {
+        self.blocks.iter()
+    }
+
+    /// The segment `key`.
+    #[inline]
+    pub(crate) fn segment(&self, key: SegmentKey) -> &Segment {
+        &self.segments[key]
+    }
+
+    /// Every segment, in key order.
+    pub(crate) fn segments(&self) -> impl Iterator<Item = (SegmentKey, &Segment)> {
+        self.segments.iter()
+    }
+
+    // ---- State transitions (the table on `BlockUse`) -----------------------------------
+
+    /// Moves `key` from one of `from` to `to`, checking in debug builds that it is in one
+    /// of them and that the table on [`BlockUse`] allows the move; returns the block for
+    /// the operation's other changes.
+    #[inline]
+    fn transition(
+        &mut self,
+        key: BlockKey,
+        operation: &str,
+        from: &[BlockUse],
+        to: BlockUse,
+    ) -> &mut Block {
+        let block = &mut self.blocks[key];
+        debug_assert!(
+            from.contains(&block.state) && block.state.may_become(to),
+            "{operation}: block {key} is {:?}; the operation takes it from {from:?} to {to:?}",
+            block.state
+        );
+        block.state = to;
+        block
+    }
+
+    /// Hands the free or hot block `key` to `owner` for a request of `requested` bytes
+    /// (Free | Hot → Allocated) and returns it, for the caller's accounting. It must carry
+    /// no pending events (an allocated block never does: the caller takes and settles them
+    /// first) and no uses.
+    #[inline]
+    pub(crate) fn hand_out(&mut self, key: BlockKey, owner: StreamSlot, requested: u64) -> &Block {
+        use BlockUse::{Allocated, Free, Hot};
+        let block = self.transition(key, "hand_out", &[Free, Hot], Allocated);
+        debug_assert!(
+            block.pending.is_empty() && block.uses.is_empty(),
+            "hand_out: block {key} carries pending events or uses"
+        );
+        block.owner = owner;
+        block.requested = requested;
+        block
+    }
+
+    /// Keeps the free block `key` out of circulation, allocated to nobody (Free →
+    /// Allocated): a free deferred by a graph capture, or a block whose reuse could not be
+    /// ordered. Its owner stays; it asks for no bytes.
+    pub(crate) fn withhold(&mut self, key: BlockKey) {
+        use BlockUse::{Allocated, Free};
+        let block = self.transition(key, "withhold", &[Free], Allocated);
+        debug_assert!(block.pending.is_empty(), "withhold: block {key} is pending");
+        block.requested = 0;
+    }
+
+    /// Takes back the allocated block `key` (Allocated → Free) and returns the other
+    /// streams recorded as using it.
+    #[inline]
+    pub(crate) fn free(&mut self, key: BlockKey) -> ThinVec<StreamSlot> {
+        use BlockUse::{Allocated, Free};
+        let block = self.transition(key, "free", &[Allocated], Free);
+        block.requested = 0;
+        std::mem::take(&mut block.uses)
+    }
+
+    /// Parks the free, ready block `key` in its owner's hot list (Free → Hot).
+    #[inline]
+    pub(crate) fn park_hot(&mut self, key: BlockKey) {
+        use BlockUse::{Free, Hot};
+        let block = self.transition(key, "park_hot", &[Free], Hot);
+        debug_assert!(block.pending.is_empty(), "park_hot: block {key} is pending");
+    }
+
+    /// Takes the block `key` out of its hot list, free again (Hot → Free).
+    #[inline]
+    pub(crate) fn unpark(&mut self, key: BlockKey) {
+        use BlockUse::{Free, Hot};
+        self.transition(key, "unpark", &[Hot], Free);
+    }
+
+    /// Records that the free block `key`'s pages were unmapped (Free → Unmapped). An
+    /// unmapped block carries nothing: no events, no uses, no request.
+    pub(crate) fn mark_unmapped(&mut self, key: BlockKey) {
+        use BlockUse::{Free, Unmapped};
+        let block = self.transition(key, "mark_unmapped", &[Free], Unmapped);
+        debug_assert!(
+            block.expandable && block.pending.is_empty() && block.uses.is_empty(),
+            "mark_unmapped: block {key} is outside an expandable segment or in use"
+        );
+    }
+
+    /// Records that the unmapped block `key`'s pages were mapped for `owner`, whose free
+    /// block it now is (Unmapped → Free).
+    pub(crate) fn mark_mapped(&mut self, key: BlockKey, owner: StreamSlot) {
+        use BlockUse::{Free, Unmapped};
+        self.transition(key, "mark_mapped", &[Unmapped], Free).owner = owner;
+    }
+
+    // ---- Fields that change within a state ---------------------------------------------
+
+    /// Adds `event` to what the free block `key` waits for (each event once).
+    #[inline]
+    pub(crate) fn add_pending(&mut self, key: BlockKey, event: EventKey) {
+        let block = &mut self.blocks[key];
+        debug_assert!(
+            block.is_free() && !block.pending.contains(&event),
+            "add_pending: block {key} is {:?} or already waits for the event",
+            block.state
+        );
+        block.pending.push(event);
+    }
+
+    /// Gives the split remainder `right` the events that the free block `left`, cut from
+    /// the same block, waits for: the remainder needs what the whole block needed.
+    pub(crate) fn copy_pending(&mut self, left: BlockKey, right: BlockKey) {
+        debug_assert!(
+            self.blocks[left].is_free()
+                && self.blocks[right].is_free()
+                && self.blocks[right].pending.is_empty()
+                && self.blocks[left].next() == Some(right),
+            "copy_pending: block {right} is not the fresh remainder of free block {left}"
+        );
+        self.blocks[right].pending = self.blocks[left].pending.clone();
+    }
+
+    /// Takes the events the free block `key` waits for, leaving it ready for any stream
+    /// (the caller settles or releases them).
+    #[inline]
+    pub(crate) fn take_pending(&mut self, key: BlockKey) -> ThinVec<EventKey> {
+        let block = &mut self.blocks[key];
+        debug_assert!(
+            block.is_free(),
+            "take_pending: block {key} is {:?}",
+            block.state
+        );
+        std::mem::take(&mut block.pending)
+    }
+
+    /// Records that stream `slot` uses the allocated block `key`; its owner and streams
+    /// already recorded are not recorded again.
+    pub(crate) fn add_use(&mut self, key: BlockKey, slot: StreamSlot) {
+        let block = &mut self.blocks[key];
+        debug_assert!(
+            block.is_allocated(),
+            "add_use: block {key} is {:?}",
+            block.state
+        );
+        if slot != block.owner && !block.uses.contains(&slot) {
+            block.uses.push(slot);
+        }
+    }
+
+    // ---- Segments, split and merge -------------------------------------------------------
+
     /// Registers a new segment, tiled by one free block owned by `stream`.
     pub(crate) fn add_segment(
         &mut self,
@@ -189,7 +490,7 @@ impl Arena {
             segment: Link::to(segment),
             prev: Link::NONE,
             next: Link::NONE,
-            stream,
+            owner: stream,
             pool,
             expandable,
             state: BlockUse::Free,
@@ -205,20 +506,36 @@ impl Arena {
         head
     }
 
-    /// Forgets a segment tiled by a single free block; returns its address and size.
+    /// Forgets a segment tiled by a single free or unmapped block; returns its address and
+    /// size.
     pub(crate) fn remove_segment(&mut self, segment: SegmentKey) -> (u64, u64) {
         let seg = self.segments.remove(segment);
         let head = self.blocks.remove(seg.head);
-        debug_assert!(head.next().is_none() && !head.is_allocated() && head.size == seg.size);
+        debug_assert!(
+            head.next().is_none()
+                && (head.is_free() || head.is_unmapped())
+                && head.pending.is_empty()
+                && head.size == seg.size,
+            "remove_segment: segment {segment} is not one idle block"
+        );
         (seg.addr, seg.size)
     }
 
-    /// Cuts `key` at `size` bytes; the new right-hand block (returned) is free, owned by
-    /// the same stream, mapped or not like `key`, and carries no pending events (the caller
-    /// copies them if needed).
+    /// Cuts the free or unmapped block `key` at `size` bytes; the new right-hand block
+    /// (returned) is free, or unmapped like `key`, owned by the same stream, and carries no pending
+    /// events (the caller copies them if needed).
     pub(crate) fn split(&mut self, key: BlockKey, size: u64) -> BlockKey {
         let block = &self.blocks[key];
-        debug_assert!(size < block.size && size.is_multiple_of(super::MIN_BLOCK_SIZE));
+        debug_assert!(
+            size < block.size && size.is_multiple_of(super::MIN_BLOCK_SIZE),
+            "split: block {key} of {} bytes cut at {size}",
+            block.size
+        );
+        debug_assert!(
+            block.is_free() || block.is_unmapped(),
+            "split: block {key} is {:?}",
+            block.state
+        );
         let right = Block {
             addr: block.addr + size,
             size: block.size - size,
@@ -228,7 +545,7 @@ impl Arena {
             segment: block.segment,
             prev: Link::to(key),
             next: block.next,
-            stream: block.stream,
+            owner: block.owner,
             pool: block.pool,
             expandable: block.expandable,
             state: if block.is_unmapped() {
@@ -245,23 +562,67 @@ impl Arena {
         let block = &mut self.blocks[key];
         block.size = size;
         block.next = Link::to(right);
+        self.debug_check_tiling(key);
+        self.debug_check_tiling(right);
         right
     }
 
     /// Absorbs `right` (the block just above `left`) into `left` and returns `right`'s
-    /// pending events for the caller to merge or release.
+    /// pending events for the caller to merge or release. Both must be free, or both
+    /// unmapped: an allocated or hot block never merges.
     pub(crate) fn merge(&mut self, left: BlockKey, right: BlockKey) -> ThinVec<EventKey> {
+        if cfg!(debug_assertions) {
+            let (below, above) = (&self.blocks[left], &self.blocks[right]);
+            debug_assert!(
+                below.state == above.state && (below.is_free() || below.is_unmapped()),
+                "merge: blocks {left} and {right} are {:?} and {:?}",
+                below.state,
+                above.state
+            );
+            debug_assert!(
+                below.next() == Some(right) && below.segment == above.segment,
+                "merge: block {right} is not just above block {left} in its segment"
+            );
+            debug_assert!(above.uses.is_empty(), "merge: block {right} has uses");
+        }
         let removed = self.blocks.remove(right);
-        debug_assert_eq!(removed.prev(), Some(left));
-        debug_assert!(!removed.is_allocated());
         if let Some(next) = removed.next() {
             self.blocks[next].prev = Link::to(left);
         }
         let block = &mut self.blocks[left];
-        debug_assert_eq!(block.addr + block.size, removed.addr);
         block.size += removed.size;
         block.next = removed.next;
+        self.debug_check_tiling(left);
         removed.pending
+    }
+
+    /// Debug builds: the blocks on either side of `key` link back to it, lie in its
+    /// segment and touch it with no gap or overlap. The local half of [`Arena::validate`],
+    /// cheap enough to run after every split and merge.
+    #[inline]
+    fn debug_check_tiling(&self, key: BlockKey) {
+        if !cfg!(debug_assertions) {
+            return;
+        }
+        let block = &self.blocks[key];
+        if let Some(prev) = block.prev() {
+            let below = &self.blocks[prev];
+            debug_assert!(
+                below.next() == Some(key)
+                    && below.segment == block.segment
+                    && below.addr + below.size == block.addr,
+                "block {prev} below block {key} does not tile with it"
+            );
+        }
+        if let Some(next) = block.next() {
+            let above = &self.blocks[next];
+            debug_assert!(
+                above.prev() == Some(key)
+                    && above.segment == block.segment
+                    && block.addr + block.size == above.addr,
+                "block {next} above block {key} does not tile with it"
+            );
+        }
     }
 
     /// True if the segment is one free block.
@@ -343,5 +704,55 @@ mod tests {
         assert!(arena.segment_is_free(0));
         assert_eq!(arena.remove_segment(0), (0x10000, 4096));
         assert!(arena.blocks.is_empty());
+    }
+
+    #[test]
+    fn the_operations_follow_the_table_of_states() {
+        let mut arena = Arena::default();
+        let head = arena.add_segment(0x200000, 0x400000, PoolKind::Large, 0, true);
+        arena.hand_out(head, 1, 1000);
+        arena.add_use(head, 2);
+        arena.add_use(head, 2);
+        arena.add_use(head, 1);
+        assert_eq!(
+            arena.block(head).uses(),
+            [2],
+            "the owner and repeats are not uses"
+        );
+        assert_eq!(&arena.free(head)[..], [2]);
+        assert_eq!(arena.block(head).requested(), 0);
+        arena.park_hot(head);
+        arena.hand_out(head, 1, 512);
+        arena.free(head);
+        arena.park_hot(head);
+        arena.unpark(head);
+        arena.mark_unmapped(head);
+        let right = arena.split(head, 0x200000);
+        assert!(arena.block(right).is_unmapped());
+        assert!(arena.merge(head, right).is_empty());
+        arena.mark_mapped(head, 3);
+        assert!(arena.block(head).is_free() && arena.block(head).owner() == 3);
+        arena.validate().unwrap();
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "hand_out: block 0 is Unmapped")]
+    fn an_unmapped_block_cannot_be_handed_out() {
+        let mut arena = Arena::default();
+        let head = arena.add_segment(0x200000, 0x200000, PoolKind::Large, 0, true);
+        arena.mark_unmapped(head);
+        arena.hand_out(head, 0, 512);
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "merge: blocks 0 and 1 are Allocated and Free")]
+    fn an_allocated_block_never_merges() {
+        let mut arena = Arena::default();
+        let head = arena.add_segment(0x10000, 4096, PoolKind::Small, 0, false);
+        let right = arena.split(head, 1024);
+        arena.hand_out(head, 0, 1000);
+        arena.merge(head, right);
     }
 }

@@ -12,7 +12,7 @@
 //! # Representation
 //! An expandable segment is an ordinary arena segment whose size is the whole reservation,
 //! tiled by blocks as usual. Its unmapped stretches are blocks too, marked
-//! [`Block::unmapped`](super::arena::Block::unmapped): always free, page-aligned, a
+//! [`BlockUse::Unmapped`](super::arena::BlockUse::Unmapped): always free, page-aligned, a
 //! multiple of the page size, carrying no events, in no free list, never adjacent to one
 //! another, and indexed here by address. Every other block of the segment lies on mapped
 //! pages. So
@@ -25,7 +25,9 @@
 //! only when one free block covers them.
 //!
 //! The policy (when to map, when to unmap and how to make unmapping safe across streams)
-//! lives in the allocator; this module holds only the indexes and the arithmetic.
+//! lives in the allocator; this module holds only the indexes and the arithmetic. The
+//! arena does not know the page size, so the index checks (in debug builds) that what it
+//! indexes as unmapped is whole pages.
 
 use super::arena::{BlockKey, SegmentKey, StreamSlot};
 use crate::types::PoolKind;
@@ -118,6 +120,10 @@ impl ExpandableTable {
         addr: u64,
         head: BlockKey,
     ) {
+        debug_assert!(
+            addr.is_multiple_of(self.page),
+            "reservation at {addr:#x} is not page-aligned"
+        );
         self.by_owner.insert((stream, pool), segment);
         self.unmapped.entry(segment).or_default().insert(addr, head);
     }
@@ -143,9 +149,34 @@ impl ExpandableTable {
         &self.unmapped[&segment]
     }
 
-    /// Mutable access to the unmapped blocks of `segment`.
-    pub(crate) fn unmapped_mut(&mut self, segment: SegmentKey) -> &mut BTreeMap<u64, BlockKey> {
-        self.unmapped.get_mut(&segment).expect("expandable segment")
+    /// Indexes the unmapped block `key` of `size` bytes at `addr` in `segment`, or updates
+    /// the entry of the block there (one that grew by a merge). Unmapped stretches are
+    /// whole pages: checked here, where the page size is known.
+    pub(crate) fn index_unmapped(
+        &mut self,
+        segment: SegmentKey,
+        addr: u64,
+        size: u64,
+        key: BlockKey,
+    ) {
+        debug_assert!(
+            addr.is_multiple_of(self.page) && size.is_multiple_of(self.page) && size > 0,
+            "unmapped block {key} at {addr:#x} of {size:#x} bytes is not whole pages"
+        );
+        let holes = self.unmapped.get_mut(&segment).expect("expandable segment");
+        let before = holes.insert(addr, key);
+        debug_assert!(
+            before.is_none_or(|before| before == key),
+            "unmapped block {key} indexed over block {before:?} at {addr:#x}"
+        );
+    }
+
+    /// Forgets the unmapped block at `addr` in `segment` (mapped, or merged into the one
+    /// below).
+    pub(crate) fn unindex_unmapped(&mut self, segment: SegmentKey, addr: u64) {
+        let holes = self.unmapped.get_mut(&segment).expect("expandable segment");
+        let removed = holes.remove(&addr);
+        debug_assert!(removed.is_some(), "no unmapped block indexed at {addr:#x}");
     }
 
     /// The most bytes one mapping may cover now: a 256th of the live peak (a power of two

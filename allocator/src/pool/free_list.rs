@@ -299,6 +299,7 @@ impl FreeList {
             self.len += 1;
             self.bytes += size;
         }
+        self.debug_check(class);
     }
 
     pub(crate) fn remove(&mut self, size: u64, addr: u64, key: BlockKey) {
@@ -310,6 +311,39 @@ impl FreeList {
         debug_assert!(present, "block {key} not in this free list");
         if present {
             self.removed(class, size);
+        }
+        self.debug_check(class);
+    }
+
+    /// Debug builds: `class`'s bit says whether it holds blocks, the count says whether any
+    /// class does, and a short class is strictly ordered (no entry twice). Run after every
+    /// change, on the class it touched: the bitmap is what best fit trusts to skip classes.
+    #[inline]
+    fn debug_check(&self, class: usize) {
+        if !cfg!(debug_assertions) {
+            return;
+        }
+        let held = self.classes.get(class).map_or(0, Class::len);
+        let marked = self.nonempty[class / 64] & (1 << (class % 64)) != 0;
+        debug_assert_eq!(
+            marked,
+            held > 0,
+            "class {class} holds {held} blocks but its bit is {marked}"
+        );
+        debug_assert_eq!(
+            self.len == 0,
+            self.nonempty.iter().all(|&bits| bits == 0),
+            "{} blocks listed, bitmap {:x?}",
+            self.len,
+            self.nonempty
+        );
+        if let Some(Class::Short(entries)) = self.classes.get(class) {
+            debug_assert!(
+                entries
+                    .windows(2)
+                    .all(|pair| pair[0].order() < pair[1].order()),
+                "class {class} is out of order or holds an entry twice"
+            );
         }
     }
 
@@ -389,6 +423,7 @@ impl FreeList {
             }
         };
         self.removed(class, entry.size);
+        self.debug_check(class);
         Some((entry.size, entry.addr, entry.key))
     }
 
