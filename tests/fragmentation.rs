@@ -124,3 +124,66 @@ fn generation_with_growing_kv_caches_reserves_within_2_percent_of_peak_live() {
         assert!(run.device.races().is_empty());
     }
 }
+
+/// Random churn that no mapping policy can follow cheaply (`benches/gpu/host_abi.cpp`'s
+/// mixed loop: 60% of sizes up to 1 MiB, 35% up to 64 MiB, 5% up to 256 MiB, 64 live, a
+/// random one freed after each malloc), with each mapping made or undone costing 80 µs of
+/// host time as on an H200 and each operation 200 ns of the program's own work. Reclaiming
+/// would remap gigabytes per 100,000 mallocs; instead, once reclaims take more than their
+/// share of time, the slack widens until they stop: after a warm-up round, mapping takes
+/// a small share of the time, and reserved memory stays bounded by the live peak.
+#[test]
+fn churn_that_reclaims_cannot_follow_stops_paying_for_remapping() {
+    let device = SimBackend::new(80 << 30);
+    device.set_mapping_cost(80_000);
+    let allocator = Allocator::new(device.clone(), Config::default()).unwrap();
+    let stream = device.create_stream();
+    let mut peak_live = 0;
+    let mut last_round = (0, 0);
+    for round in 0..4 {
+        let (started, maps_before) = (
+            device.host_time(),
+            device.calls("map_pages") + device.calls("unmap_pages"),
+        );
+        let mut sizes = SplitMix64(7);
+        let mut victims = SplitMix64(11);
+        let mut live = Vec::new();
+        for _ in 0..20_000 {
+            let share = sizes.below(1000);
+            let size = if share < 600 {
+                sizes.range(1, 1 << 20)
+            } else if share < 950 {
+                sizes.range(1 << 20, 64 << 20)
+            } else {
+                sizes.range(64 << 20, 256 << 20)
+            };
+            live.push(allocator.malloc(size, stream).unwrap().ptr);
+            if live.len() > 64 {
+                let victim = victims.below(live.len() as u64) as usize;
+                allocator.free(live.swap_remove(victim)).unwrap();
+            }
+            peak_live = peak_live.max(allocator.stats().allocated_bytes.current);
+            device.advance_host(200);
+        }
+        for ptr in live {
+            allocator.free(ptr).unwrap();
+        }
+        last_round = (
+            device.host_time() - started,
+            device.calls("map_pages") + device.calls("unmap_pages") - maps_before,
+        );
+        println!("round {round}: {last_round:?}");
+    }
+    let (elapsed, mapping_calls) = last_round;
+    let mapping_time = mapping_calls * 80_000;
+    assert!(
+        mapping_time * 20 <= elapsed,
+        "the last round spent {mapping_time} of {elapsed} ns mapping and unmapping"
+    );
+    let stats = allocator.stats();
+    assert!(
+        stats.reserved_bytes.peak <= peak_live * 2,
+        "reserved {} for a live peak of {peak_live}",
+        stats.reserved_bytes.peak
+    );
+}

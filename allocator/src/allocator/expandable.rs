@@ -43,9 +43,12 @@ impl State {
         if self.growth.expandable().is_none() {
             return Ok(None);
         }
+        let mut reclaimed = false;
         if !capturing {
-            if let Some(key) = self.reclaim_before_mapping(backend, need)? {
-                return Ok(Some(key));
+            match self.reclaim_before_mapping(backend, need)? {
+                Reclaim::Served(key) => return Ok(Some(key)),
+                Reclaim::Unmapped => reclaimed = true,
+                Reclaim::NotNeeded => {}
             }
         }
         let segment = match self
@@ -56,22 +59,43 @@ impl State {
             Some(segment) => segment,
             None => self.add_expandable_segment(backend, pool, slot)?,
         };
-        let Some(placement) = self.placement(segment, size, slot) else {
-            return Ok(None);
+        let map_started = backend.now_ns();
+        let mapped = match self.placement(segment, size, slot) {
+            Some(placement) => self.map_placement(backend, segment, placement, size, slot),
+            None => Ok(None),
         };
-        self.map_placement(backend, segment, placement, size, slot)
+        if reclaimed {
+            self.charge_reclaim(backend, map_started);
+        }
+        mapped
+    }
+
+    /// Adds the host time since `started_ns` to the time spent reclaiming: the driver's
+    /// work of unmapping and of mapping again, not the wait for the device, whose work
+    /// had to finish anyway.
+    fn charge_reclaim<B: Backend>(&mut self, backend: &B, started_ns: u64) {
+        let spent = backend.now_ns().saturating_sub(started_ns);
+        self.table_mut().reclaim_ns += spent;
+    }
+
+    /// True if reclaims so far took no more than their share of the host time since the
+    /// first reservation ([`RECLAIM_TIME_SHARE`], [`RECLAIM_TIME_ALLOWANCE_NS`]).
+    fn reclaim_affordable(&self, now_ns: u64) -> bool {
+        let vmm = self.table();
+        let elapsed = now_ns.saturating_sub(vmm.clock_start_ns.unwrap_or(now_ns));
+        vmm.reclaim_ns <= elapsed / RECLAIM_TIME_SHARE + RECLAIM_TIME_ALLOWANCE_NS
     }
 
     /// If mapping `size` more bytes would take reserved memory past the live peak plus the
     /// slack, or past the limit, and a ready free block covers a whole mapping: synchronise
-    /// the device, settle every event, and take a ready block of `slot` if one now fits
-    /// (returned); else unmap free mappings until the excess is gone. Never while a capture
-    /// is under way.
+    /// the device, settle every event, and take a ready block of `slot` if one now fits;
+    /// else unmap free mappings until the excess is gone. Never while a capture is under
+    /// way; past the slack but within the limit, only while reclaims are affordable.
     fn reclaim_before_mapping<B: Backend>(
         &mut self,
         backend: &B,
         need: Need,
-    ) -> Result<Option<BlockKey>, AllocError> {
+    ) -> Result<Reclaim, AllocError> {
         let size = need.size;
         let vmm = self.table();
         // Reclaim (synchronise, unmap free mappings, map where there is room) only when
@@ -91,18 +115,34 @@ impl State {
             .live_peak_at_growth
             .max(self.stats.allocated_bytes.current + size);
         let budget = live_peak + live_peak / 10_000 * vmm.slack_bp;
-        let over_limit = after > budget || self.limit.is_some_and(|limit| after > limit);
-        if over_limit && self.has_unmappable_pages(Release::Unpinned) {
-            self.synchronize(backend)?;
-            if let Some(key) = self.take_ready(need) {
-                return Ok(Some(key));
-            }
-            let excess = after.saturating_sub(self.limit.map_or(budget, |limit| limit.min(budget)));
-            self.unmap_free_pages_upto(backend, excess, Release::Unpinned)?;
+        let over_hard_limit = self.limit.is_some_and(|limit| after > limit);
+        if !(after > budget || over_hard_limit) || !self.has_unmappable_pages(Release::Unpinned) {
+            return Ok(Reclaim::NotNeeded);
+        }
+        if !over_hard_limit && !self.reclaim_affordable(backend.now_ns()) {
+            // Free memory moves faster than reclaims can follow at a sensible cost: map, and
+            // widen the slack so that reclaims become rarer.
             let vmm = table_in(&mut self.growth);
+            vmm.slack_bp = (vmm.slack_bp * 2).clamp(MAX_RECLAIM_SLACK_BP, MAX_THROTTLED_SLACK_BP);
+            tracing::debug!(
+                slack_bp = vmm.slack_bp,
+                "reclaim skipped: over its share of time"
+            );
+            return Ok(Reclaim::NotNeeded);
+        }
+        self.synchronize(backend)?;
+        if let Some(key) = self.take_ready(need) {
+            return Ok(Reclaim::Served(key));
+        }
+        let excess = after.saturating_sub(self.limit.map_or(budget, |limit| limit.min(budget)));
+        let unmap_started = backend.now_ns();
+        self.unmap_free_pages_upto(backend, excess, Release::Unpinned)?;
+        self.charge_reclaim(backend, unmap_started);
+        let vmm = table_in(&mut self.growth);
+        if vmm.slack_bp < MAX_RECLAIM_SLACK_BP {
             vmm.slack_bp = (vmm.slack_bp * 5 / 4 + 1).min(MAX_RECLAIM_SLACK_BP);
         }
-        Ok(None)
+        Ok(Reclaim::Unmapped)
     }
 
     /// Where to map room for `size` bytes of `slot` in `segment`: over every unmapped
@@ -242,6 +282,7 @@ impl State {
         let vmm = table_in(&mut self.growth);
         let size = vmm.reservation;
         let ptr = backend.reserve_address_space(size)?;
+        vmm.clock_start_ns.get_or_insert_with(|| backend.now_ns());
         let head = self.arena.add_segment(ptr.0, size, pool, slot, true);
         let segment = self.arena.block(head).segment();
         self.arena.mark_unmapped(head);
@@ -412,6 +453,17 @@ impl State {
         }
         Ok(())
     }
+}
+
+/// What [`State::reclaim_before_mapping`] did.
+enum Reclaim {
+    /// Nothing: mapping stays within the slack and the limit, nothing can be unmapped, or
+    /// reclaims have had their share of time.
+    NotNeeded,
+    /// After synchronising, a ready block of the caller fits: the request takes it.
+    Served(BlockKey),
+    /// Free mappings were unmapped; mapping follows.
+    Unmapped,
 }
 
 /// Where [`State::grow_expandable`] maps pages: `map` bytes at `addr`, inside the unmapped
