@@ -292,7 +292,6 @@ impl<B: Backend> Registry<B> {
     /// pointer nobody knows is [`AllocError::UnknownPointer`], counted in the named
     /// device's `invalid_frees` and in [`Registry::invalid_frees`]. A poisoned named device
     /// refuses the call.
-    #[inline]
     pub fn free(&self, ptr: DevicePtr, ordinal: i32) -> Result<Freed, CallError> {
         let named = self.get(ordinal);
         if let Some(device) = named {
@@ -321,7 +320,6 @@ impl<B: Backend> Registry<B> {
         }
     }
 
-    #[inline]
     fn free_on(&self, device: &Device<B>, ptr: DevicePtr) -> Result<(), CallError> {
         match device.run(|allocator| allocator.free(ptr))? {
             Ok(()) => Ok(()),
