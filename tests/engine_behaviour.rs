@@ -380,3 +380,35 @@ fn pages_mapped_between_two_free_blocks_join_both() {
     }
     allocator.check_invariants().unwrap();
 }
+
+/// In an expandable segment a request packs against a live block above when nothing live
+/// lies below: the remainder is left facing the free side, where its whole pages can be
+/// unmapped, not between two live blocks. (Whole segments keep PyTorch's placement, which
+/// `replay_traces::whole_segments_reproduce_the_native_allocator` holds to.)
+#[test]
+fn requests_pack_against_the_live_block_above_when_nothing_live_lies_below() {
+    let (device, allocator) =
+        allocator(1 << 30, Config::parse("expandable_segments:true").unwrap());
+    let stream = device.create_stream();
+    // [first: 4 MiB][second: 4 MiB], then the first freed: a free block at the start of the
+    // segment (nothing below) under a live one.
+    let first = allocator.malloc(4 * MIB, stream).unwrap();
+    let second = allocator.malloc(4 * MIB, stream).unwrap();
+    assert_eq!(second.ptr.0, first.ptr.0 + 4 * MIB);
+    allocator.free(first.ptr).unwrap();
+    let small = allocator.malloc(MIB, stream).unwrap();
+    assert_eq!(
+        small.ptr.0,
+        first.ptr.0 + 3 * MIB,
+        "packed against the second"
+    );
+    allocator.check_invariants().unwrap();
+    // The 3 MiB left below hold a whole free page, which releasing the cache returns: one
+    // page stays under the small block, two under the second.
+    allocator.empty_cache().unwrap();
+    assert_eq!(allocator.stats().reserved_bytes.current, 6 * MIB);
+    for block in [small, second] {
+        allocator.free(block.ptr).unwrap();
+    }
+    allocator.check_invariants().unwrap();
+}

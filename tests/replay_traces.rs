@@ -140,11 +140,10 @@ fn gpt2_recorded_on_h200_steady_state_does_not_remap() {
 
 /// GPT-2 small generating with growing KV caches (benches/gpu/fragmentation/capture_infer.py,
 /// PyTorch 2.11 on an H200, weights included): PyTorch reserved 1.334x its peak. The
-/// default configuration replays at 1.036: far better than whole segments, short of the
-/// 1.02 that training traces meet (at the peak, about 23 MiB of partly used pages lie
-/// between live KV-cache blocks). The bound holds that ground.
+/// default configuration replays within the goal (1.015): requests that pack against the
+/// live block above leave their remainders where pages can be unmapped.
 #[test]
-fn kv_cache_generation_recorded_on_h200_stays_well_below_whole_segments() {
+fn kv_cache_generation_recorded_on_h200_replays_within_the_goal() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("benches/gpu/traces/gpt2_generate_native.pickle.gz");
     let traces = load_traces(&path).unwrap();
@@ -159,7 +158,7 @@ fn kv_cache_generation_recorded_on_h200_stays_well_below_whole_segments() {
         report.ratio(),
         whole.ratio()
     );
-    assert!(report.ratio() <= 1.04, "{:.4}", report.ratio());
+    assert!(report.ratio() <= GOAL, "{:.4}", report.ratio());
     assert!(
         whole.ratio() > 1.3,
         "whole segments reproduce PyTorch: {:.4}",
