@@ -3,7 +3,10 @@
 #   python3 driver.py OUT
 # Called by run.sh, which sets the common environment. OUT gets logs/, results/ and table.md.
 # Knobs: TOTAL_S (no run starts after this many seconds, 450), FRAG_PYTHON (the Python with
-# torch), FRAG_ROWS (comma-separated subset of gpt2,gpt2_varlen,resnet,infer).
+# torch), FRAG_ROWS (comma-separated subset of gpt2,gpt2_varlen,resnet,infer), FRAG_ROUNDS
+# (each row's columns this many times, 1): round k starts at column k, so no column always
+# runs first, and speed is the median over rounds of each round's ratio to native (the first
+# process of a row has read up to 45% faster or slower than the next, whatever it ran).
 import json
 import os
 import signal
@@ -18,6 +21,7 @@ OUT = os.path.abspath(sys.argv[1])
 LOGS, RESULTS = os.path.join(OUT, "logs"), os.path.join(OUT, "results")
 TOTAL_S = float(os.environ.get("TOTAL_S", 450))
 PY = os.environ.get("FRAG_PYTHON", sys.executable)
+ROUNDS = max(1, int(os.environ.get("FRAG_ROUNDS", 1)))
 
 # (column, header, environment it runs under; None = unset)
 COLUMNS = [
@@ -41,9 +45,9 @@ DOOR_TIMEOUT = 300
 
 
 class Job:
-    def __init__(self, work, col, timeout):
-        self.work, self.col, self.timeout = work, col, timeout
-        self.name = f"{work}__{col}"
+    def __init__(self, work, col, timeout, round_index=0):
+        self.work, self.col, self.timeout, self.round = work, col, timeout, round_index
+        self.name = f"{work}__{col}" + (f"__r{round_index}" if ROUNDS > 1 else "")
         self.log = os.path.join(LOGS, self.name + ".log")
         self.res = os.path.join(RESULTS, self.name + ".json")
         self.rc = self.seconds = None
@@ -108,14 +112,32 @@ def ratio_text(r):
     return f"ratio {r['ratio_whole']:.3f} ({r['ratio_timed']:.3f})"
 
 
-def train_cell(r, native, is_native):
+def median(values):
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
+def speed(rounds, native_rounds, key):
+    """Median over rounds of (this column's `key` / native's in the same round), and how many
+    rounds gave both; None if none did."""
+    ratios = [r[key] / n[key] for r, n in zip(rounds, native_rounds) if r and n and n[key]]
+    return (median(ratios), len(ratios)) if ratios else None
+
+
+def rounds_note(count):
+    return f" (median of {count} rounds)" if ROUNDS > 1 else ""
+
+
+def train_cell(r, native, is_native, ratio=None):
     parts = [ratio_text(r)]
     if native is None:
         parts.append(f"{r['timed_s'] / (r['steps'] - r['warmup']) * 1e3:.1f} ms/step, no native time")
     elif is_native:
         parts.append(f"time 1.00x ({native['timed_s'] / (native['steps'] - native['warmup']) * 1e3:.1f} ms/step)")
     else:
-        parts.append(f"time {r['timed_s'] / native['timed_s']:.2f}x")
+        value, count = ratio or (r["timed_s"] / native["timed_s"], 1)
+        parts.append(f"time {value:.2f}x{rounds_note(count)}")
         a, b = r["losses"], native["losses"]
         if len(a) != len(b):
             parts.append(f"Δloss n/a ({len(a)} vs {len(b)} steps)")
@@ -125,12 +147,13 @@ def train_cell(r, native, is_native):
     return ", ".join(parts)
 
 
-def infer_cell(r, native, is_native):
+def infer_cell(r, native, is_native, ratio=None):
     parts = [ratio_text(r)]
     if native is None or is_native:
         parts.append(f"{r['tokens_per_s']:.0f} tok/s")
     else:
-        parts.append(f"tok/s {r['tokens_per_s'] / native['tokens_per_s']:.2f}x")
+        value, count = ratio or (r["tokens_per_s"] / native["tokens_per_s"], 1)
+        parts.append(f"tok/s {value:.2f}x{rounds_note(count)}")
         a, b = r["token_hashes"], native["token_hashes"]
         if len(a) != len(b):
             parts.append(f"Δtok n/a ({len(a)} vs {len(b)} requests)")
@@ -155,8 +178,11 @@ def main():
     # so that no workload's timeout has to cover it.
     door = Job("door", "sa_default", DOOR_TIMEOUT)
     jobs = [door]
+    names = [col for col, _, _ in COLUMNS]
     for work, _, timeout in rows:
-        jobs += [Job(work, col, timeout) for col, _, _ in COLUMNS]
+        for k in range(ROUNDS):
+            order = names[k % len(names):] + names[:k % len(names)]
+            jobs += [Job(work, col, timeout, k) for col in order]
     for j in jobs:
         if time.monotonic() - t0 > TOTAL_S:
             j.skipped = True
@@ -168,22 +194,26 @@ def main():
         status = why or "ok"
         print(f"[{time.monotonic() - t0:6.1f}s] done {j.name} rc={j.rc} in {j.seconds:.1f}s: {status}", flush=True)
 
-    index = {(j.work, j.col): j for j in jobs}
+    index = {(j.work, j.col, j.round): j for j in jobs}
     lines = ["| workload | " + " | ".join(h for _, h, _ in COLUMNS) + " |",
              "| --- |" + " --- |" * len(COLUMNS)]
     seen = {}  # streamalloc column -> rows where it mapped memory (expandable segments in use)
     doors = set()
     for work, label, _ in rows:
-        native, _ = load(index[(work, "native")])
+        native_rounds = [load(index[(work, "native", k)])[0] for k in range(ROUNDS)]
+        native = next((n for n in native_rounds if n), None)
         cells = []
         for col, _, _ in COLUMNS:
-            r, why = load(index[(work, col)])
+            results = [load(index[(work, col, k)]) for k in range(ROUNDS)]
+            r, why = next(((r, w) for r, w in results if r), results[0])
             if r is None:
                 cells.append(why)
                 continue
             try:
                 cell = infer_cell if work == "infer" else train_cell
-                cells.append(cell(r, native, col == "native"))
+                key = "tokens_per_s" if work == "infer" else "timed_s"
+                ratio = speed([x for x, _ in results], native_rounds, key) if ROUNDS > 1 else None
+                cells.append(cell(r, native, col == "native", ratio))
             except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
                 cells.append(f"error: table: {type(e).__name__}: {e}"[:67])
             if col.startswith("sa_"):

@@ -10,6 +10,7 @@
 # About 6-7 minutes on one H200 (the first streamalloc install builds the native door).
 #   STREAMALLOC_LIB=.../libstreamalloc.so benches/gpu/fragmentation/run.sh OUT
 # Knobs: TOTAL_S (no run starts after it, 450), FRAG_ROWS (gpt2,gpt2_varlen,resnet,infer),
+# FRAG_ROUNDS (1: each row's columns once; more rotate the order and report median speed),
 # WARMUP (2), STEPS_GPT2 (20), STEPS_VARLEN (40), STEPS_RESNET (30), REQUESTS (24),
 # FRAG_PYTHON (the Python with torch; python3).
 set -u
