@@ -43,14 +43,15 @@ impl State {
         if self.growth.expandable().is_none() {
             return Ok(None);
         }
-        let mut reclaimed = false;
-        if !capturing {
+        let reclaimed = if capturing {
+            false
+        } else {
             match self.reclaim_before_mapping(backend, need)? {
                 Reclaim::Served(key) => return Ok(Some(key)),
-                Reclaim::Unmapped => reclaimed = true,
-                Reclaim::NotNeeded => {}
+                Reclaim::Unmapped => true,
+                Reclaim::NotNeeded => false,
             }
-        }
+        };
         let segment = match self
             .growth
             .expandable()
@@ -59,13 +60,14 @@ impl State {
             Some(segment) => segment,
             None => self.add_expandable_segment(backend, pool, slot)?,
         };
-        let map_started = backend.now_ns();
+        // Only mapping that follows a reclaim is charged to it: the clock is read for that.
+        let map_started = reclaimed.then(|| backend.now_ns());
         let mapped = match self.placement(segment, size, slot) {
             Some(placement) => self.map_placement(backend, segment, placement, size, slot),
             None => Ok(None),
         };
-        if reclaimed {
-            self.charge_reclaim(backend, map_started);
+        if let Some(started_ns) = map_started {
+            self.charge_reclaim(backend, started_ns);
         }
         mapped
     }
