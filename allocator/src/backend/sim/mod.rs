@@ -472,6 +472,13 @@ impl SimBackend {
         self.host_now.store(state.host_time, Ordering::Relaxed);
     }
 
+    /// A successful `map_pages` or `unmap_pages` takes [`SimBackend::set_mapping_cost`]'s
+    /// host time.
+    fn charge_mapping_call(&self, state: &mut SimState) {
+        state.host_time += state.mapping_cost_ns;
+        self.publish(state);
+    }
+
     fn call(&self, name: &'static str) -> parking_lot::MutexGuard<'_, SimState> {
         let mut state = self.state.lock();
         *state.calls.entry(name).or_default() += 1;
@@ -850,8 +857,7 @@ impl Backend for SimBackend {
         state.mappings.insert(start, end);
         state.mapped_bytes += size;
         state.reserved += size;
-        state.host_time += state.mapping_cost_ns;
-        self.publish(&state);
+        self.charge_mapping_call(&mut state);
         Ok(())
     }
 
@@ -922,8 +928,7 @@ impl Backend for SimBackend {
         }
         state.mapped_bytes -= size;
         state.reserved -= size;
-        state.host_time += state.mapping_cost_ns;
-        self.publish(&state);
+        self.charge_mapping_call(&mut state);
         Ok(())
     }
 }
