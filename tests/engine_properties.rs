@@ -13,7 +13,7 @@
 //! and `empty_cache`, nothing is reserved and no event is outstanding. Failures shrink to
 //! short programs. The tests after the machine show that each property can fail.
 
-use common::harness_op;
+use common::{allocation_op, block_op};
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 use streamalloc_allocator::testing::{proptest_cases, Harness, Op, STREAMS};
@@ -64,20 +64,42 @@ impl ReferenceStateMachine for EngineMachine {
             .boxed()
     }
 
-    fn transitions(_model: &Model) -> BoxedStrategy<Op> {
+    /// Only operations the program can take in `model`'s state, so that no generated
+    /// program is thrown away by the preconditions.
+    fn transitions(model: &Model) -> BoxedStrategy<Op> {
         let stream = 0..STREAMS as u8;
-        prop_oneof![
-            19 => harness_op(size()),
-            2 => stream.clone().prop_map(|stream| Op::BeginCapture { stream }),
-            2 => Just(Op::EndCapture),
-            3 => (any::<u16>(), stream.clone())
-                .prop_map(|(graph, stream)| Op::Replay { graph, stream }),
-            1 => any::<u16>().prop_map(|graph| Op::DestroyGraph { graph }),
-            2 => (stream, size(), 0u32..2_000_000).prop_map(|(stream, size, duration)| {
-                Op::PoolMalloc { stream, size, duration }
-            }),
-        ]
-        .boxed()
+        let mut choices: Vec<(u32, BoxedStrategy<Op>)> = vec![
+            (10, allocation_op(size())),
+            (
+                2,
+                (stream.clone(), size(), 0u32..2_000_000)
+                    .prop_map(|(stream, size, duration)| Op::PoolMalloc {
+                        stream,
+                        size,
+                        duration,
+                    })
+                    .boxed(),
+            ),
+        ];
+        if model.live > 0 {
+            choices.push((9, block_op()));
+        }
+        if model.capturing {
+            choices.push((2, Just(Op::EndCapture).boxed()));
+        } else {
+            let begin = stream
+                .clone()
+                .prop_map(|stream| Op::BeginCapture { stream });
+            choices.push((2, begin.boxed()));
+        }
+        if model.graphs > 0 {
+            let replay =
+                (any::<u16>(), stream).prop_map(|(graph, stream)| Op::Replay { graph, stream });
+            choices.push((3, replay.boxed()));
+            let destroy = any::<u16>().prop_map(|graph| Op::DestroyGraph { graph });
+            choices.push((1, destroy.boxed()));
+        }
+        proptest::strategy::Union::new_weighted(choices).boxed()
     }
 
     fn preconditions(model: &Model, op: &Op) -> bool {
@@ -248,4 +270,38 @@ fn stats_fail_when_an_allocation_is_unaccounted_for() {
     harness.allocator().malloc(MIB, stream).unwrap();
     let violation = harness.check().unwrap_err();
     assert!(violation.starts_with("stats say"), "{violation}");
+}
+
+/// Graph 1 writes a block it allocated; graph 2 reads it as an input and is replayed on
+/// another stream, then destroyed, and the block is freed back to graph 1's pool. The
+/// next replay of graph 1 still writes those bytes, so the program must order it after
+/// graph 2's last replay even though neither the block nor graph 2 is live any more.
+#[test]
+fn replays_over_a_freed_input_follow_the_last_replay_that_read_it() {
+    let program = vec![
+        Op::BeginCapture { stream: 0 },
+        Op::Malloc {
+            stream: 0,
+            size: 4 * MIB,
+            duration: 1_000,
+        },
+        Op::EndCapture,
+        Op::BeginCapture { stream: 0 },
+        Op::Work {
+            block: 0,
+            duration: 1_000_000,
+        },
+        Op::EndCapture,
+        Op::Replay {
+            graph: 1,
+            stream: 3,
+        },
+        Op::DestroyGraph { graph: 1 },
+        Op::Free { block: 0 },
+        Op::Replay {
+            graph: 0,
+            stream: 2,
+        },
+    ];
+    assert_eq!(run(Config::default(), &program), Ok(()));
 }

@@ -150,6 +150,9 @@ struct Graph {
     last_replay: Option<usize>,
     /// Streams that touched the graph's memory eagerly since the latest replay.
     touchers: BTreeSet<usize>,
+    /// Graphs whose replays touch memory this graph's replays touch (one wrote a block
+    /// the other reads). Kept after the block is freed: the replays still touch it.
+    shares_memory_with: BTreeSet<u64>,
 }
 
 /// A program under execution.
@@ -333,6 +336,11 @@ impl Harness {
                                 // Replays must follow the eager work that filled it.
                                 let graph = self.graphs.get_mut(&key).expect("capturing");
                                 graph.touchers.insert(live.stream);
+                                graph.shares_memory_with.extend(&live.graphs);
+                                for other in &live.graphs {
+                                    let other = self.graphs.get_mut(other).expect("kept");
+                                    other.shares_memory_with.insert(key);
+                                }
                             }
                         }
                         _ => {
@@ -471,15 +479,14 @@ impl Harness {
     }
 
     /// The streams a replay of graph `key` must be ordered after: the eager work on its
-    /// memory and the latest replays of every graph sharing that memory.
+    /// memory and the latest replays of every graph that ever shared that memory, live or
+    /// destroyed, whether or not the block they shared is still allocated.
     fn replay_dependencies(&self, key: u64) -> BTreeSet<usize> {
-        let mut after: BTreeSet<usize> = self.graphs[&key].touchers.clone();
-        for live in self.live.iter().filter(|l| l.graphs.contains(&key)) {
-            for other in &live.graphs {
-                after.extend(self.graphs[other].last_replay);
-            }
+        let graph = &self.graphs[&key];
+        let mut after: BTreeSet<usize> = graph.touchers.clone();
+        for other in graph.shares_memory_with.iter().chain([&key]) {
+            after.extend(self.graphs[other].last_replay);
         }
-        after.extend(self.graphs[&key].last_replay);
         after
     }
 
@@ -543,6 +550,7 @@ impl Harness {
                 alive: true,
                 last_replay: None,
                 touchers: BTreeSet::new(),
+                shares_memory_with: BTreeSet::new(),
             },
         );
         self.capture = Some((stream, key));
