@@ -184,6 +184,67 @@ fn lowering_the_limit_releases_cache_but_never_live_memory() {
     allocator.free(live.ptr).unwrap();
 }
 
+/// `reclaim:false` stops the unmapping that keeps reserved memory near the live peak, not
+/// the unmapping a limit needs: free memory split around a live block still makes room
+/// for a request it cannot hold whole, within the limit, after one synchronisation.
+#[test]
+fn without_reclaims_a_limit_still_unmaps_free_memory_to_make_room() {
+    let config = Config::parse("reclaim:false,memory_limit:64MiB").unwrap();
+    let (device, allocator) = allocator(1 << 30, config);
+    let stream = device.create_stream();
+    let below = allocator.malloc(30 * MIB, stream).unwrap();
+    let live = allocator.malloc(4 * MIB, stream).unwrap();
+    let above = allocator.malloc(26 * MIB, stream).unwrap();
+    allocator.free(below.ptr).unwrap();
+    allocator.free(above.ptr).unwrap();
+    let syncs = allocator.stats().device_syncs;
+    // 56 MiB free, in two pieces, and no room to map 40 more under the limit.
+    let wide = allocator.malloc(40 * MIB, stream).unwrap();
+    let stats = allocator.stats();
+    assert!(stats.reserved_bytes.peak <= 64 * MIB, "{stats:?}");
+    assert!(stats.page_unmap_bytes > 0, "{stats:?}");
+    assert!(stats.device_syncs > syncs, "{stats:?}");
+    // Made by the reclaim before mapping, not by the out-of-memory path's release and retry.
+    assert_eq!((stats.retries, stats.ooms), (0, 0), "{stats:?}");
+    allocator.free(wide.ptr).unwrap();
+    allocator.free(live.ptr).unwrap();
+    allocator.check_invariants().unwrap();
+}
+
+/// Without a limit, `reclaim:false` never unmaps to follow the live peak: memory freed in
+/// pieces stays mapped and the next large request maps more instead of synchronising,
+/// where the default synchronises once, unmaps the piece below and stays at the peak.
+#[test]
+fn without_reclaims_memory_grows_instead_of_synchronising() {
+    let run = |conf: &str| {
+        let (device, allocator) = allocator(1 << 30, Config::parse(conf).unwrap());
+        let stream = device.create_stream();
+        let below = allocator.malloc(30 * MIB, stream).unwrap();
+        let live = allocator.malloc(4 * MIB, stream).unwrap();
+        let above = allocator.malloc(26 * MIB, stream).unwrap();
+        allocator.free(below.ptr).unwrap();
+        allocator.free(above.ptr).unwrap();
+        let wide = allocator.malloc(40 * MIB, stream).unwrap();
+        let stats = allocator.stats();
+        allocator.free(wide.ptr).unwrap();
+        allocator.free(live.ptr).unwrap();
+        allocator.check_invariants().unwrap();
+        stats
+    };
+    let quiet = run("reclaim:false");
+    assert_eq!(
+        (quiet.device_syncs, quiet.page_unmap_bytes),
+        (0, 0),
+        "{quiet:?}"
+    );
+    // 14 MiB mapped over the 26 freed at the top, past the 60 MiB live peak.
+    assert_eq!(quiet.reserved_bytes.peak, 74 * MIB, "{quiet:?}");
+    // The default reclaims here: it synchronises and unmaps to stay near the peak.
+    let reclaiming = run("");
+    assert_eq!(reclaiming.device_syncs, 1, "{reclaiming:?}");
+    assert_eq!(reclaiming.reserved_bytes.peak, 60 * MIB, "{reclaiming:?}");
+}
+
 #[test]
 fn memory_fraction_resolves_against_device_memory() {
     let config = Config::parse("memory_fraction:0.25").unwrap();

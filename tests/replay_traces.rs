@@ -166,6 +166,38 @@ fn kv_cache_generation_recorded_on_h200_replays_within_the_goal() {
     );
 }
 
+/// `reclaim:false` is for programs that cannot afford a device synchronisation inside a
+/// malloc: the generation trace, which the default keeps remapping at its prefill peaks
+/// (reclaims synchronise, unmap and map again), replays as three passes with no
+/// synchronisation and nothing mapped after the first pass, at the fragmentation of its
+/// high-water mark (1.043 of its live peak, against the default's 1.015).
+#[test]
+fn without_reclaims_generation_never_synchronises_and_stops_mapping() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("benches/gpu/traces/gpt2_generate_native.pickle.gz");
+    let traces = load_traces(&path).unwrap();
+    let entries = &traces[0].entries;
+    let no_reclaim = Config::parse("reclaim:false").unwrap();
+    let quiet = replay_steps(entries, &no_reclaim, 3, &mut |_| {}).unwrap();
+    let reclaiming = replay_steps(entries, &Config::default(), 3, &mut |_| {}).unwrap();
+    println!("reclaim:false {quiet:?}\ndefault {reclaiming:?}");
+    assert_eq!(quiet.device_syncs, 0, "{quiet:?}");
+    assert_eq!(
+        (quiet.last_step_page_maps, quiet.last_step_page_unmaps),
+        (0, 0),
+        "{quiet:?}"
+    );
+    assert!(quiet.ratio() <= 1.05, "{:.4}", quiet.ratio());
+    // What the switch gives up: the default synchronises to unmap, and ends lower.
+    assert!(reclaiming.device_syncs > 0, "{reclaiming:?}");
+    assert!(
+        reclaiming.ratio() < quiet.ratio(),
+        "{:.4} against {:.4}",
+        reclaiming.ratio(),
+        quiet.ratio()
+    );
+}
+
 #[test]
 fn resnet50_recorded_on_h200_steady_state_does_not_remap_within_the_goal() {
     // 1.046 while hot blocks stayed parked under sizes that do not repeat (PyTorch: 1.185).

@@ -21,6 +21,7 @@ pub fn config(data: &[u8]) {
         trace_capacity: 0,
         event_batch: 1,
         expandable_segments: false,
+        reclaim: false,
         graph_pools: false,
     };
     for base in [Config::default(), other_base] {

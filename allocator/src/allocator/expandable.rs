@@ -25,7 +25,8 @@ impl State {
     /// owned by `slot`; `None` if the limit, the device or the address space refuses.
     ///
     /// First, unless the stream is capturing a graph: if mapping would take reserved memory
-    /// past the live peak plus the slack (1% at first, see below) or past the limit, and a
+    /// past the live peak plus the slack (1% at first, see below; only with `reclaim` on)
+    /// or past the limit, and a
     /// ready free block covers a whole mapping, synchronise the device (unmapping does not
     /// synchronise, and the memory's last users may be any stream), settle every event,
     /// retry the caller's free list, then unmap free mappings until the excess is gone.
@@ -92,7 +93,8 @@ impl State {
     /// slack, or past the limit, and a ready free block covers a whole mapping: synchronise
     /// the device, settle every event, and take a ready block of `slot` if one now fits;
     /// else unmap free mappings until the excess is gone. Never while a capture is under
-    /// way; past the slack but within the limit, only while reclaims are affordable.
+    /// way; past the slack but within the limit, only with `reclaim` on and while reclaims
+    /// are affordable.
     fn reclaim_before_mapping<B: Backend>(
         &mut self,
         backend: &B,
@@ -118,7 +120,8 @@ impl State {
             .max(self.stats.allocated_bytes.current + size);
         let budget = live_peak + live_peak / 10_000 * vmm.slack_bp;
         let over_hard_limit = self.limit.is_some_and(|limit| after > limit);
-        if !(after > budget || over_hard_limit) || !self.has_unmappable_pages(Release::Unpinned) {
+        let over_budget = self.reclaim && after > budget;
+        if !(over_budget || over_hard_limit) || !self.has_unmappable_pages(Release::Unpinned) {
             return Ok(Reclaim::NotNeeded);
         }
         if !over_hard_limit && !self.reclaim_affordable(backend.now_ns()) {
@@ -136,7 +139,13 @@ impl State {
         if let Some(key) = self.take_ready(need) {
             return Ok(Reclaim::Served(key));
         }
-        let excess = after.saturating_sub(self.limit.map_or(budget, |limit| limit.min(budget)));
+        // Down to the budget when reclaiming towards the peak, else only to the limit.
+        let target = match self.limit {
+            Some(limit) if self.reclaim => limit.min(budget),
+            Some(limit) => limit,
+            None => budget,
+        };
+        let excess = after.saturating_sub(target);
         let unmap_started = backend.now_ns();
         self.unmap_free_pages_upto(backend, excess, Release::Unpinned)?;
         self.charge_reclaim(backend, unmap_started);

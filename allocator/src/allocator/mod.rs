@@ -133,6 +133,9 @@ struct State {
     limit: Option<u64>,
     /// How memory is obtained: whole segments or expandable ones.
     growth: Growth,
+    /// Expandable segments unmap free mappings to stay near the live peak (the `reclaim`
+    /// key); off, only the limit makes them unmap before an out-of-memory retry.
+    reclaim: bool,
     /// Use counts of the memory pools other than the default one, and the pools being
     /// allocated to.
     pools: PoolTable,
@@ -217,6 +220,7 @@ impl<B: Backend> Allocator<B> {
             trace: CompactRing::new(config.trace_capacity),
             limit,
             growth,
+            reclaim: config.reclaim,
             pools: PoolTable::default(),
             deferred_frees: Vec::new(),
         };
