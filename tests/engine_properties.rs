@@ -1,7 +1,7 @@
 //! Property tests of the engine, state-machine style: random programs of malloc / free /
 //! record_use / stream work / host progress / stream syncs / empty_cache, CUDA-graph
 //! capture / replay / destruction and user-pool allocations on four streams, run on the
-//! simulated device under both reuse policies. After every step:
+//! simulated device under both reuse policies, with and without reclaims. After every step:
 //! - the race detector finds no race (no byte reused before its earlier uses
 //!   happen-before the new owner's work, and no graph replay over memory eager code took);
 //! - no two live blocks overlap;
@@ -25,6 +25,8 @@ use streamalloc_allocator::{Config, ReusePolicy};
 #[derive(Clone, Debug)]
 struct Model {
     policy: ReusePolicy,
+    /// `reclaim`: expandable segments unmap to stay near the live peak, or only for a limit.
+    reclaim: bool,
     event_batch: usize,
     capacity: u64,
     live: usize,
@@ -52,9 +54,11 @@ impl ReferenceStateMachine for EngineMachine {
             prop_oneof![Just(ReusePolicy::StreamWait), Just(ReusePolicy::Pytorch)],
             prop_oneof![Just(1usize), Just(4), Just(64)],
             prop_oneof![Just(96u64 << 20), Just(1u64 << 30)],
+            prop_oneof![3 => Just(true), 1 => Just(false)],
         )
-            .prop_map(|(policy, event_batch, capacity)| Model {
+            .prop_map(|(policy, event_batch, capacity, reclaim)| Model {
                 policy,
+                reclaim,
                 event_batch,
                 capacity,
                 live: 0,
@@ -136,6 +140,7 @@ impl StateMachineTest for EngineMachine {
         let config = Config {
             reuse_policy: model.policy,
             event_batch: model.event_batch,
+            reclaim: model.reclaim,
             ..Config::default()
         };
         Harness::new(config, model.capacity).expect("harness")

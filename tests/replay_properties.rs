@@ -117,11 +117,13 @@ proptest! {
         ops in prop::collection::vec(op(), 1..150),
         pytorch in any::<bool>(),
         small_device in any::<bool>(),
+        reclaim in any::<bool>(),
     ) {
         let mut config = Config::parse("expandable_segments:true,event_batch:4").unwrap();
         if pytorch {
             config.reuse_policy = ReusePolicy::Pytorch;
         }
+        config.reclaim = reclaim;
         let capacity = if small_device { 96 * MIB } else { 1 << 30 };
         let mut harness = Harness::new(config, capacity).unwrap();
         for op in &ops {
