@@ -6,7 +6,9 @@
 # torch), FRAG_ROWS (comma-separated subset of gpt2,gpt2_varlen,resnet,infer), FRAG_ROUNDS
 # (each row's columns this many times, 1): round k starts at column k, so no column always
 # runs first, and speed is the median over rounds of each round's ratio to native (the first
-# process of a row has read up to 45% faster or slower than the next, whatever it ran).
+# process of a row has read up to 45% faster or slower than the next, whatever it ran),
+# FRAG_COLUMNS (comma-separated columns besides native, which every ratio needs; default
+# pt_expandable,sa_default,sa_whole; sa_noreclaim adds streamalloc with reclaim:false).
 import json
 import os
 import signal
@@ -33,7 +35,17 @@ COLUMNS = [
      {"PYTORCH_CUDA_ALLOC_CONF": None, "STREAMALLOC_CONF": None}),
     ("sa_whole", "streamalloc expandable_segments:false",
      {"PYTORCH_CUDA_ALLOC_CONF": None, "STREAMALLOC_CONF": "expandable_segments:false"}),
+    ("sa_noreclaim", "streamalloc reclaim:false",
+     {"PYTORCH_CUDA_ALLOC_CONF": None, "STREAMALLOC_CONF": "reclaim:false"}),
 ]
+DEFAULT_COLUMNS = "pt_expandable,sa_default,sa_whole"
+_chosen = os.environ.get("FRAG_COLUMNS") or DEFAULT_COLUMNS
+_unknown = set(_chosen.split(",")) - {c for c, _, _ in COLUMNS}
+if _unknown:
+    sys.exit(f"FRAG_COLUMNS: unknown column(s) {', '.join(sorted(_unknown))}; "
+             f"known: {', '.join(c for c, _, _ in COLUMNS)}")
+ALL_COLUMNS = COLUMNS
+COLUMNS = [c for c in ALL_COLUMNS if c[0] == "native" or c[0] in _chosen.split(",")]
 # (work, label, timeout s)
 ROWS = [
     ("gpt2", "1. GPT-2 small training, 8 x 1024", 180),
@@ -55,7 +67,7 @@ class Job:
 
     def run(self, env):
         env = dict(env)
-        for k, v in dict((c, e) for c, _, e in COLUMNS)[self.col].items():
+        for k, v in dict((c, e) for c, _, e in ALL_COLUMNS)[self.col].items():
             if v is None:
                 env.pop(k, None)
             else:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Peak reserved / peak allocated, step time (or tokens/s) and losses on ONE GPU for four
 # allocators: PyTorch's, PyTorch's with expandable_segments:True, streamalloc's default
-# configuration, and streamalloc with expandable_segments:false. Workloads: GPT-2 small
+# configuration, and streamalloc with expandable_segments:false (FRAG_COLUMNS can add
+# streamalloc with reclaim:false, or run fewer). Workloads: GPT-2 small
 # training at a fixed and at a varying sequence length, ResNet-50 training, and GPT-2 small
 # bf16 generation with growing KV caches over a stream of requests of varying shapes (models
 # built from configs, random weights: no network). Each (workload, allocator) runs in its
@@ -11,6 +12,7 @@
 #   STREAMALLOC_LIB=.../libstreamalloc.so benches/gpu/fragmentation/run.sh OUT
 # Knobs: TOTAL_S (no run starts after it, 450), FRAG_ROWS (gpt2,gpt2_varlen,resnet,infer),
 # FRAG_ROUNDS (1: each row's columns once; more rotate the order and report median speed),
+# FRAG_COLUMNS (pt_expandable,sa_default,sa_whole; sa_noreclaim: streamalloc reclaim:false),
 # WARMUP (2), STEPS_GPT2 (20), STEPS_VARLEN (40), STEPS_RESNET (30), REQUESTS (24),
 # FRAG_PYTHON (the Python with torch; python3).
 set -u

@@ -6,10 +6,11 @@
 #        length drawn from 256..1024 each step) | resnet (ResNet-50 training, batch 64, as
 #        alloc_bench.py) | infer (GPT-2 small in bf16, transformers' generate with its KV cache,
 #        a seeded stream of requests of varying batch, prompt and output lengths)
-# ALLOC: native | pt_expandable | sa_default | sa_whole. The environment selects the
-#        configuration (driver.py sets it): pt_expandable needs
+# ALLOC: native | pt_expandable | sa_default | sa_whole | sa_noreclaim. The environment
+#        selects the configuration (driver.py sets it): pt_expandable needs
 #        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, sa_whole needs
-#        STREAMALLOC_CONF=expandable_segments:false, sa_default needs STREAMALLOC_CONF unset.
+#        STREAMALLOC_CONF=expandable_segments:false, sa_noreclaim STREAMALLOC_CONF=reclaim:false,
+#        sa_default needs STREAMALLOC_CONF unset.
 # Knobs: STEPS_GPT2 (20), STEPS_VARLEN (40), STEPS_RESNET (30), WARMUP (2 steps or requests,
 #        untimed), REQUESTS (24 timed requests after the warm-up ones).
 # Peaks: torch.cuda.max_memory_reserved / max_memory_allocated (answered by streamalloc for
@@ -26,7 +27,7 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ALLOCS = ("native", "pt_expandable", "sa_default", "sa_whole")
+ALLOCS = ("native", "pt_expandable", "sa_default", "sa_whole", "sa_noreclaim")
 # Counters of the allocator's own work (maps, unmaps, syncs), compared across the timed part.
 CHURN = ("page_map_bytes", "page_unmap_bytes", "device_syncs", "segment_allocs", "segment_frees",
          "retries", "ooms", "allocs")
@@ -44,7 +45,7 @@ def check_env(alloc):
     want_pt = "expandable_segments:True" if alloc == "pt_expandable" else ""
     if pt != want_pt:
         raise RuntimeError(f"{alloc} needs PYTORCH_CUDA_ALLOC_CONF={want_pt!r}, found {pt!r}")
-    want_sa = {"sa_whole": "expandable_segments:false"}.get(alloc)
+    want_sa = {"sa_whole": "expandable_segments:false", "sa_noreclaim": "reclaim:false"}.get(alloc)
     if alloc.startswith("sa_") and sa != want_sa:
         raise RuntimeError(f"{alloc} needs STREAMALLOC_CONF={want_sa!r}, found {sa!r}")
     return {"PYTORCH_CUDA_ALLOC_CONF": pt, "STREAMALLOC_CONF": sa}
