@@ -204,26 +204,10 @@ impl Config {
                     .ok_or_else(|| bad("event_batch", value, "a positive number of events"))?
             }
             "expandable_segments" => {
-                self.expandable_segments = match value {
-                    "true" | "True" | "1" => true,
-                    "false" | "False" | "0" => false,
-                    _ => return Err(bad("expandable_segments", value, "`true` or `false`")),
-                }
+                self.expandable_segments = parse_bool("expandable_segments", value)?
             }
-            "reclaim" => {
-                self.reclaim = match value {
-                    "true" | "True" | "1" => true,
-                    "false" | "False" | "0" => false,
-                    _ => return Err(bad("reclaim", value, "`true` or `false`")),
-                }
-            }
-            "graph_pools" => {
-                self.graph_pools = match value {
-                    "true" | "True" | "1" => true,
-                    "false" | "False" | "0" => false,
-                    _ => return Err(bad("graph_pools", value, "`true` or `false`")),
-                }
-            }
+            "reclaim" => self.reclaim = parse_bool("reclaim", value)?,
+            "graph_pools" => self.graph_pools = parse_bool("graph_pools", value)?,
             _ => {
                 return Err(ConfigError::UnknownKey {
                     key: key.to_string(),
@@ -262,6 +246,15 @@ impl Config {
             parts.push("graph_pools:false".to_string());
         }
         parts.join(",")
+    }
+}
+
+/// A switch: `true`/`True`/`1` or `false`/`False`/`0`.
+fn parse_bool(key: &'static str, value: &str) -> Result<bool, ConfigError> {
+    match value {
+        "true" | "True" | "1" => Ok(true),
+        "false" | "False" | "0" => Ok(false),
+        _ => Err(bad(key, value, "`true` or `false`")),
     }
 }
 

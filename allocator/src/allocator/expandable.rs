@@ -26,10 +26,10 @@ impl State {
     ///
     /// First, unless the stream is capturing a graph: if mapping would take reserved memory
     /// past the live peak plus the slack (1% at first, see below; only with `reclaim` on)
-    /// or past the limit, and a
-    /// ready free block covers a whole mapping, synchronise the device (unmapping does not
-    /// synchronise, and the memory's last users may be any stream), settle every event,
-    /// retry the caller's free list, then unmap free mappings until the excess is gone.
+    /// or past the limit, and a ready free block covers a whole mapping, synchronise the
+    /// device (unmapping does not synchronise, and the memory's last users may be any
+    /// stream), settle every event, retry the caller's free list, then unmap free mappings
+    /// until the excess is gone.
     /// Then map the fewest pages that give room, right after a free block of the caller
     /// when one borders an unmapped stretch, so the request packs against it.
     pub(super) fn grow_expandable<B: Backend>(

@@ -134,7 +134,7 @@ struct State {
     /// How memory is obtained: whole segments or expandable ones.
     growth: Growth,
     /// Expandable segments unmap free mappings to stay near the live peak (the `reclaim`
-    /// key); off, only the limit makes them unmap before an out-of-memory retry.
+    /// key); off, they unmap before mapping only to stay within the limit.
     reclaim: bool,
     /// Use counts of the memory pools other than the default one, and the pools being
     /// allocated to.
