@@ -5,7 +5,7 @@ use std::sync::Arc;
 use streamalloc_allocator::backend::sim::{Access, SimBackend};
 use streamalloc_allocator::scenarios::record_stream_pipeline;
 use streamalloc_allocator::trace::TraceAction;
-use streamalloc_allocator::{AllocError, Allocator, Config, DevicePtr, ReusePolicy};
+use streamalloc_allocator::{AllocError, Allocator, Config, DevicePtr, ReusePolicy, StreamId};
 
 const MIB: u64 = 1 << 20;
 
@@ -184,6 +184,17 @@ fn lowering_the_limit_releases_cache_but_never_live_memory() {
     allocator.free(live.ptr).unwrap();
 }
 
+/// Allocates 30, 4 and 26 MiB in a row and frees the outer two: 56 MiB free in two pieces
+/// around the live 4 MiB block, which is returned, at a live peak of 60 MiB.
+fn free_around_a_live_block(allocator: &Allocator<SimBackend>, stream: StreamId) -> DevicePtr {
+    let below = allocator.malloc(30 * MIB, stream).unwrap();
+    let live = allocator.malloc(4 * MIB, stream).unwrap();
+    let above = allocator.malloc(26 * MIB, stream).unwrap();
+    allocator.free(below.ptr).unwrap();
+    allocator.free(above.ptr).unwrap();
+    live.ptr
+}
+
 /// `reclaim:false` stops the unmapping that keeps reserved memory near the live peak, not
 /// the unmapping a limit needs: free memory split around a live block still makes room
 /// for a request it cannot hold whole, within the limit, after one synchronisation.
@@ -192,11 +203,7 @@ fn without_reclaims_a_limit_still_unmaps_free_memory_to_make_room() {
     let config = Config::parse("reclaim:false,memory_limit:64MiB").unwrap();
     let (device, allocator) = allocator(1 << 30, config);
     let stream = device.create_stream();
-    let below = allocator.malloc(30 * MIB, stream).unwrap();
-    let live = allocator.malloc(4 * MIB, stream).unwrap();
-    let above = allocator.malloc(26 * MIB, stream).unwrap();
-    allocator.free(below.ptr).unwrap();
-    allocator.free(above.ptr).unwrap();
+    let live = free_around_a_live_block(&allocator, stream);
     let syncs = allocator.stats().device_syncs;
     // 56 MiB free, in two pieces, and no room to map 40 more under the limit.
     let wide = allocator.malloc(40 * MIB, stream).unwrap();
@@ -207,7 +214,7 @@ fn without_reclaims_a_limit_still_unmaps_free_memory_to_make_room() {
     // Made by the reclaim before mapping, not by the out-of-memory path's release and retry.
     assert_eq!((stats.retries, stats.ooms), (0, 0), "{stats:?}");
     allocator.free(wide.ptr).unwrap();
-    allocator.free(live.ptr).unwrap();
+    allocator.free(live).unwrap();
     allocator.check_invariants().unwrap();
 }
 
@@ -219,15 +226,11 @@ fn without_reclaims_memory_grows_instead_of_synchronising() {
     let run = |conf: &str| {
         let (device, allocator) = allocator(1 << 30, Config::parse(conf).unwrap());
         let stream = device.create_stream();
-        let below = allocator.malloc(30 * MIB, stream).unwrap();
-        let live = allocator.malloc(4 * MIB, stream).unwrap();
-        let above = allocator.malloc(26 * MIB, stream).unwrap();
-        allocator.free(below.ptr).unwrap();
-        allocator.free(above.ptr).unwrap();
+        let live = free_around_a_live_block(&allocator, stream);
         let wide = allocator.malloc(40 * MIB, stream).unwrap();
         let stats = allocator.stats();
         allocator.free(wide.ptr).unwrap();
-        allocator.free(live.ptr).unwrap();
+        allocator.free(live).unwrap();
         allocator.check_invariants().unwrap();
         stats
     };
