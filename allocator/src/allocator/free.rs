@@ -62,7 +62,6 @@ impl State {
             // Without the events the block's reuse cannot be ordered: keep it out of
             // circulation (leaked until empty_cache synchronises) rather than risk a race.
             tracing::error!(%err, ?ptr, "recording a use event failed; block quarantined until empty_cache");
-            self.arena.take_pending(key);
             self.list_quarantined(key);
             return Err(err.into());
         }
@@ -82,7 +81,6 @@ impl State {
             self.undefer(key);
             if let Err(err) = self.record_uses(backend, key, &uses) {
                 tracing::error!(%err, "recording a use event failed; block quarantined until empty_cache");
-                self.arena.take_pending(key);
                 self.list_quarantined(key);
                 return Err(err);
             }

@@ -144,10 +144,12 @@ impl State {
         }
     }
 
-    /// Marks a block that could not be ordered as allocated to nobody: it stays out of the
-    /// free lists and the allocated map until `release_cached` synchronises the device,
-    /// which finds it as an allocated block absent from the allocated map.
+    /// Marks a block that could not be ordered as allocated to nobody, dropping the events
+    /// recorded for it before the failure: it stays out of the free lists and the allocated
+    /// map until `release_cached` synchronises the device, which finds it as an allocated
+    /// block absent from the allocated map.
     pub(super) fn list_quarantined(&mut self, key: BlockKey) {
+        self.arena.take_pending(key);
         let size = self.arena.block(key).size();
         self.arena.withhold(key);
         self.stats.allocated_bytes.add(size);
