@@ -15,6 +15,7 @@
 //! | `event_batch` | outstanding events that trigger a batched completion query | 64 |
 //! | `graph_pools` | `true`: allocations made for a pool (CUDA graph capture, `torch.cuda.MemPool`) come from that pool's own segments; `false`: from the default pool, as before pools existed, so graph replays can overwrite eager tensors (only to demonstrate that failure) | `true` |
 //! | `expandable_segments` | `true`: reserve address space per stream and map memory on demand (mappings sized to the live peak, 2–128 MiB), unmapping free mappings when mapping would go past the live peak plus a slack (needs a backend with virtual memory; others fall back to whole segments); `false`: whole segments, PyTorch's rules | `true` (`false` under the LD_PRELOAD interposer) |
+//! | `stitch` | with expandable segments, `true`: a request that no free block fits is served from free pages of its pool mapped into one range (no memory added), and such ranges are kept after their free for later requests; `false`: such a request grows memory | `true` |
 //! | `reclaim` | with expandable segments, `true`: when mapping would go past the live peak plus a slack, synchronise the device and unmap free mappings first; `false`: never for that, so a malloc never synchronises the device to stay near the peak (memory still goes back through `empty_cache`, under `memory_limit` and before an out-of-memory error) | `true` |
 
 use serde::{Deserialize, Serialize};
@@ -22,7 +23,7 @@ use serde::{Deserialize, Serialize};
 /// The environment variable read by [`Config::from_env`].
 pub const ENV_VAR: &str = "STREAMALLOC_CONF";
 
-const KNOWN_KEYS: &str = "reuse_policy, memory_limit, memory_fraction, max_split_size, trace_capacity, event_batch, expandable_segments, reclaim, graph_pools";
+const KNOWN_KEYS: &str = "reuse_policy, memory_limit, memory_fraction, max_split_size, trace_capacity, event_batch, expandable_segments, reclaim, stitch, graph_pools";
 
 /// How a freed block that other streams still use comes back into circulation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -64,6 +65,13 @@ pub struct Config {
     /// nothing; GPT-2 training at 1.108 instead of 1.015).
     #[serde(default = "default_reclaim")]
     pub reclaim: bool,
+    /// With expandable segments, serve a request that no free block fits from free pages
+    /// scattered over its pool, mapped a second time into one range (stitching), before
+    /// growing; keep such ranges after their free for later requests of a fitting size.
+    /// Off, such a request grows memory (and reclaims) as without stitching. Stitched
+    /// memory cannot be exported through CUDA IPC.
+    #[serde(default = "default_stitch")]
+    pub stitch: bool,
     /// Serve allocations made for a pool from that pool's segments. Off, a graph's memory
     /// returns to the default pool and eager allocations can take it while replays still
     /// write it: the switch exists to show that failure, never for use.
@@ -73,6 +81,11 @@ pub struct Config {
 
 fn default_graph_pools() -> bool {
     true
+}
+
+/// `stitch` of a snapshot written before the key existed: nothing was stitched.
+fn default_stitch() -> bool {
+    false
 }
 
 /// `reclaim` of a snapshot written before the key existed: expandable segments reclaimed.
@@ -105,6 +118,7 @@ impl Default for Config {
             event_batch: 64,
             expandable_segments: DEFAULT_EXPANDABLE_SEGMENTS,
             reclaim: true,
+            stitch: true,
             graph_pools: true,
         }
     }
@@ -207,6 +221,7 @@ impl Config {
                 self.expandable_segments = parse_bool("expandable_segments", value)?
             }
             "reclaim" => self.reclaim = parse_bool("reclaim", value)?,
+            "stitch" => self.stitch = parse_bool("stitch", value)?,
             "graph_pools" => self.graph_pools = parse_bool("graph_pools", value)?,
             _ => {
                 return Err(ConfigError::UnknownKey {
@@ -241,6 +256,9 @@ impl Config {
         parts.push(format!("expandable_segments:{}", self.expandable_segments));
         if !self.reclaim {
             parts.push("reclaim:false".to_string());
+        }
+        if !self.stitch {
+            parts.push("stitch:false".to_string());
         }
         if !self.graph_pools {
             parts.push("graph_pools:false".to_string());

@@ -83,4 +83,13 @@ pub struct Stats {
     pub page_map_bytes: u64,
     /// Bytes of physical pages unmapped from expandable segments, over its life.
     pub page_unmap_bytes: u64,
+    /// Stitched ranges made: free pages of expandable segments mapped a second time into
+    /// one range for a request no free block fitted.
+    pub stitches: u64,
+    /// Bytes mapped into stitched ranges (second mappings: no memory is reserved by them).
+    pub stitched_map_bytes: u64,
+    /// Stitched ranges kept after their free and taken again, mapping nothing.
+    pub stitch_revivals: u64,
+    /// Stitched ranges unmapped.
+    pub stitch_evictions: u64,
 }

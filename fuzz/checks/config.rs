@@ -22,6 +22,7 @@ pub fn config(data: &[u8]) {
         event_batch: 1,
         expandable_segments: false,
         reclaim: false,
+        stitch: false,
         graph_pools: false,
     };
     for base in [Config::default(), other_base] {

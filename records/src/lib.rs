@@ -96,11 +96,18 @@ pub enum TraceAction {
     /// streamalloc: cached memory was returned to the device (`addr`/`size` are 0 / bytes
     /// released).
     EmptyCache,
+    /// streamalloc: free pages were mapped into one range for an allocation (`addr`/`size`
+    /// are the stitched range), or a range kept from an earlier free was taken again. No
+    /// memory is reserved by it: the pages are counted where they were first mapped.
+    Stitch,
+    /// streamalloc: a stitched range kept after its free was unmapped (its pages stay where
+    /// they were first mapped).
+    Unstitch,
 }
 
 impl TraceAction {
     /// Every action, in the order of the viewer's numeric codes ([`TraceAction::code`]).
-    pub const ALL: [TraceAction; 14] = [
+    pub const ALL: [TraceAction; 16] = [
         TraceAction::Alloc,
         TraceAction::FreeRequested,
         TraceAction::FreeCompleted,
@@ -115,6 +122,8 @@ impl TraceAction {
         TraceAction::StagingAcquire,
         TraceAction::StagingRelease,
         TraceAction::EmptyCache,
+        TraceAction::Stitch,
+        TraceAction::Unstitch,
     ];
 
     /// The actions PyTorch has, in the order of its enum.
@@ -148,6 +157,8 @@ impl TraceAction {
             TraceAction::StagingAcquire => "staging_acquire",
             TraceAction::StagingRelease => "staging_release",
             TraceAction::EmptyCache => "empty_cache",
+            TraceAction::Stitch => "stitch",
+            TraceAction::Unstitch => "unstitch",
         }
     }
 

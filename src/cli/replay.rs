@@ -119,21 +119,24 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
                     report.ns_per_op
                 );
                 println!(
-                    "  {} page maps, {} page unmaps, {} device syncs, {} segment allocs/frees",
+                    "  {} page maps, {} page unmaps, {} device syncs, {} segment allocs/frees, {} stitches ({} taken again)",
                     report.page_maps,
                     report.page_unmaps,
                     report.device_syncs,
-                    report.segment_events
+                    report.segment_events,
+                    report.stitches,
+                    report.stitch_revivals
                 );
                 if report.steps > 1 {
                     println!(
-                        "  last of {} steps: {} page maps ({}), {} page unmaps ({}), {} device syncs",
+                        "  last of {} steps: {} page maps ({}), {} page unmaps ({}), {} device syncs, {} stitch maps",
                         report.steps,
                         report.last_step_page_maps,
                         mib(report.last_step_page_map_bytes),
                         report.last_step_page_unmaps,
                         mib(report.last_step_page_unmap_bytes),
-                        report.last_step_device_syncs
+                        report.last_step_device_syncs,
+                        report.last_step_stitch_maps
                     );
                 }
                 if report.unknown_frees > 0 {

@@ -76,6 +76,14 @@ pub struct ReplayReport {
     pub last_step_page_map_bytes: u64,
     /// Bytes of pages unmapped in the last pass.
     pub last_step_page_unmap_bytes: u64,
+    /// Stitched ranges made (free pages mapped a second time into one range) and kept
+    /// ones taken again, over all passes.
+    pub stitches: u64,
+    /// Stitched ranges taken again without mapping, over all passes.
+    pub stitch_revivals: u64,
+    /// Second mappings made for stitched ranges in the last pass (one per physical
+    /// allocation a stitch spans): non-zero in a steady state means remapping too.
+    pub last_step_stitch_maps: u64,
     /// Host nanoseconds per replayed operation (malloc or free), engine calls only.
     pub ns_per_op: f64,
 }
@@ -148,10 +156,11 @@ pub fn replay_steps(
             device.calls("map_pages"),
             device.calls("unmap_pages"),
             device.calls("synchronize_device"),
+            device.calls("alias_pages"),
         ]
     };
     let mut pass = Pass::new(events.len() as u64 * steps as u64);
-    let mut before_last = [0; 3];
+    let mut before_last = [0; 4];
     let mut bytes_before_last = (0, 0);
     let started = Instant::now();
     for step in 0..steps {
@@ -166,12 +175,13 @@ pub fn replay_steps(
         })?;
     }
     let mut report = pass.finish(&allocator, started);
-    let [maps, unmaps, syncs] = counts();
+    let [maps, unmaps, syncs, stitch_maps] = counts();
     report.steps = steps as u64;
     (report.page_maps, report.page_unmaps, report.device_syncs) = (maps, unmaps, syncs);
     report.last_step_page_maps = maps - before_last[0];
     report.last_step_page_unmaps = unmaps - before_last[1];
     report.last_step_device_syncs = syncs - before_last[2];
+    report.last_step_stitch_maps = stitch_maps - before_last[3];
     let stats = allocator.stats();
     report.last_step_page_map_bytes = stats.page_map_bytes - bytes_before_last.0;
     report.last_step_page_unmap_bytes = stats.page_unmap_bytes - bytes_before_last.1;
@@ -226,6 +236,9 @@ impl Pass {
                 last_step_device_syncs: 0,
                 last_step_page_map_bytes: 0,
                 last_step_page_unmap_bytes: 0,
+                stitches: 0,
+                stitch_revivals: 0,
+                last_step_stitch_maps: 0,
                 ns_per_op: 0.0,
             },
             live_bytes: 0,
@@ -315,6 +328,8 @@ impl Pass {
             (stats.segment_allocs - allocs_before) + (stats.segment_frees - frees_before);
         let ops = (report.allocs + report.frees).max(1);
         report.ns_per_op = elapsed.as_nanos() as f64 / ops as f64;
+        report.stitches = stats.stitches;
+        report.stitch_revivals = stats.stitch_revivals;
         self.report
     }
 }

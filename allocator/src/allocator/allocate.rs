@@ -89,11 +89,18 @@ impl State {
                 }
             }
         }
-        // 4. Grow.
+        // 4. Stitch free pages of the pool into one range, or revive a stitch kept from an
+        //    earlier free (expandable segments; see `stitch`).
+        if !capturing {
+            if let Some(key) = self.stitch(backend, need)? {
+                return Ok(self.hand_out_whole(key, slot, requested, self.clock(backend)));
+            }
+        }
+        // 5. Grow.
         if let Some(key) = self.grow_any(backend, need, capturing)? {
             return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
         }
-        // 5. Return cached memory to the device and grow again.
+        // 6. Return cached memory to the device and grow again.
         if !capturing && self.stats.reserved_bytes.current > self.stats.allocated_bytes.current {
             self.release_cached(backend)?;
             if let Some(key) = self.grow_any(backend, need, capturing)? {
@@ -101,7 +108,7 @@ impl State {
                 return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
             }
         }
-        // 6. Out of memory.
+        // 7. Out of memory.
         Err(AllocError::OutOfMemory(
             self.out_of_memory(backend, requested, slot),
         ))

@@ -389,6 +389,8 @@ impl State {
         start: u64,
         len: u64,
     ) -> Result<(), BackendError> {
+        // A dormant stitch would keep the pages alive through its second mapping.
+        self.evict_stitches_over(backend, start, len)?;
         backend.unmap_pages(DevicePtr(start), len)?;
         self.table_mut().remove_mappings(start, len);
         self.unlist(key);

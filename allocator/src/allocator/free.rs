@@ -21,6 +21,9 @@ impl State {
         };
         let key = *entry.get();
         let block = self.arena.block(key);
+        if block.is_stitched() {
+            return self.free_stitched(backend, key, now);
+        }
         let (size, requested, owner) = (block.size(), block.requested(), block.owner());
         let uses = self.arena.free(key);
         let park = uses.is_empty() && self.streams.get_mut(owner).hot.admit();
@@ -79,6 +82,10 @@ impl State {
     ) -> Result<(), BackendError> {
         for (key, _, uses) in std::mem::take(&mut self.deferred_frees) {
             self.undefer(key);
+            if self.arena.block(key).is_stitched() {
+                self.return_stitch(backend, key, &uses)?;
+                continue;
+            }
             if let Err(err) = self.record_uses(backend, key, &uses) {
                 tracing::error!(%err, "recording a use event failed; block quarantined until empty_cache");
                 self.list_quarantined(key);

@@ -27,6 +27,8 @@ struct Tally {
     /// Bytes and count of unmapped stretches.
     unmapped_bytes: u64,
     unmapped_blocks: usize,
+    /// Lent blocks (pages of an allocated stitched range).
+    lent: std::collections::HashSet<BlockKey>,
 }
 
 impl State {
@@ -37,6 +39,7 @@ impl State {
         self.check_address_map()?;
         self.check_events(std::mem::take(&mut tally.event_refs))?;
         self.check_expandable(&tally)?;
+        self.check_stitches(&tally)?;
         self.check_stats(&tally)
     }
 
@@ -65,6 +68,13 @@ impl State {
                     "block {key} is owned by a slot of {:?} in a segment of {segment_pool:?}",
                     self.streams.pool(block.owner())
                 ));
+            }
+            if block.is_lent() {
+                if !block.pending().is_empty() || !block.uses().is_empty() {
+                    return Err(format!("lent block {key} carries events or uses"));
+                }
+                tally.lent.insert(key);
+                continue;
             }
             if block.is_unmapped() {
                 self.check_unmapped(key)?;
@@ -194,6 +204,11 @@ impl State {
                 *event_refs.entry(*event).or_default() += 1;
             }
         }
+        for stitch in self.stitches.dormant() {
+            for event in &stitch.last_use {
+                *event_refs.entry(*event).or_default() += 1;
+            }
+        }
         if event_refs.len() != self.events.outstanding() {
             return Err(format!(
                 "{} events referenced, {} outstanding",
@@ -237,8 +252,15 @@ impl State {
     /// The statistics' current values are what the blocks and events add up to.
     fn check_stats(&self, tally: &Tally) -> Result<(), String> {
         let stats = &self.stats;
-        let reserved: u64 =
-            self.arena.segments().map(|(_, s)| s.size()).sum::<u64>() - tally.unmapped_bytes;
+        // A stitched range reserves nothing: its pages are counted where they were mapped
+        // first.
+        let reserved: u64 = self
+            .arena
+            .segments()
+            .filter(|(_, s)| !s.is_stitched())
+            .map(|(_, s)| s.size())
+            .sum::<u64>()
+            - tally.unmapped_bytes;
         let checks = [
             (
                 "allocated_bytes",
@@ -277,6 +299,92 @@ impl State {
                 return Err(format!(
                     "{name} is {counted} but the blocks add up to {summed}"
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Stitched ranges: every stitched segment is an active stitch, one block of its size,
+    /// in its pool; the pages of an active stitch are exactly its lent blocks, whole pages
+    /// of expandable segments of the same pool, and no block is lent twice or to nobody;
+    /// a dormant stitch's pages are all still mapped.
+    fn check_stitches(&self, tally: &Tally) -> Result<(), String> {
+        let mut lent_seen = std::collections::HashSet::new();
+        let page = self.growth.expandable().map_or(1, |vmm| vmm.page);
+        for (segment, seg) in self.arena.segments() {
+            if !seg.is_stitched() {
+                continue;
+            }
+            let Some(stitch) = self.stitches.active(segment) else {
+                return Err(format!("stitched segment {segment} has no active stitch"));
+            };
+            let head = self.arena.block(seg.head());
+            if head.next().is_some() || stitch.addr != seg.addr() || stitch.size != seg.size() {
+                return Err(format!(
+                    "stitched segment {segment} is not one block of its stitch"
+                ));
+            }
+            if self.streams.pool(seg.stream()) != stitch.memory_pool {
+                return Err(format!(
+                    "stitched segment {segment} serves another pool than its pages"
+                ));
+            }
+            for (source, &key) in stitch.sources.iter().zip(&stitch.lent) {
+                let Some(block) = self.arena.get_block(key) else {
+                    return Err(format!("stitch at {:#x} lends a missing block", stitch.addr));
+                };
+                let owner_pool = self
+                    .streams
+                    .pool(self.arena.segment(block.segment()).stream());
+                if !block.is_lent()
+                    || block.addr() != source.addr
+                    || block.size() != source.len
+                    || block.segment() != source.segment
+                    || !block.is_expandable()
+                    || !source.addr.is_multiple_of(page)
+                    || !source.len.is_multiple_of(page)
+                    || owner_pool != stitch.memory_pool
+                    || !lent_seen.insert(key)
+                {
+                    return Err(format!(
+                        "stitch at {:#x}: block {key} is not its lent pages at {:#x} (+{:#x}) in its pool, or is lent twice",
+                        stitch.addr, source.addr, source.len
+                    ));
+                }
+            }
+        }
+        if self.stitches.actives().count()
+            != self
+                .arena
+                .segments()
+                .filter(|(_, seg)| seg.is_stitched())
+                .count()
+        {
+            return Err("an active stitch has no stitched segment".into());
+        }
+        if lent_seen != tally.lent {
+            return Err(format!(
+                "{} blocks are lent, active stitches account for {}",
+                tally.lent.len(),
+                lent_seen.len()
+            ));
+        }
+        for stitch in self.stitches.dormant() {
+            for source in &stitch.sources {
+                let unmapped = self
+                    .arena
+                    .segment_blocks(source.segment)
+                    .any(|(_, b)| {
+                        b.is_unmapped()
+                            && b.addr() < source.addr + source.len
+                            && source.addr < b.addr() + b.size()
+                    });
+                if unmapped {
+                    return Err(format!(
+                        "dormant stitch at {:#x} maps pages at {:#x} that were unmapped",
+                        stitch.addr, source.addr
+                    ));
+                }
             }
         }
         Ok(())

@@ -28,6 +28,7 @@ mod invariants;
 mod pools;
 mod release;
 mod report;
+mod stitch;
 
 pub use pools::PoolBlock;
 use release::Release;
@@ -39,6 +40,7 @@ use crate::lifetime::{EventKey, EventTable, PoolTable, StreamTable};
 use crate::lock::EngineLock;
 use crate::pool::arena::{Arena, BlockKey, StreamSlot};
 use crate::pool::expandable::ExpandableTable;
+use crate::pool::stitch::StitchTable;
 use crate::pool::size::{
     pool_of, round_size, segment_size_for, should_split, MAX_REQUEST, MIN_BLOCK_SIZE,
 };
@@ -136,6 +138,11 @@ struct State {
     /// Expandable segments unmap free mappings to stay near the live peak (the `reclaim`
     /// key); off, they unmap before mapping only to stay within the limit.
     reclaim: bool,
+    /// Requests no free block fits are served from free pages stitched into one range
+    /// (the `stitch` key; expandable segments only).
+    stitching: bool,
+    /// Stitched ranges, active and dormant.
+    stitches: StitchTable,
     /// Use counts of the memory pools other than the default one, and the pools being
     /// allocated to.
     pools: PoolTable,
@@ -221,6 +228,8 @@ impl<B: Backend> Allocator<B> {
             limit,
             growth,
             reclaim: config.reclaim,
+            stitching: config.stitch,
+            stitches: StitchTable::default(),
             pools: PoolTable::default(),
             deferred_frees: Vec::new(),
         };

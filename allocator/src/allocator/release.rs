@@ -42,6 +42,7 @@ impl State {
     ) -> Result<u64, BackendError> {
         let reserved_before = self.stats.reserved_bytes.current;
         self.synchronize(backend)?;
+        self.evict_dormant_stitches(backend, which)?;
         self.coalesce_across_streams();
         self.unmap_free_pages_upto(backend, u64::MAX, which)?;
         self.release_unmapped_segments(backend, which)?;
@@ -94,15 +95,15 @@ impl State {
             }
         }
         self.promote_completed(backend);
-        self.release_quarantined();
+        self.release_quarantined(backend);
     }
 
     /// Frees deferred and quarantined blocks (allocated to nobody) now that the device is
     /// idle: their other-stream uses are complete.
-    pub(super) fn release_quarantined(&mut self) {
+    pub(super) fn release_quarantined<B: Backend>(&mut self, backend: &B) {
         for (key, _, _) in std::mem::take(&mut self.deferred_frees) {
             self.undefer(key);
-            self.insert_free(key);
+            self.settle_freed(backend, key);
         }
         let quarantined: Vec<BlockKey> = self
             .arena
@@ -117,6 +118,16 @@ impl State {
             self.arena.free(key);
             self.stats.allocated_bytes.sub(size);
             self.stats.active_bytes.sub(size);
+            self.settle_freed(backend, key);
+        }
+    }
+
+    /// Puts the freed, unlisted block `key` back into circulation with the device idle: a
+    /// stitched range gives its pages back, any other block is listed.
+    fn settle_freed<B: Backend>(&mut self, backend: &B, key: BlockKey) {
+        if self.arena.block(key).is_stitched() {
+            self.return_stitch_idle(backend, key);
+        } else {
             self.insert_free(key);
         }
     }
@@ -129,14 +140,13 @@ impl State {
             let mut cursor = Some(head);
             while let Some(key) = cursor {
                 let block = self.arena.block(key);
-                if block.is_allocated() || block.is_unmapped() {
+                if !block.is_free() {
                     cursor = block.next();
                     continue;
                 }
                 let mut unlisted = false;
                 while let Some(next) = self.arena.block(key).next() {
-                    let above = self.arena.block(next);
-                    if above.is_allocated() || above.is_unmapped() {
+                    if !self.arena.block(next).is_free() {
                         break;
                     }
                     if !unlisted {

@@ -109,9 +109,21 @@ pub trait Backend: Send + Sync {
         Err(unsupported("cuMemMap"))
     }
 
-    /// Unmaps `[ptr, ptr + size)` and releases its physical pages. Unlike `cuMemFree`, the
-    /// driver does not synchronise: the caller must first make sure (by synchronising) that
-    /// no stream can still use the pages. The simulator reports a race otherwise.
+    /// Maps the physical pages now mapped at `[src, src + size)` (whole pages, possibly of
+    /// several mappings) a second time, at `[dst, dst + size)` of a reservation, and makes
+    /// them accessible there (`cuMemMap` of each allocation handle at an offset, then
+    /// `cuMemSetAccess`). Allocates no memory: this is how a stitched range is made from
+    /// free pages scattered over a reservation. Undone with [`Backend::unmap_pages`] over
+    /// the whole of `[dst, dst + size)`.
+    fn alias_pages(&self, _dst: DevicePtr, _src: DevicePtr, _size: u64) -> BackendResult<()> {
+        Err(unsupported("cuMemMap"))
+    }
+
+    /// Unmaps `[ptr, ptr + size)`, whole mappings made by [`Backend::map_pages`] or
+    /// [`Backend::alias_pages`], and releases the physical pages no other mapping holds.
+    /// Unlike `cuMemFree`, the driver does not synchronise: the caller must first make
+    /// sure (by synchronising, or by events seen complete) that no stream can still use
+    /// the range. The simulator reports a race otherwise.
     fn unmap_pages(&self, _ptr: DevicePtr, _size: u64) -> BackendResult<()> {
         Err(unsupported("cuMemUnmap"))
     }
@@ -173,6 +185,9 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     }
     fn map_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         (**self).map_pages(ptr, size)
+    }
+    fn alias_pages(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
+        (**self).alias_pages(dst, src, size)
     }
     fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         (**self).unmap_pages(ptr, size)

@@ -65,6 +65,9 @@ pub(crate) struct Block {
     pool: PoolKind,
     /// Its segment is expandable.
     expandable: bool,
+    /// Its segment is a stitched range (see [`super::stitch`]): the block is its segment's
+    /// only one, and freeing it gives its pages back to the blocks they were lent by.
+    stitched: bool,
     /// Which of the allocator's structures may hold the block (see [`BlockUse`]).
     state: BlockUse,
 }
@@ -86,9 +89,11 @@ const _: () = assert!(std::mem::size_of::<Block>() == 64);
 /// | `Hot`       | `Free`      | [`Arena::unpark`]                                           |
 /// | `Free`      | `Unmapped`  | [`Arena::mark_unmapped`]                                    |
 /// | `Unmapped`  | `Free`      | [`Arena::mark_mapped`]                                      |
+/// | `Free`      | `Lent`      | [`Arena::lend`]                                             |
+/// | `Lent`      | `Free`      | [`Arena::take_back`]                                        |
 ///
 /// Nothing else: an unmapped block is never handed out or parked, a hot block never
-/// unmapped. [`Arena::split`] gives the new block its parent's state (`Free` or
+/// unmapped, a lent block never touched until its stitched range is freed. [`Arena::split`] gives the new block its parent's state (`Free` or
 /// `Unmapped` only) and [`Arena::merge`] joins two blocks of one of those states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BlockUse {
@@ -104,15 +109,21 @@ pub(crate) enum BlockUse {
     /// A stretch of an expandable segment with no pages mapped (see [`super::expandable`]):
     /// page-aligned and in no free list.
     Unmapped,
+    /// Whole pages of an expandable segment whose physical memory is also mapped into a
+    /// stitched range that is allocated (see [`super::stitch`]): in use through the other
+    /// address, so in no list, never merged, split, unmapped or handed out here.
+    Lent,
 }
 
 impl BlockUse {
     /// True if the table on [`BlockUse`] allows going from `self` to `to`.
     const fn may_become(self, to: BlockUse) -> bool {
-        use BlockUse::{Allocated, Free, Hot, Unmapped};
+        use BlockUse::{Allocated, Free, Hot, Lent, Unmapped};
         matches!(
             (self, to),
-            (Free | Hot, Allocated) | (Allocated | Hot | Unmapped, Free) | (Free, Hot | Unmapped)
+            (Free | Hot, Allocated)
+                | (Allocated | Hot | Unmapped | Lent, Free)
+                | (Free, Hot | Unmapped | Lent)
         )
     }
 }
@@ -188,6 +199,12 @@ impl Block {
         self.expandable
     }
 
+    /// Its segment is a stitched range.
+    #[inline]
+    pub(crate) fn is_stitched(&self) -> bool {
+        self.stitched
+    }
+
     /// The block just below in the segment, if any.
     #[inline]
     pub(crate) fn prev(&self) -> Option<BlockKey> {
@@ -224,6 +241,12 @@ impl Block {
         self.state == BlockUse::Unmapped
     }
 
+    /// Pages lent to an allocated stitched range.
+    #[inline]
+    pub(crate) fn is_lent(&self) -> bool {
+        self.state == BlockUse::Lent
+    }
+
     /// Free and mapped: the only state in which a block may sit in a free list or merge.
     #[inline]
     pub(crate) fn is_free(&self) -> bool {
@@ -247,6 +270,9 @@ pub(crate) struct Segment {
     /// An address reservation with pages mapped on demand (see [`super::expandable`]);
     /// its size is the reservation's, not the memory behind it.
     expandable: bool,
+    /// A stitched range: pages of expandable segments mapped a second time, contiguously
+    /// (see [`super::stitch`]). Its memory is counted where the pages are lent from.
+    stitched: bool,
 }
 
 impl Segment {
@@ -284,6 +310,12 @@ impl Segment {
     #[inline]
     pub(crate) fn is_expandable(&self) -> bool {
         self.expandable
+    }
+
+    /// A stitched range.
+    #[inline]
+    pub(crate) fn is_stitched(&self) -> bool {
+        self.stitched
     }
 }
 
@@ -415,6 +447,25 @@ impl Arena {
         self.transition(key, "mark_mapped", &[Unmapped], Free).owner = owner;
     }
 
+    /// Lends the free, unlisted block `key` of whole pages to a stitched range (Free →
+    /// Lent). It carries nothing while lent: the caller settled its events (the stitched
+    /// range's stream waited for them).
+    pub(crate) fn lend(&mut self, key: BlockKey) {
+        use BlockUse::{Free, Lent};
+        let block = self.transition(key, "lend", &[Free], Lent);
+        debug_assert!(
+            block.expandable && block.pending.is_empty() && block.uses.is_empty(),
+            "lend: block {key} is outside an expandable segment or carries events"
+        );
+    }
+
+    /// Takes back the lent block `key` from a stitched range that was freed, as a free
+    /// block of `owner`, the stream that freed the range (Lent → Free).
+    pub(crate) fn take_back(&mut self, key: BlockKey, owner: StreamSlot) {
+        use BlockUse::{Free, Lent};
+        self.transition(key, "take_back", &[Lent], Free).owner = owner;
+    }
+
     // ---- Fields that change within a state ---------------------------------------------
 
     /// Adds `event` to what the free block `key` waits for (each event once).
@@ -493,6 +544,7 @@ impl Arena {
             owner: stream,
             pool,
             expandable,
+            stitched: false,
             state: BlockUse::Free,
         });
         self.segments.insert(Segment {
@@ -502,7 +554,24 @@ impl Arena {
             stream,
             head,
             expandable,
+            stitched: false,
         });
+        head
+    }
+
+    /// Registers a stitched range as a segment of one free block owned by `stream`, to be
+    /// handed out whole.
+    pub(crate) fn add_stitched_segment(
+        &mut self,
+        addr: u64,
+        size: u64,
+        pool: PoolKind,
+        stream: StreamSlot,
+    ) -> BlockKey {
+        let head = self.add_segment(addr, size, pool, stream, false);
+        let segment = self.blocks[head].segment();
+        self.blocks[head].stitched = true;
+        self.segments[segment].stitched = true;
         head
     }
 
@@ -548,6 +617,7 @@ impl Arena {
             owner: block.owner,
             pool: block.pool,
             expandable: block.expandable,
+            stitched: block.stitched,
             state: if block.is_unmapped() {
                 BlockUse::Unmapped
             } else {

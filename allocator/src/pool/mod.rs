@@ -4,6 +4,7 @@
 //! - `arena`: segments tiled by address-linked blocks; split and merge.
 //! - `free_list`: best-fit sets of free blocks.
 //! - `expandable`: address reservations with pages mapped on demand (expandable segments).
+//! - `stitch`: free pages of expandable segments mapped a second time into one range.
 //!
 //! Which free list a block belongs in (its stream, whether it awaits events) is the
 //! lifetime layer's decision, in `crate::lifetime`.
@@ -11,6 +12,7 @@
 pub(crate) mod arena;
 pub(crate) mod expandable;
 pub(crate) mod free_list;
+pub(crate) mod stitch;
 pub mod size;
 
 pub use size::{

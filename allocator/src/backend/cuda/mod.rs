@@ -348,6 +348,12 @@ impl Backend for CudaBackend {
         self.page_map("cuMemMap")?.map(ptr, size)
     }
 
+    fn alias_pages(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        let _relaxed = RelaxedCapture::enter()?;
+        self.page_map("cuMemMap")?.alias(dst, src, size)
+    }
+
     fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         let _ctx = self.enter()?;
         let _relaxed = RelaxedCapture::enter()?;

@@ -49,6 +49,10 @@ pub(super) struct PageMap {
     exportable: bool,
     /// Mapping address → its mapping.
     mappings: Mutex<BTreeMap<u64, Mapping>>,
+    /// Second mappings of pages already mapped (stitched ranges): address → bytes. Each is
+    /// one `cuMemMap` of part of one allocation; the allocation is released with its own
+    /// mapping, and the driver frees it once this one is gone too.
+    aliases: Mutex<BTreeMap<u64, u64>>,
 }
 
 impl PageMap {
@@ -99,6 +103,7 @@ impl PageMap {
             granularity: granularity as u64,
             exportable,
             mappings: Mutex::new(BTreeMap::new()),
+            aliases: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -184,10 +189,80 @@ impl PageMap {
         Ok(())
     }
 
+    /// Maps the pages mapped at `[src, src + size)` again at `[dst, dst + size)`: one
+    /// `cuMemMap` per allocation the source spans, at the source's offset into it, then
+    /// one `cuMemSetAccess` over the whole range. On failure, leaves nothing new mapped.
+    pub(super) fn alias(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
+        self.check_range(dst, size, "cuMemMap")?;
+        self.check_range(src, size, "cuMemMap")?;
+        let mappings = self.mappings.lock();
+        let end = src.0 + size;
+        // (target address, bytes, offset into the allocation, its handle)
+        let mut parts = Vec::new();
+        let mut cursor = src.0;
+        if let Some((&first, _)) = mappings.range(..=src.0).next_back() {
+            for (&at, mapping) in mappings.range(first..end) {
+                if cursor >= end || at > cursor || at + mapping.size <= cursor {
+                    break;
+                }
+                let to = (at + mapping.size).min(end);
+                parts.push((dst.0 + (cursor - src.0), to - cursor, cursor - at, mapping.handle));
+                cursor = to;
+            }
+        }
+        if cursor < end {
+            return Err(BackendError::new(
+                "cuMemMap",
+                format!("{src:?} + {size} is not wholly mapped"),
+            ));
+        }
+        let mut done: Vec<(u64, u64)> = Vec::new();
+        let undo = |done: &[(u64, u64)]| {
+            for &(at, len) in done {
+                // SAFETY: mapped just above by this call and never handed out.
+                unsafe { sys::cuMemUnmap(at, len as usize) };
+            }
+        };
+        for &(at, len, offset, handle) in &parts {
+            if let Err(err) = driver::check(
+                // SAFETY: `[at, at + len)` lies in a reservation and is not mapped (the engine
+                // maps each address once); `handle` is a live allocation (its own mapping is
+                // held under the lock) and `offset + len` lies within it; all three are
+                // multiples of the granularity (checked above).
+                unsafe { sys::cuMemMap(at, len as usize, offset as usize, handle, 0) },
+                "cuMemMap",
+            ) {
+                undo(&done);
+                return Err(err);
+            }
+            done.push((at, len));
+        }
+        let access = sys::CUmemAccessDesc {
+            location: location(self.ordinal),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        if let Err(err) = driver::check(
+            // SAFETY: the whole range was just mapped; one valid descriptor.
+            unsafe { sys::cuMemSetAccess(dst.0, size as usize, &access, 1) },
+            "cuMemSetAccess",
+        ) {
+            undo(&done);
+            return Err(err);
+        }
+        drop(mappings);
+        self.aliases.lock().extend(done);
+        Ok(())
+    }
+
     /// Unmaps and releases the mappings tiling `[ptr, ptr + size)`, which must be whole
-    /// mappings made by `map` (checked before anything is unmapped).
+    /// mappings made by `map`, or whole second mappings made by `alias` (checked before
+    /// anything is unmapped). A second mapping releases nothing: its pages stay with their
+    /// own mapping.
     pub(super) fn unmap(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.check_range(ptr, size, "cuMemUnmap")?;
+        if self.unmap_aliases(ptr, size)? {
+            return Ok(());
+        }
         let mut mappings = self.mappings.lock();
         let end = ptr.0 + size;
         let mut covered = ptr.0;
@@ -226,6 +301,42 @@ impl PageMap {
             driver::check(unsafe { sys::cuMemRelease(handle) }, "cuMemRelease")?;
         }
         Ok(())
+    }
+
+    /// Unmaps the second mappings tiling `[ptr, ptr + size)`; false (and nothing done) if
+    /// `ptr` starts none.
+    fn unmap_aliases(&self, ptr: DevicePtr, size: u64) -> BackendResult<bool> {
+        let mut aliases = self.aliases.lock();
+        if !aliases.contains_key(&ptr.0) {
+            return Ok(false);
+        }
+        let end = ptr.0 + size;
+        let mut covered = ptr.0;
+        let mut parts = Vec::new();
+        for (&start, &len) in aliases.range(ptr.0..end) {
+            if start != covered || start + len > end {
+                break;
+            }
+            parts.push((start, len));
+            covered = start + len;
+        }
+        if covered != end {
+            return Err(BackendError::new(
+                "cuMemUnmap",
+                format!("{ptr:?} + {size} does not cover whole mappings"),
+            ));
+        }
+        for (start, len) in parts {
+            aliases.remove(&start);
+            driver::check(
+                // SAFETY: `start` was mapped by `alias` with exactly this length, and the
+                // engine made sure (events seen complete, or a synchronisation) that no
+                // stream can still touch it.
+                unsafe { sys::cuMemUnmap(start, len as usize) },
+                "cuMemUnmap",
+            )?;
+        }
+        Ok(true)
     }
 
     /// The mappings covering `[ptr, ptr + size)` in address order, each with its POSIX file

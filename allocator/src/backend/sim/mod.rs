@@ -29,7 +29,10 @@
 //! synchronisation, as `cuMemUnmap` does: any earlier access to the pages that the host
 //! has not observed complete is reported as a [`RaceKind::Unordered`] race with the unmap.
 //! Each `map_pages` call is one mapping of one physical allocation, and `unmap_pages` must
-//! cover whole mappings, as `cuMemUnmap` requires.
+//! cover whole mappings, as `cuMemUnmap` requires. `alias_pages` maps pages already mapped
+//! a second time, elsewhere (stitching): the detector checks accesses at the physical
+//! pages (see [`vm`]), so the two addresses of one byte are one byte to it, and a page
+//! goes back to the device only with its last mapping.
 //!
 //! # Graphs
 //! CUDA graphs are captured and replayed as on a real device, so that the detector sees
@@ -55,9 +58,11 @@
 
 mod clock;
 mod shadow;
+mod vm;
 
 use self::clock::VectorClock;
 use self::shadow::{OpRef, Shadow};
+use self::vm::VirtualMemory;
 use super::{Backend, BackendResult};
 use crate::error::BackendError;
 use crate::types::{DevicePtr, EventHandle, StreamId};
@@ -200,15 +205,8 @@ struct SimState {
     next_address: u64,
     /// Live segments: start → size.
     segments: BTreeMap<u64, u64>,
-    /// Address reservations: start → size.
-    reservations: BTreeMap<u64, u64>,
-    /// Mapped ranges inside reservations, coalesced: start → end.
-    mapped: BTreeMap<u64, u64>,
-    /// Each `map_pages` call's range, start → end: like `cuMemUnmap`, an unmap must cover
-    /// whole mappings (one physical allocation each), never part of one.
-    mappings: BTreeMap<u64, u64>,
-    /// Bytes mapped (also counted in `reserved`).
-    mapped_bytes: u64,
+    /// Address reservations, the mappings into them and the physical pages behind those.
+    vm: VirtualMemory,
     streams: Vec<SimStream>,
     stream_index: HashMap<StreamId, usize>,
     host_time: u64,
@@ -431,9 +429,10 @@ impl SimBackend {
         self.state.lock().reserved
     }
 
-    /// Bytes currently mapped into address reservations (part of [`SimBackend::reserved`]).
+    /// Bytes of physical pages mapped into address reservations (part of
+    /// [`SimBackend::reserved`]): a page mapped at several addresses counts once.
     pub fn mapped(&self) -> u64 {
-        self.state.lock().mapped_bytes
+        self.state.lock().vm.physical_bytes
     }
 
     /// Live segments.
@@ -531,13 +530,19 @@ impl SimState {
         let clock = self.streams[index].clock.clone();
         for access in accesses {
             let (start, end) = (access.ptr.0, access.ptr.0 + access.len);
-            let inside = self
+            let in_segment = self
                 .segments
                 .range(..=start)
                 .next_back()
-                .is_some_and(|(seg, size)| end <= seg + size)
-                || self.mapped_range_containing(start, end).is_some();
-            if !inside {
+                .is_some_and(|(seg, size)| end <= seg + size);
+            // A whole segment is its own physical memory; mapped memory is checked at the
+            // physical pages behind it, whichever mapping the access goes through.
+            let pieces = if in_segment {
+                Some(Vec::new())
+            } else {
+                self.vm.translate(start, end)
+            };
+            let Some(pieces) = pieces else {
                 self.races.push(Race {
                     earlier: "-".into(),
                     later: self.log[op.op].clone(),
@@ -545,37 +550,34 @@ impl SimState {
                     kind: RaceKind::OutOfBounds,
                 });
                 continue;
+            };
+            let ranges: Vec<(u64, u64, u64)> = if in_segment {
+                vec![(start, end - start, start)]
+            } else {
+                pieces.iter().map(|p| (p.virt, p.len, p.physical)).collect()
+            };
+            for piece in &pieces {
+                self.vm.note_use(piece, op);
             }
-            let conflicts = self.shadow.access(start, end, op, access.write, |prior| {
-                clock.covers(prior.stream, prior.epoch)
-            });
-            for (prior, from, to) in conflicts {
-                self.races.push(Race {
-                    earlier: self.log[prior.op].clone(),
-                    later: self.log[op.op].clone(),
-                    range: (from.max(start), to.min(end)),
-                    kind: RaceKind::Unordered,
-                });
+            for (virt, len, physical) in ranges {
+                let conflicts =
+                    self.shadow
+                        .access(physical, physical + len, op, access.write, |prior| {
+                            clock.covers(prior.stream, prior.epoch)
+                        });
+                for (prior, from, to) in conflicts {
+                    // Reported at the addresses this access used.
+                    let from = virt + (from.max(physical) - physical);
+                    let to = virt + (to.min(physical + len) - physical);
+                    self.races.push(Race {
+                        earlier: self.log[prior.op].clone(),
+                        later: self.log[op.op].clone(),
+                        range: (from, to),
+                        kind: RaceKind::Unordered,
+                    });
+                }
             }
         }
-    }
-
-    /// The coalesced mapped range `(start, end)` that contains all of `[start, end)`.
-    fn mapped_range_containing(&self, start: u64, end: u64) -> Option<(u64, u64)> {
-        self.mapped
-            .range(..=start)
-            .next_back()
-            .filter(|(_, range_end)| end <= **range_end)
-            .map(|(range_start, range_end)| (*range_start, *range_end))
-    }
-
-    /// The reservation that contains all of `[start, end)`.
-    fn reservation_containing(&self, start: u64, end: u64) -> Option<u64> {
-        self.reservations
-            .range(..=start)
-            .next_back()
-            .filter(|(at, size)| end <= **at + **size)
-            .map(|(at, _)| *at)
     }
 
     fn sync_host_to_device(&mut self) {
@@ -781,25 +783,25 @@ impl Backend for SimBackend {
         }
         let addr = state.next_address;
         state.next_address += size + SEGMENT_GUARD;
-        state.reservations.insert(addr, size);
+        state.vm.reserve(addr, size);
         Ok(DevicePtr(addr))
     }
 
     fn release_address_space(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         let mut state = self.call("release_address_space");
-        if state.reservations.get(&ptr.0) != Some(&size) {
+        if state.vm.reservation(ptr.0) != Some(size) {
             return Err(BackendError::new(
                 "cuMemAddressFree",
                 format!("{ptr:?} ({size} bytes) is not a reservation"),
             ));
         }
-        if state.mapped.range(ptr.0..ptr.0 + size).next().is_some() {
+        if state.vm.any_mapped(ptr.0, ptr.0 + size) {
             return Err(BackendError::new(
                 "cuMemAddressFree",
                 format!("{ptr:?} still has mapped pages"),
             ));
         }
-        state.reservations.remove(&ptr.0);
+        state.vm.release(ptr.0);
         Ok(())
     }
 
@@ -809,30 +811,7 @@ impl Backend for SimBackend {
             state.fail_next_allocs -= 1;
             return Err(BackendError::new("cuMemCreate", "injected failure"));
         }
-        let (start, end) = (ptr.0, ptr.0 + size);
-        if size == 0 || !start.is_multiple_of(PAGE_SIZE) || !size.is_multiple_of(PAGE_SIZE) {
-            return Err(BackendError::new(
-                "cuMemMap",
-                format!("[{start:#x}, {end:#x}) is not page-aligned"),
-            ));
-        }
-        if state.reservation_containing(start, end).is_none() {
-            return Err(BackendError::new(
-                "cuMemMap",
-                format!("[{start:#x}, {end:#x}) is not inside one reservation"),
-            ));
-        }
-        let overlaps = state
-            .mapped
-            .range(..end)
-            .next_back()
-            .is_some_and(|(_, range_end)| *range_end > start);
-        if overlaps {
-            return Err(BackendError::new(
-                "cuMemMap",
-                format!("[{start:#x}, {end:#x}) is already (partly) mapped"),
-            ));
-        }
+        let (start, end) = state.check_unmapped_target("cuMemMap", ptr, size)?;
         if state.reserved + size > state.capacity {
             return Err(BackendError::out_of_memory(
                 "cuMemCreate",
@@ -842,62 +821,65 @@ impl Backend for SimBackend {
                 ),
             ));
         }
-        // Insert and coalesce with the neighbouring ranges.
-        let (mut new_start, mut new_end) = (start, end);
-        if let Some((&prev_start, &prev_end)) = state.mapped.range(..start).next_back() {
-            if prev_end == start {
-                state.mapped.remove(&prev_start);
-                new_start = prev_start;
-            }
-        }
-        if let Some(next_end) = state.mapped.remove(&end) {
-            new_end = next_end;
-        }
-        state.mapped.insert(new_start, new_end);
-        state.mappings.insert(start, end);
-        state.mapped_bytes += size;
+        state.vm.map_fresh(start, end, PAGE_SIZE);
         state.reserved += size;
         self.charge_mapping_call(&mut state);
         Ok(())
     }
 
+    fn alias_pages(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
+        let mut state = self.call("alias_pages");
+        let (start, end) = state.check_unmapped_target("cuMemMap", dst, size)?;
+        if !src.0.is_multiple_of(PAGE_SIZE) {
+            return Err(BackendError::new(
+                "cuMemMap",
+                format!("source {src:?} is not page-aligned"),
+            ));
+        }
+        let Some(source) = src
+            .0
+            .checked_add(size)
+            .and_then(|src_end| state.vm.translate(src.0, src_end))
+        else {
+            return Err(BackendError::new(
+                "cuMemMap",
+                format!("source [{:#x}, +{size:#x}) is not wholly mapped", src.0),
+            ));
+        };
+        debug_assert_eq!(end - start, size);
+        state.vm.map_alias(start, &source, PAGE_SIZE);
+        // One driver mapping per physical allocation the source spans.
+        for _ in &source {
+            self.charge_mapping_call(&mut state);
+        }
+        Ok(())
+    }
+
     fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         let mut state = self.call("unmap_pages");
-        let (start, end) = (ptr.0, ptr.0 + size);
+        let (start, end) = (ptr.0, ptr.0.saturating_add(size));
         if size == 0 || !start.is_multiple_of(PAGE_SIZE) || !size.is_multiple_of(PAGE_SIZE) {
             return Err(BackendError::new(
                 "cuMemUnmap",
                 format!("[{start:#x}, {end:#x}) is not page-aligned"),
             ));
         }
-        let Some((range_start, range_end)) = state.mapped_range_containing(start, end) else {
+        if state.vm.translate(start, end).is_none() {
             return Err(BackendError::new(
                 "cuMemUnmap",
                 format!("[{start:#x}, {end:#x}) is not wholly mapped"),
             ));
-        };
-        let mut covered = start;
-        for (&mapping_start, &mapping_end) in state.mappings.range(start..end) {
-            if mapping_start != covered || mapping_end > end {
-                break;
-            }
-            covered = mapping_end;
         }
-        if covered != end {
+        let Some(whole) = state.vm.whole_mappings(start, end) else {
             return Err(BackendError::new(
                 "cuMemUnmap",
                 format!("[{start:#x}, {end:#x}) does not cover whole mappings"),
             ));
-        }
-        let whole: Vec<u64> = state
-            .mappings
-            .range(start..end)
-            .map(|(&at, _)| at)
-            .collect();
-        for at in whole {
-            state.mappings.remove(&at);
-        }
-        // No implicit synchronisation: every earlier use must be known complete on the host.
+        };
+        let unmapped = state.vm.unmap(&whole, PAGE_SIZE);
+        // No implicit synchronisation: every earlier use through these mappings must be
+        // known complete on the host, and so must every use of pages that go back to the
+        // device, through whichever mapping.
         let label = format!("unmap_pages [{start:#x}, {end:#x}) (host)");
         let op = OpRef {
             op: state.log.len(),
@@ -906,30 +888,74 @@ impl Backend for SimBackend {
         };
         state.log.push(label);
         let host_clock = state.host_clock.clone();
-        let conflicts = state.shadow.access(start, end, op, true, |prior| {
-            host_clock.covers(prior.stream, prior.epoch)
-        });
-        for (prior, from, to) in conflicts {
+        let mut races = Vec::new();
+        for piece in &unmapped.released {
+            let physical_end = piece.physical + piece.len;
+            let conflicts = state
+                .shadow
+                .access(piece.physical, physical_end, op, true, |prior| {
+                    host_clock.covers(prior.stream, prior.epoch)
+                });
+            for (prior, from, to) in conflicts {
+                let from = piece.virt + (from.max(piece.physical) - piece.physical);
+                let to = piece.virt + (to.min(physical_end) - piece.physical);
+                races.push((prior.op, (from, to)));
+            }
+            state.shadow.forget(piece.physical, physical_end);
+            state.reserved -= piece.len;
+        }
+        for &(user, from, to) in &unmapped.users {
+            let reported = races.iter().any(|&(earlier, _)| earlier == user.op);
+            if !reported && !host_clock.covers(user.stream, user.epoch) {
+                races.push((user.op, (from, to)));
+            }
+        }
+        for (earlier, range) in races {
             let race = Race {
-                earlier: state.log[prior.op].clone(),
+                earlier: state.log[earlier].clone(),
                 later: state.log[op.op].clone(),
-                range: (from.max(start), to.min(end)),
+                range,
                 kind: RaceKind::Unordered,
             };
             state.races.push(race);
         }
-        state.shadow.forget(start, end);
-        state.mapped.remove(&range_start);
-        if range_start < start {
-            state.mapped.insert(range_start, start);
-        }
-        if end < range_end {
-            state.mapped.insert(end, range_end);
-        }
-        state.mapped_bytes -= size;
-        state.reserved -= size;
         self.charge_mapping_call(&mut state);
         Ok(())
+    }
+}
+
+impl SimState {
+    /// Checks that `[ptr, ptr + size)` is whole pages of one reservation with nothing
+    /// mapped, for a call named `operation`; returns the range.
+    fn check_unmapped_target(
+        &self,
+        operation: &'static str,
+        ptr: DevicePtr,
+        size: u64,
+    ) -> BackendResult<(u64, u64)> {
+        let start = ptr.0;
+        let end = start.checked_add(size).ok_or_else(|| {
+            BackendError::new(operation, format!("[{start:#x}, +{size:#x}) overflows"))
+        })?;
+        if size == 0 || !start.is_multiple_of(PAGE_SIZE) || !size.is_multiple_of(PAGE_SIZE) {
+            return Err(BackendError::new(
+                operation,
+                format!("[{start:#x}, {end:#x}) is not page-aligned"),
+            ));
+        }
+        if !self.vm.reserved(start, end) {
+            return Err(BackendError::new(
+                operation,
+                format!("[{start:#x}, {end:#x}) is not inside one reservation"),
+            ));
+        }
+        if self.vm.any_mapped(start, end) {
+            return Err(BackendError::new(
+                operation,
+                format!("[{start:#x}, {end:#x}) is already (partly) mapped"),
+            ));
+        }
+        Ok((start, end))
     }
 }
 

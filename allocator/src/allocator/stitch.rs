@@ -1,0 +1,517 @@
+//! Stitching, the policy: serving a request that no free block fits from free pages
+//! scattered over its memory pool's expandable segments, mapped a second time into one
+//! range (`pool::stitch` has the records); reviving a stitch kept from an earlier free; and
+//! unmapping stitched ranges when their pages must go.
+//!
+//! # Where it sits in the policy
+//! After every free block of the pool failed (the stream's own, completed events, other
+//! streams' after a device-side wait) and before growing: a dormant stitch of a fitting
+//! size whose pages are all free again is revived (no driver call at all); otherwise the
+//! largest runs of free whole pages of the pool are stitched, if together they cover the
+//! request. Only if they do not does memory grow. Stitching never runs while a capture is
+//! under way (nothing is mapped during a capture, and the waits it needs are forbidden).
+//!
+//! # Stream-aware pages
+//! A page's last uses travel with the page, not with an address: the blocks a stitch lends
+//! carry the events of the streams that used them, and the stream that takes them waits
+//! for those events (and for the owning stream's work so far) on the device, as for any
+//! block of another stream (`State::wait_for_block`). Freeing a stitched range records one
+//! event per stream that used it; the lent blocks go back to their pool as free blocks of
+//! the freeing stream, pending on the other streams' events. No host synchronisation is
+//! ever needed: the range stays mapped while dormant, and it is unmapped only once its
+//! events are seen complete, or after a synchronisation made for another reason.
+//!
+//! # The cost model
+//! Stitching trades driver calls for memory. A new stitch costs one address reservation,
+//! one `cuMemMap` per physical allocation its pages span and one `cuMemSetAccess`; growing
+//! costs one `cuMemCreate` + `cuMemMap` + `cuMemSetAccess` per mapping and the memory
+//! itself, kept until a reclaim synchronises the device to unmap it. So: reviving (free) >
+//! stitching (a few calls, no memory) > growing (calls and memory) > reclaiming (a device
+//! synchronisation, then calls). A stitch is made only for requests of at least
+//! [`MIN_STITCH_PAGES`] pages, from at most [`MAX_SOURCES`] runs, so its calls stay few
+//! next to the work such a block takes; dormant stitches are kept (address space costs no
+//! memory) so that a loop whose steps repeat their sizes stops mapping once warm.
+
+use super::*;
+use crate::lifetime::EventKey;
+use crate::pool::stitch::{whole_pages, Source, Stitch};
+use thin_vec::ThinVec;
+
+/// Requests of fewer pages are not stitched: their holes are what small free blocks fill,
+/// and a mapping per request would cost more than the memory it saves.
+const MIN_STITCH_PAGES: u64 = 2;
+
+/// A stitch maps at most this many runs of pages (each at least one `cuMemMap`).
+const MAX_SOURCES: usize = 32;
+
+/// Dormant stitches kept before the least recently freed are unmapped (once their events
+/// are complete). Each holds only address space and a second mapping.
+const MAX_DORMANT: usize = 64;
+
+/// A dormant stitch serves a request it exceeds by at most this fraction (1/n) of the
+/// request, or a page: more would lend pages the request does not need.
+const REVIVE_SLACK: u64 = 8;
+
+/// One run of free whole pages a new stitch will take: the free block holding it, its
+/// first byte and its bytes.
+#[derive(Clone, Copy, Debug)]
+struct Pick {
+    block: BlockKey,
+    addr: u64,
+    len: u64,
+}
+
+impl State {
+    /// Serves `need` from a stitched range, reviving a dormant one or stitching free pages
+    /// of its memory pool; `None` if stitching is off, the request is small, or the pool's
+    /// free pages do not cover it. The range is an unlisted free block owned by the
+    /// request's slot, to be handed out whole ([`State::hand_out_whole`]).
+    pub(super) fn stitch<B: Backend>(
+        &mut self,
+        backend: &B,
+        need: Need,
+    ) -> Result<Option<BlockKey>, AllocError> {
+        let Some(vmm) = self.growth.expandable() else {
+            return Ok(None);
+        };
+        let page = vmm.page;
+        if !self.stitching || need.size < MIN_STITCH_PAGES * page {
+            return Ok(None);
+        }
+        let memory_pool = self.streams.pool(need.slot);
+        if let Some(index) = self.revivable(need, memory_pool, page) {
+            return self.revive(backend, index, need).map(Some);
+        }
+        match self.pick_free_pages(need, memory_pool, page) {
+            Some(picks) => self.make_stitch(backend, need, memory_pool, picks),
+            None => Ok(None),
+        }
+    }
+
+    /// The smallest dormant stitch of `memory_pool` that fits `need` within
+    /// [`REVIVE_SLACK`] and whose pages all lie in free blocks now.
+    fn revivable(&self, need: Need, memory_pool: PoolId, page: u64) -> Option<usize> {
+        let slack = (need.size / REVIVE_SLACK).max(page);
+        let mut best: Option<(u64, usize)> = None;
+        for (index, stitch) in self.stitches.dormant().iter().enumerate() {
+            if stitch.memory_pool != memory_pool
+                || stitch.size < need.size
+                || stitch.size - need.size > slack
+                || best.is_some_and(|(size, _)| size <= stitch.size)
+            {
+                continue;
+            }
+            if stitch
+                .sources
+                .iter()
+                .all(|source| self.free_block_over(source).is_some())
+            {
+                best = Some((stitch.size, index));
+            }
+        }
+        best.map(|(_, index)| index)
+    }
+
+    /// The listed free block that holds all of `source`, if one does.
+    fn free_block_over(&self, source: &Source) -> Option<BlockKey> {
+        let end = source.addr + source.len;
+        self.arena
+            .segment_blocks(source.segment)
+            .find(|(_, block)| block.addr() + block.size() > source.addr)
+            .filter(|(_, block)| block.is_free() && block.addr() + block.size() >= end)
+            .map(|(key, _)| key)
+    }
+
+    /// Runs of free whole pages of `memory_pool` that cover `need` together: the largest
+    /// first (fewest mappings), and for what remains the smallest run that covers it (so a
+    /// large run is not cut for a little). `None` if the pool's free pages fall short or
+    /// would take more than [`MAX_SOURCES`] runs.
+    fn pick_free_pages(&self, need: Need, memory_pool: PoolId, page: u64) -> Option<Vec<Pick>> {
+        let want = need.size.div_ceil(page) * page;
+        let mut runs: Vec<Pick> = Vec::new();
+        for state in self.streams.states.iter() {
+            if state.pool != memory_pool {
+                continue;
+            }
+            let lists = [
+                &state.ready[need.pool as usize],
+                &state.pending[need.pool as usize],
+            ];
+            for list in lists {
+                for key in list.keys_at_least(page) {
+                    let block = self.arena.block(key);
+                    if !block.is_expandable() {
+                        continue;
+                    }
+                    let (addr, len) = whole_pages(block.addr(), block.size(), page);
+                    if len > 0 {
+                        runs.push(Pick {
+                            block: key,
+                            addr,
+                            len,
+                        });
+                    }
+                }
+            }
+        }
+        if runs.iter().map(|run| run.len).sum::<u64>() < want {
+            return None;
+        }
+        // Largest first; among equals, lowest address first, so choices are deterministic.
+        runs.sort_unstable_by(|a, b| b.len.cmp(&a.len).then(a.addr.cmp(&b.addr)));
+        let mut picks = Vec::new();
+        let mut got = 0;
+        let mut rest = runs.as_slice();
+        while got < want && picks.len() < MAX_SOURCES {
+            let left = want - got;
+            // The smallest run that covers what is left ends the search.
+            if let Some(last) = rest.iter().rev().find(|run| run.len >= left) {
+                picks.push(Pick { len: left, ..*last });
+                got = want;
+                break;
+            }
+            let (run, tail) = rest.split_first()?;
+            picks.push(*run);
+            got += run.len;
+            rest = tail;
+        }
+        (got >= want).then_some(picks)
+    }
+
+    /// Reserves a range for `picks`, maps their pages into it, lends them and registers the
+    /// stitch as active; the range's block is returned unlisted, owned by `need.slot`.
+    fn make_stitch<B: Backend>(
+        &mut self,
+        backend: &B,
+        need: Need,
+        memory_pool: PoolId,
+        picks: Vec<Pick>,
+    ) -> Result<Option<BlockKey>, AllocError> {
+        let size: u64 = picks.iter().map(|pick| pick.len).sum();
+        let addr = backend.reserve_address_space(size)?.0;
+        // Mapped while the pages are still free blocks: if the driver refuses, nothing has
+        // changed but the reservation, and the new mappings were never touched.
+        let mut at = addr;
+        for pick in &picks {
+            if let Err(err) = backend.alias_pages(DevicePtr(at), DevicePtr(pick.addr), pick.len) {
+                if at > addr {
+                    backend.unmap_pages(DevicePtr(addr), at - addr)?;
+                }
+                backend.release_address_space(DevicePtr(addr), size)?;
+                return if err.out_of_memory {
+                    Ok(None)
+                } else {
+                    Err(err.into())
+                };
+            }
+            at += pick.len;
+        }
+        let sources: Vec<Source> = picks
+            .iter()
+            .map(|pick| Source {
+                addr: pick.addr,
+                len: pick.len,
+                segment: self.arena.block(pick.block).segment(),
+            })
+            .collect();
+        let mut lent = Vec::with_capacity(picks.len());
+        for pick in &picks {
+            lent.push(self.lend_pages(backend, pick.block, pick.addr, pick.len, need.slot)?);
+        }
+        self.stats.stitches += 1;
+        self.stats.stitched_map_bytes += size;
+        self.note(backend, TraceAction::Stitch, addr, size, need.slot);
+        tracing::debug!(addr, size, sources = sources.len(), "free pages stitched");
+        let stitch = Stitch {
+            addr,
+            size,
+            memory_pool,
+            sources,
+            lent,
+            last_use: ThinVec::new(),
+            idle_since: 0,
+        };
+        Ok(Some(self.activate_stitch(stitch, need)))
+    }
+
+    /// Revives dormant stitch `index` for `need`: lends its pages again (all free, checked
+    /// by [`State::revivable`]); maps nothing.
+    fn revive<B: Backend>(
+        &mut self,
+        backend: &B,
+        index: usize,
+        need: Need,
+    ) -> Result<BlockKey, AllocError> {
+        let mut stitch = self.stitches.take_dormant(index);
+        for event in std::mem::take(&mut stitch.last_use) {
+            self.events.release(event, &mut self.stats);
+        }
+        let mut lent = Vec::with_capacity(stitch.sources.len());
+        for source in &stitch.sources {
+            // Looked up one by one: lending a run splits the block that held it.
+            let block = self
+                .free_block_over(source)
+                .expect("a revivable stitch's pages are free");
+            lent.push(self.lend_pages(backend, block, source.addr, source.len, need.slot)?);
+        }
+        stitch.lent = lent;
+        self.stats.stitch_revivals += 1;
+        self.note(backend, TraceAction::Stitch, stitch.addr, stitch.size, need.slot);
+        Ok(self.activate_stitch(stitch, need))
+    }
+
+    /// Registers `stitch` as active: its range becomes a segment of one free block owned by
+    /// `need.slot`, returned unlisted.
+    fn activate_stitch(&mut self, stitch: Stitch, need: Need) -> BlockKey {
+        let key = self
+            .arena
+            .add_stitched_segment(stitch.addr, stitch.size, need.pool, need.slot);
+        let segment = self.arena.block(key).segment();
+        self.stitches.activate(segment, stitch);
+        key
+    }
+
+    /// Takes `[addr, addr + len)`, whole pages inside the listed free block `key`, out of
+    /// circulation for a stitched range of `slot`: what lies on either side stays listed
+    /// with the block's events; `slot`'s stream waits on the device for everything that may
+    /// still use the pages. Returns the lent block.
+    fn lend_pages<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        addr: u64,
+        len: u64,
+        slot: StreamSlot,
+    ) -> Result<BlockKey, AllocError> {
+        self.unlist(key);
+        let (block_addr, block_size) = {
+            let block = self.arena.block(key);
+            (block.addr(), block.size())
+        };
+        let mut middle = key;
+        if addr > block_addr {
+            middle = self.split_keeping_events(key, addr - block_addr);
+            self.list(key);
+        }
+        if addr + len < block_addr + block_size {
+            let rest = self.split_keeping_events(middle, len);
+            self.list(rest);
+        }
+        self.wait_for_block(backend, middle, slot)?;
+        for event in self.arena.take_pending(middle) {
+            self.events.release(event, &mut self.stats);
+        }
+        self.arena.lend(middle);
+        Ok(middle)
+    }
+
+    /// Splits the unlisted free block `key` at `at` bytes; the right part (returned) waits
+    /// for the same events.
+    fn split_keeping_events(&mut self, key: BlockKey, at: u64) -> BlockKey {
+        let right = self.arena.split(key, at);
+        self.arena.copy_pending(key, right);
+        for &event in self.arena.block(right).pending() {
+            self.events.retain(event);
+        }
+        right
+    }
+
+    /// Gives the unlisted free block `key` of a stitched range to `slot` whole (a stitched
+    /// range is never split: its pages go back together).
+    pub(super) fn hand_out_whole(
+        &mut self,
+        key: BlockKey,
+        slot: StreamSlot,
+        requested: u64,
+        now: u64,
+    ) -> Allocation {
+        let block = self.arena.hand_out(key, slot, requested);
+        let (addr, size) = (block.addr(), block.size());
+        self.allocated.insert(addr, key);
+        self.account_alloc(addr, size, slot, requested, now)
+    }
+
+    /// Frees the handed-out stitched block `key`: the counters as for any free, then the
+    /// pages go back ([`State::return_stitch`]), or wait for the captures under way to end.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn free_stitched<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        now: u64,
+    ) -> Result<(), AllocError> {
+        let block = self.arena.block(key);
+        let (addr, size, requested, owner) =
+            (block.addr(), block.size(), block.requested(), block.owner());
+        let uses = self.arena.free(key);
+        self.allocated.remove(&addr);
+        let stats = &mut self.stats;
+        stats.allocated_bytes.sub(size);
+        stats.requested_bytes.sub(requested);
+        stats.active_bytes.sub(size);
+        stats.frees += 1;
+        if self.pools.capture_underway() {
+            // Recording the range's events now would put them into the capture: it stays
+            // allocated to nobody until the captures end (`complete_deferred_frees`).
+            self.note(backend, TraceAction::FreeRequested, addr, size, owner);
+            self.arena.withhold(key);
+            self.stats.pending_free_bytes.add(size);
+            self.stats.active_bytes.add(size);
+            self.deferred_frees.push((key, addr, uses));
+            return Ok(());
+        }
+        if self.trace.enabled() {
+            self.trace.push_free_completed(addr, size, owner, now);
+        }
+        self.return_stitch(backend, key, &uses)?;
+        Ok(())
+    }
+
+    /// Gives the pages of the freed (free, unlisted) stitched block `key` back to their
+    /// pool and keeps the stitch dormant. One event is recorded on every stream that used
+    /// the range: the lent blocks, now free blocks of the range's owner, wait for the other
+    /// streams'; the range itself for all of them before it may be unmapped.
+    pub(super) fn return_stitch<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        uses: &[StreamSlot],
+    ) -> Result<(), BackendError> {
+        let owner = self.arena.block(key).owner();
+        let mut last_use = ThinVec::new();
+        for &slot in std::iter::once(&owner).chain(uses) {
+            match self
+                .events
+                .record(backend, slot, self.streams.id(slot), &mut self.stats)
+            {
+                Ok(event) => {
+                    self.events.retain(event);
+                    self.streams.get_mut(slot).in_flight.push_back(event);
+                    last_use.push(event);
+                }
+                Err(err) => {
+                    // The pages' reuse cannot be ordered: the range stays allocated to
+                    // nobody, its pages lent, until `empty_cache` synchronises.
+                    tracing::error!(%err, "recording a use event failed; stitched range quarantined until empty_cache");
+                    for event in last_use {
+                        self.events.release(event, &mut self.stats);
+                    }
+                    self.list_quarantined(key);
+                    return Err(err);
+                }
+            }
+        }
+        self.park_stitch(key, last_use);
+        self.evict_idle_stitches(backend)
+    }
+
+    /// [`State::return_stitch`] with the device idle (after a synchronisation): the pages
+    /// need no events.
+    pub(super) fn return_stitch_idle<B: Backend>(&mut self, backend: &B, key: BlockKey) {
+        let addr = self.arena.block(key).addr();
+        self.park_stitch(key, ThinVec::new());
+        tracing::debug!(addr, "stitched range returned after a synchronisation");
+        let _ = backend;
+    }
+
+    /// Takes the lent blocks of the freed stitched block `key` back as free blocks of its
+    /// owner, pending on `last_use` past its first event (the owner's own, which its stream
+    /// order covers), forgets the range's segment and keeps the stitch dormant with
+    /// `last_use`.
+    fn park_stitch(&mut self, key: BlockKey, last_use: ThinVec<EventKey>) {
+        let (owner, segment) = {
+            let block = self.arena.block(key);
+            (block.owner(), block.segment())
+        };
+        let mut stitch = self
+            .stitches
+            .deactivate(segment)
+            .expect("a stitched block's segment has an active stitch");
+        let others = last_use.get(1..).unwrap_or(&[]);
+        for &lent in &stitch.lent {
+            self.arena.take_back(lent, owner);
+            for &event in others {
+                self.events.retain(event);
+                self.arena.add_pending(lent, event);
+            }
+            self.insert_free(lent);
+        }
+        self.arena.remove_segment(segment);
+        stitch.last_use = last_use;
+        self.stitches.park(stitch);
+    }
+
+    /// Unmaps the least recently freed dormant stitches past [`MAX_DORMANT`] whose events
+    /// are known complete (those still running are kept: address space costs nothing).
+    fn evict_idle_stitches<B: Backend>(&mut self, backend: &B) -> Result<(), BackendError> {
+        while self.stitches.dormant().len() > MAX_DORMANT {
+            let oldest_done = self.stitches.dormant().iter().position(|stitch| {
+                stitch
+                    .last_use
+                    .iter()
+                    .all(|&event| self.events.is_complete(event))
+            });
+            match oldest_done {
+                Some(index) => self.evict_stitch(backend, index)?,
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// Unmaps the dormant stitches that map any of `[addr, addr + len)`: the pages are about
+    /// to go back to the device. Only valid right after a device-wide synchronisation.
+    pub(super) fn evict_stitches_over<B: Backend>(
+        &mut self,
+        backend: &B,
+        addr: u64,
+        len: u64,
+    ) -> Result<(), BackendError> {
+        for index in self.stitches.dormant_over(addr, len).into_iter().rev() {
+            self.evict_stitch(backend, index)?;
+        }
+        Ok(())
+    }
+
+    /// Unmaps every dormant stitch of a pool that `which` may release. Only valid right
+    /// after a device-wide synchronisation.
+    pub(super) fn evict_dormant_stitches<B: Backend>(
+        &mut self,
+        backend: &B,
+        which: Release,
+    ) -> Result<(), BackendError> {
+        let doomed: Vec<usize> = self
+            .stitches
+            .dormant()
+            .iter()
+            .enumerate()
+            .filter(|(_, stitch)| match which {
+                Release::Unpinned => !self.pools.pins_memory(stitch.memory_pool),
+                Release::Pool(pool) => stitch.memory_pool == pool,
+            })
+            .map(|(index, _)| index)
+            .collect();
+        for index in doomed.into_iter().rev() {
+            self.evict_stitch(backend, index)?;
+        }
+        Ok(())
+    }
+
+    /// Unmaps dormant stitch `index` and releases its range; its events must be complete.
+    fn evict_stitch<B: Backend>(&mut self, backend: &B, index: usize) -> Result<(), BackendError> {
+        let stitch = self.stitches.take_dormant(index);
+        debug_assert!(stitch
+            .last_use
+            .iter()
+            .all(|&event| self.events.is_complete(event)));
+        backend.unmap_pages(DevicePtr(stitch.addr), stitch.size)?;
+        backend.release_address_space(DevicePtr(stitch.addr), stitch.size)?;
+        for event in stitch.last_use {
+            self.events.release(event, &mut self.stats);
+        }
+        self.stats.stitch_evictions += 1;
+        self.note(backend, TraceAction::Unstitch, stitch.addr, stitch.size, StreamSlot::MAX);
+        Ok(())
+    }
+}
