@@ -200,7 +200,7 @@ fn free_around_a_live_block(allocator: &Allocator<SimBackend>, stream: StreamId)
 /// for a request it cannot hold whole, within the limit, after one synchronisation.
 #[test]
 fn without_reclaims_a_limit_still_unmaps_free_memory_to_make_room() {
-    let config = Config::parse("reclaim:false,memory_limit:64MiB").unwrap();
+    let config = Config::parse("reclaim:false,stitch:false,memory_limit:64MiB").unwrap();
     let (device, allocator) = allocator(1 << 30, config);
     let stream = device.create_stream();
     let live = free_around_a_live_block(&allocator, stream);
@@ -234,7 +234,7 @@ fn without_reclaims_memory_grows_instead_of_synchronising() {
         allocator.check_invariants().unwrap();
         stats
     };
-    let quiet = run("reclaim:false");
+    let quiet = run("reclaim:false,stitch:false");
     assert_eq!(
         (quiet.device_syncs, quiet.page_unmap_bytes),
         (0, 0),
@@ -242,10 +242,20 @@ fn without_reclaims_memory_grows_instead_of_synchronising() {
     );
     // 14 MiB mapped over the 26 freed at the top, past the 60 MiB live peak.
     assert_eq!(quiet.reserved_bytes.peak, 74 * MIB, "{quiet:?}");
-    // The default reclaims here: it synchronises and unmaps to stay near the peak.
-    let reclaiming = run("");
+    // Without stitching, the default reclaims here: it synchronises and unmaps to stay
+    // near the peak.
+    let reclaiming = run("stitch:false");
     assert_eq!(reclaiming.device_syncs, 1, "{reclaiming:?}");
     assert_eq!(reclaiming.reserved_bytes.peak, 60 * MIB, "{reclaiming:?}");
+    // With it (the default), the free pages on both sides of the live block are mapped
+    // into one range: no synchronisation, nothing unmapped, nothing grown.
+    let stitching = run("");
+    assert_eq!(
+        (stitching.device_syncs, stitching.page_unmap_bytes, stitching.stitches),
+        (0, 0, 1),
+        "{stitching:?}"
+    );
+    assert_eq!(stitching.reserved_bytes.peak, 60 * MIB, "{stitching:?}");
 }
 
 #[test]

@@ -65,6 +65,7 @@ fn serves_page_files_and_data() {
     let width = |t: &str| match t {
         "f64" => 8,
         "i32" => 4,
+        "u32" => 4,
         "u16" => 2,
         _ => 1,
     };

@@ -92,7 +92,7 @@ impl State {
         // 4. Stitch free pages of the pool into one range, or revive a stitch kept from an
         //    earlier free (expandable segments; see `stitch`).
         if !capturing {
-            if let Some(key) = self.stitch(backend, need)? {
+            if let Some(key) = self.stitch(backend, need, config.reuse_policy)? {
                 return Ok(self.hand_out_whole(key, slot, requested, self.clock(backend)));
             }
         }

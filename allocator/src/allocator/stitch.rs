@@ -37,9 +37,13 @@ use crate::lifetime::EventKey;
 use crate::pool::stitch::{whole_pages, Source, Stitch};
 use thin_vec::ThinVec;
 
-/// Requests of fewer pages are not stitched: their holes are what small free blocks fill,
-/// and a mapping per request would cost more than the memory it saves.
-const MIN_STITCH_PAGES: u64 = 2;
+/// Requests of at most this many pages are not stitched: any free whole page fits one
+/// (so best fit finds it), and stitching pieces of pages is impossible.
+const MAX_UNSTITCHED_PAGES: u64 = 1;
+
+/// Growing only the shortfall before stitching is tried at most this many times (each
+/// maps at least a page; a placement may join a free block already counted).
+const SHORTFALL_TRIES: usize = 8;
 
 /// A stitch maps at most this many runs of pages (each at least one `cuMemMap`).
 const MAX_SOURCES: usize = 32;
@@ -70,27 +74,73 @@ impl State {
         &mut self,
         backend: &B,
         need: Need,
+        policy: ReusePolicy,
     ) -> Result<Option<BlockKey>, AllocError> {
         let Some(vmm) = self.growth.expandable() else {
             return Ok(None);
         };
         let page = vmm.page;
-        if !self.stitching || need.size < MIN_STITCH_PAGES * page {
+        if !self.stitching || need.size <= MAX_UNSTITCHED_PAGES * page {
             return Ok(None);
         }
         let memory_pool = self.streams.pool(need.slot);
-        if let Some(index) = self.revivable(need, memory_pool, page) {
+        // Under PyTorch's policy a block never moves between streams or waits on events:
+        // only the stream's own ready pages are stitched.
+        let waits = policy == ReusePolicy::StreamWait;
+        if let Some(index) = self.revivable(need, memory_pool, page, waits) {
             return self.revive(backend, index, need).map(Some);
         }
-        match self.pick_free_pages(need, memory_pool, page) {
-            Some(picks) => self.make_stitch(backend, need, memory_pool, picks),
-            None => Ok(None),
+        for _ in 0..SHORTFALL_TRIES {
+            let r = self.pick_free_pages(need, memory_pool, page, waits);
+            if std::env::var_os("SA_DEBUG").is_some() { eprintln!("STITCH size={} -> {:?}", need.size>>20, r.as_ref().map(|p| p.len()).map_err(|e| e>>20)); }
+            let shortfall = match r {
+                Ok(picks) => return self.make_stitch(backend, need, memory_pool, picks),
+                Err(0) => return Ok(None),
+                Err(shortfall) => shortfall,
+            };
+            // Map only what the pool's free pages lack, then stitch them all: memory grows
+            // by the shortfall, not by the request.
+            if !self.grow_shortfall(backend, need, shortfall)? {
+                return Ok(None);
+            }
+        }
+        Ok(None)
+    }
+
+    /// Maps at least `shortfall` bytes into `need.slot`'s reservation (mapping only, no
+    /// reclaim: every free page is about to be used) and lists the free block that holds
+    /// them. False if the limit, the device or the address space refuses.
+    fn grow_shortfall<B: Backend>(
+        &mut self,
+        backend: &B,
+        need: Need,
+        shortfall: u64,
+    ) -> Result<bool, AllocError> {
+        let Need { slot, pool, .. } = need;
+        let segment = match self
+            .growth
+            .expandable()
+            .and_then(|vmm| vmm.segment_of(slot, pool))
+        {
+            Some(segment) => segment,
+            None => self.add_expandable_segment(backend, pool, slot)?,
+        };
+        let Some(placement) = self.placement_mapping(segment, shortfall, slot) else {
+            return Ok(false);
+        };
+        match self.map_placement(backend, segment, placement, shortfall, slot)? {
+            Some(key) => {
+                self.list(key);
+                Ok(true)
+            }
+            None => Ok(false),
         }
     }
 
     /// The smallest dormant stitch of `memory_pool` that fits `need` within
-    /// [`REVIVE_SLACK`] and whose pages all lie in free blocks now.
-    fn revivable(&self, need: Need, memory_pool: PoolId, page: u64) -> Option<usize> {
+    /// [`REVIVE_SLACK`] and whose pages all lie in free blocks now (ready blocks of
+    /// `need.slot` unless `waits` allows any).
+    fn revivable(&self, need: Need, memory_pool: PoolId, page: u64, waits: bool) -> Option<usize> {
         let slack = (need.size / REVIVE_SLACK).max(page);
         let mut best: Option<(u64, usize)> = None;
         for (index, stitch) in self.stitches.dormant().iter().enumerate() {
@@ -104,7 +154,12 @@ impl State {
             if stitch
                 .sources
                 .iter()
-                .all(|source| self.free_block_over(source).is_some())
+                .all(|source| {
+                    self.free_block_over(source).is_some_and(|key| {
+                        let block = self.arena.block(key);
+                        waits || (block.owner() == need.slot && block.pending().is_empty())
+                    })
+                })
             {
                 best = Some((stitch.size, index));
             }
@@ -124,20 +179,28 @@ impl State {
 
     /// Runs of free whole pages of `memory_pool` that cover `need` together: the largest
     /// first (fewest mappings), and for what remains the smallest run that covers it (so a
-    /// large run is not cut for a little). `None` if the pool's free pages fall short or
-    /// would take more than [`MAX_SOURCES`] runs.
-    fn pick_free_pages(&self, need: Need, memory_pool: PoolId, page: u64) -> Option<Vec<Pick>> {
+    /// large run is not cut for a little). If the pool's free pages fall short, the bytes
+    /// they lack (0 if there are none at all, or if covering would take more than
+    /// [`MAX_SOURCES`] runs: growing is then the better choice).
+    fn pick_free_pages(
+        &self,
+        need: Need,
+        memory_pool: PoolId,
+        page: u64,
+        waits: bool,
+    ) -> Result<Vec<Pick>, u64> {
         let want = need.size.div_ceil(page) * page;
         let mut runs: Vec<Pick> = Vec::new();
-        for state in self.streams.states.iter() {
-            if state.pool != memory_pool {
+        for (index, state) in self.streams.states.iter().enumerate() {
+            let own = index as StreamSlot == need.slot;
+            if state.pool != memory_pool || !(own || waits) {
                 continue;
             }
             let lists = [
-                &state.ready[need.pool as usize],
-                &state.pending[need.pool as usize],
+                Some(&state.ready[need.pool as usize]),
+                waits.then_some(&state.pending[need.pool as usize]),
             ];
-            for list in lists {
+            for list in lists.into_iter().flatten() {
                 for key in list.keys_at_least(page) {
                     let block = self.arena.block(key);
                     if !block.is_expandable() {
@@ -154,11 +217,13 @@ impl State {
                 }
             }
         }
-        if runs.iter().map(|run| run.len).sum::<u64>() < want {
-            return None;
-        }
         // Largest first; among equals, lowest address first, so choices are deterministic.
         runs.sort_unstable_by(|a, b| b.len.cmp(&a.len).then(a.addr.cmp(&b.addr)));
+        // What the largest runs lack (one source is left for the memory grown for it).
+        let usable: u64 = runs.iter().take(MAX_SOURCES - 1).map(|run| run.len).sum();
+        if usable < want {
+            return Err(if usable > 0 { want - usable } else { 0 });
+        }
         let mut picks = Vec::new();
         let mut got = 0;
         let mut rest = runs.as_slice();
@@ -170,12 +235,18 @@ impl State {
                 got = want;
                 break;
             }
-            let (run, tail) = rest.split_first()?;
+            let Some((run, tail)) = rest.split_first() else {
+                break;
+            };
             picks.push(*run);
             got += run.len;
             rest = tail;
         }
-        (got >= want).then_some(picks)
+        if got >= want {
+            Ok(picks)
+        } else {
+            Err(0)
+        }
     }
 
     /// Reserves a range for `picks`, maps their pages into it, lends them and registers the
