@@ -251,7 +251,11 @@ fn without_reclaims_memory_grows_instead_of_synchronising() {
     // into one range: no synchronisation, nothing unmapped, nothing grown.
     let stitching = run("");
     assert_eq!(
-        (stitching.device_syncs, stitching.page_unmap_bytes, stitching.stitches),
+        (
+            stitching.device_syncs,
+            stitching.page_unmap_bytes,
+            stitching.stitches
+        ),
         (0, 0, 1),
         "{stitching:?}"
     );

@@ -177,9 +177,10 @@ fn the_simulator_reports_unmapping_pages_in_use_and_touching_unmapped_ones() {
 }
 
 #[test]
+/// Without stitching: growing unmaps the free pages first, after a synchronisation.
 fn growth_unmaps_free_pages_only_after_their_streams_finish() {
     let device = SimBackend::new(1 << 30);
-    let config = Config::parse("expandable_segments:true").unwrap();
+    let config = Config::parse("expandable_segments:true,stitch:false").unwrap();
     let allocator = Allocator::new(device.clone(), config).unwrap();
     let (a, b) = (device.create_stream(), device.create_stream());
     // Stream a writes 8 MiB for a long time, then frees it: ready for a, but a's kernel is
@@ -201,6 +202,50 @@ fn growth_unmaps_free_pages_only_after_their_streams_finish() {
     assert!(device.calls("synchronize_device") >= 1);
     allocator.check_invariants().unwrap();
     allocator.free(second.ptr).unwrap();
+    allocator.empty_cache().unwrap();
+    assert_eq!(device.reserved(), 0);
+    allocator.check_invariants().unwrap();
+}
+
+/// Stream-aware pages: the same pages, freed on stream a while a's kernel still writes
+/// them, are stitched into b's range with a device-side wait, never a host
+/// synchronisation, and without growing past what b needs.
+#[test]
+fn stitched_pages_of_another_stream_wait_on_the_device_not_the_host() {
+    let device = SimBackend::new(1 << 30);
+    let allocator = Allocator::new(device.clone(), Config::default()).unwrap();
+    let (a, b) = (device.create_stream(), device.create_stream());
+    let first = allocator.malloc(8 * MIB, a).unwrap();
+    device.launch(
+        a,
+        &[Access::write(first.ptr, 8 * MIB)],
+        50_000_000,
+        "long write",
+    );
+    allocator.free(first.ptr).unwrap();
+    let second = allocator.malloc(10 * MIB, b).unwrap();
+    device.launch(b, &[Access::write(second.ptr, 10 * MIB)], 1_000, "b writes");
+    assert!(device.races().is_empty(), "{:?}", device.races());
+    let stats = allocator.stats();
+    assert_eq!(stats.stitches, 1, "{stats:?}");
+    assert_eq!(stats.reserved_bytes.peak, 10 * MIB, "{stats:?}");
+    assert_eq!(device.calls("synchronize_device"), 0);
+    assert!(stats.cross_stream_waits >= 1, "{stats:?}");
+    allocator.check_invariants().unwrap();
+    // Freed, the range is kept: the same request takes it again, mapping nothing.
+    allocator.free(second.ptr).unwrap();
+    let maps = device.calls("alias_pages") + device.calls("map_pages");
+    let again = allocator.malloc(10 * MIB, b).unwrap();
+    assert_eq!(again.ptr, second.ptr);
+    assert_eq!(
+        device.calls("alias_pages") + device.calls("map_pages"),
+        maps
+    );
+    assert_eq!(allocator.stats().stitch_revivals, 1);
+    device.launch(b, &[Access::write(again.ptr, 10 * MIB)], 1_000, "b again");
+    assert!(device.races().is_empty(), "{:?}", device.races());
+    allocator.free(again.ptr).unwrap();
+    allocator.check_invariants().unwrap();
     allocator.empty_cache().unwrap();
     assert_eq!(device.reserved(), 0);
     allocator.check_invariants().unwrap();

@@ -36,7 +36,8 @@ class StreamallocStats(ctypes.Structure):
             "segment_allocs", "segment_frees", "cross_stream_waits", "events_recorded",
             "event_queries", "events_outstanding", "events_created", "events_destroyed",
             "ooms", "retries", "invalid_frees", "memory_limit", "device_syncs",
-            "page_map_bytes", "page_unmap_bytes",
+            "page_map_bytes", "page_unmap_bytes", "stitches", "stitched_map_bytes",
+            "stitch_revivals", "stitch_evictions",
         )
     ]
 

@@ -224,6 +224,11 @@ fn on_expandable_block<T>(
     let Some((device, site)) = super::pools::allocation_owner(registry, ptr) else {
         return Err(format!("{ptr:#x} is not a live allocation of streamalloc"));
     };
+    if site.stitched {
+        return Err(format!(
+            "{ptr:#x} is a stitched range (free pages of several mappings joined), which CUDA IPC cannot share: allocate tensors to share with STREAMALLOC_CONF=stitch:false"
+        ));
+    }
     if !site.expandable {
         return Err(format!(
             "{ptr:#x} lies in a whole segment, which is shared with cudaIpcGetMemHandle"

@@ -67,6 +67,14 @@ pub struct StreamallocStats as "streamalloc_stats_t" {
     pub page_map_bytes: u64,
     /// Bytes unmapped from expandable segments, in all.
     pub page_unmap_bytes: u64,
+    /// Stitched ranges made (free pages mapped a second time into one range).
+    pub stitches: u64,
+    /// Bytes mapped into stitched ranges (no memory reserved by them).
+    pub stitched_map_bytes: u64,
+    /// Stitched ranges taken again without mapping.
+    pub stitch_revivals: u64,
+    /// Stitched ranges unmapped.
+    pub stitch_evictions: u64,
 }
 }
 
@@ -101,6 +109,10 @@ impl StreamallocStats {
             device_syncs: stats.device_syncs,
             page_map_bytes: stats.page_map_bytes,
             page_unmap_bytes: stats.page_unmap_bytes,
+            stitches: stats.stitches,
+            stitched_map_bytes: stats.stitched_map_bytes,
+            stitch_revivals: stats.stitch_revivals,
+            stitch_evictions: stats.stitch_evictions,
         }
     }
 }

@@ -62,11 +62,6 @@ impl State {
             None => self.add_expandable_segment(backend, pool, slot)?,
         };
         // Only mapping that follows a reclaim is charged to it: the clock is read for that.
-        if std::env::var_os("SA_DEBUG").is_some() {
-            let mut free_pages = 0u64; let mut free_all = 0u64; let mut other = 0u64;
-            for (k, b) in self.arena.blocks() { if b.is_free() { free_all += b.size(); let (_, l) = crate::pool::stitch::whole_pages(b.addr(), b.size(), 2<<20); free_pages += l; if b.owner()!=slot {other+=b.size();} } }
-            eprintln!("GROW size={} live={} reserved={} free={} free_pages={} other_stream_free={} reclaimed={}", size>>20, self.stats.allocated_bytes.current>>20, self.stats.reserved_bytes.current>>20, free_all>>20, free_pages>>20, other>>20, reclaimed);
-        }
         let map_started = reclaimed.then(|| backend.now_ns());
         let mapped = match self.placement(segment, size, slot) {
             Some(placement) => self.map_placement(backend, segment, placement, size, slot),
@@ -307,11 +302,6 @@ impl State {
             .max(self.stats.allocated_bytes.current + size);
         self.arena.mark_mapped(mapped, slot);
         self.stats.reserved_bytes.add(map);
-        if std::env::var_os("SA_DEBUG").is_some() && self.stats.reserved_bytes.current >= self.stats.reserved_bytes.peak {
-            let mut free_pages = 0u64; let mut free_all = 0u64; let mut pend = 0u64; let mut other=0u64; let mut lent=0u64;
-            for (_, b) in self.arena.blocks() { if b.is_lent() {lent+=b.size();} if b.is_free() { free_all += b.size(); if !b.pending().is_empty() {pend+=b.size();} if b.owner()!=slot {other+=b.size();} let (_, l) = crate::pool::stitch::whole_pages(b.addr(), b.size(), 2<<20); free_pages += l; } }
-            eprintln!("PEAK map={} size={} live={} reserved={} free={} free_pages={} pending={} other={} lent={}", map>>20, size>>20, self.stats.allocated_bytes.current>>20, self.stats.reserved_bytes.current>>20, free_all>>20, free_pages>>20, pend>>20, other>>20, lent>>20);
-        }
         self.note(backend, TraceAction::SegmentMap, addr, map, slot);
         // Join the caller's free blocks on both sides, not only the one the placement packed
         // against: a mapping that fills its stretch borders both, and `hand_out` lists the

@@ -331,7 +331,10 @@ impl State {
             }
             for (source, &key) in stitch.sources.iter().zip(&stitch.lent) {
                 let Some(block) = self.arena.get_block(key) else {
-                    return Err(format!("stitch at {:#x} lends a missing block", stitch.addr));
+                    return Err(format!(
+                        "stitch at {:#x} lends a missing block",
+                        stitch.addr
+                    ));
                 };
                 let owner_pool = self
                     .streams
@@ -371,14 +374,11 @@ impl State {
         }
         for stitch in self.stitches.dormant() {
             for source in &stitch.sources {
-                let unmapped = self
-                    .arena
-                    .segment_blocks(source.segment)
-                    .any(|(_, b)| {
-                        b.is_unmapped()
-                            && b.addr() < source.addr + source.len
-                            && source.addr < b.addr() + b.size()
-                    });
+                let unmapped = self.arena.segment_blocks(source.segment).any(|(_, b)| {
+                    b.is_unmapped()
+                        && b.addr() < source.addr + source.len
+                        && source.addr < b.addr() + b.size()
+                });
                 if unmapped {
                     return Err(format!(
                         "dormant stitch at {:#x} maps pages at {:#x} that were unmapped",

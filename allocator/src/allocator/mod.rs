@@ -40,10 +40,10 @@ use crate::lifetime::{EventKey, EventTable, PoolTable, StreamTable};
 use crate::lock::EngineLock;
 use crate::pool::arena::{Arena, BlockKey, StreamSlot};
 use crate::pool::expandable::ExpandableTable;
-use crate::pool::stitch::StitchTable;
 use crate::pool::size::{
     pool_of, round_size, segment_size_for, should_split, MAX_REQUEST, MIN_BLOCK_SIZE,
 };
+use crate::pool::stitch::StitchTable;
 use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 use crate::stats::Stats;
 use crate::trace::{CompactRing, TraceAction, NO_STREAM};
@@ -99,8 +99,12 @@ pub struct AllocationSite {
     pub segment: DevicePtr,
     /// The segment's bytes (the reservation's, for an expandable segment).
     pub segment_size: u64,
-    /// The segment is expandable (memory mapped through the VMM API).
+    /// The memory is mapped through the VMM API: an expandable segment, or a stitched
+    /// range.
     pub expandable: bool,
+    /// The allocation is a stitched range (pages of several mappings joined), which CUDA
+    /// IPC cannot share.
+    pub stitched: bool,
 }
 
 /// A caching allocator for one device over backend `B`. `Send + Sync` when `B` is; every
@@ -460,7 +464,8 @@ impl<B: Backend> Allocator<B> {
             size: block.size(),
             segment: DevicePtr(segment.addr()),
             segment_size: segment.size(),
-            expandable: segment.is_expandable(),
+            expandable: segment.is_expandable() || segment.is_stitched(),
+            stitched: segment.is_stitched(),
         })
     }
 

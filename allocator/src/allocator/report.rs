@@ -65,9 +65,24 @@ impl State {
     }
 
     pub(super) fn snapshot<B: Backend>(&mut self, backend: &B, config: &Config) -> Snapshot {
+        // A stitched range reserves no memory of its own: it is shown where its pages are,
+        // each lent run as a block allocated to the range's stream, carrying its share of
+        // the bytes asked for, so that segments add up to reserved memory and blocks to
+        // allocated memory in every viewer.
+        let mut lent: HashMap<BlockKey, (StreamSlot, u64)> = HashMap::new();
+        for (segment, stitch) in self.stitches.actives() {
+            let range = self.arena.block(self.arena.segment(segment).head());
+            let mut requested = range.requested();
+            for &key in &stitch.lent {
+                let share = requested.min(self.arena.block(key).size());
+                requested -= share;
+                lent.insert(key, (range.owner(), share));
+            }
+        }
         let mut segments: Vec<SegmentInfo> = self
             .arena
             .segments()
+            .filter(|(_, seg)| !seg.is_stitched())
             .map(|(segment, seg)| SegmentInfo {
                 addr: DevicePtr(seg.addr()),
                 // An expandable segment reports the memory mapped into it, and only the
@@ -86,19 +101,25 @@ impl State {
                     .arena
                     .segment_blocks(segment)
                     .filter(|(_, block)| !block.is_unmapped())
-                    .map(|(_, block)| BlockInfo {
-                        addr: DevicePtr(block.addr()),
-                        size: block.size(),
-                        requested: block.requested(),
-                        state: if block.is_allocated() {
-                            BlockState::ActiveAllocated
-                        } else if block.pending().is_empty() {
-                            BlockState::Inactive
-                        } else {
-                            BlockState::ActivePendingFree
-                        },
-                        stream: self.streams.id(block.owner()),
-                        pending_events: block.pending().len() as u32,
+                    .map(|(key, block)| {
+                        let (owner, requested) = lent
+                            .get(&key)
+                            .copied()
+                            .unwrap_or((block.owner(), block.requested()));
+                        BlockInfo {
+                            addr: DevicePtr(block.addr()),
+                            size: block.size(),
+                            requested,
+                            state: if block.is_allocated() || block.is_lent() {
+                                BlockState::ActiveAllocated
+                            } else if block.pending().is_empty() {
+                                BlockState::Inactive
+                            } else {
+                                BlockState::ActivePendingFree
+                            },
+                            stream: self.streams.id(owner),
+                            pending_events: block.pending().len() as u32,
+                        }
                     })
                     .collect(),
             })

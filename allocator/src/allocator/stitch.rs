@@ -91,9 +91,7 @@ impl State {
             return self.revive(backend, index, need).map(Some);
         }
         for _ in 0..SHORTFALL_TRIES {
-            let r = self.pick_free_pages(need, memory_pool, page, waits);
-            if std::env::var_os("SA_DEBUG").is_some() { eprintln!("STITCH size={} -> {:?}", need.size>>20, r.as_ref().map(|p| p.len()).map_err(|e| e>>20)); }
-            let shortfall = match r {
+            let shortfall = match self.pick_free_pages(need, memory_pool, page, waits) {
                 Ok(picks) => return self.make_stitch(backend, need, memory_pool, picks),
                 Err(0) => return Ok(None),
                 Err(shortfall) => shortfall,
@@ -151,16 +149,12 @@ impl State {
             {
                 continue;
             }
-            if stitch
-                .sources
-                .iter()
-                .all(|source| {
-                    self.free_block_over(source).is_some_and(|key| {
-                        let block = self.arena.block(key);
-                        waits || (block.owner() == need.slot && block.pending().is_empty())
-                    })
+            if stitch.sources.iter().all(|source| {
+                self.free_block_over(source).is_some_and(|key| {
+                    let block = self.arena.block(key);
+                    waits || (block.owner() == need.slot && block.pending().is_empty())
                 })
-            {
+            }) {
                 best = Some((stitch.size, index));
             }
         }
@@ -327,7 +321,13 @@ impl State {
         }
         stitch.lent = lent;
         self.stats.stitch_revivals += 1;
-        self.note(backend, TraceAction::Stitch, stitch.addr, stitch.size, need.slot);
+        self.note(
+            backend,
+            TraceAction::Stitch,
+            stitch.addr,
+            stitch.size,
+            need.slot,
+        );
         Ok(self.activate_stitch(stitch, need))
     }
 
@@ -582,7 +582,13 @@ impl State {
             self.events.release(event, &mut self.stats);
         }
         self.stats.stitch_evictions += 1;
-        self.note(backend, TraceAction::Unstitch, stitch.addr, stitch.size, StreamSlot::MAX);
+        self.note(
+            backend,
+            TraceAction::Unstitch,
+            stitch.addr,
+            stitch.size,
+            StreamSlot::MAX,
+        );
         Ok(())
     }
 }

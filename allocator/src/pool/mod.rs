@@ -12,8 +12,8 @@
 pub(crate) mod arena;
 pub(crate) mod expandable;
 pub(crate) mod free_list;
-pub(crate) mod stitch;
 pub mod size;
+pub(crate) mod stitch;
 
 pub use size::{
     round_size, segment_size_for, LARGE_SEGMENT_SIZE, MIN_BLOCK_SIZE, SMALL_REQUEST_LIMIT,

@@ -90,7 +90,9 @@ impl StitchTable {
 
     /// Every active stitch, by arena segment.
     pub(crate) fn actives(&self) -> impl Iterator<Item = (SegmentKey, &Stitch)> {
-        self.active.iter().map(|(segment, stitch)| (*segment, stitch))
+        self.active
+            .iter()
+            .map(|(segment, stitch)| (*segment, stitch))
     }
 
     /// Takes the active stitch of `segment` out of the table (its range was freed).

@@ -40,6 +40,7 @@ typedef struct streamalloc_stats {
   uint64_t ooms, retries, invalid_frees;
   uint64_t memory_limit; /* 0: none */
   uint64_t device_syncs, page_map_bytes, page_unmap_bytes;
+  uint64_t stitches, stitched_map_bytes, stitch_revivals, stitch_evictions;
 } streamalloc_stats_t;
 
 /* One segment of a snapshot. For expandable segments, each run of mapped pages is one

@@ -206,7 +206,12 @@ impl PageMap {
                     break;
                 }
                 let to = (at + mapping.size).min(end);
-                parts.push((dst.0 + (cursor - src.0), to - cursor, cursor - at, mapping.handle));
+                parts.push((
+                    dst.0 + (cursor - src.0),
+                    to - cursor,
+                    cursor - at,
+                    mapping.handle,
+                ));
                 cursor = to;
             }
         }
