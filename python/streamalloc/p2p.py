@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from . import _ce
 
-__all__ = ["exchange", "Exchange", "P2PError"]
+__all__ = ["batch_isend_irecv", "exchange", "Exchange", "P2PError"]
 
 _MAGIC = 0x5350_3250  # "SP2P", as in plan.rs
 _ROW = 9  # columns of a plan row (src/ffi/p2p.rs)
@@ -209,6 +209,10 @@ class _Run:
     numels: list = field(default_factory=list)
     view: object = None  # the run's typed view of its staging buffer (set on first run)
     parts: list = None  # that view split per tensor (receive side)
+    # Where the tensors come from: ``lists[direction][peer][first:first + len(tensors)]``
+    # (the planner packs each peer's list in order), so new tensors of the same shapes
+    # rebind by slicing (:meth:`Exchange._rebind`).
+    source: tuple = None  # (direction, peer, first)
 
 
 @dataclass
@@ -219,6 +223,9 @@ class _Msg:
     length: int = 0
     runs: list = field(default_factory=list)
     pieces: list = field(default_factory=list)  # (uint8 view of tensor slice, buffer offset)
+    # (direction, peer, tensor index, tensor offset) of the zero-copy tensor and of each piece
+    zero_copy_source: tuple = None
+    piece_sources: list = field(default_factory=list)
     buffer: int = -1  # index of the staging buffer it uses (packed only)
     wire: object = None  # the staging bytes on the wire (set on first run)
     staged: list = None  # the staging slices of ``pieces`` (set on first run)
@@ -254,16 +261,21 @@ def _prepare(rows, tensors, sizes, to_global):
             msg = slot[direction] = _Msg(peer=to_global(peer), rank=peer, length=wire)
         if kind == 1:
             msg.zero_copy = _bytes_view(t)
+            msg.zero_copy_source = (direction, peer, ti)
             continue
         whole = t_off == 0 and length == sizes[direction][peer][ti]
         runs = msg.runs
-        if whole and runs and runs[-1].dtype == t.dtype and runs[-1].end == b_off:
+        if (whole and runs and runs[-1].dtype == t.dtype and runs[-1].end == b_off
+                and runs[-1].source[:2] == (direction, peer)
+                and runs[-1].source[2] + len(runs[-1].tensors) == ti):
             run = runs[-1]
         elif whole:
-            run = _Run(start=b_off, end=b_off, dtype=t.dtype, itemsize=t.element_size())
+            run = _Run(start=b_off, end=b_off, dtype=t.dtype, itemsize=t.element_size(),
+                       source=(direction, peer, ti))
             runs.append(run)
         else:
             msg.pieces.append((_bytes_view(t)[t_off:t_off + length], b_off, length))
+            msg.piece_sources.append((direction, peer, ti, t_off))
             continue
         run.tensors.append(_flat(t))
         run.numels.append(length // run.itemsize)
@@ -521,6 +533,14 @@ class Exchange:
         return ((not msg.pieces and len(msg.runs) == 1 and len(msg.runs[0].tensors) == 1)
                 or (not msg.runs and len(msg.pieces) == 1))
 
+    @staticmethod
+    def _direct_source(msg):
+        """(tensor, offset in the message, bytes) of a :meth:`_direct` message."""
+        if msg.runs:
+            run = msg.runs[0]
+            return run.tensors[0], run.start, run.end - run.start
+        return msg.pieces[0]
+
     def _ce_send_buffers(self):
         """(count, bytes) of the local send buffers: only messages of several tensors (or
         pieces) are packed locally before their one copy."""
@@ -579,11 +599,7 @@ class Exchange:
             msg.free_flag = base + layout.free(msg.rank, slot.buffer)
             if self._direct(msg):
                 msg.buffer = -1
-                if msg.runs:
-                    run = msg.runs[0]
-                    src, off, n = run.tensors[0], run.start, run.end - run.start
-                else:
-                    src, off, n = msg.pieces[0]
+                src, off, n = self._direct_source(msg)
                 msg.src, msg.dst, msg.nbytes = src.data_ptr(), remote + off, n
             else:
                 msg.buffer = packed % count
@@ -649,6 +665,31 @@ class Exchange:
         for s in (pack, copy, unpack):
             cur.wait_stream(s)
 
+    def _rebind(self, send_lists, recv_lists):
+        """Points the agreed plan at new tensors of the same shapes, dtypes and order (the
+        drop-in's cached plans): ``lists[peer]`` of 1-D contiguous tensors. Costs a few
+        slices per message, not per tensor: staging buffers and their views stay as they
+        are."""
+        lists = (send_lists, recv_lists)
+        ce = self.transport == "ce" and self._buffers is not None
+        for pair in self._rounds:
+            for msg in pair:
+                if msg is None:
+                    continue
+                if msg.zero_copy_source is not None:
+                    d, p, i = msg.zero_copy_source
+                    msg.zero_copy = _bytes_view(lists[d][p][i])
+                for run in msg.runs:
+                    d, p, first = run.source
+                    run.tensors = lists[d][p][first:first + len(run.tensors)]
+                if msg.piece_sources:
+                    msg.pieces = [(_bytes_view(lists[d][p][i])[o:o + n], b, n)
+                                  for (d, p, i, o), (_, b, n) in zip(msg.piece_sources,
+                                                                     msg.pieces)]
+                if ce and msg is pair[0] and msg.buffer < 0:
+                    msg.src = self._direct_source(msg)[0].data_ptr()
+        self._self_copies = (list(recv_lists[self.rank]), list(send_lists[self.rank]))
+
     def release(self):
         """Returns the staging buffers (kept between runs otherwise; at most the budget).
         With the copy-engine transport a collective: peers write into this rank's memory
@@ -695,6 +736,14 @@ class Exchange:
 
     def run(self) -> dict:
         """Moves the bytes. Returns the plan's figures for this rank."""
+        import torch
+
+        # Parameters and other leaves that require grad are moved as ``p.data`` would be:
+        # packing with ``out=`` and unpacking in place are not differentiable operations.
+        with torch.no_grad():
+            return self._run()
+
+    def _run(self) -> dict:
         import torch
         import torch.distributed as dist
 
@@ -834,3 +883,240 @@ def exchange(sends: dict, recvs: dict, budget_mib: float = 128, group=None,
         return ex.run()
     finally:
         ex.release()
+
+
+# ---- The drop-in for torch.distributed.batch_isend_irecv ----
+#
+# Users already write lists of ``torch.distributed.P2POp``. The drop-in turns such a list into
+# per-peer lists (the k-th isend to B is B's k-th irecv from this rank, as NCCL matches them)
+# and runs them through an :class:`Exchange`. The expensive part of an exchange is agreeing on
+# it (gathering descriptions, planning, mapping the copy engine's buffers), so the agreed
+# exchange is cached by the shape of every rank's list: a loop that sends the same shapes every
+# step agrees once. What remains per call is one pass over the list (it has to be read), one
+# 8-byte all-gather of each rank's shape digest on a host-side group (so a changed list on
+# any rank sends every rank back to agreement together, never one rank into a collective the
+# others skip) and rebinding the plan to the new tensors (a few slices per message).
+
+_EMPTY_DIGEST = 0  # a rank with nothing to send or receive
+_FAILED_DIGEST = -1  # a rank whose list is invalid: every rank then raises its message
+_CACHED_EXCHANGES = 8  # agreed exchanges kept per group (each holds its staging buffers)
+
+
+class _Work:
+    """One handle for the whole batch. ``wait()`` makes the caller's current stream wait for
+    the exchange (on the device: the host does not block), as NCCL's works do."""
+
+    def __init__(self, event, device):
+        self._event = event
+        self._device = device
+
+    def wait(self, timeout=None) -> bool:
+        if self._event is not None:
+            import torch
+
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def synchronize(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def result(self) -> list:
+        return []
+
+
+@dataclass
+class _Translated:
+    """A P2POp list read once: per-peer lists (group ranks) and the list's shape."""
+    send_lists: list
+    recv_lists: list
+    signature: list  # per op: (peer * 2 + is_recv, bytes, dtype code), flattened
+    device: object
+
+
+def _op_direction(n, fn, isend, irecv) -> int:
+    """0 for a send, 1 for a receive: the functions of torch.distributed, or anything named
+    ``isend``/``irecv`` (``P2POp`` checks the same)."""
+    if fn is isend:
+        return 0
+    if fn is irecv:
+        return 1
+    name = getattr(fn, "__name__", None)
+    if name == "isend":
+        return 0
+    if name == "irecv":
+        return 1
+    raise P2PError(f"op {n}: P2POp.op must be torch.distributed.isend or irecv, not {fn!r}")
+
+
+def translate_ops(ops, rank: int, world: int, group_rank=None, isend=None, irecv=None):
+    """Reads a P2POp list (objects with ``op``, ``tensor`` and ``peer``; ``group_rank``
+    maps ``peer``, a global rank, to the group's rank) into per-peer lists in list order.
+    Raises :class:`P2PError` naming the first bad operation. Pure Python: works on any
+    objects with those fields and tensor methods (``is_contiguous``, ``get_device``,
+    ``dim``, ``view``, ``nbytes``, ``dtype``)."""
+    send_lists = [[] for _ in range(world)]
+    recv_lists = [[] for _ in range(world)]
+    lists = (send_lists, recv_lists)
+    signature = []
+    add = signature.extend
+    device_index, device = None, None
+    peers = {}
+    for n, op in enumerate(ops):
+        direction = _op_direction(n, op.op, isend, irecv)
+        peer = op.peer
+        p = peers.get(peer)
+        if p is None:
+            if group_rank is not None and peer is not None and peer >= 0:
+                p = group_rank(peer)
+            else:
+                p = peer
+            if not isinstance(p, int) or not 0 <= p < world:
+                raise P2PError(f"op {n}: peer {peer!r} is not a rank of the group "
+                               f"(0..{world - 1})")
+            if p == rank:
+                raise P2PError(f"op {n}: rank {rank} sends to or receives from itself; "
+                               "copy the tensor instead")
+            peers[peer] = p
+        t = op.tensor
+        if not t.is_contiguous():
+            raise P2PError(f"op {n} (peer {peer}): the tensor is not contiguous; pass "
+                           "t.contiguous() and copy the result back after wait()")
+        index = t.get_device()
+        if index != device_index:
+            if device_index is not None:
+                raise P2PError(f"op {n} (peer {peer}): the tensor is on {t.device}, the "
+                               f"first op's is on {device}; use one device")
+            device_index, device = index, t.device
+        lists[direction][p].append(t if t.dim() == 1 else t.view(-1))
+        add((p * 2 + direction, t.nbytes, dtype_code(t.dtype)))
+    return _Translated(send_lists, recv_lists, signature, device)
+
+
+def signature_digest(signature, budget_bytes: int) -> int:
+    """A 62-bit digest of a list's shape and the budget, never :data:`_EMPTY_DIGEST` or
+    :data:`_FAILED_DIGEST`; an empty list with any budget is :data:`_EMPTY_DIGEST`."""
+    import hashlib
+
+    if not signature:
+        return _EMPTY_DIGEST
+    data = array.array("q", signature).tobytes() + struct.pack("<q", budget_bytes)
+    digest = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return (digest >> 2) or 1
+
+
+class _GroupState:
+    """Per process group: the host-side group that gathers digests and the cached
+    exchanges (the same entries, added and evicted in the same order, on every rank)."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.exchanges = {}  # (digests, budget, transport) -> Exchange, oldest first
+        self.check_group, self.check_device = self._check_group(group)
+
+    @staticmethod
+    def _check_group(group):
+        """A gloo group over the same ranks, so gathering digests costs no device sync;
+        the group itself where it is already gloo or gloo is missing."""
+        import torch
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend(group)).lower()
+        if "gloo" in backend and "nccl" not in backend:
+            return group, torch.device("cpu")
+        if dist.is_gloo_available():
+            ranks = dist.get_process_group_ranks(group if group is not None
+                                                 else dist.group.WORLD)
+            gloo = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+            return gloo, torch.device("cpu")
+        return group, torch.device("cuda", torch.cuda.current_device())
+
+    def gather_digests(self, digest: int) -> tuple:
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([digest], dtype=torch.int64, device=self.check_device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(everyone, mine, group=self.check_group)
+        return tuple(int(t.item()) for t in everyone)
+
+
+_GROUPS: dict = {}
+
+
+def batch_isend_irecv(p2p_op_list, group=None, budget_mib: float = 128, *,
+                      transport: str = "auto"):
+    """:func:`torch.distributed.batch_isend_irecv` through a bounded staging exchange: the
+    same list of ``P2POp``, any number of them, at most ``budget_mib`` of staging memory per
+    rank. Returns a list of works whose ``wait()`` orders the caller's current stream after
+    the received data has landed.
+
+    A collective: every rank of ``group`` (default: the ops' group, else the world) calls
+    it, including ranks with an empty list. Sends and receives between two ranks match in
+    order, as NCCL's do: the k-th isend from A to B fills the k-th irecv on B from A, so
+    both must have the same size and dtype. Invalid lists (bad peer, self-send,
+    non-contiguous tensor, several devices) and lists that do not match across ranks raise
+    the same :class:`P2PError` on every rank instead of hanging.
+
+    The exchange agreed for one set of shapes is kept (``_CACHED_EXCHANGES`` per group,
+    with their staging buffers): a loop sending the same shapes every step agrees on the
+    first step only. ``transport`` is :class:`Exchange`'s."""
+    import torch
+    import torch.distributed as dist
+
+    ops = list(p2p_op_list)
+    if group is None and ops:
+        group = getattr(ops[0], "group", None)
+    state = _GROUPS.get(group)
+    if state is None:
+        state = _GROUPS[group] = _GroupState(group)
+    rank, world = state.rank, state.world
+    budget = int(budget_mib * 2**20)
+    error = None
+    try:
+        if any(getattr(op, "group", None) not in (None, group) for op in ops):
+            raise P2PError("the P2POp list mixes process groups; pass one group's ops")
+        group_rank = None if group is None else (lambda p: dist.get_group_rank(group, p))
+        ops_in = translate_ops(ops, rank, world, group_rank, dist.isend, dist.irecv)
+        digest = signature_digest(ops_in.signature, budget)
+    except P2PError as err:
+        error, digest = str(err), _FAILED_DIGEST
+    digests = state.gather_digests(digest)
+    if _FAILED_DIGEST in digests:
+        messages = [None] * world
+        dist.all_gather_object(messages, error, group=group)
+        failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+        raise P2PError(f"batch_isend_irecv: invalid P2POp list ({failed})")
+    if all(d == _EMPTY_DIGEST for d in digests):
+        return []
+    key = (digests, budget, transport)
+    exchange_ = state.exchanges.get(key)
+    if exchange_ is None:
+        if len(state.exchanges) >= _CACHED_EXCHANGES:  # the same eviction on every rank
+            oldest = next(iter(state.exchanges))
+            state.exchanges.pop(oldest).release()
+        sends = {p: ts for p, ts in enumerate(ops_in.send_lists) if ts}
+        recvs = {p: ts for p, ts in enumerate(ops_in.recv_lists) if ts}
+        exchange_ = Exchange(sends, recvs, budget_mib=budget_mib, group=group,
+                             transport=transport)
+        state.exchanges[key] = exchange_
+    else:
+        exchange_._rebind(ops_in.send_lists, ops_in.recv_lists)
+    exchange_.run()
+    device = exchange_.device
+    if device.type != "cuda":
+        return [_Work(None, device)]
+    return [_Work(torch.cuda.current_stream(device).record_event(), device)]
