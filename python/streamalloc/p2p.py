@@ -976,10 +976,15 @@ def translate_ops(ops, rank: int, world: int, group_rank=None, isend=None, irecv
         peer = op.peer
         p = peers.get(peer)
         if p is None:
-            if group_rank is not None and peer is not None and peer >= 0:
-                p = group_rank(peer)
-            else:
+            # PyTorch's P2POp carries the group rank as ``group_peer`` (2.6 and later).
+            p = getattr(op, "group_peer", None)
+            if p is None:
                 p = peer
+                if group_rank is not None and isinstance(peer, int) and peer >= 0:
+                    try:
+                        p = group_rank(peer)
+                    except (ValueError, RuntimeError):
+                        p = None
             if not isinstance(p, int) or not 0 <= p < world:
                 raise P2PError(f"op {n}: peer {peer!r} is not a rank of the group "
                                f"(0..{world - 1})")
@@ -1078,8 +1083,11 @@ def batch_isend_irecv(p2p_op_list, group=None, budget_mib: float = 128, *,
     import torch.distributed as dist
 
     ops = list(p2p_op_list)
+    world_group = dist.group.WORLD
     if group is None and ops:
         group = getattr(ops[0], "group", None)
+    if group is world_group:
+        group = None  # one state, and one digest group, for the world however it is named
     state = _GROUPS.get(group)
     if state is None:
         state = _GROUPS[group] = _GroupState(group)
@@ -1087,7 +1095,10 @@ def batch_isend_irecv(p2p_op_list, group=None, budget_mib: float = 128, *,
     budget = int(budget_mib * 2**20)
     error = None
     try:
-        if any(getattr(op, "group", None) not in (None, group) for op in ops):
+        if budget_mib <= 0:
+            raise P2PError(f"budget_mib must be positive (got {budget_mib})")
+        own = (None, world_group) if group is None else (group,)
+        if any(getattr(op, "group", None) not in own for op in ops):
             raise P2PError("the P2POp list mixes process groups; pass one group's ops")
         group_rank = None if group is None else (lambda p: dist.get_group_rank(group, p))
         ops_in = translate_ops(ops, rank, world, group_rank, dist.isend, dist.irecv)
