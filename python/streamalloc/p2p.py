@@ -961,6 +961,8 @@ def _op_direction(n, fn, isend, irecv) -> int:
 def translate_ops(ops, rank: int, world: int, group_rank=None, isend=None, irecv=None):
     """Reads a P2POp list (objects with ``op``, ``tensor`` and ``peer``; ``group_rank``
     maps ``peer``, a global rank, to the group's rank) into per-peer lists in list order.
+    Ops to and from this rank itself are kept (NCCL runs them too): the k-th isend to
+    itself is copied into the k-th irecv from itself, which must match it like any pair's.
     Raises :class:`P2PError` naming the first bad operation. Pure Python: works on any
     objects with those fields and tensor methods (``is_contiguous``, ``get_device``,
     ``dim``, ``view``, ``nbytes``, ``dtype``)."""
@@ -988,9 +990,6 @@ def translate_ops(ops, rank: int, world: int, group_rank=None, isend=None, irecv
             if not isinstance(p, int) or not 0 <= p < world:
                 raise P2PError(f"op {n}: peer {peer!r} is not a rank of the group "
                                f"(0..{world - 1})")
-            if p == rank:
-                raise P2PError(f"op {n}: rank {rank} sends to or receives from itself; "
-                               "copy the tensor instead")
             peers[peer] = p
         t = op.tensor
         if not t.is_contiguous():
@@ -1072,9 +1071,11 @@ def batch_isend_irecv(p2p_op_list, group=None, budget_mib: float = 128, *,
     A collective: every rank of ``group`` (default: the ops' group, else the world) calls
     it, including ranks with an empty list. Sends and receives between two ranks match in
     order, as NCCL's do: the k-th isend from A to B fills the k-th irecv on B from A, so
-    both must have the same size and dtype. Invalid lists (bad peer, self-send,
-    non-contiguous tensor, several devices) and lists that do not match across ranks raise
-    the same :class:`P2PError` on every rank instead of hanging.
+    both must have the same size and dtype; a rank's ops to itself are copied, in the same
+    order. Invalid lists (a peer out of range, a non-contiguous tensor, several devices, an
+    op that is not isend or irecv) and lists that do not match across ranks (counts, sizes
+    or dtypes, a self-send without its receive included) raise the same :class:`P2PError`
+    on every rank instead of hanging.
 
     The exchange agreed for one set of shapes is kept (``_CACHED_EXCHANGES`` per group,
     with their staging buffers): a loop sending the same shapes every step agrees on the

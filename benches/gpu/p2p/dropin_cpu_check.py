@@ -22,15 +22,16 @@ from streamalloc.p2p import batch_isend_irecv
 
 def hang_pattern(rank, world, scale, order, seed):
     """multi_tensor_hang.py's pattern: T[i][j] sends of value (i + 1) * (j + 1) from i to
-    j, here of 1-40 elements of one size per ordered pair, posted in random or sorted
-    order. Returns (ops, received lists per peer, expected value per peer)."""
+    j (i itself included), here of 1-40 elements of one size per ordered pair, posted in
+    random or sorted order. Returns (ops, received lists per peer, expected value per peer)."""
     g = torch.Generator().manual_seed(seed)
     T = ((1 + torch.randperm(world * world, generator=g)) * scale).reshape(world, world)
     size = lambda i, j: 1 + (i * 7 + j * 13) % 40
+    # As in the reproduction, every rank also sends T[i][i] tensors to itself.
     sends = [dist.P2POp(dist.isend, torch.full((size(rank, j),), float((rank + 1) * (j + 1))), j)
-             for j in range(world) if j != rank for _ in range(int(T[rank][j]))]
+             for j in range(world) for _ in range(int(T[rank][j]))]
     recvs = {j: [torch.empty(size(j, rank)) for _ in range(int(T[j][rank]))]
-             for j in range(world) if j != rank}
+             for j in range(world)}
     rops = [dist.P2POp(dist.irecv, t, j) for j, ts in recvs.items() for t in ts]
     if order == "random":
         rng = random.Random(seed * 100 + rank)
@@ -175,8 +176,8 @@ def worker(rank, world, port, results):
     cases = {
         "non-contiguous": (lambda: dist.P2POp(dist.isend, torch.ones(4, 4).t(), 0),
                            "rank 1: op 2 (peer 0): the tensor is not contiguous"),
-        "self-send": (lambda: dist.P2POp(dist.isend, torch.ones(4), 1),
-                      "rank 1: op 2: rank 1 sends to or receives from itself"),
+        "a self-send without its receive": (lambda: dist.P2POp(dist.isend, torch.ones(4), 1),
+                                            "mismatch between rank 1 (sender) and rank 1"),
     }
     for name, (make, needle) in cases.items():
         checks[f"{name} on rank 1: the same error everywhere"] = same_error_everywhere(
