@@ -1029,6 +1029,7 @@ class _GroupState:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.exchanges = {}  # (digests, budget, transport) -> Exchange, oldest first
+        self.active = None  # the key of the one exchange holding staging memory
         self.check_group, self.check_device = self._check_group(group)
 
     @staticmethod
@@ -1115,11 +1116,18 @@ def batch_isend_irecv(p2p_op_list, group=None, budget_mib: float = 128, *,
     if all(d == _EMPTY_DIGEST for d in digests):
         return []
     key = (digests, budget, transport)
+    # Only one cached exchange holds staging at a time, so staging never exceeds the budget
+    # however many shapes are cached; switching shapes costs a new allocation (and, over the
+    # copy engine, mapping the peers' buffers again), not a new agreement. Every rank sees
+    # the same keys in the same order, so the releases (collectives over the copy engine)
+    # happen at the same call everywhere.
+    if state.active is not None and state.active != key and state.active in state.exchanges:
+        state.exchanges[state.active].release()
+    state.active = key
     exchange_ = state.exchanges.get(key)
     if exchange_ is None:
         if len(state.exchanges) >= _CACHED_EXCHANGES:  # the same eviction on every rank
-            oldest = next(iter(state.exchanges))
-            state.exchanges.pop(oldest).release()
+            state.exchanges.pop(next(iter(state.exchanges))).release()
         sends = {p: ts for p, ts in enumerate(ops_in.send_lists) if ts}
         recvs = {p: ts for p, ts in enumerate(ops_in.recv_lists) if ts}
         exchange_ = Exchange(sends, recvs, budget_mib=budget_mib, group=group,
