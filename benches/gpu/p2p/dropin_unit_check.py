@@ -128,7 +128,7 @@ check(raises("op 1 (peer 1): the tensor is on cuda:1, the first op's is on cuda:
 # ---- 3. the shape digest ----
 budget = 128 << 20
 base = [Op(isend, a, 1), Op(irecv, b, 2), Op(isend, m, 2)]
-digest = lambda ops, budget=budget: p2p.signature_digest(translate(ops).signature, budget)
+digest = lambda ops, budget=budget: p2p.signature_digest(translate(ops), budget)
 d0 = digest(base)
 check(d0 == digest([Op(op, FakeTensor(n, s.shape, s.dtype), p)
                     for op, n, s, p in ((isend, "x", a, 1), (irecv, "y", b, 2), (isend, "z", m, 2))]),
@@ -145,7 +145,7 @@ changed = {
 for what, ops in changed.items():
     check(digest(ops) != d0, f"the digest sees {what}")
 check(digest(base, budget // 2) != d0, "the digest sees the budget")
-check(p2p.signature_digest([], budget) == p2p._EMPTY_DIGEST, "an empty list is the empty digest")
+check(p2p.signature_digest(translate([]), budget) == p2p._EMPTY_DIGEST, "an empty list is the empty digest")
 
 if failures:
     print(f"{len(failures)} failure(s)")

@@ -4,7 +4,8 @@
 # the Python and dispatch costs a GPU run also pays).
 #   PYTHONPATH=python STREAMALLOC_LIB=target/release/libstreamalloc.so \
 #     python3 benches/gpu/p2p/host_profile.py [WORLD] [SCALE] [BUDGET_MIB]   (default 4 1000 128)
-# Prints one line per phase: seconds, and per op or per round where that is the unit.
+# Prints one line per phase: seconds, and per op or per round where that is the unit. (The
+# rounds' packing is device work: benches/gpu/p2p/bench.py times it.)
 import random
 import sys
 import time
@@ -12,6 +13,8 @@ import time
 import torch
 
 from streamalloc import p2p, _ce
+
+torch.set_num_threads(1)  # as under torchrun (OMP_NUM_THREADS=1)
 
 WORLD = int(sys.argv[1]) if len(sys.argv) > 1 else 4
 SCALE = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
@@ -70,7 +73,7 @@ n_ops = len(ops)
 print(f"world {WORLD}, SCALE {SCALE}: rank {RANK} posts {n_ops} ops; budget {BUDGET} MiB")
 tr = timed("translate the P2POp list", lambda: p2p.translate_ops(ops, RANK, WORLD, None, isend, irecv),
            "op", n_ops)
-timed("shape digest", lambda: p2p.signature_digest(tr.signature, BUDGET << 20), "op", n_ops)
+timed("shape digest", lambda: p2p.signature_digest(tr, BUDGET << 20), "op", n_ops)
 descriptions = []
 for r in range(WORLD):
     t = tr if r == RANK else p2p.translate_ops(ops_of(r), r, WORLD, None, isend, irecv)
@@ -79,34 +82,13 @@ for r in range(WORLD):
     descriptions.append(p2p.encode_description(r, WORLD, metas[0], metas[1]))
 budget = (BUDGET << 20) - _ce.reserve_bytes(2, WORLD)
 plan = timed("plan (Rust, every rank's lists)", lambda: p2p.Plan(descriptions, budget, 2, _ce.NO_ZERO_COPY))
-rows = timed("plan rows of this rank (ctypes)", lambda: plan.rows(RANK), "row", n_ops)
+rows = timed("plan rows of this rank (ctypes)", lambda: plan.rows(RANK), "op", n_ops)
 lists = (tr.send_lists, tr.recv_lists)
 sizes = [[[x.nbytes for x in ts] for ts in side] for side in lists]
-rounds = timed("group rows into messages (_prepare)", lambda: p2p._prepare(rows, lists, sizes, lambda p: p),
+codes = [[[p2p.dtype_code(x.dtype) for x in ts] for ts in side] for side in lists]
+rounds = timed("group rows into messages (_prepare)", lambda: p2p._prepare(rows, lists, sizes, codes, lambda p: p),
                "op", n_ops)
 print(f"  {len(rounds)} rounds, summary {plan.summary(RANK)}")
 ex = object.__new__(p2p.Exchange)
 ex._rounds, ex.transport, ex._buffers, ex.rank = rounds, "nccl", None, RANK
 timed("rebind a cached plan to new tensors", lambda: ex._rebind(*lists), "round", len(rounds))
-
-# Staging views (meta), as _setup_buffers makes them, then packing and unpacking every round.
-s = plan.summary(RANK)
-sbufs = [torch.empty(s["send_buffer_bytes"], dtype=torch.uint8, device="meta") for _ in range(2)]
-rbufs = [torch.empty(s["recv_buffer_bytes"], dtype=torch.uint8, device="meta") for _ in range(2)]
-k = [0, 0]
-for pair in rounds:
-    for d, m in enumerate(pair):
-        if m is not None:
-            p2p._bind(m, (sbufs, rbufs)[d][k[d] % 2], d)
-            k[d] += 1
-
-
-def pack_unpack_all():
-    for send, recv in rounds:
-        if send is not None:
-            p2p._pack(send)
-        if recv is not None:
-            p2p._unpack(recv)
-
-
-timed("pack + unpack every round (dispatch only)", pack_unpack_all, "round", len(rounds))
