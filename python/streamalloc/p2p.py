@@ -333,7 +333,7 @@ class Exchange:
 
     def __init__(self, sends: dict, recvs: dict, budget_mib: float = 128, group=None,
                  rounds_per_group: int = 1, zero_copy_min: int | None = None,
-                 transport: str = "auto"):
+                 transport: str = "auto", _translated: "_Translated | None" = None):
         import torch
         import torch.distributed as dist
 
@@ -358,7 +358,12 @@ class Exchange:
             if transport not in _ce.TRANSPORTS:
                 raise P2PError(f"transport must be one of {', '.join(_ce.TRANSPORTS)} "
                                f"(got {transport!r})")
-            send_lists, recv_lists, metas, description = self._describe(sends, recvs, rank, world)
+            if _translated is None:
+                send_lists, recv_lists, metas, description = self._describe(sends, recvs,
+                                                                            rank, world)
+            else:  # the drop-in has read and checked its lists already
+                send_lists, recv_lists, metas, description = self._from_translated(
+                    _translated, rank, world)
             if transport != "nccl":
                 probe = _ce.probe(self.device)
             local = (None, description, transport, probe)
@@ -516,6 +521,24 @@ class Exchange:
                  for lists in (send_lists, recv_lists)]
         description = encode_description(rank, world, metas[0], metas[1])
         return send_lists, recv_lists, metas, description
+
+    def _from_translated(self, translated, rank, world):
+        """:meth:`_describe` for lists the drop-in has read (:func:`translate_ops`): the
+        metadata regrouped per list from its per-op columns, no tensor touched again."""
+        import torch
+
+        codes = {d: dtype_code(d) for d in set(translated.dtypes)}
+        metas = [[[] for _ in range(world)] for _ in range(2)]
+        adds = [m.append for p in range(world) for m in (metas[0][p], metas[1][p])]
+        for key, nbytes, dtype in zip(translated.keys, translated.nbytes, translated.dtypes):
+            adds[key]((nbytes, codes[dtype]))
+        device = translated.device
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = device
+        description = encode_description(rank, world, metas[0], metas[1])
+        return translated.send_lists, translated.recv_lists, metas, description
 
     @staticmethod
     def _lists(mapping, world, name):
@@ -1201,7 +1224,7 @@ def batch_isend_irecv(p2p_op_list, group=None, budget_mib: float = 128, *,
         sends = {p: ts for p, ts in enumerate(ops_in.send_lists) if ts}
         recvs = {p: ts for p, ts in enumerate(ops_in.recv_lists) if ts}
         exchange_ = Exchange(sends, recvs, budget_mib=budget_mib, group=group,
-                             transport=transport)
+                             transport=transport, _translated=ops_in)
         state.exchanges[key] = exchange_
     else:
         exchange_._rebind(ops_in.send_lists, ops_in.recv_lists)

@@ -74,6 +74,8 @@ print(f"world {WORLD}, SCALE {SCALE}: rank {RANK} posts {n_ops} ops; budget {BUD
 tr = timed("translate the P2POp list", lambda: p2p.translate_ops(ops, RANK, WORLD, None, isend, irecv),
            "op", n_ops)
 timed("shape digest", lambda: p2p.signature_digest(tr, BUDGET << 20), "op", n_ops)
+probe = object.__new__(p2p.Exchange)
+timed("describe the lists for the planner", lambda: probe._from_translated(tr, RANK, WORLD), "op", n_ops)
 descriptions = []
 for r in range(WORLD):
     t = tr if r == RANK else p2p.translate_ops(ops_of(r), r, WORLD, None, isend, irecv)
