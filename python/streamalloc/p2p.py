@@ -1093,11 +1093,14 @@ def _group_rank(n, op, peer, world, group_rank) -> int:
     return p
 
 
-def signature_digest(translated: _Translated, budget_bytes: int) -> int:
-    """A 62-bit digest of a list's shape (peers, directions, sizes, dtypes, order) and the
-    budget, never :data:`_EMPTY_DIGEST` or :data:`_FAILED_DIGEST`; an empty list with any
-    budget is :data:`_EMPTY_DIGEST`. Only this process compares it with its own earlier
-    digests (the key of the cached exchanges), so dtypes enter through their codes."""
+def signature_digest(translated: _Translated, budget_bytes: int, transport: str = "auto") -> int:
+    """A 62-bit digest of a list's shape (peers, directions, sizes, dtypes, order), the
+    budget and the transport asked for, never :data:`_EMPTY_DIGEST` or
+    :data:`_FAILED_DIGEST`; an empty list with any budget is :data:`_EMPTY_DIGEST`. Only
+    this process compares it with its own earlier digests (the key of the cached
+    exchanges), so dtypes enter through their codes. The options are in it so that a rank
+    that changes them alone misses the cache with every other rank (and the agreement then
+    names the difference), instead of running a cached exchange the others have left."""
     import hashlib
 
     if not translated.keys:
@@ -1108,6 +1111,7 @@ def signature_digest(translated: _Translated, budget_bytes: int) -> int:
     h.update(array.array("q", translated.nbytes).tobytes())
     h.update(array.array("q", map(codes.__getitem__, translated.dtypes)).tobytes())
     h.update(struct.pack("<q", budget_bytes))
+    h.update(transport.encode())
     return (int.from_bytes(h.digest(), "little") >> 2) or 1
 
 
@@ -1197,7 +1201,7 @@ def batch_isend_irecv(p2p_op_list, group=None, budget_mib: float = 128, *,
             raise P2PError("the P2POp list mixes process groups; pass one group's ops")
         group_rank = None if group is None else (lambda p: dist.get_group_rank(group, p))
         ops_in = translate_ops(ops, rank, world, group_rank, dist.isend, dist.irecv)
-        digest = signature_digest(ops_in, budget)
+        digest = signature_digest(ops_in, budget, transport)
     except P2PError as err:
         error, digest = str(err), _FAILED_DIGEST
     digests = state.gather_digests(digest)

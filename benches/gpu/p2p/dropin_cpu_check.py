@@ -185,6 +185,15 @@ def worker(rank, world, port, results):
     checks["a budget that is not positive: the same error everywhere"] = same_error_everywhere(
         rank, world, "budget_mib must be positive", lambda: batch_isend_irecv([], budget_mib=0))
 
+    # A cached shape, with another transport asked for on one rank: every rank misses the
+    # cache together and the agreement names the difference.
+    def other_transport():
+        ops, _ = hang_pattern(rank, world, 20, "random", seed=20)
+        batch_isend_irecv(ops, budget_mib=1, transport="ce" if rank == 1 else "auto")
+
+    checks["another transport on one rank: the same error everywhere"] = same_error_everywhere(
+        rank, world, "transport mismatch", other_transport)
+
     # 7. After all the errors, the cached shapes still run.
     ops, recvs = hang_pattern(rank, world, 20, "random", seed=20)
     for w in batch_isend_irecv(ops, budget_mib=1):

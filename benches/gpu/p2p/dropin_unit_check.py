@@ -145,6 +145,7 @@ changed = {
 for what, ops in changed.items():
     check(digest(ops) != d0, f"the digest sees {what}")
 check(digest(base, budget // 2) != d0, "the digest sees the budget")
+check(p2p.signature_digest(translate(base), budget, "ce") != d0, "the digest sees the transport")
 check(p2p.signature_digest(translate([]), budget) == p2p._EMPTY_DIGEST, "an empty list is the empty digest")
 
 if failures:
