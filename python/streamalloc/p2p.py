@@ -30,6 +30,13 @@ agree on before any data moves, and a failure to set the copy engine up is eithe
 Staging memory is at most ``budget_mib`` per rank, whatever the number and size of the
 tensors. :class:`Exchange` keeps the agreed plan to run the same exchange again (weight
 sync every step) without planning again.
+
+:func:`batch_isend_irecv` takes what ``torch.distributed.batch_isend_irecv`` takes (a list of
+``P2POp``) and runs it as such an exchange, keeping the agreed exchange per shape of every
+rank's list: code that already writes P2POp lists changes one import.
+
+This module is the exchange's only executor: Rust plans, Python runs the rounds
+(``docs/design.md``, "One executor for the P2P exchange").
 """
 
 from __future__ import annotations
