@@ -243,6 +243,11 @@ class _Msg:
     nbytes: int = 0
     filled_flag: int = 0
     free_flag: int = 0
+    # A received message that is one region of one tensor (:meth:`Exchange._direct`) is
+    # unpacked with one driver copy from ``unpack_src`` to ``unpack_dst`` (0: unpacked
+    # through PyTorch).
+    unpack_dst: int = 0
+    unpack_src: int = 0
 
 
 def _flat(t):
@@ -643,6 +648,9 @@ class Exchange:
         for msg, slot, nxt in zip(recvs, slots, nexts):
             msg.slot, msg.buffer = slot, slot.buffer
             _bind(msg, rbufs[slot.buffer], 1)
+            if self._direct(msg):
+                dst, off, msg.nbytes = self._direct_source(msg)
+                msg.unpack_dst, msg.unpack_src = dst.data_ptr(), msg.wire.data_ptr() + off
             msg.filled_flag = base + layout.filled(slot.buffer)
             peer_base, peer_layout = link.peers[nxt]
             msg.free_flag = peer_base + peer_layout.free(self.rank, slot.buffer)
@@ -721,10 +729,18 @@ class Exchange:
                     rc = wait(us, recv.filled_flag, seq, wait_flags)
                     if rc:
                         d.check(rc, "cuStreamWaitValue32")
-                    if active is not unpack:
-                        set_stream(unpack)
-                        active = unpack
-                    _unpack(recv)
+                    if recv.unpack_dst:
+                        # One tensor (or one piece of one): a driver copy, a few µs of host
+                        # time, where PyTorch's copy_ and a stream switch cost several times
+                        # that; with parameter-sized tensors most rounds are such rounds.
+                        rc = memcpy(recv.unpack_dst, recv.unpack_src, recv.nbytes, us)
+                        if rc:
+                            d.check(rc, "enqueueing a copy-engine unpack")
+                    else:
+                        if active is not unpack:
+                            set_stream(unpack)
+                            active = unpack
+                        _unpack(recv)
                     rc = write(us, recv.free_flag, seq, 0)
                     if rc:
                         d.check(rc, "cuStreamWriteValue32")
@@ -756,6 +772,8 @@ class Exchange:
                                                                      msg.pieces)]
                 if ce and msg is pair[0] and msg.buffer < 0:
                     msg.src = self._direct_source(msg)[0].data_ptr()
+                if ce and msg is pair[1] and msg.unpack_dst:
+                    msg.unpack_dst = self._direct_source(msg)[0].data_ptr()
         self._self_copies = (list(recv_lists[self.rank]), list(send_lists[self.rank]))
 
     def release(self):
