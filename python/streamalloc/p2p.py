@@ -682,6 +682,7 @@ class Exchange:
                 packed += 1
                 _bind(msg, sbufs[msg.buffer], 0)
                 msg.src, msg.dst, msg.nbytes = msg.wire.data_ptr(), remote, msg.length
+        self._ce_events = ([None] * count, [None] * count)
         self._buffers = (sbufs, rbufs)
 
     def _run_ce(self, cur):
@@ -703,7 +704,12 @@ class Exchange:
         memcpy, write, wait = d._memcpy, d._write32, d._wait32
         geq, wait_flags = _ce.CU_STREAM_WAIT_VALUE_GEQ, self._link.wait_flags
         set_stream = torch.cuda.set_stream
-        copied = [None] * len(self._buffers[0])
+        # Per send buffer, one event object each for "packed" and "copied out", recorded
+        # again every use rather than created per round (a new event costs more host time
+        # than the driver calls of a round); ``copied[b]``: buffer b was copied out in this
+        # run, so packing into it again waits for that.
+        packed_events, copied_events = self._ce_events
+        copied = [False] * len(self._buffers[0])
         active = None
         try:
             for send, recv in self._rounds:
@@ -713,17 +719,20 @@ class Exchange:
                         if active is not pack:
                             set_stream(pack)
                             active = pack
-                        if copied[send.buffer] is not None:
-                            pack.wait_event(copied[send.buffer])
+                        b = send.buffer
+                        if copied[b]:
+                            pack.wait_event(copied_events[b])
                         _pack(send)
-                        copy.wait_event(pack.record_event())
+                        packed_events[b] = pack.record_event(packed_events[b])
+                        copy.wait_event(packed_events[b])
                     rc = (wait(cs, send.free_flag, slot.free_wait(run), geq)
                           or memcpy(send.dst, send.src, send.nbytes, cs)
                           or write(cs, send.filled_flag, slot.seq(run), 0))
                     if rc:
                         d.check(rc, "enqueueing a copy-engine send")
                     if send.buffer >= 0:
-                        copied[send.buffer] = copy.record_event()
+                        copied_events[send.buffer] = copy.record_event(copied_events[send.buffer])
+                        copied[send.buffer] = True
                 if recv is not None:
                     seq = recv.slot.seq(run)
                     rc = wait(us, recv.filled_flag, seq, wait_flags)

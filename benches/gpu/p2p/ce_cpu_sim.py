@@ -23,7 +23,7 @@ class FakeStream:
 
     def wait_stream(self, other): pass
     def wait_event(self, event): pass
-    def record_event(self): return None
+    def record_event(self, event=None): return event
     def synchronize(self): pass
 
 
