@@ -324,7 +324,8 @@ class Worker:
         for name in cells:
             if name.startswith(prefix) and name[len(prefix):] in ("merged", "dropin", "exchange_ce", "exchange_nccl"):
                 self.run_cell(name, cell(name[len(prefix):]))
-        del sends, recvs
+        sends.clear()  # the tensors go before the next workload's are made
+        recvs.clear()
         self.cuda.empty_cache()
 
     def params_cells(self, cells, steps):
