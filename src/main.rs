@@ -18,10 +18,8 @@ struct Cli {
 enum Command {
     /// Run a simulated workload (no GPU needed) and print what the allocator did.
     Demo(cli::demo::DemoArgs),
-    /// Run a staged many-tensor exchange between simulated ranks and check every byte.
+    /// Plan a staged many-tensor exchange on simulated ranks and check the plan.
     P2pSim(cli::p2p_sim::P2pSimArgs),
-    /// Run the p2p-sim workload between GPUs over NCCL, one process per rank.
-    P2pNccl(cli::p2p_nccl::P2pNcclArgs),
     /// Replay allocation traces (PyTorch snapshots or streamalloc JSON) on the simulated
     /// device and compare peak reserved memory with the recording allocator's.
     Replay(cli::replay::ReplayArgs),
@@ -49,7 +47,6 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Demo(args) => cli::demo::run(args),
         Command::P2pSim(args) => cli::p2p_sim::run(args),
-        Command::P2pNccl(args) => cli::p2p_nccl::run(args),
         Command::Replay(args) => cli::replay::run(args),
         Command::Run(args) => cli::run::run(args),
         Command::Snapshot(args) => cli::snapshot::run(args),

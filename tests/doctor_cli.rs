@@ -40,14 +40,7 @@ fn doctor_without_gpu_says_so_and_exits_0() {
         stdout.starts_with(&format!("streamalloc {}", env!("CARGO_PKG_VERSION"))),
         "{stdout}"
     );
-    for item in [
-        "library",
-        "preload",
-        "configuration",
-        "gpu",
-        "nccl",
-        "pytorch",
-    ] {
+    for item in ["library", "preload", "configuration", "gpu", "pytorch"] {
         assert!(
             stdout
                 .lines()

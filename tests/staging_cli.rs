@@ -1,5 +1,5 @@
-//! `streamalloc p2p-sim` end to end: the JSON keys the issue names, intact delivery within
-//! the budget, and one-line errors for bad arguments.
+//! `streamalloc p2p-sim` end to end: the JSON keys, a plan every rank agrees on that carries
+//! every byte within the budget, and one-line errors for bad arguments.
 
 use std::process::Command;
 
@@ -12,7 +12,7 @@ fn p2p_sim(args: &[&str]) -> std::process::Output {
 }
 
 #[test]
-fn json_report_has_the_documented_keys_and_delivers_intact() {
+fn json_report_has_the_documented_keys_and_a_plan_that_carries_every_byte() {
     let out = p2p_sim(&[
         "--ranks",
         "3",
@@ -38,11 +38,13 @@ fn json_report_has_the_documented_keys_and_delivers_intact() {
         "peak_staging_bytes",
         "budget_bytes",
         "bytes_moved",
-        "intact",
+        "agreed",
+        "covered",
     ] {
         assert!(v.get(key).is_some(), "missing {key}: {v}");
     }
-    assert_eq!(v["intact"], true);
+    assert_eq!(v["agreed"], true);
+    assert_eq!(v["covered"], true);
     assert_eq!(v["budget_bytes"], 1 << 20);
     assert!(v["peak_staging_bytes"].as_u64().unwrap() <= 1 << 20);
     assert!(v["peak_staging_bytes"].as_u64().unwrap() > 0);

@@ -1,13 +1,13 @@
 //! A small deterministic random generator for simulated workloads.
 //!
-//! The `p2p-sim` and `p2p-nccl` commands, the staging property tests and the
+//! The `p2p-sim` command, the staging property tests and the
 //! fragmentation tests all need the same seed to give every process and every run the same
 //! tensors, without a dependency on a random-number crate; this generator is that one
 //! source, public because the CLI's commands use it as well as the tests.
 
 /// splitmix64: the small deterministic generator behind simulated workloads (`p2p-sim`,
-/// `p2p-nccl`, the staging property tests), so that the same seed gives every process
-/// and every run the same tensors, with no dependency.
+/// the staging property tests), so that the same seed gives every process and every run
+/// the same tensors, with no dependency.
 #[derive(Clone, Debug)]
 pub struct SplitMix64(pub u64);
 

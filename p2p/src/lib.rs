@@ -4,15 +4,14 @@
 //!
 //! The engine (`streamalloc-allocator`) decides who may use which bytes of one device; an
 //! exchange between ranks is a client of it, not part of it. This crate holds that client:
-//! it draws its staging buffers from an engine's [`streamalloc_allocator::Allocator`] (so
-//! they show in its stats and trace) and talks to other ranks over a transport. The engine
+//! it plans rounds every rank agrees on, and its staging pool draws buffers from an engine's
+//! [`streamalloc_allocator::Allocator`] (so they show in its stats and trace). The engine
 //! knows nothing of it.
 //!
 //! ## Layout
-//! - [`staging`]: the deterministic planner (rounds every rank agrees on), the staging
-//!   pool and the executor that runs a plan.
-//! - [`transport`]: the [`transport::Transport`] trait the executor runs over, the
-//!   simulated transport CI uses, and the NCCL transport (feature `nccl`).
+//! - [`staging`]: the deterministic planner (rounds every rank agrees on) and the staging
+//!   pool. The executor that runs a plan is `streamalloc.p2p`, in Python: it calls the
+//!   planner through the C ABI.
 
 #![warn(
     missing_docs,
@@ -22,4 +21,3 @@
 )]
 
 pub mod staging;
-pub mod transport;

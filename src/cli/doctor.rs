@@ -86,7 +86,6 @@ pub(crate) fn run(args: DoctorArgs) -> Result<ExitCode, CliError> {
     };
     configuration(&mut report);
     gpus(&mut report);
-    nccl(&mut report);
     pytorch(&mut report, &args, python_dir.as_deref(), lib.as_deref());
 
     Ok(if report.failed {
@@ -316,31 +315,6 @@ fn driver_text(version: c_int) -> String {
 
 fn cuda_text(version: c_int) -> String {
     format!("{}.{}", version / 1000, (version % 1000) / 10)
-}
-
-// ---- NCCL ----
-
-fn nccl(report: &mut Report) {
-    use streamalloc_p2p::transport::nccl;
-    match nccl::load() {
-        Ok(code) => {
-            let (major, minor, patch) = if code >= 10000 {
-                (code / 10000, (code % 10000) / 100, code % 100)
-            } else {
-                (code / 1000, (code % 1000) / 100, code % 100)
-            };
-            report.line(
-                Verdict::Ok,
-                "nccl",
-                format!("NCCL {major}.{minor}.{patch} (for `p2p-nccl` and the Rust transport)"),
-            );
-        }
-        Err(err) => report.line(
-            Verdict::None,
-            "nccl",
-            format!("{err} (needed only for `p2p-nccl`; PyTorch brings its own)"),
-        ),
-    }
 }
 
 // ---- PyTorch and the native door ----

@@ -4,7 +4,6 @@
 pub(crate) mod build_torch_ext;
 pub(crate) mod demo;
 pub(crate) mod doctor;
-pub(crate) mod p2p_nccl;
 pub(crate) mod p2p_sim;
 pub(crate) mod plot;
 pub(crate) mod replay;

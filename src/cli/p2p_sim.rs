@@ -1,24 +1,28 @@
-//! `streamalloc p2p-sim`: a staged many-tensor exchange between simulated ranks.
+//! `streamalloc p2p-sim`: the staged many-tensor exchange's plan, on simulated ranks.
 //!
-//! Every rank (a thread) sends `--tensors` parameter-shaped tensors, in random order and to
-//! random peers, through the planner, the staging pool (on a simulated device, through the
-//! engine's allocator) and the simulated transport; every received byte is then checked.
-//! Needs no GPU: it shows what the plan does with a given budget (rounds, group sizes,
-//! staging memory) and that it delivers.
+//! Every rank (a thread) describes `--tensors` parameter-shaped tensors sent in random order
+//! to random peers; every rank then does what the executor (`streamalloc.p2p`, in Python)
+//! asks of the planner: encodes its description, decodes every rank's (what the
+//! all-gather hands it), plans, and the digests must agree. Each rank draws the staging
+//! its part needs from the engine's allocator on a simulated device, within the budget,
+//! and the plan must carry every tensor byte of every ordered pair. Needs no GPU: it shows
+//! what the plan does with a given budget (rounds, group sizes, staging memory). The bytes
+//! themselves move in Python (`benches/gpu/p2p/` runs them on GPUs, and
+//! `dropin_cpu_check.py` on CPU over gloo).
 
 use super::CliError;
 use clap::Args;
 use std::process::ExitCode;
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::config::format_bytes;
 use streamalloc_allocator::rng::SplitMix64;
 use streamalloc_allocator::{Allocator, Config};
-use streamalloc_p2p::staging::exec::{agree_on_plan, execute_with_progress};
-use streamalloc_p2p::staging::plan::{LocalDescription, StagingConfig, TensorMeta};
-use streamalloc_p2p::staging::StagingPool;
-use streamalloc_p2p::transport::{sim::SimTransport, Transport};
+use streamalloc_p2p::staging::plan::{
+    Description, LocalDescription, Payload, Plan, StagingConfig, TensorMeta,
+};
+use streamalloc_p2p::staging::{StagingError, StagingPool};
 
 /// Arguments of `streamalloc p2p-sim`.
 #[derive(Args, Debug)]
@@ -36,28 +40,28 @@ pub(crate) struct P2pSimArgs {
     json: bool,
 }
 
-/// The random workload of `p2p-sim` and `p2p-nccl`: the same arguments give every rank the
-/// same tensors, peers and order in both.
+/// The random workload of `p2p-sim`: the same arguments give every rank the same tensors,
+/// peers and order.
 #[derive(Args, Debug)]
-pub(crate) struct WorkloadArgs {
+struct WorkloadArgs {
     /// Tensors each rank sends (spread over random peers).
     #[arg(long, default_value_t = 1000)]
-    pub(crate) tensors: u64,
+    tensors: u64,
     /// Staging budget per rank, MiB.
     #[arg(long, default_value_t = 128)]
-    pub(crate) budget_mib: u64,
+    budget_mib: u64,
     /// Seed of the random sizes, peers and order.
     #[arg(long, default_value_t = 0)]
-    pub(crate) seed: u64,
+    seed: u64,
     /// Largest tensor, KiB (parameter shapes are scaled down to it; real bytes are moved
     /// in host memory).
     #[arg(long, default_value_t = 256)]
-    pub(crate) max_tensor_kib: u64,
+    max_tensor_kib: u64,
 }
 
 impl WorkloadArgs {
     /// The staging configuration, after checking the arguments.
-    pub(crate) fn staging(&self) -> Result<StagingConfig, CliError> {
+    fn staging(&self) -> Result<StagingConfig, CliError> {
         let bad = |m: &str| Err(CliError::Message(m.to_string()));
         if self.budget_mib == 0 {
             return bad("--budget-mib must be positive");
@@ -86,25 +90,16 @@ fn parameter_tensor(rng: &mut SplitMix64, max_bytes: u64) -> TensorMeta {
     TensorMeta { bytes, dtype }
 }
 
-/// The byte at `at` of tensor `index` sent from `src` to `dst`.
-#[inline]
-fn pattern(src: u32, dst: u32, index: usize, at: usize) -> u8 {
-    let seed = (u64::from(src) << 48) ^ (u64::from(dst) << 32) ^ index as u64;
-    let word = (seed ^ (at as u64 >> 3)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (word >> (8 * (at & 7))) as u8
-}
-
-/// What one rank reports (also what a `p2p-nccl` worker process prints for its launcher).
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub(crate) struct RankOutcome {
-    pub(crate) rounds_total: usize,
-    pub(crate) max_ops_per_group: u32,
-    pub(crate) peak_staging_bytes: u64,
-    pub(crate) tensor_bytes_received: u64,
-    pub(crate) bytes_moved: u64,
-    pub(crate) intact: bool,
-    /// Seconds spent agreeing on the plan and executing it (not filling or checking).
-    pub(crate) exchange_seconds: f64,
+/// What one rank's planning gave.
+#[derive(Debug, Clone)]
+struct RankOutcome {
+    rounds_total: usize,
+    max_ops_per_group: u32,
+    digest: u64,
+    peak_staging_bytes: u64,
+    bytes_moved: u64,
+    /// The plan carries every byte of every list this rank sends, in full.
+    covered: bool,
 }
 
 /// The random workload every rank's description is drawn from: `tensors`
@@ -113,7 +108,7 @@ pub(crate) struct RankOutcome {
 /// rebuild it and take their own rank's part. Returns the descriptions, by rank, and the
 /// bytes sent in all; fails if the send and receive copies would need more than
 /// `max_total_bytes` of host memory.
-pub(crate) fn workload(
+fn workload(
     world: u32,
     tensors: u64,
     max_tensor_bytes: u64,
@@ -150,7 +145,7 @@ pub(crate) fn workload(
 
 pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
     let bad = |m: &str| Err(CliError::Message(m.to_string()));
-    // One rank has no peer: the exchange would move nothing and still report "intact".
+    // One rank has no peer: the exchange would move nothing and still report "covered".
     if args.ranks < 2 || args.ranks > 256 {
         return bad("--ranks must be between 2 and 256 (an exchange needs a peer)");
     }
@@ -166,12 +161,13 @@ pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
         args.workload.seed,
     )?;
     let start = Instant::now();
-    let json = args.json;
-    let handles: Vec<_> = SimTransport::mesh(world, Duration::from_secs(60))
+    // What the all-gather of descriptions hands every rank.
+    let gathered: Vec<Vec<u8>> = locals.iter().map(LocalDescription::encode).collect();
+    let handles: Vec<_> = locals
         .into_iter()
-        .zip(locals)
-        .map(|(mut transport, local)| {
-            thread::spawn(move || rank_main(&mut transport, local, config, json, "p2p-sim"))
+        .map(|local| {
+            let gathered = gathered.clone();
+            thread::spawn(move || plan_rank(&gathered, &local, config))
         })
         .collect();
     let mut outcomes = Vec::with_capacity(handles.len());
@@ -190,21 +186,20 @@ pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
         config,
         seconds,
         args.json,
-        &[],
     ))
 }
 
 /// Prints the run's summary from every rank's outcome (text, or one JSON object with
 /// `rounds`, `max_ops_per_group`, `peak_staging_bytes`, `budget_bytes`, `bytes_moved`,
-/// `intact`, `seconds`); success if every byte arrived intact.
-pub(crate) fn report(
+/// `agreed`, `covered`, `seconds`); success if every rank planned the same and the plan
+/// carries every byte within the budget.
+fn report(
     outcomes: &[RankOutcome],
     tensors_per_rank: u64,
     total_bytes: u64,
     config: StagingConfig,
     seconds: f64,
     json: bool,
-    extra: &[(&str, serde_json::Value)],
 ) -> ExitCode {
     let world = outcomes.len() as u32;
     let rounds = outcomes.first().map_or(0, |o| o.rounds_total);
@@ -219,29 +214,26 @@ pub(crate) fn report(
         .max()
         .unwrap_or(0);
     let bytes_moved = outcomes.first().map_or(0, |o| o.bytes_moved);
-    let received: u64 = outcomes.iter().map(|o| o.tensor_bytes_received).sum();
-    let intact = outcomes.iter().all(|o| o.intact) && received == bytes_moved;
+    let agreed = outcomes.iter().all(|o| o.digest == outcomes[0].digest);
+    let covered = outcomes.iter().all(|o| o.covered) && bytes_moved == total_bytes;
     let tensors = u64::from(world) * tensors_per_rank;
     if json {
-        let mut value = serde_json::json!({
+        let value = serde_json::json!({
             "ranks": world,
-            "tensors": if world > 1 { tensors } else { 0 },
+            "tensors": tensors,
             "rounds": rounds,
             "max_ops_per_group": max_ops,
             "peak_staging_bytes": peak,
             "budget_bytes": config.budget_bytes,
             "bytes_moved": bytes_moved,
-            "intact": intact,
+            "agreed": agreed,
+            "covered": covered,
             "seconds": seconds,
         });
-        for (key, extra) in extra {
-            value[*key] = extra.clone();
-        }
         println!("{value}");
     } else {
         println!(
-            "{world} ranks, {} tensors ({}), staging budget {} per rank",
-            if world > 1 { tensors } else { 0 },
+            "{world} ranks, {tensors} tensors ({}), staging budget {} per rank",
             format_bytes(total_bytes),
             format_bytes(config.budget_bytes)
         );
@@ -253,98 +245,70 @@ pub(crate) fn report(
             100.0 * peak as f64 / config.budget_bytes as f64
         );
         println!("bytes moved         {}", format_bytes(bytes_moved));
-        println!("intact              {}", if intact { "yes" } else { "NO" });
+        println!("same plan on all    {}", if agreed { "yes" } else { "NO" });
+        println!("every byte planned  {}", if covered { "yes" } else { "NO" });
         println!("wall time           {seconds:.2} s");
-        for (key, extra) in extra {
-            println!("{:<19} {extra}", key.replace('_', " "));
-        }
     }
-    if intact {
+    if agreed && covered {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     }
 }
 
-/// One rank, over any transport: agree on the plan, run it with real bytes (staging
-/// through the engine's allocator on a simulated device), check what arrived. `label`
-/// prefixes rank 0's progress lines.
-pub(crate) fn rank_main<T: Transport + ?Sized>(
-    transport: &mut T,
-    local: LocalDescription,
+/// One rank: decode every rank's description, plan, take this rank's staging from the
+/// engine's allocator on a simulated device, and check that the plan carries every byte
+/// this rank sends.
+fn plan_rank(
+    gathered: &[Vec<u8>],
+    local: &LocalDescription,
     config: StagingConfig,
-    quiet: bool,
-    label: &str,
-) -> Result<RankOutcome, streamalloc_p2p::staging::StagingError> {
-    let rank = transport.rank();
-    let agreeing = Instant::now();
-    let plan = agree_on_plan(transport, &local, config)?;
-    let mut exchange_seconds = agreeing.elapsed().as_secs_f64();
-    let sends: Vec<Vec<Vec<u8>>> = local
-        .sends
+) -> Result<RankOutcome, StagingError> {
+    let locals = gathered
         .iter()
-        .enumerate()
-        .map(|(dst, list)| {
-            list.iter()
-                .enumerate()
-                .map(|(i, m)| {
-                    (0..m.bytes as usize)
-                        .map(|at| pattern(rank, dst as u32, i, at))
-                        .collect()
-                })
-                .collect()
-        })
-        .collect();
-    let mut recvs: Vec<Vec<Vec<u8>>> = local
-        .recvs
-        .iter()
-        .map(|list| list.iter().map(|m| vec![0u8; m.bytes as usize]).collect())
-        .collect();
+        .map(|bytes| LocalDescription::decode(bytes))
+        .collect::<Result<Vec<_>, _>>()?;
+    let plan = Plan::build(&Description::from_locals(&locals)?, config)?;
+    let rank = local.rank;
+
+    // The staging the executor holds for this rank's part, drawn as one set of buffers.
     let device = SimBackend::new(1 << 40);
-    let allocator = Allocator::new(device.clone(), Config::default())
-        .map_err(streamalloc_p2p::staging::StagingError::Alloc)?;
+    let allocator = Allocator::new(device.clone(), Config::default())?;
     let mut pool = StagingPool::new(&allocator, device.create_stream(), config.budget_bytes);
-    let send_refs: Vec<Vec<&[u8]>> = sends
-        .iter()
-        .map(|l| l.iter().map(Vec::as_slice).collect())
-        .collect();
-    let mut recv_refs: Vec<Vec<&mut [u8]>> = recvs
-        .iter_mut()
-        .map(|l| l.iter_mut().map(Vec::as_mut_slice).collect())
-        .collect();
-    let mut last = Instant::now();
-    let executing = Instant::now();
-    let stats = execute_with_progress(
-        transport,
-        &plan,
-        &local,
-        &mut pool,
-        &send_refs,
-        &mut recv_refs,
-        |done, total| {
-            if rank == 0 && !quiet && last.elapsed() > Duration::from_secs(1) {
-                eprintln!("{label}: rank 0 at round {done}/{total}");
-                last = Instant::now();
-            }
-        },
-    )?;
-    exchange_seconds += executing.elapsed().as_secs_f64();
-    drop(recv_refs);
-    let intact = recvs.iter().enumerate().all(|(src, list)| {
-        list.iter().enumerate().all(|(i, bytes)| {
-            bytes
-                .iter()
-                .enumerate()
-                .all(|(at, &b)| b == pattern(src as u32, rank, i, at))
-        })
+    let need = plan.staging_need(rank);
+    let mut held = Vec::new();
+    for (count, bytes) in [
+        (need.send_buffers, need.send_buffer_bytes),
+        (need.recv_buffers, need.recv_buffer_bytes),
+    ] {
+        for _ in 0..count {
+            held.push(pool.acquire(bytes)?);
+        }
+    }
+    let peak_staging_bytes = pool.peak();
+    for block in held {
+        pool.release(block)?;
+    }
+
+    // Tensor bytes the plan carries from this rank to each peer.
+    let mut carried = vec![0u64; locals.len()];
+    for round in plan.rounds() {
+        for transfer in round.transfers.iter().filter(|t| t.src == rank) {
+            carried[transfer.dst as usize] += match &transfer.payload {
+                Payload::Packed { segments, .. } => segments.iter().map(|s| s.len).sum(),
+                Payload::ZeroCopy { len, .. } => *len,
+            };
+        }
+    }
+    let covered = local.sends.iter().enumerate().all(|(dst, list)| {
+        dst as u32 == rank || carried[dst] == list.iter().map(|m| m.bytes).sum::<u64>()
     });
     Ok(RankOutcome {
-        peak_staging_bytes: stats.peak_staging_bytes,
-        tensor_bytes_received: stats.tensor_bytes_received,
         rounds_total: plan.rounds().len(),
-        max_ops_per_group: plan.max_ops_per_group().max(stats.max_ops_per_group),
+        max_ops_per_group: plan.max_ops_per_group(),
+        digest: plan.digest(),
+        peak_staging_bytes,
         bytes_moved: plan.bytes_moved(),
-        intact,
-        exchange_seconds,
+        covered,
     })
 }

@@ -10,38 +10,33 @@
 //!   pairing) and the plan digest.
 //! - [`pool`]: the staging buffers, drawn from and returned to the engine's
 //!   [`streamalloc_allocator::Allocator`], so they show in its stats and trace.
-//! - [`exec`]: agreeing on a plan across ranks (description all-gather, validation, digest
-//!   check) and running it over a [`crate::transport::Transport`] with host buffers.
+//!
+//! Running a plan (packing, moving, unpacking on the GPU's streams) is `streamalloc.p2p`'s
+//! job, in Python, next to the framework's tensors, streams and process group; it calls
+//! the planner through the C ABI (`src/ffi/p2p.rs`). `docs/design.md` ("One executor")
+//! says why.
 //!
 //! # Example
 //! ```
-//! use streamalloc_p2p::staging::{exec, plan::*};
-//! use streamalloc_p2p::transport::{sim::SimTransport, Transport};
+//! use streamalloc_p2p::staging::plan::*;
 //!
-//! let handles: Vec<_> = SimTransport::mesh(2, std::time::Duration::from_secs(5))
-//!     .into_iter()
-//!     .map(|mut t| std::thread::spawn(move || {
-//!         let (rank, peer) = (t.rank(), 1 - t.rank());
-//!         let mut local = LocalDescription::empty(rank, 2);
-//!         local.sends[peer as usize] = vec![TensorMeta { bytes: 3, dtype: 0 }];
-//!         local.recvs[peer as usize] = vec![TensorMeta { bytes: 3, dtype: 0 }];
-//!         let plan = exec::agree_on_plan(&mut t, &local, StagingConfig::default()).unwrap();
-//!         plan.digest()
-//!     }))
-//!     .collect();
-//! let digests: Vec<u64> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-//! assert_eq!(digests[0], digests[1]);
+//! // Each rank's lists, as every rank sees them after the all-gather of descriptions.
+//! let mut locals = vec![LocalDescription::empty(0, 2), LocalDescription::empty(1, 2)];
+//! let meta = TensorMeta { bytes: 3, dtype: 0 };
+//! locals[0].sends[1] = vec![meta];
+//! locals[1].recvs[0] = vec![meta];
+//! let plan = Plan::build(&Description::from_locals(&locals).unwrap(), StagingConfig::default())
+//!     .unwrap();
+//! assert_eq!(plan.rounds().len(), 1);
+//! assert_eq!(plan.bytes_moved(), 3);
 //! ```
 
-pub mod exec;
 pub mod plan;
 pub mod pool;
 
-pub use exec::{agree_on_plan, execute, ExecStats};
 pub use plan::{Description, LocalDescription, Plan, StagingConfig, TensorMeta};
 pub use pool::StagingPool;
 
-use crate::transport::TransportError;
 use streamalloc_allocator::error::AllocError;
 
 /// Every way a staged exchange can fail. Errors that come from the gathered description
@@ -101,7 +96,4 @@ pub enum StagingError {
     /// The allocator could not provide a staging buffer.
     #[error("staging buffer: {0}")]
     Alloc(#[from] AllocError),
-    /// The transport failed.
-    #[error(transparent)]
-    Transport(#[from] TransportError),
 }
