@@ -157,7 +157,7 @@ fn configuration(report: &mut Report) {
     match Config::from_env() {
         Ok(config) => {
             report.line(Verdict::Ok, "configuration", &source);
-            report.detail(format!("PyTorch doors: {}", config.to_conf_string()));
+            report.detail(format!("PyTorch doors: {}", every_key(&config)));
             // The interposer starts from whole segments: its programs may export our
             // pointers with cudaIpcGetMemHandle, which expandable segments cannot serve.
             let preload = Config {
@@ -165,11 +165,28 @@ fn configuration(report: &mut Report) {
                 ..Config::default()
             };
             if let Ok(config) = Config::from_env_over(preload) {
-                report.detail(format!("LD_PRELOAD:    {}", config.to_conf_string()));
+                report.detail(format!("LD_PRELOAD:    {}", every_key(&config)));
             }
         }
         Err(err) => report.line(Verdict::Fail, "configuration", config_error(&err)),
     }
+}
+
+/// Every key of `config` as `key:value`, defaults included (an unset limit reads `none`).
+/// Read off the `Config`'s own fields, so a key added there is shown here without a change.
+fn every_key(config: &Config) -> String {
+    let Ok(serde_json::Value::Object(fields)) = serde_json::to_value(config) else {
+        return config.to_conf_string();
+    };
+    let pairs: Vec<String> = fields
+        .into_iter()
+        .map(|(key, value)| match value {
+            serde_json::Value::Null => format!("{key}:none"),
+            serde_json::Value::String(text) => format!("{key}:{text}"),
+            other => format!("{key}:{other}"),
+        })
+        .collect();
+    pairs.join(",")
 }
 
 fn config_error(err: &ConfigError) -> String {
