@@ -8,7 +8,8 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use streamalloc::ffi::layout::{CLayout, SHARED};
+use streamalloc::ffi::layout::CLayout;
+use streamalloc::ffi::SHARED;
 use streamalloc::ffi::StreamallocStats;
 use streamalloc_allocator::Stats;
 
