@@ -102,7 +102,9 @@ fn fresh_checkout_view(root: &Path) -> PathBuf {
 }
 
 fn shell(command: &str, dir: &Path) -> Command {
-    let bin_dir = Path::new(env!("CARGO_BIN_EXE_streamalloc")).parent().unwrap();
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_streamalloc"))
+        .parent()
+        .unwrap();
     let path = std::env::var_os("PATH").unwrap_or_default();
     let mut paths = vec![bin_dir.to_path_buf()];
     paths.extend(std::env::split_paths(&path));
@@ -179,8 +181,14 @@ fn get_root(url: &str) -> String {
         .trim_end_matches('/')
         .to_string();
     let mut stream = TcpStream::connect(&host).unwrap_or_else(|err| panic!("{url}: {err}"));
-    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(stream, "GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    write!(
+        stream,
+        "GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
     let mut status = String::new();
     BufReader::new(stream).read_line(&mut status).unwrap();
     status.trim_end().to_string()
@@ -206,7 +214,10 @@ fn every_readme_command_that_needs_no_gpu_runs_as_written() {
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
-    assert!(ran >= 7, "only {ran} README commands ran: are the blocks marked `sh`?");
+    assert!(
+        ran >= 7,
+        "only {ran} README commands ran: are the blocks marked `sh`?"
+    );
 }
 
 #[test]
@@ -230,7 +241,11 @@ fn block_kinds_are_read_from_the_info_string() {
 fn replay_of_a_trace_without_segment_events_says_why_native_is_missing() {
     let trace = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("benches/gpu/traces/resnet50_native_steps2-4.pickle.gz");
-    let out = cli::streamalloc().arg("replay").arg(&trace).output().unwrap();
+    let out = cli::streamalloc()
+        .arg("replay")
+        .arg(&trace)
+        .output()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}");
     let row = stdout

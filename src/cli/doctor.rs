@@ -143,16 +143,16 @@ fn strip_run(err: CliError) -> String {
 fn library_version(path: &Path) -> Result<String, String> {
     // SAFETY: loading runs the library's initialisers; libstreamalloc's (Rust statics, an
     // exit hook) have no preconditions.
-    let lib = unsafe { libloading::Library::new(path) }
-        .map_err(|err| {
-            // libloading keeps dlerror's text (what is wrong with the file) as the source.
-            let why = std::error::Error::source(&err).map_or(err.to_string(), |s| s.to_string());
-            format!("{} does not load: {why}", path.display())
-        })?;
+    let lib = unsafe { libloading::Library::new(path) }.map_err(|err| {
+        // libloading keeps dlerror's text (what is wrong with the file) as the source.
+        let why = std::error::Error::source(&err).map_or(err.to_string(), |s| s.to_string());
+        format!("{} does not load: {why}", path.display())
+    })?;
     let lib = Box::leak(Box::new(lib));
     // SAFETY: `streamalloc_version` has this signature in every version of the library.
-    let version = unsafe { lib.get::<unsafe extern "C" fn() -> *const c_char>(b"streamalloc_version") }
-        .map_err(|_| format!("{} lacks streamalloc_version", path.display()))?;
+    let version =
+        unsafe { lib.get::<unsafe extern "C" fn() -> *const c_char>(b"streamalloc_version") }
+            .map_err(|_| format!("{} lacks streamalloc_version", path.display()))?;
     // SAFETY: streamalloc_version takes nothing and returns a static NUL-terminated string.
     let text = unsafe { CStr::from_ptr(version()) };
     Ok(text.to_string_lossy().into_owned())
@@ -272,7 +272,10 @@ fn gpus(report: &mut Report) {
         for ordinal in 0..n {
             let mut device = 0;
             // SAFETY: a valid out-pointer and an ordinal below the count.
-            if unsafe { sys::cuDeviceGet(&mut device, ordinal) }.check().is_err() {
+            if unsafe { sys::cuDeviceGet(&mut device, ordinal) }
+                .check()
+                .is_err()
+            {
                 continue;
             }
             let mut buf = [0 as c_char; 256];
