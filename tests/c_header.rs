@@ -8,8 +8,9 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use streamalloc::ffi::layout::{CLayout, SHARED};
+use streamalloc::ffi::layout::CLayout;
 use streamalloc::ffi::StreamallocStats;
+use streamalloc::ffi::SHARED;
 use streamalloc_allocator::Stats;
 
 fn read(relative: &str) -> String {

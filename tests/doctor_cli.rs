@@ -49,7 +49,24 @@ fn doctor_without_gpu_says_so_and_exits_0() {
         );
     }
     assert!(stdout.contains("ok    library"), "{stdout}");
-    assert!(stdout.contains("expandable_segments:true"), "{stdout}");
+    // The effective configuration names every key, defaults included.
+    let doors = stdout
+        .lines()
+        .find(|l| l.contains("PyTorch doors:"))
+        .unwrap_or_else(|| panic!("no configuration of the PyTorch doors:\n{stdout}"));
+    for key in [
+        "reuse_policy:stream_wait",
+        "memory_limit:none",
+        "memory_fraction:none",
+        "max_split_size:none",
+        "trace_capacity:65536",
+        "event_batch:64",
+        "expandable_segments:true",
+        "reclaim:true",
+        "graph_pools:true",
+    ] {
+        assert!(doors.contains(key), "no `{key}` in {doors}");
+    }
     if !has_gpu_driver() {
         assert!(stdout.contains("none  gpu             no GPU"), "{stdout}");
     }

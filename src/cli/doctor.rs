@@ -10,9 +10,11 @@
 
 use super::run::{exe_dir, find_file, find_python, LIB_ENV, LIB_NAME, PRELOAD_ENV, PRELOAD_NAME};
 use super::CliError;
-use std::ffi::{c_char, c_int, c_void, CStr, CString, OsString};
+use std::ffi::{c_char, CStr, OsString};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
+use streamalloc_allocator::backend::cuda::driver::{self, LibraryError, Status};
+use streamalloc_allocator::backend::cuda::sys;
 use streamalloc_allocator::{Config, ConfigError};
 
 /// Arguments of `streamalloc doctor`.
@@ -134,13 +136,22 @@ fn strip_run(err: CliError) -> String {
 
 // ---- The library ----
 
-/// Loads `path` with dlopen and asks it for `streamalloc_version`.
+/// Loads `path` and asks it for `streamalloc_version`. The library is never unloaded: once
+/// loaded it may have started threads and registered exit hooks, and unloading it under
+/// those is undefined.
 fn library_version(path: &Path) -> Result<String, String> {
-    let lib = Dl::open(&path.display().to_string())
-        .map_err(|err| format!("{} does not load: {err}", path.display()))?;
-    let version: unsafe extern "C" fn() -> *const c_char = lib
-        .symbol("streamalloc_version")
-        .ok_or_else(|| format!("{} lacks streamalloc_version", path.display()))?;
+    // SAFETY: loading runs the library's initialisers; libstreamalloc's (Rust statics, an
+    // exit hook) have no preconditions.
+    let lib = unsafe { libloading::Library::new(path) }.map_err(|err| {
+        // libloading keeps dlerror's text (what is wrong with the file) as the source.
+        let why = std::error::Error::source(&err).map_or(err.to_string(), |s| s.to_string());
+        format!("{} does not load: {why}", path.display())
+    })?;
+    let lib = Box::leak(Box::new(lib));
+    // SAFETY: `streamalloc_version` has this signature in every version of the library.
+    let version =
+        unsafe { lib.get::<unsafe extern "C" fn() -> *const c_char>(b"streamalloc_version") }
+            .map_err(|_| format!("{} lacks streamalloc_version", path.display()))?;
     // SAFETY: streamalloc_version takes nothing and returns a static NUL-terminated string.
     let text = unsafe { CStr::from_ptr(version()) };
     Ok(text.to_string_lossy().into_owned())
@@ -156,7 +167,7 @@ fn configuration(report: &mut Report) {
     match Config::from_env() {
         Ok(config) => {
             report.line(Verdict::Ok, "configuration", &source);
-            report.detail(format!("PyTorch doors: {}", config.to_conf_string()));
+            report.detail(format!("PyTorch doors: {}", every_key(&config)));
             // The interposer starts from whole segments: its programs may export our
             // pointers with cudaIpcGetMemHandle, which expandable segments cannot serve.
             let preload = Config {
@@ -164,11 +175,28 @@ fn configuration(report: &mut Report) {
                 ..Config::default()
             };
             if let Ok(config) = Config::from_env_over(preload) {
-                report.detail(format!("LD_PRELOAD:    {}", config.to_conf_string()));
+                report.detail(format!("LD_PRELOAD:    {}", every_key(&config)));
             }
         }
         Err(err) => report.line(Verdict::Fail, "configuration", config_error(&err)),
     }
+}
+
+/// Every key of `config` as `key:value`, defaults included (an unset limit reads `none`).
+/// Read off the `Config`'s own fields, so a key added there is shown here without a change.
+fn every_key(config: &Config) -> String {
+    let Ok(serde_json::Value::Object(fields)) = serde_json::to_value(config) else {
+        return config.to_conf_string();
+    };
+    let pairs: Vec<String> = fields
+        .into_iter()
+        .map(|(key, value)| match value {
+            serde_json::Value::Null => format!("{key}:none"),
+            serde_json::Value::String(text) => format!("{key}:{text}"),
+            other => format!("{key}:{other}"),
+        })
+        .collect();
+    pairs.join(",")
 }
 
 fn config_error(err: &ConfigError) -> String {
@@ -181,87 +209,91 @@ fn config_error(err: &ConfigError) -> String {
 
 // ---- The CUDA driver ----
 
-type CuResult = c_int;
-const CUDA_ERROR_NO_DEVICE: CuResult = 100;
-const ATTRIBUTE_CC_MAJOR: c_int = 75;
-const ATTRIBUTE_CC_MINOR: c_int = 76;
+/// The driver symbols the doctor calls, probed before any call.
+const DOCTOR_SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetName",
+    "cuDeviceTotalMem_v2",
+    "cuDeviceGetAttribute",
+    "cuGetErrorName",
+    "cuGetErrorString",
+];
 
-/// What `libcuda` says: loaded or not, driver version, each GPU. Only plain driver calls
-/// through dlopen, so that a machine without the driver is an answer, not a panic.
+/// What `libcuda` says: loaded or not, driver version, each GPU. The driver is loaded the
+/// way the backend loads it ([`driver::probe_library`]), so that a machine without it is
+/// an answer, not a panic, and the doctor finds the library the allocator would.
 fn gpus(report: &mut Report) {
-    let Ok(cuda) = Dl::open("libcuda.so.1") else {
-        report.line(
-            Verdict::None,
-            "gpu",
-            "no GPU: libcuda.so.1 (the NVIDIA driver) is not installed; \
-             `demo`, `replay`, `snapshot`, `view` and `plot` work without one",
-        );
-        return;
-    };
-    let probe = || -> Result<(c_int, Vec<String>), String> {
-        type Init = unsafe extern "C" fn(u32) -> CuResult;
-        type OutInt = unsafe extern "C" fn(*mut c_int) -> CuResult;
-        type Get = unsafe extern "C" fn(*mut c_int, c_int) -> CuResult;
-        type Name = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> CuResult;
-        type TotalMem = unsafe extern "C" fn(*mut usize, c_int) -> CuResult;
-        type Attribute = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> CuResult;
-        let missing = |name: &str| format!("libcuda.so.1 lacks {name}");
-        let init: Init = cuda.symbol("cuInit").ok_or_else(|| missing("cuInit"))?;
-        let driver_version: OutInt = cuda
-            .symbol("cuDriverGetVersion")
-            .ok_or_else(|| missing("cuDriverGetVersion"))?;
-        let count: OutInt = cuda
-            .symbol("cuDeviceGetCount")
-            .ok_or_else(|| missing("cuDeviceGetCount"))?;
-        let get: Get = cuda
-            .symbol("cuDeviceGet")
-            .ok_or_else(|| missing("cuDeviceGet"))?;
-        let name: Name = cuda
-            .symbol("cuDeviceGetName")
-            .ok_or_else(|| missing("cuDeviceGetName"))?;
-        let total: TotalMem = cuda
-            .symbol("cuDeviceTotalMem_v2")
-            .ok_or_else(|| missing("cuDeviceTotalMem_v2"))?;
-        let attribute: Attribute = cuda
-            .symbol("cuDeviceGetAttribute")
-            .ok_or_else(|| missing("cuDeviceGetAttribute"))?;
+    match driver::probe_library(
+        driver::CUDA_DRIVER,
+        sys::is_culib_present,
+        sys::culib,
+        DOCTOR_SYMBOLS,
+    ) {
+        Ok(()) => {}
+        Err(err @ LibraryError::NotFound { .. }) => {
+            report.line(
+                Verdict::None,
+                "gpu",
+                format!(
+                    "no GPU: {err}; `demo`, `replay`, `snapshot`, `view` and `plot` work without one"
+                ),
+            );
+            return;
+        }
+        Err(err) => {
+            report.line(Verdict::Warn, "gpu", err.to_string());
+            return;
+        }
+    }
+    let probe = || -> Result<(i32, Vec<String>), String> {
         let mut version = 0;
-        // SAFETY: cuDriverGetVersion with its documented signature and a valid out-pointer.
-        unsafe { driver_version(&mut version) };
+        // SAFETY: the symbol exists (probed above); a valid out-pointer.
+        unsafe { sys::cuDriverGetVersion(&mut version) };
         // SAFETY: cuInit(0) has no preconditions.
-        let code = unsafe { init(0) };
-        if code == CUDA_ERROR_NO_DEVICE {
+        let code = unsafe { sys::cuInit(0) };
+        if code == sys::CUresult::CUDA_ERROR_NO_DEVICE {
             return Ok((version, Vec::new()));
         }
-        if code != 0 {
-            return Err(format!(
-                "driver {} loaded, but cuInit failed with error {code}",
-                driver_text(version)
-            ));
-        }
+        code.check().map_err(|code| {
+            format!(
+                "driver {} loaded, but cuInit failed: {}",
+                driver_text(version),
+                code.describe()
+            )
+        })?;
         let mut n = 0;
-        // SAFETY: cuDeviceGetCount with a valid out-pointer, after cuInit succeeded.
-        unsafe { count(&mut n) };
+        // SAFETY: a valid out-pointer, after cuInit succeeded.
+        unsafe { sys::cuDeviceGetCount(&mut n) };
         let mut devices = Vec::new();
         for ordinal in 0..n {
             let mut device = 0;
-            // SAFETY: cuDeviceGet with a valid out-pointer and an ordinal below the count.
-            if unsafe { get(&mut device, ordinal) } != 0 {
+            // SAFETY: a valid out-pointer and an ordinal below the count.
+            if unsafe { sys::cuDeviceGet(&mut device, ordinal) }
+                .check()
+                .is_err()
+            {
                 continue;
             }
             let mut buf = [0 as c_char; 256];
             // SAFETY: cuDeviceGetName writes at most `buf.len()` bytes, NUL-terminated.
-            unsafe { name(buf.as_mut_ptr(), buf.len() as c_int, device) };
+            unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, device) };
             // SAFETY: the buffer is NUL-terminated (zeroed, and the driver terminates it).
             let label = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy();
             let mut bytes = 0usize;
-            // SAFETY: cuDeviceTotalMem_v2 with a valid out-pointer and device.
-            unsafe { total(&mut bytes, device) };
+            // SAFETY: a valid out-pointer and device.
+            unsafe { sys::cuDeviceTotalMem_v2(&mut bytes, device) };
             let (mut major, mut minor) = (0, 0);
-            // SAFETY: cuDeviceGetAttribute with valid out-pointers and a known attribute.
-            unsafe { attribute(&mut major, ATTRIBUTE_CC_MAJOR, device) };
+            use sys::CUdevice_attribute::{
+                CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,
+                CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MINOR,
+            };
+            // SAFETY: valid out-pointers, a known attribute and device.
+            unsafe { sys::cuDeviceGetAttribute(&mut major, MAJOR, device) };
             // SAFETY: as above.
-            unsafe { attribute(&mut minor, ATTRIBUTE_CC_MINOR, device) };
+            unsafe { sys::cuDeviceGetAttribute(&mut minor, MINOR, device) };
             devices.push(format!(
                 "GPU {ordinal}: {label}, {}, compute capability {major}.{minor}",
                 streamalloc_allocator::config::format_bytes(bytes as u64)
@@ -300,7 +332,7 @@ fn gpus(report: &mut Report) {
 }
 
 /// The driver's own version string from `/proc`, else the CUDA version it supports.
-fn driver_text(version: c_int) -> String {
+fn driver_text(version: i32) -> String {
     std::fs::read_to_string("/proc/driver/nvidia/version")
         .ok()
         .and_then(|text| {
@@ -313,7 +345,7 @@ fn driver_text(version: c_int) -> String {
         .unwrap_or_else(|| format!("for CUDA {}", cuda_text(version)))
 }
 
-fn cuda_text(version: c_int) -> String {
+fn cuda_text(version: i32) -> String {
     format!("{}.{}", version / 1000, (version % 1000) / 10)
 }
 
@@ -447,46 +479,4 @@ pub(crate) fn python_command(
         .arg(verb)
         .args(args);
     command
-}
-
-// ---- dlopen ----
-
-/// A library opened with dlopen. Never closed: libcuda and libstreamalloc keep threads
-/// and exit hooks once initialised, and unloading them under those is undefined.
-struct Dl(*mut c_void);
-
-impl Dl {
-    fn open(name: &str) -> Result<Self, String> {
-        let c_name = CString::new(name).map_err(|_| "bad library name".to_string())?;
-        // SAFETY: a NUL-terminated name; RTLD_LOCAL keeps its symbols out of ours.
-        let handle = unsafe { libc::dlopen(c_name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if handle.is_null() {
-            // SAFETY: dlerror returns null or a NUL-terminated string.
-            let err = unsafe { libc::dlerror() };
-            let text = if err.is_null() {
-                "dlopen failed".to_string()
-            } else {
-                // SAFETY: non-null, so a NUL-terminated string from dlerror.
-                unsafe { CStr::from_ptr(err) }
-                    .to_string_lossy()
-                    .into_owned()
-            };
-            return Err(text);
-        }
-        Ok(Self(handle))
-    }
-
-    /// The symbol `name` as a function pointer of type `F` (the caller names its real type).
-    fn symbol<F: Copy>(&self, name: &str) -> Option<F> {
-        assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
-        let c_name = CString::new(name).ok()?;
-        // SAFETY: a live handle and a NUL-terminated name.
-        let ptr = unsafe { libc::dlsym(self.0, c_name.as_ptr()) };
-        if ptr.is_null() {
-            return None;
-        }
-        // SAFETY: F is a function pointer type (same size, checked above) matching the
-        // symbol's C signature, as every caller states.
-        Some(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&ptr) })
-    }
 }

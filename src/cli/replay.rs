@@ -107,17 +107,33 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
                     serde_json::to_string(&row).map_err(|e| CliError::Message(e.to_string()))?
                 );
             } else {
+                // A trace without segment events says nothing of what its allocator
+                // reserved: no figure rather than a zero.
+                let recorded_segments = report.native_peak_reserved_bytes > 0;
+                let (native, native_ratio) = if recorded_segments {
+                    (
+                        mib(report.native_peak_reserved_bytes),
+                        format!("{:.3}", report.native_ratio()),
+                    )
+                } else {
+                    ("n/a".to_string(), "n/a".to_string())
+                };
                 println!(
-                    "{:<28} {:>8} {:>13} {:>13} {:>13} {:>7.3} {:>7.3} {:>8.0}",
+                    "{:<28} {:>8} {:>13} {:>13} {:>13} {:>7.3} {:>7} {:>8.0}",
                     trace.name,
                     report.allocs,
                     mib(report.peak_live_bytes),
                     mib(report.peak_reserved_bytes),
-                    mib(report.native_peak_reserved_bytes),
+                    native,
                     report.ratio(),
-                    report.native_ratio(),
+                    native_ratio,
                     report.ns_per_op
                 );
+                if !recorded_segments {
+                    println!(
+                        "  native: n/a (the trace has no segment events of the recording allocator)"
+                    );
+                }
                 println!(
                     "  {} page maps, {} page unmaps, {} device syncs, {} segment allocs/frees, {} stitches ({} taken again)",
                     report.page_maps,

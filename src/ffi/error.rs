@@ -9,7 +9,7 @@
 //! succeeded it reads "" and never a stale message from an earlier failure, and which turns
 //! a panic into the call's failure value: no panic unwinds into C.
 
-use std::any::Any;
+use crate::registry::panic_message;
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, CString};
 use std::fmt::Display;
@@ -85,16 +85,6 @@ pub fn call<T>(on_panic: T, body: impl FnOnce() -> T) -> T {
             on_panic
         }
     }
-}
-
-/// The message a panic was raised with.
-#[cold]
-pub fn panic_message(payload: &(dyn Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".to_string())
 }
 
 /// Kinds of misuse reported once per process, then only counted.

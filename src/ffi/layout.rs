@@ -5,10 +5,9 @@
 //! field is added on one side only, and C then reads garbage without any error. So each
 //! struct is declared with `c_struct!`, which defines the `#[repr(C)]` struct together
 //! with its [`CLayout`] (field names, Rust types and offsets, read off the struct itself),
-//! and `tests/c_header.rs` checks the header and the ctypes definition against [`SHARED`].
-
-use super::pools::{StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo};
-use super::stats::StreamallocStats;
+//! and `tests/c_header.rs` checks the header and the ctypes definition against
+//! [`super::SHARED`], the list of them. This module defines the description only; it names
+//! no struct, so the modules that declare them depend on it and not the other way round.
 
 /// One field of a struct shared with C.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,11 +63,3 @@ macro_rules! c_struct {
     };
 }
 pub(crate) use c_struct;
-
-/// Every struct the C ABI shares with C.
-pub const SHARED: [CLayout; 4] = [
-    StreamallocStats::C_LAYOUT,
-    StreamallocSegmentInfo::C_LAYOUT,
-    StreamallocBlockState::C_LAYOUT,
-    StreamallocPoolBlock::C_LAYOUT,
-];

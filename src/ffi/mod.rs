@@ -47,6 +47,8 @@ pub mod layout;
 pub mod p2p;
 pub mod pools;
 pub mod stats;
+/// The C ABI's fuzz harness (feature `testing`): not part of the library's API.
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
 use self::error::{warn_once, Once};
@@ -57,6 +59,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use streamalloc_allocator::{AllocError, Allocator, Backend, DevicePtr, StreamId};
 
 pub use self::stats::StreamallocStats;
+
+/// Every struct the C ABI shares with C (see [`layout`]).
+pub const SHARED: [layout::CLayout; 4] = [
+    StreamallocStats::C_LAYOUT,
+    pools::StreamallocSegmentInfo::C_LAYOUT,
+    pools::StreamallocBlockState::C_LAYOUT,
+    pools::StreamallocPoolBlock::C_LAYOUT,
+];
 
 #[inline]
 fn stream_id(stream: *mut c_void) -> StreamId {

@@ -39,11 +39,8 @@
 
 use super::layout::c_struct;
 use super::{device_call, engine_message, error, fail, on_device};
-use crate::registry::{self, Device, Registry};
+use crate::registry::{self, Device, Registry, Route};
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
-use std::thread::ThreadId;
 use streamalloc_allocator::snapshot::{BlockState, Snapshot};
 use streamalloc_allocator::{AllocationSite, Backend, DevicePtr, PoolBlock, PoolId, StreamId};
 
@@ -682,43 +679,10 @@ pub fn snapshot_rows(
 
 // ---- The pluggable door's pool hooks ---------------------------------------------------
 
-/// One pool being allocated to through the pluggable door.
-#[derive(Debug)]
-struct Route {
-    device: c_int,
-    pool: PoolId,
-    thread: ThreadId,
-}
-
-/// The pools a registry's pluggable door is allocating to, oldest first.
-#[derive(Debug)]
-pub(crate) struct Routes {
-    list: Mutex<Vec<Route>>,
-    /// `list.len()`, read without the lock by every malloc.
-    active: AtomicUsize,
-}
-
-impl Routes {
-    pub(crate) const fn new() -> Self {
-        Self {
-            list: Mutex::new(Vec::new()),
-            active: AtomicUsize::new(0),
-        }
-    }
-
-    /// The routes; a panic while they were held cannot have left them half-updated (each
-    /// change is one push or remove), so a poisoned lock is used as it is.
-    fn lock(&self) -> MutexGuard<'_, Vec<Route>> {
-        self.list
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
-
 /// True while some pool is being allocated to (then `malloc` asks [`routed_pool`]).
 #[inline]
 pub(super) fn routing<B: Backend>(registry: &Registry<B>) -> bool {
-    registry.routes.active.load(Ordering::Acquire) != 0
+    registry.routes.active()
 }
 
 /// The pool a request from this thread on `stream` of `device` goes to while pools are
@@ -729,34 +693,16 @@ pub(super) fn routed_pool<B: Backend>(
     device: c_int,
     stream: StreamId,
 ) -> Result<Option<PoolId>, String> {
-    let routes = registry.routes.lock();
-    choose_route(&routes, device, std::thread::current().id(), || {
-        on_device(registry, device, |allocator| {
-            allocator
-                .backend()
-                .is_capturing(stream)
-                .map_err(|err| format!("streamalloc: device {device}: {err}"))
+    registry
+        .routes
+        .choose(device, std::thread::current().id(), || {
+            on_device(registry, device, |allocator| {
+                allocator
+                    .backend()
+                    .is_capturing(stream)
+                    .map_err(|err| format!("streamalloc: device {device}: {err}"))
+            })
         })
-    })
-}
-
-/// The routing rule: the newest route of `device` begun by `thread`; otherwise, if the
-/// stream is capturing (asked only then: it is a driver call), the newest route of
-/// `device`.
-fn choose_route(
-    routes: &[Route],
-    device: c_int,
-    thread: ThreadId,
-    capturing: impl FnOnce() -> Result<bool, String>,
-) -> Result<Option<PoolId>, String> {
-    let on_device = || routes.iter().filter(|route| route.device == device);
-    if let Some(route) = on_device().rfind(|route| route.thread == thread) {
-        return Ok(Some(route.pool));
-    }
-    let Some(newest) = on_device().next_back() else {
-        return Ok(None);
-    };
-    Ok(capturing()?.then_some(newest.pool))
 }
 
 /// PyTorch's pluggable `beginAllocateToPool` hook: begins allocating to pool `(id0,
@@ -789,18 +735,11 @@ pub fn begin_allocate_to_pool<B: Backend>(
                 .map_err(|err| engine_message(device, err))
         });
         match begun {
-            Ok(_) => {
-                let mut routes = registry.routes.lock();
-                routes.push(Route {
-                    device,
-                    pool,
-                    thread: std::thread::current().id(),
-                });
-                registry
-                    .routes
-                    .active
-                    .store(routes.len(), Ordering::Release);
-            }
+            Ok(_) => registry.routes.begin(Route {
+                device,
+                pool,
+                thread: std::thread::current().id(),
+            }),
             Err(message) => {
                 eprintln!("{message}");
                 error::set(message);
@@ -820,19 +759,7 @@ pub extern "C" fn streamalloc_end_allocate_to_pool(device: c_int, id0: u64, id1:
 pub fn end_allocate_to_pool<B: Backend>(registry: &Registry<B>, device: c_int, id0: u64, id1: u64) {
     error::call((), || {
         let pool = PoolId(id0, id1);
-        {
-            let mut routes = registry.routes.lock();
-            if let Some(index) = routes
-                .iter()
-                .rposition(|route| route.device == device && route.pool == pool)
-            {
-                routes.remove(index);
-            }
-            registry
-                .routes
-                .active
-                .store(routes.len(), Ordering::Release);
-        }
+        registry.routes.end(device, pool);
         if pool_end_allocate(registry, device, id0, id1) < 0 {
             eprintln!("{}", error::last_string());
         }
@@ -858,43 +785,6 @@ pub fn release_pool<B: Backend>(registry: &Registry<B>, device: c_int, id0: u64,
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_pluggable_door_routes_the_beginning_thread_and_capturing_streams() {
-        let here = std::thread::current().id();
-        let elsewhere = std::thread::spawn(|| std::thread::current().id())
-            .join()
-            .unwrap();
-        let (graph, user) = (PoolId(1, 0), PoolId(0, 2));
-        let routes = [
-            Route {
-                device: 0,
-                pool: graph,
-                thread: elsewhere,
-            },
-            Route {
-                device: 0,
-                pool: user,
-                thread: here,
-            },
-            Route {
-                device: 1,
-                pool: PoolId(9, 9),
-                thread: here,
-            },
-        ];
-        let never = || -> Result<bool, String> { panic!("asked the driver needlessly") };
-        assert_eq!(choose_route(&routes, 0, here, never), Ok(Some(user)));
-        assert_eq!(
-            choose_route(&routes[..1], 0, here, || Ok(true)),
-            Ok(Some(graph))
-        );
-        assert_eq!(choose_route(&routes[..1], 0, here, || Ok(false)), Ok(None));
-        assert_eq!(choose_route(&routes, 2, here, never), Ok(None));
-        assert_eq!(
-            choose_route(&routes[..1], 0, here, || Err("no driver".into())),
-            Err("no driver".into())
-        );
-    }
     use streamalloc_allocator::backend::sim::SimBackend;
     use streamalloc_allocator::{Allocator, Config};
 
