@@ -153,6 +153,9 @@ def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         "streamalloc_last_error": ([], ctypes.c_char_p),
         "streamalloc_version": ([], ctypes.c_char_p),
         "streamalloc_set_error_thrower": ([vp], None),
+        "streamalloc_torch_stat_name": ([sz], ctypes.c_char_p),
+        "streamalloc_torch_stats": ([i, ctypes.POINTER(ctypes.c_int64), sz], ctypes.c_int64),
+        "streamalloc_reset_accumulated_stats": ([i], i),
     }
     for name, (args, result) in signatures.items():
         fn = getattr(lib, name)
@@ -172,6 +175,24 @@ def stats(device: int) -> dict:
     if text is None:
         raise RuntimeError(last_error())
     return json.loads(text)
+
+
+def torch_stat_names() -> list[str]:
+    """PyTorch's ``memory_stats()`` keys the library fills, in its order."""
+    lib, names = load(), []
+    while (name := lib.streamalloc_torch_stat_name(len(names))) is not None:
+        names.append(name.decode())
+    return names
+
+
+def torch_stats(device: int) -> dict:
+    """``device``'s statistics under PyTorch's ``memory_stats()`` keys."""
+    names = torch_stat_names()
+    values = (ctypes.c_int64 * len(names))()
+    n = load().streamalloc_torch_stats(device, values, len(names))
+    if n < 0:
+        raise RuntimeError(last_error())
+    return dict(zip(names[:n], values[:n]))
 
 
 def dump_snapshot(path: str | os.PathLike, device: int) -> None:
