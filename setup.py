@@ -50,10 +50,18 @@ def glibc_floor() -> str | None:
         raise SystemExit(f"setup.py: STREAMALLOC_GLIBC must read like 2.28, not {value!r}")
     if platform.machine() != "x86_64":
         raise SystemExit("setup.py: STREAMALLOC_GLIBC is supported on x86_64 only")
-    if shutil.which("cargo-zigbuild") is None:
+    zigbuild = shutil.which("cargo-zigbuild")
+    if zigbuild is None:
         raise SystemExit(
             "setup.py: STREAMALLOC_GLIBC needs cargo-zigbuild on PATH (pip install cargo-zigbuild)"
         )
+    # pip builds in an environment of its own, which hides the ziglang package that
+    # `pip install cargo-zigbuild` put beside cargo-zigbuild: hand its zig over by path.
+    if shutil.which("zig") is None and "CARGO_ZIGBUILD_ZIG_PATH" not in os.environ:
+        venv = Path(zigbuild).resolve().parent.parent
+        shipped = sorted(venv.glob("lib/python3*/site-packages/ziglang/zig"))
+        if shipped:
+            os.environ["CARGO_ZIGBUILD_ZIG_PATH"] = str(shipped[-1])
     return value
 
 
@@ -74,13 +82,11 @@ class BuildRust(build_rust):
     LD_PRELOAD libstreamalloc_preload.so by name. Links through zig when STREAMALLOC_GLIBC
     asks for an older glibc."""
 
-    def finalize_options(self):
-        super().finalize_options()
-        if GLIBC is not None:
-            self.target = f"x86_64-unknown-linux-gnu.{GLIBC}"
-
     def run(self):
         if GLIBC is not None:
+            # Set here, not in finalize_options: build_ext hands its own target to this
+            # command just before running it.
+            self.target = f"x86_64-unknown-linux-gnu.{GLIBC}"
             build_temp = Path(self.get_finalized_command("build").build_temp)
             build_temp.mkdir(parents=True, exist_ok=True)
             forwarder = build_temp / "cargo-via-zigbuild"

@@ -6,7 +6,8 @@
 //! pluggable door routes to are the shim's state, not any backend's: so the registry is
 //! generic over the engine's [`Backend`], and the code behind the C ABI runs unchanged on
 //! simulated devices ([`Registry::simulated`], for tests and the fuzz target) and on CUDA
-//! ([`global`], the process's `Registry<CudaBackend>`).
+//! ([`global`], the process's `Registry<WithSources<CudaBackend>>`: CUDA, with the pools
+//! whose segments come from another allocator, see `ffi::external`).
 //!
 //! # Cost
 //! A fixed array of [`OnceLock`]s indexed by ordinal, each filled on first use with a
@@ -33,6 +34,7 @@
 //! nowhere as invalid. Poisoned devices are not searched.
 
 use crate::ffi::error::panic_message;
+use crate::ffi::external::WithSources;
 use crate::ffi::pools::Routes;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,7 +52,7 @@ pub const MAX_DEVICES: usize = 64;
 pub type CreateBackend<B> = fn(i32) -> Result<B, String>;
 
 /// The allocator of one CUDA device.
-pub type CudaAllocator = Allocator<CudaBackend>;
+pub type CudaAllocator = Allocator<WithSources<CudaBackend>>;
 
 /// Why a device cannot serve a call.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -167,13 +169,14 @@ pub struct Registry<B: Backend> {
 }
 
 /// The registry of this process: one CUDA allocator per device.
-pub fn global() -> &'static Registry<CudaBackend> {
-    static GLOBAL: Registry<CudaBackend> = Registry::new(cuda_backend);
+pub fn global() -> &'static Registry<WithSources<CudaBackend>> {
+    static GLOBAL: Registry<WithSources<CudaBackend>> = Registry::new(cuda_backend);
     &GLOBAL
 }
 
-fn cuda_backend(ordinal: i32) -> Result<CudaBackend, String> {
-    CudaBackend::new(ordinal).map_err(|err| err.to_string())
+fn cuda_backend(ordinal: i32) -> Result<WithSources<CudaBackend>, String> {
+    let backend = CudaBackend::new(ordinal).map_err(|err| err.to_string())?;
+    Ok(WithSources::new(backend, ordinal))
 }
 
 /// Memory of each simulated device of [`Registry::simulated`].

@@ -42,6 +42,7 @@
 //! unless something fails.
 
 pub mod error;
+pub mod external;
 pub mod ipc;
 pub mod layout;
 pub mod p2p;

@@ -38,7 +38,8 @@ for alloc in native sa_native; do
   run stats "$alloc" 90 &
   wait
   if [ "$gpus" -ge 2 ]; then
-    run nccl "$alloc" 180 0,1
+    # A pool's segments come from another allocator only with whole segments.
+    STREAMALLOC_CONF=expandable_segments:false run nccl "$alloc" 180 0,1
   else
     echo "{\"check\": \"nccl\", \"alloc\": \"$alloc\", \"status\": \"skipped\", \"figure\": \"skipped: 1 GPU\"}" \
       >"$OUT/results/nccl.$alloc.json"

@@ -778,14 +778,55 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
       DeviceIndex device,
       MempoolId_t mempool_id,
       std::shared_ptr<CCA::CUDAAllocator> allocator) override {
-    if (allocator && allocator.get() != this) {
-      unsupported(
-          "createOrIncrefPool with an allocator of its own (torch.cuda.MemPool(allocator=...))",
-          "streamalloc's pools take their memory from streamalloc itself");
-    }
     touch(device);
-    if (streamalloc_pool_incref(device, mempool_id.first, mempool_id.second) < 0) {
+    const int uses = streamalloc_pool_incref(device, mempool_id.first, mempool_id.second);
+    if (uses < 0) {
       fail("createOrIncrefPool");
+    }
+    if (!allocator || allocator.get() == this || uses != 1) {
+      return;
+    }
+    // torch.cuda.MemPool(allocator=...): the engine takes the pool's segments from that
+    // allocator and gives them back to it. Kept for the life of the process: the engine
+    // may return a segment through it whenever the pool's cache is emptied.
+    auto* source = new std::shared_ptr<CCA::CUDAAllocator>(std::move(allocator));
+    if (streamalloc_pool_set_segment_source(
+            device, mempool_id.first, mempool_id.second, &segment_alloc, &segment_free, source) !=
+        0) {
+      const std::string why = last_error();
+      delete source;
+      streamalloc_pool_release(device, mempool_id.first, mempool_id.second);
+      TORCH_CHECK(false, "streamalloc: torch.cuda.MemPool(allocator=...) failed: ", why);
+    }
+  }
+
+  // A segment of a MemPool(allocator=...) pool, from its allocator. The library calls
+  // these and must see no exception.
+  static void* segment_alloc(void* source, size_t size, int device) {
+    try {
+      c10::cuda::CUDAGuard g(static_cast<DeviceIndex>(device));
+      return (*static_cast<std::shared_ptr<CCA::CUDAAllocator>*>(source))->raw_alloc(size);
+    } catch (const std::exception& err) {
+      try {
+        TORCH_WARN("streamalloc: the MemPool's allocator failed: ", err.what());
+      } catch (...) {
+      }
+    } catch (...) {
+    }
+    return nullptr;
+  }
+
+  static void segment_free(void* source, void* ptr, size_t size, int device) {
+    (void)size;
+    try {
+      c10::cuda::CUDAGuard g(static_cast<DeviceIndex>(device));
+      (*static_cast<std::shared_ptr<CCA::CUDAAllocator>*>(source))->raw_delete(ptr);
+    } catch (const std::exception& err) {
+      try {
+        TORCH_WARN("streamalloc: the MemPool's allocator failed to free a segment: ", err.what());
+      } catch (...) {
+      }
+    } catch (...) {
     }
   }
 
