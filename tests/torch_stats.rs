@@ -218,10 +218,8 @@ fn the_profiler_is_told_the_blocks_size_and_the_devices_totals() {
 fn torch_stats_refuse_a_null_buffer_and_an_unknown_device() {
     let registry = registry(Config::default());
     // SAFETY: a null buffer with room for values is what is being refused.
-    assert_eq!(
-        unsafe { stats::torch_stats(&registry, 0, std::ptr::null_mut(), 4) },
-        -1
-    );
+    let null = unsafe { stats::torch_stats(&registry, 0, std::ptr::null_mut(), 4) };
+    assert_eq!(null, -1);
     let mut values = [0i64; 4];
     // SAFETY: `values` has room for 4 values.
     let n = unsafe { stats::torch_stats(&registry, 0, values.as_mut_ptr(), 4) };
@@ -231,9 +229,7 @@ fn torch_stats_refuse_a_null_buffer_and_an_unknown_device() {
         "the count even when the room is short"
     );
     // SAFETY: as above.
-    assert_eq!(
-        unsafe { stats::torch_stats(&registry, 99, values.as_mut_ptr(), 4) },
-        -1
-    );
+    let unknown = unsafe { stats::torch_stats(&registry, 99, values.as_mut_ptr(), 4) };
+    assert_eq!(unknown, -1);
     assert_eq!(stats::reset_accumulated_stats(&registry, -5), -1);
 }

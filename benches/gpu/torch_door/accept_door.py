@@ -83,9 +83,11 @@ def check_profile(alloc):
                  record_shapes=True, with_stack=True) as prof:
         step()
         torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.name == "[memory]" and e.device_type == DeviceType.CUDA]
-    allocs = sum(1 for e in events if e.cuda_memory_usage > 0)
-    frees = sum(1 for e in events if e.cuda_memory_usage < 0)
+    # The profiler's raw records: each allocation and free the allocator reported.
+    records = [e for e in prof.profiler.kineto_results.events()
+               if e.name() == "[memory]" and e.device_type() == DeviceType.CUDA]
+    allocs = sum(1 for e in records if e.nbytes() > 0)
+    frees = sum(1 for e in records if e.nbytes() < 0)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "timeline.json")
         prof.export_memory_timeline(path, device="cuda:0")

@@ -1184,6 +1184,14 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
       std::lock_guard<std::mutex> g(hist_mu_);
       record(TraceEntry::OOM, device, device_free, size, stream, pool, ctx);
     }
+    streamalloc_stats_t totals{};
+    if (streamalloc_get_stats(device, &totals) == 0) {
+      c10::reportOutOfMemoryToProfiler(
+          static_cast<int64_t>(size),
+          static_cast<size_t>(totals.allocated_current),
+          static_cast<size_t>(totals.reserved_current),
+          c10::Device(c10::DeviceType::CUDA, device));
+    }
     uint64_t limit = streamalloc_memory_limit(device);
     std::vector<CCA::OutOfMemoryObserver> observers;
     {
