@@ -43,6 +43,7 @@
 
 pub mod error;
 pub mod external;
+pub mod fallback;
 pub mod ipc;
 pub mod layout;
 pub mod p2p;

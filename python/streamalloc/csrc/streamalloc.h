@@ -131,6 +131,10 @@ int streamalloc_pool_set_segment_source(int device, uint64_t pool_id0, uint64_t 
                                         void (*free)(void* ctx, void* ptr, size_t size,
                                                      int device),
                                         void* ctx);
+/* Marks the pool (on != 0) as serving, from its memory, the default pool's requests that
+ * find no memory (torch.cuda.MemPool(use_on_oom=True)), or unmarks it. The pool must
+ * exist. 0, or -1. */
+int streamalloc_pool_set_use_on_oom(int device, uint64_t pool_id0, uint64_t pool_id1, int on);
 /* The pool's use count; 0 for a pool that does not exist. */
 int streamalloc_pool_use_count(int device, uint64_t pool_id0, uint64_t pool_id1);
 /* Writes the addresses of the pool's live allocations (up to capacity of them) and

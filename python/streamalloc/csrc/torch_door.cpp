@@ -836,11 +836,10 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
   }
 
   void setUseOnOOM(DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) override {
-    dev(device);
-    if (use_on_oom) {
-      unsupported(
-          "setUseOnOOM (torch.cuda.MemPool(use_on_oom=True))",
-          "streamalloc never serves an allocation of one pool from another pool's memory");
+    touch(device);
+    if (streamalloc_pool_set_use_on_oom(
+            device, mempool_id.first, mempool_id.second, use_on_oom ? 1 : 0) != 0) {
+      fail("setUseOnOOM (torch.cuda.MemPool(use_on_oom=True))");
     }
   }
 
