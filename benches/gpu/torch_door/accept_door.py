@@ -1,6 +1,7 @@
 # Acceptance of the native door's PyTorch integration, one check per process:
 #   python3 accept_door.py profile ALLOC OUT.json   # torch.profiler memory events of a training step
 #   python3 accept_door.py stats ALLOC OUT.json     # memory_stats() keys, values, reset_accumulated
+#   python3 accept_door.py use_on_oom ALLOC OUT.json  # a MemPool(use_on_oom=True) backs an OOM
 #   python3 accept_door.py nccl ALLOC OUT.json      # NCCL-registered MemPool all_reduce on 2 GPUs
 #   python3 accept_door.py table OUTDIR             # the table of every OUT.json in OUTDIR
 # ALLOC: native (PyTorch's allocator) | sa_native (streamalloc.torch.install(door="native")).
@@ -127,6 +128,29 @@ def check_stats(alloc):
                   values=before, reset_ok=reset_ok, counts_again=counts_again)
 
 
+# ---- MemPool(use_on_oom=True) ----
+
+def check_use_on_oom(alloc):
+    import torch
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.25)
+    limit = total // 4
+    pool = torch.cuda.MemPool(use_on_oom=True)
+    with torch.cuda.use_mem_pool(pool):
+        held = torch.empty(int(limit * 0.6), dtype=torch.uint8, device="cuda")
+    address = held.data_ptr()
+    del held  # cached in the pool, which keeps it
+    # Outside the pool: no room under the limit except the pool's cached block.
+    try:
+        outside = torch.empty(int(limit * 0.55), dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as err:
+        return result(False, "OOM: the pool's cache was not used", error=str(err)[:300])
+    reused = outside.data_ptr() == address
+    del outside
+    return result(reused, "served from the pool's cached block" if reused else "another block",
+                  limit=limit)
+
+
 # ---- NCCL user-buffer registration through MemPool(allocator=...) ----
 
 def nccl_rank(rank, alloc, port, queue):
@@ -232,7 +256,8 @@ def table(outdir):
         print(f"| {check} | {' | '.join(cells)} |")
 
 
-CHECKS = {"profile": check_profile, "stats": check_stats, "nccl": check_nccl}
+CHECKS = {"profile": check_profile, "stats": check_stats, "use_on_oom": check_use_on_oom,
+          "nccl": check_nccl}
 
 
 def main():

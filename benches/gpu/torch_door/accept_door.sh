@@ -4,6 +4,7 @@
 #     and free events and export_memory_timeline, streamalloc vs PyTorch's allocator;
 #   - torch.cuda.memory_stats(): the same keys as PyTorch's, which of the keys PyTorch
 #     fills stay 0, reset_accumulated_memory_stats();
+#   - a MemPool(use_on_oom=True) whose cached block serves a request outside it at OOM;
 #   - an NCCL all_reduce on buffers of a MemPool(ProcessGroupNCCL's mem_allocator)
 #     registered with NCCL, equal to the unregistered one (2 GPUs; skipped on 1);
 #   - the door checks memory_stats, mempool and door of checks.py.
@@ -37,6 +38,7 @@ for alloc in native sa_native; do
   run profile "$alloc" 120 &
   run stats "$alloc" 90 &
   wait
+  STREAMALLOC_CONF=expandable_segments:false run use_on_oom "$alloc" 90
   if [ "$gpus" -ge 2 ]; then
     # A pool's segments come from another allocator only with whole segments.
     STREAMALLOC_CONF=expandable_segments:false run nccl "$alloc" 180 0,1
