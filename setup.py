@@ -112,7 +112,7 @@ class BuildPy(build_py):
 
 class BdistWheel(bdist_wheel):
     """Nothing in the wheel is a CPython extension: one wheel serves every Python 3. Linked
-    against glibc 2.28 (STREAMALLOC_GLIBC), it is a manylinux_2_28 wheel."""
+    against the glibc STREAMALLOC_GLIBC names, it is tagged manylinux for that glibc."""
 
     def get_tag(self):
         _, _, plat = super().get_tag()
