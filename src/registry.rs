@@ -34,8 +34,10 @@
 //! nowhere as invalid. Poisoned devices are not searched.
 
 use crate::ffi::error::panic_message;
-use crate::ffi::external::WithSources;
+use crate::ffi::external::{Sources, WithSources};
+use crate::ffi::fallback::MarkedPools;
 use crate::ffi::pools::Routes;
+use crate::ffi::stats::AccumulatedSince;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -166,6 +168,12 @@ pub struct Registry<B: Backend> {
     unknown_record_streams: AtomicU64,
     /// Pools the pluggable door routes requests to (see `ffi::pools`).
     pub(crate) routes: Routes,
+    /// Pools whose segments come from another allocator (see `ffi::external`).
+    pub(crate) sources: Sources,
+    /// Pools that back the default pool at out-of-memory (see `ffi::fallback`).
+    pub(crate) marked: MarkedPools,
+    /// Counters at the last reset of PyTorch's accumulated statistics (see `ffi::stats`).
+    pub(crate) since: AccumulatedSince,
 }
 
 /// The registry of this process: one CUDA allocator per device.
@@ -220,6 +228,9 @@ impl<B: Backend> Registry<B> {
             invalid_frees: AtomicU64::new(0),
             unknown_record_streams: AtomicU64::new(0),
             routes: Routes::new(),
+            sources: Sources::new(),
+            marked: MarkedPools::new(),
+            since: AccumulatedSince::new(),
         }
     }
 

@@ -181,16 +181,21 @@ impl<B: Backend> Backend for WithSources<B> {
 
 // ---- Which pools have a source ----------------------------------------------------------
 
-/// (registry address, device, pool id) -> its source. The registry's address keeps the
-/// simulated registries of tests apart from the global one.
-type SourceKey = (usize, c_int, u64, u64);
+/// The pools of a registry that have a source, by (device, pool id).
+#[derive(Debug)]
+pub(crate) struct Sources {
+    map: RwLock<BTreeMap<(c_int, u64, u64), SegmentSource>>,
+    /// False until a source is set: requests of ordinary pools then skip the lookup.
+    any: AtomicBool,
+}
 
-static SOURCES: RwLock<BTreeMap<SourceKey, SegmentSource>> = RwLock::new(BTreeMap::new());
-/// False until a source is set: requests of ordinary pools then skip the lookup.
-static ANY_SOURCE: AtomicBool = AtomicBool::new(false);
-
-fn key<B: Backend>(registry: &Registry<B>, device: c_int, id0: u64, id1: u64) -> SourceKey {
-    (registry as *const Registry<B> as usize, device, id0, id1)
+impl Sources {
+    pub(crate) const fn new() -> Self {
+        Self {
+            map: RwLock::new(BTreeMap::new()),
+            any: AtomicBool::new(false),
+        }
+    }
 }
 
 /// Runs `body` (one engine request of pool `(id0, id1)` on `device`) with the pool's
@@ -203,12 +208,13 @@ pub fn with_pool_source<B: Backend, T>(
     id1: u64,
     body: impl FnOnce() -> T,
 ) -> T {
-    if (id0, id1) == (0, 0) || !ANY_SOURCE.load(Ordering::Acquire) {
+    let sources = &registry.sources;
+    if (id0, id1) == (0, 0) || !sources.any.load(Ordering::Acquire) {
         return body();
     }
     let source = {
-        let sources = SOURCES.read().unwrap_or_else(|p| p.into_inner());
-        sources.get(&key(registry, device, id0, id1)).copied()
+        let map = sources.map.read().unwrap_or_else(|p| p.into_inner());
+        map.get(&(device, id0, id1)).copied()
     };
     let Some(source) = source else {
         return body();
@@ -302,9 +308,10 @@ pub unsafe fn pool_set_segment_source<B: Backend>(
                  its own; a source can only be given to a pool before it allocates"
             ));
         }
-        let mut sources = SOURCES.write().unwrap_or_else(|p| p.into_inner());
-        sources.insert(key(registry, device, id0, id1), source);
-        ANY_SOURCE.store(true, Ordering::Release);
+        let sources = &registry.sources;
+        let mut map = sources.map.write().unwrap_or_else(|p| p.into_inner());
+        map.insert((device, id0, id1), source);
+        sources.any.store(true, Ordering::Release);
         Ok(0)
     })
 }

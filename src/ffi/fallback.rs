@@ -15,13 +15,21 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::RwLock;
 use streamalloc_allocator::{AllocError, Allocation, Allocator, Backend, PoolId, StreamId};
 
-/// (registry address, device) -> the pools marked, in order.
-static MARKED: RwLock<BTreeMap<(usize, c_int), Vec<PoolId>>> = RwLock::new(BTreeMap::new());
-/// False until a pool is marked: a failed request then returns at once.
-static ANY_MARKED: AtomicBool = AtomicBool::new(false);
+/// The pools of a registry marked `use_on_oom`, by device, in the order marked.
+#[derive(Debug)]
+pub(crate) struct MarkedPools {
+    map: RwLock<BTreeMap<c_int, Vec<PoolId>>>,
+    /// False until a pool is marked: a failed request then returns at once.
+    any: AtomicBool,
+}
 
-fn key<B: Backend>(registry: &Registry<B>, device: c_int) -> (usize, c_int) {
-    (registry as *const Registry<B> as usize, device)
+impl MarkedPools {
+    pub(crate) const fn new() -> Self {
+        Self {
+            map: RwLock::new(BTreeMap::new()),
+            any: AtomicBool::new(false),
+        }
+    }
 }
 
 /// `result` of a request of `size` bytes for `stream` in `pool`, or, when that is the
@@ -36,12 +44,13 @@ pub fn or_marked_pools<B: Backend>(
 ) -> Result<Allocation, AllocError> {
     let (size, stream, pool) = request;
     let out_of_memory = matches!(result, Err(AllocError::OutOfMemory(_)));
-    if !out_of_memory || pool != PoolId::DEFAULT || !ANY_MARKED.load(Ordering::Acquire) {
+    let marked = &registry.marked;
+    if !out_of_memory || pool != PoolId::DEFAULT || !marked.any.load(Ordering::Acquire) {
         return result;
     }
     let marked = {
-        let all = MARKED.read().unwrap_or_else(|p| p.into_inner());
-        all.get(&key(registry, device)).cloned().unwrap_or_default()
+        let map = marked.map.read().unwrap_or_else(|p| p.into_inner());
+        map.get(&device).cloned().unwrap_or_default()
     };
     for candidate in marked {
         if allocator.pool_use_count(candidate) == 0 {
@@ -94,12 +103,16 @@ pub fn pool_set_use_on_oom<B: Backend>(
                 "streamalloc: pool ({id0}, {id1}) does not exist on device {device}"
             ));
         }
-        let mut all = MARKED.write().unwrap_or_else(|p| p.into_inner());
-        let marked = all.entry(key(registry, device)).or_default();
+        let mut map = registry
+            .marked
+            .map
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        let marked = map.entry(device).or_default();
         marked.retain(|&p| p != pool);
         if on != 0 {
             marked.push(pool);
-            ANY_MARKED.store(true, Ordering::Release);
+            registry.marked.any.store(true, Ordering::Release);
         }
         Ok(0)
     })

@@ -290,17 +290,29 @@ pub fn torch_stat_values(source: &TorchSource<'_>) -> Vec<i64> {
         .collect()
 }
 
-/// Each registry's counters at the last reset of the accumulated statistics, by device.
-/// Keyed by the registry's address: the simulated registries of tests live side by side
-/// with the global one.
-static SINCE: Mutex<BTreeMap<(usize, c_int), Stats>> = Mutex::new(BTreeMap::new());
+/// A registry's counters at the last reset of PyTorch's accumulated statistics, by
+/// device (none: never reset).
+#[derive(Debug)]
+pub(crate) struct AccumulatedSince {
+    map: Mutex<BTreeMap<c_int, Stats>>,
+}
 
-fn since<B: Backend>(registry: &Registry<B>, device: c_int) -> Stats {
-    let key = (registry as *const Registry<B> as usize, device);
-    let since = SINCE
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    since.get(&key).copied().unwrap_or_default()
+impl AccumulatedSince {
+    pub(crate) const fn new() -> Self {
+        Self {
+            map: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn get(&self, device: c_int) -> Stats {
+        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.get(&device).copied().unwrap_or_default()
+    }
+
+    fn set(&self, device: c_int, stats: Stats) {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.insert(device, stats);
+    }
 }
 
 /// The name of PyTorch's `i`-th statistic in the order `streamalloc_torch_stats` writes
@@ -344,7 +356,7 @@ pub unsafe fn torch_stats<B: Backend>(
         });
     }
     device_call(registry, device, -1, |allocator| {
-        let since = since(registry, device);
+        let since = registry.since.get(device);
         let source = TorchSource {
             now: &allocator.stats(),
             since: &since,
@@ -371,11 +383,7 @@ pub extern "C" fn streamalloc_reset_accumulated_stats(device: c_int) -> c_int {
 /// [`streamalloc_reset_accumulated_stats`] on `registry`.
 pub fn reset_accumulated_stats<B: Backend>(registry: &Registry<B>, device: c_int) -> c_int {
     device_call(registry, device, -1, |allocator| {
-        let key = (registry as *const Registry<B> as usize, device);
-        let mut since = SINCE
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        since.insert(key, allocator.stats());
+        registry.since.set(device, allocator.stats());
         Ok(0)
     })
 }
