@@ -619,6 +619,11 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
     std::sort(out.segments.begin(), out.segments.end(), [](const auto& a, const auto& b) {
       return a.address < b.address;
     });
+    // ProcessGroupNCCL registers a pool's segments in registration_counter order, which
+    // must agree across ranks: address order, the one order the library knows.
+    for (size_t i = 0; i < out.segments.size(); ++i) {
+      out.segments[i].registration_counter = static_cast<int32_t>(i);
+    }
     if (include_traces) {
       if (!tracing) {
         hist.lock();
