@@ -7,8 +7,10 @@
 // Policy lives in libstreamalloc.so; this file only translates PyTorch's calls into the C
 // ABI of streamalloc.h. It keeps only what that ABI has no place for: which pool a
 // capturing stream allocates to (PyTorch hands the allocator C++ filters), the memory
-// history PyTorch's snapshot tools read (stack contexts are PyTorch objects), and the IPC
-// mappings opened for other processes' memory.
+// history PyTorch's snapshot tools read (stack contexts are PyTorch objects), the IPC
+// mappings opened for other processes' memory, and the allocators of
+// MemPool(allocator=...) pools (PyTorch objects the library calls back into for segments).
+// Statistics arrive under PyTorch's names from the library, which only need placing.
 //
 // Built at first use by streamalloc/_door.py against the installed PyTorch.
 
