@@ -6,7 +6,8 @@
 //! pluggable door routes to are the shim's state, not any backend's: so the registry is
 //! generic over the engine's [`Backend`], and the code behind the C ABI runs unchanged on
 //! simulated devices ([`Registry::simulated`], for tests and the fuzz target) and on CUDA
-//! ([`global`], the process's `Registry<CudaBackend>`).
+//! ([`global`], the process's `Registry<WithSources<CudaBackend>>`: CUDA, with the pools
+//! whose segments come from another allocator, see `ffi::external`).
 //!
 //! # Cost
 //! A fixed array of [`OnceLock`]s indexed by ordinal, each filled on first use with a
@@ -32,6 +33,9 @@
 //! A wrong-device free that finds its block is served where the block lives and counted
 //! nowhere as invalid. Poisoned devices are not searched.
 
+use crate::ffi::external::{Sources, WithSources};
+use crate::ffi::fallback::MarkedPools;
+use crate::ffi::stats::AccumulatedSince;
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -50,7 +54,7 @@ pub const MAX_DEVICES: usize = 64;
 pub type CreateBackend<B> = fn(i32) -> Result<B, String>;
 
 /// The allocator of one CUDA device.
-pub type CudaAllocator = Allocator<CudaBackend>;
+pub type CudaAllocator = Allocator<WithSources<CudaBackend>>;
 
 /// Why a device cannot serve a call.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -164,16 +168,23 @@ pub struct Registry<B: Backend> {
     unknown_record_streams: AtomicU64,
     /// Pools the pluggable door routes requests to (see [`Routes`]).
     pub(crate) routes: Routes,
+    /// Pools whose segments come from another allocator (see `ffi::external`).
+    pub(crate) sources: Sources,
+    /// Pools that back the default pool at out-of-memory (see `ffi::fallback`).
+    pub(crate) marked: MarkedPools,
+    /// Counters at the last reset of PyTorch's accumulated statistics (see `ffi::stats`).
+    pub(crate) since: AccumulatedSince,
 }
 
 /// The registry of this process: one CUDA allocator per device.
-pub fn global() -> &'static Registry<CudaBackend> {
-    static GLOBAL: Registry<CudaBackend> = Registry::new(cuda_backend);
+pub fn global() -> &'static Registry<WithSources<CudaBackend>> {
+    static GLOBAL: Registry<WithSources<CudaBackend>> = Registry::new(cuda_backend);
     &GLOBAL
 }
 
-fn cuda_backend(ordinal: i32) -> Result<CudaBackend, String> {
-    CudaBackend::new(ordinal).map_err(|err| err.to_string())
+fn cuda_backend(ordinal: i32) -> Result<WithSources<CudaBackend>, String> {
+    let backend = CudaBackend::new(ordinal).map_err(|err| err.to_string())?;
+    Ok(WithSources::new(backend, ordinal))
 }
 
 /// Memory of each simulated device of [`Registry::simulated`].
@@ -217,6 +228,9 @@ impl<B: Backend> Registry<B> {
             invalid_frees: AtomicU64::new(0),
             unknown_record_streams: AtomicU64::new(0),
             routes: Routes::new(),
+            sources: Sources::new(),
+            marked: MarkedPools::new(),
+            since: AccumulatedSince::new(),
         }
     }
 

@@ -1,16 +1,16 @@
 //! The C header the native PyTorch door compiles against
-//! (`python/streamalloc/csrc/streamalloc.h`) and the ctypes definition Python reads the
-//! stats with (`python/streamalloc/_lib.py`) are hand-written copies of Rust
-//! definitions. These tests read both texts and hold them to the Rust side: every struct
-//! the header declares, field for field (name, order, type, offset, size); every function
-//! it declares, exported by the library; and the stats struct, complete against the
-//! engine's counters.
+//! (`python/streamalloc/csrc/streamalloc.h`) and the ctypes classes Python reads the
+//! structs with (`python/streamalloc/_lib.py`) carry structs generated from their Rust
+//! definitions (`src/ffi/layout.rs`). These tests hold both texts to the Rust side: the
+//! generated regions as generated (`STREAMALLOC_BLESS=1` rewrites them); every struct the
+//! header declares, field for field (name, order, type, offset, size) by C's layout
+//! rules; every function it declares, exported by the library; and the stats struct,
+//! complete against the engine's counters.
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use streamalloc::ffi::layout::CLayout;
+use streamalloc::ffi::layout::{c_typedefs, ctypes_classes, replace_generated, CLayout, SHARED};
 use streamalloc::ffi::StreamallocStats;
-use streamalloc::ffi::SHARED;
 use streamalloc_allocator::Stats;
 
 fn read(relative: &str) -> String {
@@ -223,27 +223,47 @@ fn the_stats_struct_carries_every_counter_of_the_engine_from_its_source() {
     assert_eq!(all, covered, "fields with no engine counter behind them");
 }
 
+/// Checks that `relative`'s generated region is `generated`, or rewrites it when
+/// `STREAMALLOC_BLESS=1`.
+fn check_generated(relative: &str, generated: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(relative);
+    let text = read(relative);
+    let expected =
+        replace_generated(&text, generated).unwrap_or_else(|err| panic!("{relative}: {err}"));
+    if expected == text {
+        return;
+    }
+    if std::env::var_os("STREAMALLOC_BLESS").is_some_and(|v| v == "1") {
+        std::fs::write(&path, expected).unwrap();
+        return;
+    }
+    panic!(
+        "{relative}: its generated structs differ from src/ffi/layout.rs's; run \
+         `STREAMALLOC_BLESS=1 cargo test --test c_header` to rewrite them"
+    );
+}
+
 #[test]
-fn pythons_ctypes_stats_match_the_struct_field_for_field() {
-    let source = read("python/streamalloc/_lib.py");
-    let class = source
-        .find("class StreamallocStats(ctypes.Structure)")
-        .expect("the ctypes class");
-    let body = &source[class..];
-    assert!(body.contains("ctypes.c_uint64"));
-    let start = body.find("for name in (").unwrap() + "for name in (".len();
-    let end = start + body[start..].find(')').unwrap();
-    let names: Vec<&str> = body[start..end]
-        .split(',')
-        .map(|n| n.trim().trim_matches('"'))
-        .filter(|n| !n.is_empty())
-        .collect();
-    let rust: Vec<&str> = StreamallocStats::C_LAYOUT
-        .fields
-        .iter()
-        .map(|f| f.name)
-        .collect();
-    assert_eq!(names, rust);
+fn the_headers_typedefs_and_pythons_ctypes_classes_are_the_generated_ones() {
+    check_generated("python/streamalloc/csrc/streamalloc.h", &c_typedefs());
+    check_generated("python/streamalloc/_lib.py", &ctypes_classes());
+}
+
+#[test]
+fn a_field_added_on_the_rust_side_only_is_caught_in_the_generated_text() {
+    let header = read("python/streamalloc/csrc/streamalloc.h");
+    let generated = c_typedefs();
+    let grown = generated.replacen(
+        "  uint64_t allocated_current;",
+        "  uint64_t added_on_one_side;\n  uint64_t allocated_current;",
+        1,
+    );
+    assert_ne!(grown, generated);
+    assert_ne!(replace_generated(&header, &grown).unwrap(), header);
+    let python = read("python/streamalloc/_lib.py");
+    assert!(python.contains("(\"allocated_current\", ctypes.c_uint64),"));
+    assert!(ctypes_classes().contains("class StreamallocStats(ctypes.Structure):"));
+    assert!(replace_generated("no markers", &generated).is_err());
 }
 
 #[test]

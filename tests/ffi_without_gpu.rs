@@ -216,6 +216,48 @@ fn pool_and_introspection_entry_points_fail_cleanly_without_cuda() {
 }
 
 #[test]
+fn pytorch_statistics_and_pool_source_entry_points_fail_cleanly_without_cuda() {
+    if !no_gpu() {
+        return;
+    }
+    use streamalloc::ffi::{external, fallback, stats};
+    let mut values = [0i64; 4];
+    // SAFETY: `values` has room for 4 values.
+    let n = unsafe { stats::streamalloc_torch_stats(0, values.as_mut_ptr(), 4) };
+    assert_eq!(n, -1);
+    assert!(last_error().contains("device 0"), "{}", last_error());
+    assert_eq!(stats::streamalloc_reset_accumulated_stats(0), -1);
+    assert!(
+        !stats::streamalloc_torch_stat_name(0).is_null(),
+        "names need no device"
+    );
+    let (mut device, mut size) = (0, 0u64);
+    // SAFETY: the out pointers are writable or null.
+    let usage = unsafe {
+        stats::streamalloc_allocation_usage(
+            0x1000 as *mut c_void,
+            &mut device,
+            &mut size,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(usage, -1);
+    assert!(
+        last_error().contains("not a live allocation"),
+        "{}",
+        last_error()
+    );
+    assert_eq!(fallback::streamalloc_pool_set_use_on_oom(0, 1, 0, 1), -1);
+    // SAFETY: null callbacks are refused before anything is called.
+    let source = unsafe {
+        external::streamalloc_pool_set_segment_source(0, 1, 0, None, None, std::ptr::null_mut())
+    };
+    assert_eq!(source, -1);
+    assert!(last_error().contains("null"), "{}", last_error());
+}
+
+#[test]
 fn calls_from_thread_local_destructors_after_the_error_slot_is_gone_do_not_abort() {
     // At exit, PyTorch frees tensors from its own thread-local and static destructors
     // (CUDA IPC bookkeeping); by then the library's last-error slot may be destroyed. Its

@@ -7,19 +7,29 @@
 
 use serde::{Deserialize, Serialize};
 
-/// A gauge with its peak since the last reset.
+/// A gauge with its peak since the last reset, and what was ever added to it and taken
+/// from it (PyTorch's `allocated` and `freed` of a byte statistic):
+/// `current == allocated - freed`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Gauge {
     /// Value now.
     pub current: u64,
     /// Highest value since creation or the last [`crate::Allocator::reset_peak_stats`].
     pub peak: u64,
+    /// Sum of everything added, over the allocator's life. Absent from records written
+    /// before it was counted (then 0).
+    #[serde(default)]
+    pub allocated: u64,
+    /// Sum of everything taken away, over the allocator's life.
+    #[serde(default)]
+    pub freed: u64,
 }
 
 impl Gauge {
     #[inline]
     pub(crate) fn add(&mut self, bytes: u64) {
         self.current += bytes;
+        self.allocated += bytes;
         if self.current > self.peak {
             self.peak = self.current;
         }
@@ -29,6 +39,7 @@ impl Gauge {
     pub(crate) fn sub(&mut self, bytes: u64) {
         debug_assert!(self.current >= bytes, "gauge underflow");
         self.current -= bytes;
+        self.freed += bytes;
     }
 
     pub(crate) fn reset_peak(&mut self) {

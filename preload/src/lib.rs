@@ -91,12 +91,13 @@ use std::fmt::Display;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Once, OnceLock};
 use streamalloc::ffi::error;
+use streamalloc::ffi::external::WithSources;
 use streamalloc::registry::{self, CudaAllocator, Device};
 use streamalloc_allocator::backend::cuda::CudaBackend;
 use streamalloc_allocator::{Backend, Config, DevicePtr, StreamId};
 
 /// A device of the process's registry.
-type CudaDevice = Device<CudaBackend>;
+type CudaDevice = Device<WithSources<CudaBackend>>;
 
 /// `cudaError_t`.
 pub type CudaError = c_int;

@@ -24,22 +24,80 @@ class LibraryNotFound(RuntimeError):
     """libstreamalloc.so is nowhere this module looks."""
 
 
+# ---- structs: generated from src/ffi/layout.rs: do not edit (see tests/c_header.rs) ----
 class StreamallocStats(ctypes.Structure):
-    """``streamalloc_stats_t`` (src/ffi/stats.rs), field for field."""
+    """streamalloc_stats_t: the engine's Stats, flattened. Byte gauges come as *_current / *_peak pairs."""
 
     _fields_ = [
-        (name, ctypes.c_uint64)
-        for name in (
-            "allocated_current", "allocated_peak", "requested_current", "requested_peak",
-            "reserved_current", "reserved_peak", "active_current", "active_peak",
-            "pending_free_current", "pending_free_peak", "allocs", "frees",
-            "segment_allocs", "segment_frees", "cross_stream_waits", "events_recorded",
-            "event_queries", "events_outstanding", "events_created", "events_destroyed",
-            "ooms", "retries", "invalid_frees", "memory_limit", "device_syncs",
-            "page_map_bytes", "page_unmap_bytes", "stitches", "stitched_map_bytes",
-            "stitch_revivals", "stitch_evictions",
-        )
+        ("allocated_current", ctypes.c_uint64),
+        ("allocated_peak", ctypes.c_uint64),
+        ("requested_current", ctypes.c_uint64),
+        ("requested_peak", ctypes.c_uint64),
+        ("reserved_current", ctypes.c_uint64),
+        ("reserved_peak", ctypes.c_uint64),
+        ("active_current", ctypes.c_uint64),
+        ("active_peak", ctypes.c_uint64),
+        ("pending_free_current", ctypes.c_uint64),
+        ("pending_free_peak", ctypes.c_uint64),
+        ("allocs", ctypes.c_uint64),
+        ("frees", ctypes.c_uint64),
+        ("segment_allocs", ctypes.c_uint64),
+        ("segment_frees", ctypes.c_uint64),
+        ("cross_stream_waits", ctypes.c_uint64),
+        ("events_recorded", ctypes.c_uint64),
+        ("event_queries", ctypes.c_uint64),
+        ("events_outstanding", ctypes.c_uint64),
+        ("events_created", ctypes.c_uint64),
+        ("events_destroyed", ctypes.c_uint64),
+        ("ooms", ctypes.c_uint64),
+        ("retries", ctypes.c_uint64),
+        ("invalid_frees", ctypes.c_uint64),
+        ("memory_limit", ctypes.c_uint64),
+        ("device_syncs", ctypes.c_uint64),
+        ("page_map_bytes", ctypes.c_uint64),
+        ("page_unmap_bytes", ctypes.c_uint64),
     ]
+
+
+class StreamallocSegmentInfo(ctypes.Structure):
+    """streamalloc_segment_info_t: one segment of a snapshot; an expandable segment appears as one of these per run of mapped pages."""
+
+    _fields_ = [
+        ("address", ctypes.c_uint64),
+        ("total_size", ctypes.c_uint64),
+        ("stream", ctypes.c_uint64),
+        ("pool_id0", ctypes.c_uint64),
+        ("pool_id1", ctypes.c_uint64),
+        ("is_large", ctypes.c_uint32),
+        ("is_expandable", ctypes.c_uint32),
+        ("first_block", ctypes.c_uint64),
+        ("block_count", ctypes.c_uint64),
+    ]
+
+
+class StreamallocBlockState(ctypes.Structure):
+    """streamalloc_block_state_t: one block of a snapshot."""
+
+    _fields_ = [
+        ("address", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("requested_size", ctypes.c_uint64),
+        ("stream", ctypes.c_uint64),
+        ("state", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+    ]
+
+
+class StreamallocPoolBlock(ctypes.Structure):
+    """streamalloc_pool_block_t: one live allocation of a pool checkpoint."""
+
+    _fields_ = [
+        ("address", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("requested", ctypes.c_uint64),
+        ("stream", ctypes.c_uint64),
+    ]
+# ---- end of generated text ----
 
 
 def _candidates() -> list[Path]:
@@ -95,6 +153,9 @@ def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         "streamalloc_last_error": ([], ctypes.c_char_p),
         "streamalloc_version": ([], ctypes.c_char_p),
         "streamalloc_set_error_thrower": ([vp], None),
+        "streamalloc_torch_stat_name": ([sz], ctypes.c_char_p),
+        "streamalloc_torch_stats": ([i, ctypes.POINTER(ctypes.c_int64), sz], ctypes.c_int64),
+        "streamalloc_reset_accumulated_stats": ([i], i),
     }
     for name, (args, result) in signatures.items():
         fn = getattr(lib, name)
@@ -114,6 +175,24 @@ def stats(device: int) -> dict:
     if text is None:
         raise RuntimeError(last_error())
     return json.loads(text)
+
+
+def torch_stat_names() -> list[str]:
+    """PyTorch's ``memory_stats()`` keys the library fills, in its order."""
+    lib, names = load(), []
+    while (name := lib.streamalloc_torch_stat_name(len(names))) is not None:
+        names.append(name.decode())
+    return names
+
+
+def torch_stats(device: int) -> dict:
+    """``device``'s statistics under PyTorch's ``memory_stats()`` keys."""
+    names = torch_stat_names()
+    values = (ctypes.c_int64 * len(names))()
+    n = load().streamalloc_torch_stats(device, values, len(names))
+    if n < 0:
+        raise RuntimeError(last_error())
+    return dict(zip(names[:n], values[:n]))
 
 
 def dump_snapshot(path: str | os.PathLike, device: int) -> None:

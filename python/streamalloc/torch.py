@@ -42,7 +42,8 @@ from . import _lib
 __all__ = [
     "InstallError", "install", "installed", "door", "memory_stats", "memory_allocated",
     "max_memory_allocated", "memory_reserved", "max_memory_reserved",
-    "reset_peak_memory_stats", "empty_cache", "dump_snapshot", "last_error", "raw_stats",
+    "reset_peak_memory_stats", "reset_accumulated_memory_stats", "empty_cache", "dump_snapshot",
+    "last_error", "raw_stats",
 ]
 
 # setter on PyTorch's _CUDAPluggableAllocator -> our symbol
@@ -55,6 +56,7 @@ _HOOKS = {
 _PATCHED = (
     "memory_stats", "memory_allocated", "max_memory_allocated", "memory_reserved",
     "max_memory_reserved", "reset_peak_memory_stats", "reset_max_memory_allocated",
+    "reset_accumulated_memory_stats",
 )
 
 # setter on PyTorch's _CUDAPluggableAllocator -> our symbol, registered when both exist
@@ -237,27 +239,12 @@ def raw_stats(device=None) -> dict:
 
 
 def memory_stats(device=None) -> dict:
-    """Counters under ``torch.cuda.memory_stats()``'s flat keys, plus ``streamalloc.*``."""
-    raw = raw_stats(device)
-    s = raw["stats"]
-    out = {}
-    for ours, theirs in (
-        ("allocated_bytes", "allocated_bytes"), ("reserved_bytes", "reserved_bytes"),
-        ("active_bytes", "active_bytes"), ("requested_bytes", "requested_bytes"),
-    ):
-        out[f"{theirs}.all.current"] = s[ours]["current"]
-        out[f"{theirs}.all.peak"] = s[ours]["peak"]
-    out["allocation.all.allocated"] = s["allocs"]
-    out["allocation.all.freed"] = s["frees"]
-    out["allocation.all.current"] = s["allocs"] - s["frees"]
-    out["segment.all.allocated"] = s["segment_allocs"]
-    out["segment.all.freed"] = s["segment_frees"]
-    out["segment.all.current"] = s["segment_allocs"] - s["segment_frees"]
-    out["num_alloc_retries"] = s["retries"]
-    out["num_ooms"] = s["ooms"]
-    out["num_device_alloc"] = s["segment_allocs"]
-    out["num_device_free"] = s["segment_frees"]
-    for key, value in s.items():
+    """Counters under ``torch.cuda.memory_stats()``'s flat keys (the library names them),
+    plus the engine's own under ``streamalloc.*``."""
+    index = _device(device)
+    out = _lib.torch_stats(index)
+    raw = _lib.stats(index)
+    for key, value in raw["stats"].items():
         if isinstance(value, dict):
             for sub, v in value.items():
                 out[f"streamalloc.{key}.{sub}"] = v
@@ -266,7 +253,7 @@ def memory_stats(device=None) -> dict:
     out["streamalloc.memory_limit"] = raw["memory_limit"] or 0
     out["streamalloc.process.invalid_frees"] = raw["process"]["invalid_frees"]
     out["streamalloc.process.unknown_record_streams"] = raw["process"]["unknown_record_streams"]
-    return out
+    return dict(sorted(out.items()))
 
 
 def memory_allocated(device=None) -> int:
@@ -296,6 +283,13 @@ def reset_peak_memory_stats(device=None) -> None:
 
 
 reset_max_memory_allocated = reset_peak_memory_stats
+
+
+def reset_accumulated_memory_stats(device=None) -> None:
+    """Starts the accumulated counters (every ``allocated``/``freed``, retries, OOMs, ...)
+    from zero again; current values and peaks stay."""
+    if _lib.load().streamalloc_reset_accumulated_stats(_device(device)) != 0:
+        raise RuntimeError(_lib.last_error())
 
 
 def empty_cache() -> None:

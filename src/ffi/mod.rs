@@ -42,6 +42,8 @@
 //! unless something fails.
 
 pub mod error;
+pub mod external;
+pub mod fallback;
 pub mod ipc;
 pub mod layout;
 pub mod p2p;
@@ -59,14 +61,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use streamalloc_allocator::{AllocError, Allocator, Backend, DevicePtr, StreamId};
 
 pub use self::stats::StreamallocStats;
-
-/// Every struct the C ABI shares with C (see [`layout`]).
-pub const SHARED: [layout::CLayout; 4] = [
-    StreamallocStats::C_LAYOUT,
-    pools::StreamallocSegmentInfo::C_LAYOUT,
-    pools::StreamallocBlockState::C_LAYOUT,
-    pools::StreamallocPoolBlock::C_LAYOUT,
-];
 
 #[inline]
 fn stream_id(stream: *mut c_void) -> StreamId {

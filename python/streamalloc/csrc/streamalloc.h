@@ -8,8 +8,9 @@
  * inside a device's engine (a bug), every call on that device fails with "streamalloc:
  * device N is unusable after an internal panic: ...".
  *
- * The structs below copy Rust's (src/ffi/layout.rs); tests/c_header.rs checks them field
- * for field, and checks that every function declared here is exported.
+ * The structs below are generated from Rust's (src/ffi/layout.rs); tests/c_header.rs
+ * fails when they differ from what it generates, and checks that every function declared
+ * here is exported.
  *
  * A pool id is PyTorch's MempoolId_t, two unsigned 64-bit integers; (0, 0) is the
  * default pool. A block of a pool is only ever handed to an allocation in the same pool,
@@ -25,56 +26,69 @@
 extern "C" {
 #endif
 
-/* Counters of one device (src/ffi/stats.rs documents every field). */
+/* ---- structs: generated from src/ffi/layout.rs: do not edit (see tests/c_header.rs) ---- */
+/* streamalloc_stats_t: the engine's Stats, flattened. Byte gauges come as *_current / *_peak pairs. */
 typedef struct streamalloc_stats {
-  uint64_t allocated_current, allocated_peak;
-  uint64_t requested_current, requested_peak;
-  uint64_t reserved_current, reserved_peak;
-  uint64_t active_current, active_peak;
-  uint64_t pending_free_current, pending_free_peak;
-  uint64_t allocs, frees;
-  uint64_t segment_allocs, segment_frees;
-  uint64_t cross_stream_waits;
-  uint64_t events_recorded, event_queries, events_outstanding;
-  uint64_t events_created, events_destroyed;
-  uint64_t ooms, retries, invalid_frees;
-  uint64_t memory_limit; /* 0: none */
-  uint64_t device_syncs, page_map_bytes, page_unmap_bytes;
-  uint64_t stitches, stitched_map_bytes, stitch_revivals, stitch_evictions;
+  uint64_t allocated_current; /* Bytes in blocks handed out (rounded sizes), now. */
+  uint64_t allocated_peak; /* Peak of allocated_current. */
+  uint64_t requested_current; /* Bytes callers asked for, now. */
+  uint64_t requested_peak; /* Peak of requested_current. */
+  uint64_t reserved_current; /* Bytes obtained from the device, now. */
+  uint64_t reserved_peak; /* Peak of reserved_current. */
+  uint64_t active_current; /* Allocated plus freed-but-pending bytes, now. */
+  uint64_t active_peak; /* Peak of active_current. */
+  uint64_t pending_free_current; /* Free bytes still carrying other streams' events, now. */
+  uint64_t pending_free_peak; /* Peak of pending_free_current. */
+  uint64_t allocs; /* Blocks handed out. */
+  uint64_t frees; /* Blocks returned. */
+  uint64_t segment_allocs; /* Segments obtained from the device. */
+  uint64_t segment_frees; /* Segments returned to the device. */
+  uint64_t cross_stream_waits; /* Device-side waits made to reuse blocks across streams. */
+  uint64_t events_recorded; /* Events recorded. */
+  uint64_t event_queries; /* Event queries. */
+  uint64_t events_outstanding; /* Events recorded and still referenced. */
+  uint64_t events_created; /* Event objects created. */
+  uint64_t events_destroyed; /* Event objects destroyed. */
+  uint64_t ooms; /* Requests that failed for lack of memory. */
+  uint64_t retries; /* Requests served only after releasing cached memory. */
+  uint64_t invalid_frees; /* Frees of unknown or already freed pointers. */
+  uint64_t memory_limit; /* Reserved-bytes limit in force (0: none). */
+  uint64_t device_syncs; /* Device-wide synchronisations made (to release memory or to unmap pages). */
+  uint64_t page_map_bytes; /* Bytes mapped into expandable segments, in all. */
+  uint64_t page_unmap_bytes; /* Bytes unmapped from expandable segments, in all. */
 } streamalloc_stats_t;
 
-/* One segment of a snapshot. For expandable segments, each run of mapped pages is one
- * segment here (unmapped address space is not memory). Its blocks are
- * blocks[first_block .. first_block + block_count). */
+/* streamalloc_segment_info_t: one segment of a snapshot; an expandable segment appears as one of these per run of mapped pages. */
 typedef struct streamalloc_segment_info {
-  uint64_t address;
-  uint64_t total_size;
-  uint64_t stream;   /* the cudaStream_t whose request created it */
-  uint64_t pool_id0; /* its pool, (0, 0) for the default pool */
-  uint64_t pool_id1;
-  uint32_t is_large; /* 0: small pool (requests <= 1 MiB), 1: large */
-  uint32_t is_expandable;
-  uint64_t first_block;
-  uint64_t block_count;
+  uint64_t address; /* First byte. */
+  uint64_t total_size; /* Bytes. */
+  uint64_t stream; /* The cudaStream_t whose request created it. */
+  uint64_t pool_id0; /* Its pool's id, first half. */
+  uint64_t pool_id1; /* Its pool's id, second half. */
+  uint32_t is_large; /* 0: small pool, 1: large. */
+  uint32_t is_expandable; /* 1 for memory mapped into an expandable segment. */
+  uint64_t first_block; /* Index of its first block in the blocks array. */
+  uint64_t block_count; /* Its blocks. */
 } streamalloc_segment_info_t;
 
-/* One block of a snapshot. */
+/* streamalloc_block_state_t: one block of a snapshot. */
 typedef struct streamalloc_block_state {
-  uint64_t address;
-  uint64_t size;
-  uint64_t requested_size; /* 0 unless allocated */
-  uint64_t stream;         /* owning cudaStream_t */
-  uint32_t state;          /* 0 inactive (free), 1 active_allocated, 2 active_pending_free */
-  uint32_t reserved;
+  uint64_t address; /* First byte. */
+  uint64_t size; /* Bytes. */
+  uint64_t requested_size; /* Bytes asked for (0 unless allocated). */
+  uint64_t stream; /* Owning cudaStream_t. */
+  uint32_t state; /* 0 inactive (free), 1 active_allocated, 2 active_pending_free. */
+  uint32_t reserved; /* Zero. */
 } streamalloc_block_state_t;
 
-/* One allocation of a pool checkpoint. */
+/* streamalloc_pool_block_t: one live allocation of a pool checkpoint. */
 typedef struct streamalloc_pool_block {
-  uint64_t address;
-  uint64_t size;      /* the block's size (rounded) */
-  uint64_t requested; /* bytes asked for */
-  uint64_t stream;    /* the cudaStream_t it belongs to */
+  uint64_t address; /* First byte. */
+  uint64_t size; /* Bytes reserved (rounded). */
+  uint64_t requested; /* Bytes asked for. */
+  uint64_t stream; /* The cudaStream_t it belongs to. */
 } streamalloc_pool_block_t;
+/* ---- end of generated text ---- */
 
 /* ---- allocation ---------------------------------------------------------------- */
 
@@ -106,6 +120,21 @@ int streamalloc_pool_incref(int device, uint64_t pool_id0, uint64_t pool_id1);
  * out-of-memory retry), and its blocks still allocated follow when freed. Returns the
  * remaining use count, or -1 (unknown pool). */
 int streamalloc_pool_release(int device, uint64_t pool_id0, uint64_t pool_id1);
+/* Makes the pool take its segments from another allocator (torch.cuda.MemPool(allocator=
+ * ...)): the engine calls alloc(ctx, size, device) for each segment it needs, splits and
+ * caches it for this pool only, and calls free(ctx, ptr, size, device) when it releases it
+ * (empty_cache of the pool after its last release, or an out-of-memory retry). The pool
+ * must not have allocated yet; refused (-1) on a device with expandable segments in effect.
+ * alloc and free must stay callable with ctx until every segment is freed. 0, or -1. */
+int streamalloc_pool_set_segment_source(int device, uint64_t pool_id0, uint64_t pool_id1,
+                                        void* (*alloc)(void* ctx, size_t size, int device),
+                                        void (*free)(void* ctx, void* ptr, size_t size,
+                                                     int device),
+                                        void* ctx);
+/* Marks the pool (on != 0) as serving, from its memory, the default pool's requests that
+ * find no memory (torch.cuda.MemPool(use_on_oom=True)), or unmarks it. The pool must
+ * exist. 0, or -1. */
+int streamalloc_pool_set_use_on_oom(int device, uint64_t pool_id0, uint64_t pool_id1, int on);
 /* The pool's use count; 0 for a pool that does not exist. */
 int streamalloc_pool_use_count(int device, uint64_t pool_id0, uint64_t pool_id1);
 /* Writes the addresses of the pool's live allocations (up to capacity of them) and
@@ -164,6 +193,19 @@ int streamalloc_block_info(void* ptr, int* device, uint64_t* segment_base,
                            uint64_t* segment_size, int* expandable);
 int streamalloc_get_stats(int device, streamalloc_stats_t* out);
 int streamalloc_reset_peak_stats(int device);
+/* PyTorch's memory_stats() keys that streamalloc fills ("allocated_bytes.all.peak", ...):
+ * the i-th, or null past the last. Static strings. */
+const char* streamalloc_torch_stat_name(size_t i);
+/* device's value of each key streamalloc_torch_stat_name lists, in that order, up to
+ * capacity of them. Returns how many keys there are, or -1. */
+int64_t streamalloc_torch_stats(int device, int64_t* out, size_t capacity);
+/* Starts PyTorch's accumulated statistics (allocated, freed, retries, OOMs, ...) of device
+ * from zero again (reset_accumulated_memory_stats). 0, or -1. */
+int streamalloc_reset_accumulated_stats(int device);
+/* For the live allocation at ptr: its device, its block's size and the device's allocated
+ * and reserved bytes now (what PyTorch's profiler is told). 0, or -1. */
+int streamalloc_allocation_usage(void* ptr, int* device, uint64_t* block_size,
+                                 uint64_t* allocated, uint64_t* reserved);
 /* Fills up to the capacities and always writes the true counts. Returns 0 if everything
  * fitted, 1 if the arrays were too small (call again with larger ones), -1 on error. */
 int streamalloc_snapshot_segments(int device, streamalloc_segment_info_t* segments,

@@ -7,8 +7,10 @@
 // Policy lives in libstreamalloc.so; this file only translates PyTorch's calls into the C
 // ABI of streamalloc.h. It keeps only what that ABI has no place for: which pool a
 // capturing stream allocates to (PyTorch hands the allocator C++ filters), the memory
-// history PyTorch's snapshot tools read (stack contexts are PyTorch objects), and the IPC
-// mappings opened for other processes' memory.
+// history PyTorch's snapshot tools read (stack contexts are PyTorch objects), the IPC
+// mappings opened for other processes' memory, and the allocators of
+// MemPool(allocator=...) pools (PyTorch objects the library calls back into for segments).
+// Statistics arrive under PyTorch's names from the library, which only need placing.
 //
 // Built at first use by streamalloc/_door.py against the installed PyTorch.
 
@@ -24,7 +26,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstddef>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <stack>
@@ -169,6 +173,97 @@ Segments fetch_segments(int device) {
   }
 }
 
+// Where a statistic lands in DeviceStats: its byte offset, or kNoSlot.
+using StatSlot = std::ptrdiff_t;
+constexpr StatSlot kNoSlot = -1;
+
+// The offset in DeviceStats of PyTorch's memory_stats() key `name` ("allocation.all.peak",
+// "oversize_segments.current", "num_ooms"), or kNoSlot for a name DeviceStats lacks.
+StatSlot stat_slot(const std::string& name) {
+  using c10::CachingAllocator::Stat;
+  using c10::CachingAllocator::StatArray;
+  static const std::pair<const char*, StatArray DeviceStats::*> arrays[] = {
+      {"allocation", &DeviceStats::allocation},
+      {"segment", &DeviceStats::segment},
+      {"active", &DeviceStats::active},
+      {"inactive_split", &DeviceStats::inactive_split},
+      {"allocated_bytes", &DeviceStats::allocated_bytes},
+      {"reserved_bytes", &DeviceStats::reserved_bytes},
+      {"active_bytes", &DeviceStats::active_bytes},
+      {"inactive_split_bytes", &DeviceStats::inactive_split_bytes},
+      {"requested_bytes", &DeviceStats::requested_bytes}};
+  static const std::pair<const char*, Stat DeviceStats::*> single[] = {
+      {"oversize_allocations", &DeviceStats::oversize_allocations},
+      {"oversize_segments", &DeviceStats::oversize_segments}};
+  static const std::pair<const char*, int64_t DeviceStats::*> scalars[] = {
+      {"num_alloc_retries", &DeviceStats::num_alloc_retries},
+      {"num_ooms", &DeviceStats::num_ooms},
+      {"num_sync_all_streams", &DeviceStats::num_sync_all_streams},
+      {"num_device_alloc", &DeviceStats::num_device_alloc},
+      {"num_device_free", &DeviceStats::num_device_free},
+      {"max_split_size", &DeviceStats::max_split_size}};
+  static const char* const types[] = {"all", "small_pool", "large_pool"};
+  static DeviceStats probe;
+  const auto base = reinterpret_cast<const char*>(&probe);
+  auto at = [base](const int64_t& field) { return reinterpret_cast<const char*>(&field) - base; };
+  auto in_stat = [&at](const Stat& st, const std::string& f) -> StatSlot {
+    return f == "current" ? at(st.current)
+        : f == "peak"     ? at(st.peak)
+        : f == "allocated" ? at(st.allocated)
+        : f == "freed"     ? at(st.freed)
+                           : kNoSlot;
+  };
+  std::vector<std::string> parts;
+  for (size_t start = 0;;) {
+    size_t dot = name.find('.', start);
+    parts.push_back(name.substr(start, dot - start));
+    if (dot == std::string::npos) {
+      break;
+    }
+    start = dot + 1;
+  }
+  if (parts.size() == 1) {
+    for (const auto& [n, member] : scalars) {
+      if (parts[0] == n) {
+        return at(probe.*member);
+      }
+    }
+  } else if (parts.size() == 2) {
+    for (const auto& [n, member] : single) {
+      if (parts[0] == n) {
+        return in_stat(probe.*member, parts[1]);
+      }
+    }
+  } else if (parts.size() == 3) {
+    for (const auto& [n, member] : arrays) {
+      for (size_t t = 0; t < std::size(types) && parts[0] == n; ++t) {
+        if (parts[1] == types[t]) {
+          return in_stat((probe.*member)[t], parts[2]);
+        }
+      }
+    }
+  }
+  return kNoSlot;
+}
+
+// The slot of each statistic the library lists, in its order; computed once.
+const std::vector<StatSlot>& torch_stat_slots() {
+  static const std::vector<StatSlot> slots = [] {
+    std::vector<StatSlot> out;
+    for (size_t i = 0;; ++i) {
+      const char* name = streamalloc_torch_stat_name(i);
+      if (name == nullptr) {
+        return out;
+      }
+      out.push_back(stat_slot(name));
+      if (out.back() == kNoSlot) {
+        TORCH_WARN("streamalloc: PyTorch's DeviceStats has no statistic ", name);
+      }
+    }
+  }();
+  return slots;
+}
+
 // A pool's checkpoint: what streamalloc_pool_checkpoint listed, with the pool it names.
 struct PoolState : CCA::AllocatorState {
   int device = 0;
@@ -255,8 +350,17 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
       (*interp)->trace_gpu_memory_deallocation(
           c10::DeviceType::CUDA, reinterpret_cast<uintptr_t>(ptr));
     }
+    // The profiler is told the block's size, which only the live block knows.
+    int device = -1;
+    uint64_t size = 0;
+    const bool profiling = C10_UNLIKELY(c10::memoryProfilingEnabled()) &&
+        streamalloc_allocation_usage(ptr, &device, &size, nullptr, nullptr) == 0;
     // A deleter gets only the pointer: device -1 lets the library find its owner.
     streamalloc_free(ptr, 0, -1, nullptr);
+    streamalloc_stats_t r{};
+    if (profiling && streamalloc_get_stats(device, &r) == 0) {
+      report_to_profiler(ptr, -static_cast<int64_t>(size), r.allocated_current, r.reserved_current, device);
+    }
   }
 
   // ---- devices, limits, cache ------------------------------------------------------
@@ -427,41 +531,26 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
     if (!dev(device).used.load()) {
       return s;
     }
-    streamalloc_stats_t r{};
-    if (streamalloc_get_stats(device, &r) != 0) {
+    // The library names each value by PyTorch's memory_stats() key; torch_stat_slots
+    // says where each lands in DeviceStats.
+    const std::vector<StatSlot>& slots = torch_stat_slots();
+    std::vector<int64_t> values(slots.size());
+    int64_t n = streamalloc_torch_stats(device, values.data(), values.size());
+    if (n < 0) {
       fail("getDeviceStats");
     }
-    const size_t all = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-    auto level = [](c10::CachingAllocator::Stat& st, uint64_t current, uint64_t peak) {
-      st.current = static_cast<int64_t>(current);
-      st.peak = static_cast<int64_t>(peak);
-    };
-    auto count = [](c10::CachingAllocator::Stat& st, uint64_t made, uint64_t gone) {
-      st.allocated = static_cast<int64_t>(made);
-      st.freed = static_cast<int64_t>(gone);
-      st.current = static_cast<int64_t>(made - gone);
-    };
-    level(s.allocated_bytes[all], r.allocated_current, r.allocated_peak);
-    level(s.reserved_bytes[all], r.reserved_current, r.reserved_peak);
-    level(s.active_bytes[all], r.active_current, r.active_peak);
-    level(s.requested_bytes[all], r.requested_current, r.requested_peak);
-    count(s.allocation[all], r.allocs, r.frees);
-    count(s.segment[all], r.segment_allocs, r.segment_frees);
-    s.num_alloc_retries = static_cast<int64_t>(r.retries);
-    s.num_ooms = static_cast<int64_t>(r.ooms);
-    s.num_sync_all_streams = static_cast<int64_t>(r.device_syncs);
-    s.num_device_alloc = static_cast<int64_t>(r.segment_allocs);
-    s.num_device_free = static_cast<int64_t>(r.segment_frees);
+    for (size_t i = 0; i < slots.size() && i < static_cast<size_t>(n); ++i) {
+      if (slots[i] != kNoSlot) {
+        *reinterpret_cast<int64_t*>(reinterpret_cast<char*>(&s) + slots[i]) = values[i];
+      }
+    }
     return s;
   }
 
   void resetAccumulatedStats(DeviceIndex device) override {
-    dev(device);
-    unsupported(
-        "resetAccumulatedStats",
-        "the library's counters (allocations, frees, segments, retries, OOMs) count from "
-        "the start of the process and cannot be reset; torch.cuda.reset_peak_memory_stats() "
-        "resets the peaks");
+    if (dev(device).used.load() && streamalloc_reset_accumulated_stats(device) != 0) {
+      fail("resetAccumulatedStats");
+    }
   }
 
   void resetPeakStats(DeviceIndex device) override {
@@ -532,6 +621,11 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
     std::sort(out.segments.begin(), out.segments.end(), [](const auto& a, const auto& b) {
       return a.address < b.address;
     });
+    // ProcessGroupNCCL registers a pool's segments in registration_counter order, which
+    // must agree across ranks: address order, the one order the library knows.
+    for (size_t i = 0; i < out.segments.size(); ++i) {
+      out.segments[i].registration_counter = static_cast<int32_t>(i);
+    }
     if (include_traces) {
       if (!tracing) {
         hist.lock();
@@ -691,14 +785,55 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
       DeviceIndex device,
       MempoolId_t mempool_id,
       std::shared_ptr<CCA::CUDAAllocator> allocator) override {
-    if (allocator && allocator.get() != this) {
-      unsupported(
-          "createOrIncrefPool with an allocator of its own (torch.cuda.MemPool(allocator=...))",
-          "streamalloc's pools take their memory from streamalloc itself");
-    }
     touch(device);
-    if (streamalloc_pool_incref(device, mempool_id.first, mempool_id.second) < 0) {
+    const int uses = streamalloc_pool_incref(device, mempool_id.first, mempool_id.second);
+    if (uses < 0) {
       fail("createOrIncrefPool");
+    }
+    if (!allocator || allocator.get() == this || uses != 1) {
+      return;
+    }
+    // torch.cuda.MemPool(allocator=...): the engine takes the pool's segments from that
+    // allocator and gives them back to it. Kept for the life of the process: the engine
+    // may return a segment through it whenever the pool's cache is emptied.
+    auto* source = new std::shared_ptr<CCA::CUDAAllocator>(std::move(allocator));
+    if (streamalloc_pool_set_segment_source(
+            device, mempool_id.first, mempool_id.second, &segment_alloc, &segment_free, source) !=
+        0) {
+      const std::string why = last_error();
+      delete source;
+      streamalloc_pool_release(device, mempool_id.first, mempool_id.second);
+      TORCH_CHECK(false, "streamalloc: torch.cuda.MemPool(allocator=...) failed: ", why);
+    }
+  }
+
+  // A segment of a MemPool(allocator=...) pool, from its allocator. The library calls
+  // these and must see no exception.
+  static void* segment_alloc(void* source, size_t size, int device) {
+    try {
+      c10::cuda::CUDAGuard g(static_cast<DeviceIndex>(device));
+      return (*static_cast<std::shared_ptr<CCA::CUDAAllocator>*>(source))->raw_alloc(size);
+    } catch (const std::exception& err) {
+      try {
+        TORCH_WARN("streamalloc: the MemPool's allocator failed: ", err.what());
+      } catch (...) {
+      }
+    } catch (...) {
+    }
+    return nullptr;
+  }
+
+  static void segment_free(void* source, void* ptr, size_t size, int device) {
+    (void)size;
+    try {
+      c10::cuda::CUDAGuard g(static_cast<DeviceIndex>(device));
+      (*static_cast<std::shared_ptr<CCA::CUDAAllocator>*>(source))->raw_delete(ptr);
+    } catch (const std::exception& err) {
+      try {
+        TORCH_WARN("streamalloc: the MemPool's allocator failed to free a segment: ", err.what());
+      } catch (...) {
+      }
+    } catch (...) {
     }
   }
 
@@ -708,11 +843,10 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
   }
 
   void setUseOnOOM(DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) override {
-    dev(device);
-    if (use_on_oom) {
-      unsupported(
-          "setUseOnOOM (torch.cuda.MemPool(use_on_oom=True))",
-          "streamalloc never serves an allocation of one pool from another pool's memory");
+    touch(device);
+    if (streamalloc_pool_set_use_on_oom(
+            device, mempool_id.first, mempool_id.second, use_on_oom ? 1 : 0) != 0) {
+      fail("setUseOnOOM (torch.cuda.MemPool(use_on_oom=True))");
     }
   }
 
@@ -1001,7 +1135,31 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
       (*interp)->trace_gpu_memory_allocation(
           c10::DeviceType::CUDA, reinterpret_cast<uintptr_t>(p));
     }
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+      int owner = device;
+      uint64_t block = 0, allocated = 0, reserved = 0;
+      if (streamalloc_allocation_usage(p, &owner, &block, &allocated, &reserved) == 0) {
+        report_to_profiler(p, static_cast<int64_t>(block), allocated, reserved, owner);
+      }
+    }
     return p;
+  }
+
+  // What CUDACachingAllocator tells torch.profiler (profile_memory=True) of every
+  // allocation (+block size) and free (-block size): the device's allocated and reserved
+  // bytes after it.
+  static void report_to_profiler(
+      void* ptr,
+      int64_t size,
+      uint64_t allocated,
+      uint64_t reserved,
+      int device) {
+    c10::reportMemoryUsageToProfiler(
+        ptr,
+        size,
+        static_cast<size_t>(allocated),
+        static_cast<size_t>(reserved),
+        c10::Device(c10::DeviceType::CUDA, static_cast<DeviceIndex>(device)));
   }
 
   [[noreturn]] void alloc_failed(
@@ -1031,6 +1189,14 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
     if (tracing_.load()) {
       std::lock_guard<std::mutex> g(hist_mu_);
       record(TraceEntry::OOM, device, device_free, size, stream, pool, ctx);
+    }
+    streamalloc_stats_t totals{};
+    if (streamalloc_get_stats(device, &totals) == 0) {
+      c10::reportOutOfMemoryToProfiler(
+          static_cast<int64_t>(size),
+          static_cast<size_t>(totals.allocated_current),
+          static_cast<size_t>(totals.reserved_current),
+          c10::Device(c10::DeviceType::CUDA, device));
     }
     uint64_t limit = streamalloc_memory_limit(device);
     std::vector<CCA::OutOfMemoryObserver> observers;
