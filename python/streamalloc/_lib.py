@@ -56,6 +56,10 @@ class StreamallocStats(ctypes.Structure):
         ("device_syncs", ctypes.c_uint64),
         ("page_map_bytes", ctypes.c_uint64),
         ("page_unmap_bytes", ctypes.c_uint64),
+        ("stitches", ctypes.c_uint64),
+        ("stitched_map_bytes", ctypes.c_uint64),
+        ("stitch_revivals", ctypes.c_uint64),
+        ("stitch_evictions", ctypes.c_uint64),
     ]
 
 

@@ -56,6 +56,10 @@ typedef struct streamalloc_stats {
   uint64_t device_syncs; /* Device-wide synchronisations made (to release memory or to unmap pages). */
   uint64_t page_map_bytes; /* Bytes mapped into expandable segments, in all. */
   uint64_t page_unmap_bytes; /* Bytes unmapped from expandable segments, in all. */
+  uint64_t stitches; /* Stitched ranges made (free pages mapped a second time into one range). */
+  uint64_t stitched_map_bytes; /* Bytes mapped into stitched ranges (no memory reserved by them). */
+  uint64_t stitch_revivals; /* Stitched ranges taken again without mapping. */
+  uint64_t stitch_evictions; /* Stitched ranges unmapped. */
 } streamalloc_stats_t;
 
 /* streamalloc_segment_info_t: one segment of a snapshot; an expandable segment appears as one of these per run of mapped pages. */
