@@ -490,3 +490,24 @@ fn requests_pack_against_the_live_block_above_when_nothing_live_lies_below() {
     }
     allocator.check_invariants().unwrap();
 }
+
+/// A driver that cannot map pages a second time does not fail the program's requests:
+/// stitching switches itself off and memory grows as without it.
+#[test]
+fn a_driver_refusing_second_mappings_turns_stitching_off_not_requests() {
+    let (device, allocator) = allocator(1 << 30, Config::default());
+    device.refuse_second_mappings();
+    let stream = device.create_stream();
+    let live = free_around_a_live_block(&allocator, stream);
+    let wide = allocator.malloc(40 * MIB, stream).unwrap();
+    let stats = allocator.stats();
+    assert_eq!(stats.stitches, 0, "{stats:?}");
+    assert_eq!(device.calls("alias_pages"), 1, "tried once, then never again");
+    let again = allocator.malloc(40 * MIB, stream).unwrap();
+    assert_eq!(device.calls("alias_pages"), 1);
+    for ptr in [wide.ptr, again.ptr, live] {
+        allocator.free(ptr).unwrap();
+    }
+    allocator.check_invariants().unwrap();
+    assert!(device.races().is_empty(), "{:?}", device.races());
+}

@@ -4,7 +4,8 @@
 //! simulated device under both reuse policies, with and without reclaims. After every step:
 //! - the race detector finds no race (no byte reused before its earlier uses
 //!   happen-before the new owner's work, and no graph replay over memory eager code took);
-//! - no two live blocks overlap;
+//! - no two live blocks overlap, by address or by physical page (stitching maps a page at
+//!   two addresses);
 //! - memory handed out in a pool with uses left (a live graph's, the user pool) is never
 //!   handed to an allocation of another pool;
 //! - the engine's invariants hold and the stats add up to the live blocks and segments;
@@ -27,6 +28,8 @@ struct Model {
     policy: ReusePolicy,
     /// `reclaim`: expandable segments unmap to stay near the live peak, or only for a limit.
     reclaim: bool,
+    /// `stitch`: free pages are mapped into one range for requests no free block fits.
+    stitch: bool,
     event_batch: usize,
     capacity: u64,
     live: usize,
@@ -55,10 +58,12 @@ impl ReferenceStateMachine for EngineMachine {
             prop_oneof![Just(1usize), Just(4), Just(64)],
             prop_oneof![Just(96u64 << 20), Just(1u64 << 30)],
             prop_oneof![3 => Just(true), 1 => Just(false)],
+            prop_oneof![3 => Just(true), 1 => Just(false)],
         )
-            .prop_map(|(policy, event_batch, capacity, reclaim)| Model {
+            .prop_map(|(policy, event_batch, capacity, reclaim, stitch)| Model {
                 policy,
                 reclaim,
+                stitch,
                 event_batch,
                 capacity,
                 live: 0,
@@ -141,6 +146,7 @@ impl StateMachineTest for EngineMachine {
             reuse_policy: model.policy,
             event_batch: model.event_batch,
             reclaim: model.reclaim,
+            stitch: model.stitch,
             ..Config::default()
         };
         Harness::new(config, model.capacity).expect("harness")

@@ -636,6 +636,25 @@ impl Harness {
                 ));
             }
         }
+        // Stitching maps one physical page at several addresses: live blocks must not share
+        // a physical byte either.
+        let mut physical: Vec<(u64, u64, u64)> = Vec::new();
+        for live in &self.live {
+            let ranges = self
+                .device
+                .physical_ranges(live.ptr, live.size)
+                .ok_or_else(|| format!("live block {:#x} is not all mapped", live.ptr.0))?;
+            physical.extend(ranges.into_iter().map(|(from, to)| (from, to, live.ptr.0)));
+        }
+        physical.sort_unstable();
+        for pair in physical.windows(2) {
+            if pair[0].1 > pair[1].0 {
+                return Err(format!(
+                    "live blocks {:#x} and {:#x} share physical bytes at {:#x}",
+                    pair[0].2, pair[1].2, pair[1].0
+                ));
+            }
+        }
         let stats = self.allocator.stats();
         let live_bytes: u64 = self.live.iter().map(|l| l.size).sum();
         if stats.allocated_bytes.current != live_bytes {

@@ -253,7 +253,10 @@ impl State {
         picks: Vec<Pick>,
     ) -> Result<Option<BlockKey>, AllocError> {
         let size: u64 = picks.iter().map(|pick| pick.len).sum();
-        let addr = backend.reserve_address_space(size)?.0;
+        let addr = match backend.reserve_address_space(size) {
+            Ok(ptr) => ptr.0,
+            Err(err) => return self.stop_stitching(err),
+        };
         // Mapped while the pages are still free blocks: if the driver refuses, nothing has
         // changed but the reservation, and the new mappings were never touched.
         let mut at = addr;
@@ -266,7 +269,7 @@ impl State {
                 return if err.out_of_memory {
                     Ok(None)
                 } else {
-                    Err(err.into())
+                    self.stop_stitching(err)
                 };
             }
             at += pick.len;
@@ -297,6 +300,15 @@ impl State {
             idle_since: 0,
         };
         Ok(Some(self.activate_stitch(stitch, need)))
+    }
+
+    /// A driver that refuses to map pages a second time (an old driver, a device without
+    /// the support) must not fail the program's requests: stitching is switched off for
+    /// this allocator, with one warning, and requests grow memory as without it.
+    fn stop_stitching(&mut self, err: BackendError) -> Result<Option<BlockKey>, AllocError> {
+        tracing::warn!(%err, "stitching switched off: the device refused a second mapping");
+        self.stitching = false;
+        Ok(None)
     }
 
     /// Revives dormant stitch `index` for `need`: lends its pages again (all free, checked

@@ -226,6 +226,8 @@ struct SimState {
     calls: BTreeMap<&'static str, u64>,
     /// Fail the next `alloc_segment` calls with a non-OOM error (failure injection).
     fail_next_allocs: u32,
+    /// Refuse every `alias_pages` call, as a driver without second mappings would.
+    refuse_aliases: bool,
     /// Host time each `map_pages` and `unmap_pages` call takes (0: free).
     mapping_cost_ns: u64,
     /// Panic in the next call of this name (panic injection).
@@ -412,6 +414,12 @@ impl SimBackend {
         self.state.lock().fail_next_allocs = count;
     }
 
+    /// Makes every later `alias_pages` call fail with a driver error that is not an
+    /// out-of-memory, as on a driver that cannot map an allocation a second time.
+    pub fn refuse_second_mappings(&self) {
+        self.state.lock().refuse_aliases = true;
+    }
+
     /// Makes the next backend call named `name` (as counted by [`SimBackend::calls`], e.g.
     /// `"alloc_segment"`) panic, with the message [`INJECTED_PANIC`] followed by the name:
     /// for tests of how callers contain a panic inside the engine.
@@ -422,6 +430,29 @@ impl SimBackend {
     /// Every violation found so far.
     pub fn races(&self) -> Vec<Race> {
         self.state.lock().races.clone()
+    }
+
+    /// The physical bytes behind `[ptr, ptr + len)`, as `(start, end)` ranges: a whole
+    /// segment is its own physical memory, mapped memory the pages its mappings hold (two
+    /// addresses mapping one page give the same range). `None` if some byte is in neither.
+    pub fn physical_ranges(&self, ptr: DevicePtr, len: u64) -> Option<Vec<(u64, u64)>> {
+        let state = self.state.lock();
+        let (start, end) = (ptr.0, ptr.0.checked_add(len)?);
+        let in_segment = state
+            .segments
+            .range(..=start)
+            .next_back()
+            .is_some_and(|(seg, size)| end <= seg + size);
+        if in_segment {
+            return Some(vec![(start, end)]);
+        }
+        let pieces = state.vm.translate(start, end)?;
+        Some(
+            pieces
+                .iter()
+                .map(|p| (p.physical, p.physical + p.len))
+                .collect(),
+        )
     }
 
     /// Bytes currently obtained by segments.
@@ -829,6 +860,9 @@ impl Backend for SimBackend {
 
     fn alias_pages(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
         let mut state = self.call("alias_pages");
+        if state.refuse_aliases {
+            return Err(BackendError::new("cuMemMap", "injected failure"));
+        }
         let (start, end) = state.check_unmapped_target("cuMemMap", dst, size)?;
         if !src.0.is_multiple_of(PAGE_SIZE) {
             return Err(BackendError::new(
