@@ -14,7 +14,10 @@ second, and still read back after the first mapping is unmapped and its handle r
 (the allocation lives while any mapping of it remains).
 
 The times include the ctypes call itself; the "ctypes floor" row (cuDriverGetVersion)
-says how much that is. One markdown table is printed last, with date, GPU and command.
+says how much that is; "exportable" rows repeat one page with requestedHandleTypes = POSIX
+file descriptor, as the engine creates pages where the device can export them. One
+markdown table is printed last, with date, GPU and command. Exit status 1 if a second
+mapping read back other bytes than were written, 2 if the driver is missing or a call failed.
 """
 
 import argparse
@@ -68,7 +71,12 @@ def check_layouts():
     ]
     for got, want in expected:
         if got != want:
-            raise SystemExit(f"vmm_cost: unexpected ctypes layout ({got} != {want}); needs a 64-bit host")
+            die(f"unexpected ctypes layout ({got} != {want}); needs a 64-bit host")
+
+
+def die(message):
+    print(f"vmm_cost: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 class CudaError(RuntimeError):
@@ -112,14 +120,14 @@ class Driver:
         try:
             self.lib = ctypes.CDLL("libcuda.so.1")
         except OSError as err:
-            raise SystemExit(f"vmm_cost: cannot load libcuda.so.1 (no NVIDIA driver here?): {err}")
+            die(f"cannot load libcuda.so.1 (no NVIDIA driver here?): {err}")
         self.fns = {}
         for name, argtypes in self.SIGNATURES.items():
             symbol = name + self.VERSIONED.get(name, "")
             try:
                 fn = getattr(self.lib, symbol)
             except AttributeError:
-                raise SystemExit(f"vmm_cost: libcuda.so.1 has no {symbol}")
+                die(f"libcuda.so.1 has no {symbol}")
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             self.fns[name] = fn
 
@@ -363,4 +371,7 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except CudaError as err:
+        die(str(err))
