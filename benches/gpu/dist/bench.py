@@ -335,6 +335,7 @@ def worker(row, col, prefix):
     except BaseException as e:  # recorded for the table; the traceback goes to the log
         traceback.print_exc()
         res["error"] = f"{type(e).__name__}: {e}".strip()[:400]
+        res["failed_at"] = time.time()  # the first rank to fail names the cause; the others follow it
         res["seconds"] = round(time.perf_counter() - t0, 1)
         write_json(out, res)
         sys.stdout.flush()
@@ -448,7 +449,7 @@ def collect(launch, ngpu):
         except (OSError, ValueError):
             ranks.append(None)
             missing.append(r)
-    errors = [x for x in ranks if x and "error" in x]
+    errors = sorted((x for x in ranks if x and "error" in x), key=lambda x: x.get("failed_at", 0))
     if errors:
         where = f"rank {errors[0]['rank']}: " if "rank" in errors[0] else ""
         return None, f"fail: {where}{errors[0]['error']}"
