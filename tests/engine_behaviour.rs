@@ -502,7 +502,11 @@ fn a_driver_refusing_second_mappings_turns_stitching_off_not_requests() {
     let wide = allocator.malloc(40 * MIB, stream).unwrap();
     let stats = allocator.stats();
     assert_eq!(stats.stitches, 0, "{stats:?}");
-    assert_eq!(device.calls("alias_pages"), 1, "tried once, then never again");
+    assert_eq!(
+        device.calls("alias_pages"),
+        1,
+        "tried once, then never again"
+    );
     let again = allocator.malloc(40 * MIB, stream).unwrap();
     assert_eq!(device.calls("alias_pages"), 1);
     for ptr in [wide.ptr, again.ptr, live] {
