@@ -209,6 +209,9 @@ impl<B: Backend> Allocator<B> {
         let growth = if !config.expandable_segments {
             Growth::WholeSegments
         } else if backend.supports_virtual_memory() {
+            // Stitching maps pages a second time, which drivers do only for whole
+            // allocations: one per page.
+            backend.set_page_allocations(config.stitch);
             Growth::Expandable(ExpandableTable::new(
                 backend.page_size(),
                 backend.total_memory()?,

@@ -109,8 +109,16 @@ pub trait Backend: Send + Sync {
         Err(unsupported("cuMemMap"))
     }
 
-    /// Maps the physical pages now mapped at `[src, src + size)` (whole pages, possibly of
-    /// several mappings) a second time, at `[dst, dst + size)` of a reservation, and makes
+    /// Makes every later [`Backend::map_pages`] back each page with its own physical
+    /// allocation (on), or the whole range with one (off, the default). Drivers map an
+    /// allocation a second time only whole (`cuMemMap` of part of an allocation, or at a
+    /// non-zero offset, answers `CUDA_ERROR_NOT_SUPPORTED`, measured on an H100 with driver
+    /// 580), so stitching needs one allocation per page; the cost is one `cuMemCreate` and
+    /// one `cuMemMap` per page where one per mapping would do.
+    fn set_page_allocations(&self, _on: bool) {}
+
+    /// Maps the physical pages now mapped at `[src, src + size)` (whole allocations, see
+    /// [`Backend::set_page_allocations`], possibly several) a second time, at `[dst, dst + size)` of a reservation, and makes
     /// them accessible there (`cuMemMap` of each allocation handle at an offset, then
     /// `cuMemSetAccess`). Allocates no memory: this is how a stitched range is made from
     /// free pages scattered over a reservation. Undone with [`Backend::unmap_pages`] over
@@ -185,6 +193,9 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     }
     fn map_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         (**self).map_pages(ptr, size)
+    }
+    fn set_page_allocations(&self, on: bool) {
+        (**self).set_page_allocations(on)
     }
     fn alias_pages(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
         (**self).alias_pages(dst, src, size)

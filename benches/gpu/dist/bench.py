@@ -330,7 +330,10 @@ def worker(row, col, prefix):
         if warmup < 0 or steps < 1:
             raise ValueError(f"DIST_WARMUP={warmup} must be >= 0 and DIST_STEPS={steps} >= 1")
         res.update(WORKS[row](torch, dist, col, rank, warmup, steps))
-        if col == "sa" and (res.get("sa_end") or {}).get("segment_allocs", 1) == 0:
+        sa_end = res.get("sa_end") or {}
+        # Expandable segments map pages and allocate no segment: either shows memory came
+        # from streamalloc.
+        if col == "sa" and sa_end.get("segment_allocs", 1) == 0 and sa_end.get("page_map_bytes", 1) == 0:
             raise RuntimeError("streamalloc obtained no memory: it did not serve this run")
     except BaseException as e:  # recorded for the table; the traceback goes to the log
         traceback.print_exc()

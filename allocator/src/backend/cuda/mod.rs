@@ -348,6 +348,12 @@ impl Backend for CudaBackend {
         self.page_map("cuMemMap")?.map(ptr, size)
     }
 
+    fn set_page_allocations(&self, on: bool) {
+        if let Some(pages) = &self.pages {
+            pages.set_page_allocations(on);
+        }
+    }
+
     fn alias_pages(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
         let _ctx = self.enter()?;
         let _relaxed = RelaxedCapture::enter()?;

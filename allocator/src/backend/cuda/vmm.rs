@@ -49,6 +49,9 @@ pub(super) struct PageMap {
     exportable: bool,
     /// Mapping address → its mapping.
     mappings: Mutex<BTreeMap<u64, Mapping>>,
+    /// Each `map` backs every page with its own allocation (see
+    /// `Backend::set_page_allocations`).
+    page_allocations: std::sync::atomic::AtomicBool,
     /// Second mappings of pages already mapped (stitched ranges): address → bytes. Each is
     /// one `cuMemMap` of part of one allocation; the allocation is released with its own
     /// mapping, and the driver frees it once this one is gone too.
@@ -104,6 +107,7 @@ impl PageMap {
             exportable,
             mappings: Mutex::new(BTreeMap::new()),
             aliases: Mutex::new(BTreeMap::new()),
+            page_allocations: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -140,10 +144,38 @@ impl PageMap {
         )
     }
 
-    /// Maps one fresh physical allocation over `[ptr, ptr + size)`; on failure, leaves
-    /// nothing mapped.
+    /// See `Backend::set_page_allocations`.
+    pub(super) fn set_page_allocations(&self, on: bool) {
+        self.page_allocations
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Maps fresh physical memory over `[ptr, ptr + size)`: one allocation, or one per page
+    /// (`set_page_allocations`); on failure, leaves nothing mapped.
     pub(super) fn map(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.check_range(ptr, size, "cuMemMap")?;
+        if !self
+            .page_allocations
+            .load(std::sync::atomic::Ordering::Relaxed)
+            || size == self.page_size
+        {
+            return self.map_one(ptr, size);
+        }
+        for at in (ptr.0..ptr.0 + size).step_by(self.page_size as usize) {
+            if let Err(err) = self.map_one(DevicePtr(at), self.page_size) {
+                if at > ptr.0 {
+                    // Untouched: unmapping needs no synchronisation.
+                    self.unmap(ptr, at - ptr.0)?;
+                }
+                return Err(err);
+            }
+        }
+        Ok(())
+    }
+
+    /// Maps one fresh physical allocation over `[ptr, ptr + size)`; on failure, leaves
+    /// nothing mapped.
+    fn map_one(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         let prop = allocation_prop(self.ordinal, self.exportable);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         driver::check(
@@ -190,14 +222,15 @@ impl PageMap {
     }
 
     /// Maps the pages mapped at `[src, src + size)` again at `[dst, dst + size)`: one
-    /// `cuMemMap` per allocation the source spans, at the source's offset into it, then
-    /// one `cuMemSetAccess` over the whole range. On failure, leaves nothing new mapped.
+    /// `cuMemMap` per allocation the source spans, each whole (the driver maps nothing
+    /// else a second time), then one `cuMemSetAccess` over the whole range. On failure,
+    /// leaves nothing new mapped.
     pub(super) fn alias(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
         self.check_range(dst, size, "cuMemMap")?;
         self.check_range(src, size, "cuMemMap")?;
         let mappings = self.mappings.lock();
         let end = src.0 + size;
-        // (target address, bytes, offset into the allocation, its handle)
+        // (target address, bytes, its handle)
         let mut parts = Vec::new();
         let mut cursor = src.0;
         if let Some((&first, _)) = mappings.range(..=src.0).next_back() {
@@ -205,13 +238,16 @@ impl PageMap {
                 if cursor >= end || at > cursor || at + mapping.size <= cursor {
                     break;
                 }
-                let to = (at + mapping.size).min(end);
-                parts.push((
-                    dst.0 + (cursor - src.0),
-                    to - cursor,
-                    cursor - at,
-                    mapping.handle,
-                ));
+                if at != cursor || at + mapping.size > end {
+                    return Err(BackendError::new(
+                        "cuMemMap",
+                        format!(
+                            "{src:?} + {size} does not cover whole allocations: the driver maps only whole allocations a second time"
+                        ),
+                    ));
+                }
+                let to = at + mapping.size;
+                parts.push((dst.0 + (cursor - src.0), to - cursor, mapping.handle));
                 cursor = to;
             }
         }
@@ -228,13 +264,12 @@ impl PageMap {
                 unsafe { sys::cuMemUnmap(at, len as usize) };
             }
         };
-        for &(at, len, offset, handle) in &parts {
+        for &(at, len, handle) in &parts {
             if let Err(err) = driver::check(
                 // SAFETY: `[at, at + len)` lies in a reservation and is not mapped (the engine
-                // maps each address once); `handle` is a live allocation (its own mapping is
-                // held under the lock) and `offset + len` lies within it; all three are
-                // multiples of the granularity (checked above).
-                unsafe { sys::cuMemMap(at, len as usize, offset as usize, handle, 0) },
+                // maps each address once); `handle` is a live allocation of exactly `len`
+                // bytes (its own mapping is held under the lock), mapped whole.
+                unsafe { sys::cuMemMap(at, len as usize, 0, handle, 0) },
                 "cuMemMap",
             ) {
                 undo(&done);

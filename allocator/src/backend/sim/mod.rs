@@ -30,7 +30,8 @@
 //! has not observed complete is reported as a [`RaceKind::Unordered`] race with the unmap.
 //! Each `map_pages` call is one mapping of one physical allocation, and `unmap_pages` must
 //! cover whole mappings, as `cuMemUnmap` requires. `alias_pages` maps pages already mapped
-//! a second time, elsewhere (stitching): the detector checks accesses at the physical
+//! a second time, elsewhere (stitching), and as a driver does, only whole allocations (so
+//! stitching asks for one allocation per page, `set_page_allocations`): the detector checks accesses at the physical
 //! pages (see [`vm`]), so the two addresses of one byte are one byte to it, and a page
 //! goes back to the device only with its last mapping.
 //!
@@ -228,6 +229,8 @@ struct SimState {
     fail_next_allocs: u32,
     /// Refuse every `alias_pages` call, as a driver without second mappings would.
     refuse_aliases: bool,
+    /// `map_pages` backs each page with its own allocation (`set_page_allocations`).
+    page_allocations: bool,
     /// Host time each `map_pages` and `unmap_pages` call takes (0: free).
     mapping_cost_ns: u64,
     /// Panic in the next call of this name (panic injection).
@@ -852,10 +855,15 @@ impl Backend for SimBackend {
                 ),
             ));
         }
-        state.vm.map_fresh(start, end, PAGE_SIZE);
+        let per_page = state.page_allocations;
+        state.vm.map_fresh(start, end, PAGE_SIZE, per_page);
         state.reserved += size;
         self.charge_mapping_call(&mut state);
         Ok(())
+    }
+
+    fn set_page_allocations(&self, on: bool) {
+        self.state.lock().page_allocations = on;
     }
 
     fn alias_pages(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
@@ -881,6 +889,16 @@ impl Backend for SimBackend {
             ));
         };
         debug_assert_eq!(end - start, size);
+        // As the driver: only whole allocations can be mapped a second time.
+        if source.iter().any(|piece| !piece.whole) {
+            return Err(BackendError::new(
+                "cuMemMap",
+                format!(
+                    "CUDA_ERROR_NOT_SUPPORTED: [{:#x}, +{size:#x}) does not cover whole allocations",
+                    src.0
+                ),
+            ));
+        }
         state.vm.map_alias(start, &source, PAGE_SIZE);
         // One driver mapping per physical allocation the source spans.
         for _ in &source {

@@ -44,6 +44,8 @@ pub(super) struct Piece {
     pub(super) physical: u64,
     /// The mapping it lies in (its first virtual byte).
     mapping: u64,
+    /// It covers its mapping whole: what a driver can map a second time.
+    pub(super) whole: bool,
 }
 
 /// What unmapping a range gave back or left behind.
@@ -124,6 +126,7 @@ impl VirtualMemory {
                 len: to - cursor,
                 physical: mapping.physical + (cursor - at),
                 mapping: at,
+                whole: cursor == at && to == mapping.end,
             });
             cursor = to;
         }
@@ -131,11 +134,17 @@ impl VirtualMemory {
     }
 
     /// Maps fresh physical pages of `page` bytes each over `[start, end)`, which the caller
-    /// checked is reserved and unmapped.
-    pub(super) fn map_fresh(&mut self, start: u64, end: u64, page: u64) {
+    /// checked is reserved and unmapped: one allocation (one mapping), or one per page.
+    pub(super) fn map_fresh(&mut self, start: u64, end: u64, page: u64, per_page: bool) {
         let physical = self.next_physical.max(PHYSICAL_BASE);
         self.next_physical = physical + (end - start);
-        self.insert(start, end, physical, page);
+        if per_page {
+            for at in (start..end).step_by(page as usize) {
+                self.insert(at, at + page, physical + (at - start), page);
+            }
+        } else {
+            self.insert(start, end, physical, page);
+        }
     }
 
     /// Maps the physical pages behind `source` (from [`VirtualMemory::translate`]) again,
@@ -206,6 +215,7 @@ impl VirtualMemory {
                         len: page,
                         physical,
                         mapping: *at,
+                        whole: false,
                     }),
                 }
             }
@@ -233,8 +243,8 @@ mod tests {
     fn an_alias_shares_physical_pages_that_outlive_the_first_mapping() {
         let mut vm = VirtualMemory::default();
         vm.reserve(0, 8 * PAGE);
-        vm.map_fresh(0, 2 * PAGE, PAGE);
-        vm.map_fresh(2 * PAGE, 3 * PAGE, PAGE);
+        vm.map_fresh(0, 2 * PAGE, PAGE, false);
+        vm.map_fresh(2 * PAGE, 3 * PAGE, PAGE, false);
         assert_eq!(vm.physical_bytes, 3 * PAGE);
         let source = vm.translate(PAGE, 3 * PAGE).unwrap();
         assert_eq!(source.len(), 2, "one piece per mapping it spans");
@@ -260,8 +270,8 @@ mod tests {
     fn a_gap_in_the_mappings_fails_translation() {
         let mut vm = VirtualMemory::default();
         vm.reserve(0, 8 * PAGE);
-        vm.map_fresh(0, PAGE, PAGE);
-        vm.map_fresh(2 * PAGE, 3 * PAGE, PAGE);
+        vm.map_fresh(0, PAGE, PAGE, false);
+        vm.map_fresh(2 * PAGE, 3 * PAGE, PAGE, false);
         assert!(vm.translate(0, PAGE).is_some());
         assert!(vm.translate(0, PAGE + 1).is_none());
         assert!(vm.translate(PAGE, 2 * PAGE).is_none());
