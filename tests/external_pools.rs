@@ -217,3 +217,27 @@ fn a_source_is_refused_under_expandable_segments_after_the_pool_allocated_and_fo
     assert_eq!(null, -1);
     assert!(source.made.lock().unwrap().is_empty());
 }
+
+/// The wrapper forwards every capability of the backend it wraps: free pages around a live
+/// block are stitched into one range through it as through the device itself (a method
+/// left to the trait's default would switch stitching off, and memory would grow).
+#[test]
+fn the_wrapped_device_stitches_as_the_device_does() {
+    use streamalloc_allocator::{Allocator, Config};
+    const MIB: u64 = 1 << 20;
+    let device = SimBackend::new(1 << 30);
+    let stream = device.create_stream();
+    let allocator = Allocator::new(WithSources::new(device, 0), Config::default()).unwrap();
+    let below = allocator.malloc(30 * MIB, stream).unwrap();
+    let live = allocator.malloc(4 * MIB, stream).unwrap();
+    let above = allocator.malloc(26 * MIB, stream).unwrap();
+    allocator.free(below.ptr).unwrap();
+    allocator.free(above.ptr).unwrap();
+    let wide = allocator.malloc(40 * MIB, stream).unwrap();
+    let stats = allocator.stats();
+    assert_eq!(stats.stitches, 1, "{stats:?}");
+    assert_eq!(stats.reserved_bytes.peak, 60 * MIB, "{stats:?}");
+    allocator.free(wide.ptr).unwrap();
+    allocator.free(live.ptr).unwrap();
+    allocator.check_invariants().unwrap();
+}

@@ -174,6 +174,12 @@ impl<B: Backend> Backend for WithSources<B> {
     fn map_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.inner.map_pages(ptr, size)
     }
+    fn set_page_allocations(&self, on: bool) {
+        self.inner.set_page_allocations(on)
+    }
+    fn alias_pages(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
+        self.inner.alias_pages(dst, src, size)
+    }
     fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.inner.unmap_pages(ptr, size)
     }

@@ -7,9 +7,10 @@ Through the driver API alone (ctypes over libcuda.so.1, no PyTorch), on one GPU:
 time of cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap and cuMemRelease for allocations
 of 1, 8 and 64 pages (a page: the driver's minimum granularity, 2 MiB on current GPUs),
 the median of --reps repetitions each, per call and per page. Then the cost of mapping an
-existing allocation a second time, at a nonzero offset, into another reserved range
-(cuMemMap + cuMemSetAccess): what stitching free pages into one range costs. That second
-mapping is checked: bytes written through the first mapping are read back through the
+existing allocation a second time, whole, into another reserved range (cuMemMap +
+cuMemSetAccess): what stitching free pages into one range costs. (Drivers refuse a second
+mapping of part of an allocation or at a non-zero offset, CUDA_ERROR_NOT_SUPPORTED; the
+script records whether this one does.) That second mapping is checked: bytes written through the first mapping are read back through the
 second, and still read back after the first mapping is unmapped and its handle released
 (the allocation lives while any mapping of it remains).
 
@@ -238,7 +239,7 @@ class Bench:
         second range while the first mapping stays: timed map + set access, then checked."""
         page = self.page
         first_bytes, second_bytes, offset = pages * page, mapped_pages * page, offset_pages * page
-        if offset_pages <= 0 or offset_pages + mapped_pages > pages:
+        if offset_pages < 0 or offset_pages + mapped_pages > pages:
             raise ValueError(f"offset {offset_pages} + {mapped_pages} pages do not fit {pages}")
         va1, va2 = self.reserve(first_bytes), self.reserve(second_bytes)
         handle = self.create(first_bytes)
@@ -289,6 +290,21 @@ class Bench:
         return (f"{mapped_pages} pages at offset {offset_pages} of {pages}: read through the 2nd mapping "
                 f"{'ok' if same_while_both else 'MISMATCH'}, after unmap + release of the 1st "
                 f"{'ok' if same_after_release else 'MISMATCH'}"), same_while_both and same_after_release
+
+    def partial_second_mapping(self):
+        """Whether the driver maps part of an allocation (page 1 of 2) a second time."""
+        page = self.page
+        va1, va2 = self.reserve(2 * page), self.reserve(page)
+        handle = self.create(2 * page)
+        try:
+            self.cu("cuMemMap", va1, 2 * page, 0, handle, 0)
+            code = self.cu.raw("cuMemMap")(va2, page, page, handle, 0)
+            if code == 0:
+                self.cu("cuMemUnmap", va2, page)
+            self.cu("cuMemUnmap", va1, 2 * page)
+        finally:
+            self.cu("cuMemRelease", handle)
+        return "part of an allocation (page 1 of 2): " + ("mapped" if code == 0 else f"refused (error {code})")
 
     def exportable_supported(self):
         prop = self.allocation_prop(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
@@ -350,7 +366,8 @@ def main():
         exportable = bench.exportable_supported()
         if exportable is not None:
             bench.lifecycle(1, exportable, " (exportable: POSIX fd)")
-        for pages, offset, mapped in ((8, 3, 5), (8, 5, 1), (64, 16, 48)):
+        checks.append(bench.partial_second_mapping())
+        for pages, offset, mapped in ((1, 0, 1), (8, 0, 8), (64, 0, 64)):
             note, ok = bench.second_mapping(pages, offset, mapped)
             checks.append(note)
             all_ok &= ok
