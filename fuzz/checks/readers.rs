@@ -7,7 +7,7 @@
 
 use std::path::Path;
 use streamalloc_viz::model::{self, Snapshot};
-use streamalloc_viz::{perfetto, pytorch, wire, VizError};
+use streamalloc_viz::{files, perfetto, pytorch, wire, VizError};
 
 /// The decompressed-size limit [`gzip`] also decodes with: small enough for a few
 /// kilobytes of input to reach it.
@@ -52,7 +52,7 @@ pub fn gzip(data: &[u8]) {
             );
         }
     }
-    if let Ok(snapshot) = model::from_bytes(path, data.to_vec()) {
+    if let Ok(snapshot) = files::from_bytes(path, data.to_vec()) {
         usable(path, &snapshot);
     }
     let _ = streamalloc::replay::traces_from_bytes(path, data.to_vec());
@@ -71,7 +71,7 @@ pub fn usable(path: &Path, snapshot: &Snapshot) {
     }
     perfetto::write_perfetto(snapshot, &mut std::io::sink()).expect("writes as Perfetto JSON");
     let mut pickle = Vec::new();
-    pytorch::write_pickle(&model::to_torch(snapshot), &mut pickle).expect("writes as a pickle");
+    pytorch::write_pickle(&pytorch::to_torch(snapshot), &mut pickle).expect("writes as a pickle");
     pytorch::parse_snapshot(path, &pickle).expect("the pickle written reads back");
     let mut json = Vec::new();
     model::write_json(snapshot, &mut json).expect("writes as our JSON");

@@ -35,7 +35,7 @@ enum Cell {
     Empty,
     Envelope,
     /// An allocation: its stream and its index (for the shade).
-    Alloc(u16, u32),
+    Alloc(u32, u32),
 }
 
 /// The plot area, column-major, row 0 at the bottom.
@@ -133,7 +133,7 @@ fn build_grid(device: &DeviceSnapshot, t: &Timeline, w: usize, h: usize) -> Grid
     }
 }
 
-fn shade(stream: u16, k: u32) -> [u8; 3] {
+fn shade(stream: u32, k: u32) -> [u8; 3] {
     let f = 0.82 + (k.wrapping_mul(2_654_435_761) % 1000) as f64 / 1000.0 * 0.3;
     PALETTE[stream as usize % PALETTE.len()].map(|x| (x as f64 * f).min(255.0) as u8)
 }
@@ -363,8 +363,22 @@ pub fn render_rgb(snapshot: &Snapshot, width: usize, height: usize) -> Vec<u8> {
     px
 }
 
-/// Writes the timeline of `snapshot` to `path`: SVG or PNG by the name's extension.
+/// The most pixels an image may have (`width * height`): rendering holds about 16 bytes
+/// per pixel, so this keeps a plot within a few hundred MB.
+pub const MAX_PIXELS: usize = 16_000_000;
+
+/// Writes the timeline of `snapshot` to `path`: SVG or PNG by the name's extension. An
+/// image of more than [`MAX_PIXELS`] is refused before anything is drawn.
 pub fn plot(snapshot: &Snapshot, path: &Path, width: usize, height: usize) -> Result<(), VizError> {
+    if width.checked_mul(height).is_none_or(|n| n > MAX_PIXELS) {
+        return Err(VizError::Write {
+            path: path.into(),
+            what: format!(
+                "an image of {width} x {height} pixels exceeds the limit of {MAX_PIXELS} \
+                 pixels (width times height)"
+            ),
+        });
+    }
     let ext = path
         .extension()
         .and_then(|e| e.to_str())

@@ -5,7 +5,7 @@ mod common;
 
 use std::process::Command;
 use streamalloc_viz::model;
-use streamalloc_viz::pytorch::{parse_snapshot, read_snapshot, write_pickle};
+use streamalloc_viz::pytorch::{self, parse_snapshot, read_snapshot, write_pickle};
 
 #[test]
 fn written_pickle_reads_back_identically() {
@@ -89,7 +89,7 @@ fn written_pickle_loads_in_python_with_pytorch_keys_and_viewer_opcodes() {
 #[test]
 fn engine_snapshot_as_pickle_loads_in_python() {
     let ours = model::from_engine(&common::engine::engine_snapshot());
-    let torch = model::to_torch(&ours);
+    let torch = pytorch::to_torch(&ours);
     let mut bytes = Vec::new();
     write_pickle(&torch, &mut bytes).unwrap();
     let Some(out) = python_check(&bytes, "engine") else {
