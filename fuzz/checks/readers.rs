@@ -87,3 +87,18 @@ pub fn usable(path: &Path, snapshot: &Snapshot) {
         "JSON round trip"
     );
 }
+
+/// `data` as any snapshot file, through the viewer's load path (`files::from_bytes`: gunzip,
+/// sniffing, the PyTorch reader straight from the pickle decoder's arena, or our JSON with
+/// its interned stacks), and as PyTorch's shape: both readers agree on what they accept.
+pub fn snapshot(data: &[u8]) {
+    let path = Path::new("fuzz.snapshot");
+    if let Ok(snapshot) = files::from_bytes(path, data.to_vec()) {
+        usable(path, &snapshot);
+        if data.first() == Some(&0x80) {
+            let torch = pytorch::parse_snapshot(path, data).expect("both pickle readers accept it");
+            let entries: usize = torch.device_traces.iter().map(Vec::len).sum();
+            assert_eq!(entries, snapshot.event_count(), "the same entries");
+        }
+    }
+}
