@@ -131,7 +131,7 @@ fn main() {
                 let size = 512 * (1 + (next() % 4096));
                 let stream = streams[(next() % 4) as usize];
                 if next_addr + size > reserved_end {
-                    let seg = (size + (2 << 20) - 1) / (2 << 20) * (20 << 20);
+                    let seg = size.div_ceil(2 << 20) * (20 << 20);
                     write_entry(
                         &mut p,
                         "segment_alloc",

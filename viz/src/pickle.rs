@@ -91,7 +91,7 @@ pub(crate) fn decode_arena(bytes: &[u8], budget: Budget) -> Result<Arena, Pickle
         op_at: 0,
         stack: Vec::new(),
         marks: Vec::new(),
-        memo: HashMap::new(),
+        memo: Memo::default(),
         nodes: Vec::new(),
         strings: Vec::new(),
         blobs: Vec::new(),
@@ -109,6 +109,46 @@ pub(crate) fn decode_arena(bytes: &[u8], budget: Budget) -> Result<Arena, Pickle
 }
 
 // ---- Step 1: the stack machine ----
+
+/// The memo: Python numbers its entries 0, 1, 2, ... so they are kept in a vector indexed
+/// by key; a key far past the others (possible, never written by Python) goes to a map, so
+/// a single key of 4 billion does not allocate 4 billion slots.
+#[derive(Default)]
+struct Memo {
+    dense: Vec<Option<Slot>>,
+    sparse: HashMap<u32, Slot>,
+    len: usize,
+}
+
+impl Memo {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn get(&self, key: u32) -> Option<&Slot> {
+        self.dense
+            .get(key as usize)
+            .and_then(Option::as_ref)
+            .or_else(|| self.sparse.get(&key))
+    }
+
+    fn insert(&mut self, key: u32, value: Slot) {
+        let k = key as usize;
+        let old = if k < self.dense.len() {
+            self.dense[k]
+                .replace(value)
+                .or_else(|| self.sparse.remove(&key))
+        } else if k == self.dense.len() {
+            self.dense.push(Some(value));
+            self.sparse.remove(&key)
+        } else {
+            self.sparse.insert(key, value)
+        };
+        if old.is_none() {
+            self.len += 1;
+        }
+    }
+}
 
 /// Index of a container in the arena.
 type NodeId = u32;
@@ -184,7 +224,7 @@ struct Machine<'a> {
     stack: Vec<Slot>,
     /// Stack lengths at each open `MARK`.
     marks: Vec<usize>,
-    memo: HashMap<u32, Slot>,
+    memo: Memo,
     nodes: Vec<Node>,
     strings: Vec<Box<str>>,
     blobs: Vec<Box<[u8]>>,
@@ -453,7 +493,7 @@ impl<'a> Machine<'a> {
 
     fn memo_put(&mut self, key: u32, what: &str) -> Result<(), PickleError> {
         let value = self.top(what)?.clone();
-        if self.memo.len() >= MAX_MEMO && !self.memo.contains_key(&key) {
+        if self.memo.len() >= MAX_MEMO && self.memo.get(key).is_none() {
             return Err(self.err(format!("memo holds more than {MAX_MEMO} entries")));
         }
         self.charge(MEMO_ENTRY_BYTES)?;
@@ -464,7 +504,7 @@ impl<'a> Machine<'a> {
     fn memo_get(&mut self, key: u32) -> Result<(), PickleError> {
         let value = self
             .memo
-            .get(&key)
+            .get(key)
             .cloned()
             .ok_or_else(|| self.err(format!("memo key {key} is not defined")))?;
         self.push(value)?;

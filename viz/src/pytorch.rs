@@ -609,7 +609,7 @@ impl<'a> Reader<'a> {
             ));
         };
         let settings = match settings {
-            Some(v) => Some(self.to_json(v)?),
+            Some(v) => Some(self.settings_json(v)?),
             None => None,
         };
         let mut read_segments = Vec::new();
@@ -793,11 +793,11 @@ impl<'a> Reader<'a> {
     /// A pickle value as JSON (for settings we carry but do not interpret). Shared
     /// containers are copied out, charged to the budget; a container inside itself, or
     /// nesting deeper than the pickle decoder allows, is refused.
-    fn to_json(&mut self, slot: &Slot) -> Result<serde_json::Value, VizError> {
-        self.to_json_at(slot, 0)
+    fn settings_json(&mut self, slot: &Slot) -> Result<serde_json::Value, VizError> {
+        self.json_at(slot, 0)
     }
 
-    fn to_json_at(&mut self, slot: &Slot, depth: usize) -> Result<serde_json::Value, VizError> {
+    fn json_at(&mut self, slot: &Slot, depth: usize) -> Result<serde_json::Value, VizError> {
         use serde_json::Value as J;
         if depth > crate::pickle::MAX_DEPTH {
             return Err(self.err(format!(
@@ -828,7 +828,7 @@ impl<'a> Reader<'a> {
                         other => type_name(&other).to_string(),
                     };
                     self.charge(key.len() as u64)?;
-                    let value = self.to_json_at(&kv[1], depth + 1)?;
+                    let value = self.json_at(&kv[1], depth + 1)?;
                     map.insert(key, value);
                 }
                 J::Object(map)
@@ -836,7 +836,7 @@ impl<'a> Reader<'a> {
             Item::Container(_, items) => {
                 let mut out = Vec::with_capacity(items.len());
                 for item in items {
-                    out.push(self.to_json_at(item, depth + 1)?);
+                    out.push(self.json_at(item, depth + 1)?);
                 }
                 J::Array(out)
             }

@@ -739,3 +739,21 @@ fn torch_snapshot() -> impl Strategy<Value = TorchSnapshot> {
             },
         )
 }
+
+/// Memo keys need not come in order: a key set before the ones below it, then set again,
+/// reads back its latest value, as in Python.
+#[test]
+fn memo_keys_out_of_order_and_overwritten_read_back_their_latest_value() {
+    let bytes = [
+        0x80, 4, //
+        b'K', 9, b'q', 1, b'0', // memo[1] = 9
+        b'K', 8, b'q', 0, b'0', // memo[0] = 8
+        b'K', 7, b'q', 1, b'0', // memo[1] = 7
+        b'K', 6, b'r', 0, 0, 0, 0x40, b'0', // memo[2^30] = 6
+        b']', b'(', b'h', 1, b'h', 0, b'j', 0, 0, 0, 0x40, b'e', b'.',
+    ];
+    assert_eq!(
+        decode(&bytes).unwrap(),
+        Value::List(vec![Value::I64(7), Value::I64(8), Value::I64(6)])
+    );
+}
