@@ -28,8 +28,8 @@
 //!
 //! [`write_pickle`] writes the same shape back with only the opcodes PyTorch's own
 //! JavaScript viewer (`MemoryViz.js`) decodes: protocol 4, dicts, lists, tuples, strings
-//! (memoised with `BINPUT`/`BINGET`, as Python does), integers of at most 8 bytes, floats,
-//! booleans and `None`.
+//! (memoised with `BINPUT`/`BINGET`, as Python does, and so are call stacks), integers of
+//! at most 8 bytes, floats, booleans and `None`.
 //!
 //! # Example
 //! ```no_run
@@ -1008,11 +1008,17 @@ fn as_i64(v: u64, what: &str) -> Result<i64, VizError> {
 /// A pickle emitter limited to what PyTorch's viewers read: protocol 4 (unframed); dicts, lists,
 /// 2-tuples, strings, integers of at most 8 bytes, floats, booleans, `None`. Strings are memoised
 /// (`BINPUT`/`BINGET`, as Python's own pickler does), so the keys and call-stack strings
-/// repeated in every trace entry are written once: files shrink several times over.
+/// repeated in every trace entry are written once: files shrink several times over. Call
+/// stacks are memoised too, by their shared allocation: an entry whose stack was written
+/// before refers to it, as in the pickles PyTorch writes.
 struct PickleWriter<W: Write> {
     out: W,
     /// Memo index of every string written so far.
     memo: HashMap<String, u32>,
+    /// Memo index of every call stack written so far, by its shared allocation: a stack is
+    /// written once and referred to from every other entry with it, as PyTorch's own
+    /// snapshots do.
+    stacks: HashMap<*const Frame, u32>,
 }
 
 /// Strings longer than this are not memoised (they rarely repeat).
@@ -1054,12 +1060,7 @@ impl<W: Write> PickleWriter<W> {
 
     fn str(&mut self, v: &str) -> Result<(), VizError> {
         if let Some(&id) = self.memo.get(v) {
-            return if id < 256 {
-                self.raw(&[b'h', id as u8])
-            } else {
-                self.op(b'j')?;
-                self.raw(&id.to_le_bytes())
-            };
+            return self.memo_get(id);
         }
         let bytes = v.as_bytes();
         if bytes.len() < 256 {
@@ -1069,17 +1070,39 @@ impl<W: Write> PickleWriter<W> {
             self.raw(&(bytes.len() as u32).to_le_bytes())?;
         }
         self.raw(bytes)?;
-        if bytes.len() <= MEMO_MAX_LEN && self.memo.len() < MEMO_MAX_ENTRIES {
-            let id = self.memo.len() as u32;
-            if id < 256 {
-                self.raw(&[b'q', id as u8])?;
-            } else {
-                self.op(b'r')?;
-                self.raw(&id.to_le_bytes())?;
+        if bytes.len() <= MEMO_MAX_LEN {
+            if let Some(id) = self.memoise()? {
+                self.memo.insert(v.to_owned(), id);
             }
-            self.memo.insert(v.to_owned(), id);
         }
         Ok(())
+    }
+
+    /// Stores the object on top of the stack under the next memo index (`BINPUT`), and
+    /// returns it; `None` once the memo holds [`MEMO_MAX_ENTRIES`].
+    fn memoise(&mut self) -> Result<Option<u32>, VizError> {
+        let id = self.memo.len() + self.stacks.len();
+        if id >= MEMO_MAX_ENTRIES {
+            return Ok(None);
+        }
+        let id = id as u32;
+        if id < 256 {
+            self.raw(&[b'q', id as u8])?;
+        } else {
+            self.op(b'r')?;
+            self.raw(&id.to_le_bytes())?;
+        }
+        Ok(Some(id))
+    }
+
+    /// Pushes memo entry `id` (`BINGET`).
+    fn memo_get(&mut self, id: u32) -> Result<(), VizError> {
+        if id < 256 {
+            self.raw(&[b'h', id as u8])
+        } else {
+            self.op(b'j')?;
+            self.raw(&id.to_le_bytes())
+        }
     }
 
     /// A list of `n` items written by `item(self, i)`, appended in batches of 1000.
@@ -1130,7 +1153,14 @@ impl<W: Write> PickleWriter<W> {
         }
     }
 
-    fn frames(&mut self, stack: &[Frame]) -> Result<(), VizError> {
+    /// A call stack: written in full the first time, then referred to through the memo.
+    fn frames(&mut self, stack: &Stack) -> Result<(), VizError> {
+        if stack.is_empty() {
+            return self.op(b']');
+        }
+        if let Some(&id) = self.stacks.get(&stack.as_ptr()) {
+            return self.memo_get(id);
+        }
         self.list(stack.len(), |w, i| {
             let f = &stack[i];
             w.op(b'}')?;
@@ -1142,7 +1172,11 @@ impl<W: Write> PickleWriter<W> {
             w.str("line")?;
             w.int(f.line)?;
             w.op(b'u')
-        })
+        })?;
+        if let Some(id) = self.memoise()? {
+            self.stacks.insert(stack.as_ptr(), id);
+        }
+        Ok(())
     }
 
     fn block(&mut self, b: &TorchBlock) -> Result<(), VizError> {
@@ -1241,6 +1275,7 @@ pub fn write_pickle(snapshot: &TorchSnapshot, out: &mut impl Write) -> Result<()
     let mut w = PickleWriter {
         out,
         memo: HashMap::new(),
+        stacks: HashMap::new(),
     };
     w.raw(&[0x80, 4])?;
     w.op(b'}')?;
