@@ -50,9 +50,9 @@ pub const GUNZIP_RATIO_FLOOR: u64 = 64 << 20;
 pub const LIMIT_ENV: &str = "STREAMALLOC_MAX_DECOMPRESSED";
 
 /// Bytes of memory the readers may build per byte of (decompressed) input. Real snapshots
-/// need 3 to 6: a trace entry of about 60 pickled bytes becomes a few hundred bytes of
+/// need 2 to 4: a trace entry of about 60 pickled bytes becomes a few hundred bytes of
 /// decoded containers, then a 64-byte event.
-pub const BUILT_BYTES_PER_INPUT_BYTE: u64 = 16;
+pub const BUILT_BYTES_PER_INPUT_BYTE: u64 = 8;
 /// Bytes the readers may always build, whatever the input size.
 pub const BUILT_BYTES_BASE: u64 = 64 << 20;
 

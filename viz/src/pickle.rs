@@ -444,7 +444,28 @@ impl<'a> Machine<'a> {
         let Some(mark) = self.marks.pop() else {
             return Err(self.err(format!("{what} without a MARK")));
         };
-        Ok(self.stack.split_off(mark.min(self.stack.len())))
+        let mark = mark.min(self.stack.len());
+        // The items move to a vector of their own while the stack keeps its capacity: both
+        // are memory, so the copy is charged before it is made, and a stack far larger than
+        // what it still holds gives its memory back.
+        self.charge((self.stack.len() - mark) as u64 * SLOT_BYTES)?;
+        let items = self.stack.split_off(mark);
+        if self.stack.capacity() > 4096 && self.stack.capacity() > 4 * self.stack.len() {
+            self.stack.shrink_to(2 * self.stack.len());
+        }
+        Ok(items)
+    }
+
+    /// Adds `items` to the container on top of the stack, which must be `kind`; an empty
+    /// container takes the vector as it is rather than a copy.
+    fn append(&mut self, kind: Kind, items: Vec<Slot>, what: &str) -> Result<(), PickleError> {
+        let target = self.target(kind, what)?;
+        if target.is_empty() {
+            *target = items;
+        } else {
+            target.extend(items);
+        }
+        Ok(())
     }
 
     fn index(&self, len: usize) -> Result<u32, PickleError> {
@@ -740,7 +761,7 @@ impl<'a> Machine<'a> {
                 }
                 b'e' => {
                     let items = self.pop_mark(name)?;
-                    self.target(Kind::List, name)?.extend(items);
+                    self.append(Kind::List, items, name)?;
                 }
                 b's' => {
                     let v = self.pop(name)?;
@@ -754,11 +775,11 @@ impl<'a> Machine<'a> {
                     if items.len() % 2 != 0 {
                         return Err(self.err("SETITEMS with an odd number of items"));
                     }
-                    self.target(Kind::Dict, name)?.extend(items);
+                    self.append(Kind::Dict, items, name)?;
                 }
                 0x90 => {
                     let items = self.pop_mark(name)?;
-                    self.target(Kind::Set, name)?.extend(items);
+                    self.append(Kind::Set, items, name)?;
                 }
                 0x94 => {
                     let key = u32::try_from(self.memo.len())
