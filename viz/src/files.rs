@@ -3,9 +3,8 @@
 //! This is the top of the format modules: it picks the reader by content ([`crate::input`],
 //! [`crate::sniff`]) and the writer by the caller's choice, so the formats themselves
 //! ([`crate::model`]'s JSON, [`crate::pytorch`], [`crate::perfetto`]) never depend on one
-//! another. Saving never loses data: the file is written beside its target under a
-//! temporary name and renamed over it only once complete, so a failed conversion leaves
-//! the target as it was; an output that is the input (under any name) is refused before
+//! another. Saving never loses data ([`crate::output`]): a failed conversion leaves the
+//! target as it was, and an output that is the input (under any name) is refused before
 //! anything is read.
 
 use crate::error::VizError;
@@ -13,7 +12,7 @@ use crate::input::{self, UNRECOGNISED};
 use crate::model::{parse_json, write_json, Snapshot};
 use crate::sniff::Content;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Reads any snapshot this crate understands: our JSON, the engine's JSON, or a PyTorch
 /// pickle; each optionally gzip-compressed. Recognised by content, not by name, and read
@@ -72,43 +71,16 @@ pub fn check_distinct(input: &Path, output: &Path) -> Result<(), VizError> {
     Ok(())
 }
 
-/// The temporary file `save` writes beside `path`.
-fn temporary_beside(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map_or_else(|| "snapshot".into(), |n| n.to_string_lossy().into_owned());
-    path.with_file_name(format!(".{name}.{}.partial", std::process::id()))
-}
-
 /// Writes `snapshot` to `path` in `format`, gzip-compressed when the name ends in `.gz`.
-/// The file appears whole or not at all: it is written under a temporary name beside
-/// `path` and renamed over it on success; on failure the temporary file is removed and
-/// `path` is untouched. Every error names `path`.
+/// The file appears whole or not at all ([`crate::output::write_whole`]): on failure `path`
+/// is untouched. Every error names `path`.
 pub fn save(snapshot: &Snapshot, path: &Path, format: OutputFormat) -> Result<(), VizError> {
-    let temporary = temporary_beside(path);
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&temporary)
-        .map_err(|e| VizError::Write {
-            path: path.into(),
-            what: format!("cannot create {}: {e}", temporary.display()),
-        })?;
-    let written = write_to(snapshot, file, path, format).and_then(|()| {
-        std::fs::rename(&temporary, path).map_err(|e| VizError::Write {
-            path: path.into(),
-            what: format!("cannot rename {} over it: {e}", temporary.display()),
-        })
-    });
-    if written.is_err() {
-        let _ = std::fs::remove_file(&temporary);
-    }
-    written
+    crate::output::write_whole(path, |out| write_to(snapshot, out, path, format))
 }
 
 fn write_to(
     snapshot: &Snapshot,
-    file: std::fs::File,
+    out: &mut impl Write,
     path: &Path,
     format: OutputFormat,
 ) -> Result<(), VizError> {
@@ -121,7 +93,6 @@ fn write_to(
         other => other,
     };
     let io = |e: std::io::Error| VizError::io(path, e);
-    let mut out = std::io::BufWriter::new(file);
     let write = |w: &mut dyn Write| -> Result<(), VizError> {
         let mut w = w;
         match format {
@@ -134,14 +105,13 @@ fn write_to(
     };
     if path.extension().is_some_and(|e| e == "gz") {
         // The writers emit many tiny writes: buffer them before the compressor.
-        let enc = flate2::write::GzEncoder::new(&mut out, flate2::Compression::default());
+        let enc = flate2::write::GzEncoder::new(out, flate2::Compression::default());
         let mut buffered = std::io::BufWriter::with_capacity(1 << 16, enc);
         write(&mut buffered).map_err(named)?;
         let enc = buffered.into_inner().map_err(|e| io(e.into_error()))?;
         enc.finish().map_err(io)?;
     } else {
-        write(&mut out).map_err(named)?;
+        write(out).map_err(named)?;
     }
-    let file = out.into_inner().map_err(|e| io(e.into_error()))?;
-    file.sync_all().map_err(io)
+    Ok(())
 }

@@ -15,6 +15,7 @@
 //!   shared by all readers, the replayer's included.
 //! - [`sniff`]: which of those formats a file holds, told from its content.
 //! - [`input`]: reading a file within the size limits, gunzipping it within its own.
+//! - [`output`]: writing a file whole or not at all.
 //! - [`model`]: the one model every format converts through, which is also our versioned
 //!   JSON format (schema in the module docs).
 //! - [`files`]: [`files::load`] opens any supported file, [`files::save`] writes one
@@ -41,7 +42,7 @@
 
 //! ## Layers
 //! A module uses only modules listed before it here: `error`, `limits`, `sniff`, `input`,
-//! `pickle`, `model`, `timeline`, `pytorch`, `perfetto`, `plot`, `wire`, `files`,
+//! `output`, `pickle`, `model`, `timeline`, `pytorch`, `perfetto`, `plot`, `wire`, `files`,
 //! `server`.
 
 mod error;
@@ -49,6 +50,7 @@ pub mod files;
 pub mod input;
 pub mod limits;
 pub mod model;
+pub mod output;
 pub mod perfetto;
 pub mod pickle;
 pub mod plot;

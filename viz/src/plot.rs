@@ -11,6 +11,7 @@ use crate::model::{DeviceSnapshot, Snapshot};
 use crate::timeline::{Counter, Timeline};
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
+use std::io::Write;
 use std::path::Path;
 
 /// The viewer's palette (Tableau 10), by stream index.
@@ -384,19 +385,24 @@ pub fn plot(snapshot: &Snapshot, path: &Path, width: usize, height: usize) -> Re
         .and_then(|e| e.to_str())
         .map(str::to_ascii_lowercase);
     match ext.as_deref() {
-        Some("svg") => std::fs::write(path, render_svg(snapshot, width, height))
-            .map_err(|e| VizError::io(path, e)),
+        Some("svg") => {
+            let svg = render_svg(snapshot, width, height);
+            crate::output::write_whole(path, |out| {
+                out.write_all(svg.as_bytes())
+                    .map_err(|e| VizError::io(path, e))
+            })
+        }
         Some("png") => {
             let rgb = render_rgb(snapshot, width, height);
-            let file = std::fs::File::create(path).map_err(|e| VizError::io(path, e))?;
-            let mut enc =
-                png::Encoder::new(std::io::BufWriter::new(file), width as u32, height as u32);
-            enc.set_color(png::ColorType::Rgb);
-            enc.set_depth(png::BitDepth::Eight);
-            let io = |e: png::EncodingError| VizError::io(path, std::io::Error::other(e));
-            let mut writer = enc.write_header().map_err(io)?;
-            writer.write_image_data(&rgb).map_err(io)?;
-            writer.finish().map_err(io)
+            crate::output::write_whole(path, |out| {
+                let mut enc = png::Encoder::new(out, width as u32, height as u32);
+                enc.set_color(png::ColorType::Rgb);
+                enc.set_depth(png::BitDepth::Eight);
+                let io = |e: png::EncodingError| VizError::io(path, std::io::Error::other(e));
+                let mut writer = enc.write_header().map_err(io)?;
+                writer.write_image_data(&rgb).map_err(io)?;
+                writer.finish().map_err(io)
+            })
         }
         _ => Err(VizError::Unrepresentable {
             format: "plot",
