@@ -436,4 +436,18 @@ mod tests {
         assert_eq!(report.native_peak_reserved_bytes, 4 << 20);
         assert!(report.peak_reserved_bytes >= report.peak_live_bytes);
     }
+
+    /// Segment sizes each within the readers' address limit can still add up past 2^64:
+    /// the native figure saturates instead of wrapping (or panicking in a debug build).
+    #[test]
+    fn native_reserved_bytes_saturate() {
+        let size = (1u64 << 63) - 4096;
+        let events = [
+            entry(SegmentAlloc, 0, size, 0),
+            entry(SegmentAlloc, 0, size, 0),
+            entry(SegmentAlloc, 0, size, 0),
+        ];
+        let report = replay(&events, &Config::default(), &mut |_| {}).unwrap();
+        assert_eq!(report.native_peak_reserved_bytes, u64::MAX);
+    }
 }
