@@ -71,8 +71,9 @@ fn device_calls() -> Vec<DeviceCall> {
         }),
         ("pool_incref", |r, d| pools::pool_incref(r, d, 1, 0) < 0),
         ("pool_release", |r, d| pools::pool_release(r, d, 1, 0) < 0),
+        // No pool exists where there is no device: 0, as the header says.
         ("pool_use_count", |r, d| {
-            pools::pool_use_count(r, d, 1, 0) < 0
+            pools::pool_use_count(r, d, 1, 0) == 0
         }),
         ("pool_live_allocations", |r, d| {
             let mut out = [0u64; 4];

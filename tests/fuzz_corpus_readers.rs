@@ -1,5 +1,6 @@
-//! Replays the `json` and `gzip` fuzz targets' corpora (`fuzz/corpus/json/`,
-//! `fuzz/corpus/gzip/`) through the checks the targets run (`fuzz/checks/readers.rs`):
+//! Replays the `json`, `gzip` and `snapshot` fuzz targets' corpora (`fuzz/corpus/json/`,
+//! `fuzz/corpus/gzip/`, `fuzz/corpus/snapshot/`) through the checks the targets run
+//! (`fuzz/checks/readers.rs`):
 //! every input is read or refused by the snapshot and replay readers, the gzip limit
 //! refuses exactly what decompresses past it, and every accepted snapshot converts to
 //! each format and reads back.
@@ -25,4 +26,9 @@ fn every_json_corpus_input_is_read_or_refused() {
 #[test]
 fn every_gzip_corpus_input_is_read_or_refused_within_the_limit() {
     corpus::replay(&corpus_dir("gzip"), readers::gzip);
+}
+
+#[test]
+fn every_snapshot_corpus_input_is_read_or_refused_by_the_viewers_load_path() {
+    corpus::replay(&corpus_dir("snapshot"), readers::snapshot);
 }

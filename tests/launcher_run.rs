@@ -443,3 +443,92 @@ fn torch_imported_during_start_up_is_installed_or_refused_in_one_line() {
     assert!(text.contains("already initialised CUDA"), "{text}");
     assert!(!stdout(&out).contains("ran on"));
 }
+
+/// Processes whose command line is exactly `argv` (NUL-separated in /proc).
+fn processes_running(argv: &[&str]) -> Vec<u32> {
+    let want: Vec<u8> = argv
+        .iter()
+        .flat_map(|a| [a.as_bytes(), b"\0"].concat())
+        .collect();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c == want)
+                && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+                    s.rsplit(')')
+                        .next()
+                        .is_some_and(|r| r.trim_start().starts_with('Z'))
+                })
+        })
+        .collect()
+}
+
+/// Waits up to `limit` for no process to run `argv`; returns those still running.
+fn gone_within(argv: &[&str], limit: std::time::Duration) -> Vec<u32> {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let left = processes_running(argv);
+        if left.is_empty() || std::time::Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// A launcher killed outright (SIGKILL, which it cannot forward) takes its child with it.
+#[test]
+fn the_child_does_not_outlive_a_killed_launcher() {
+    let argv = ["sleep", "101.25"];
+    let mut launcher = streamalloc()
+        .arg("run")
+        .arg("--")
+        .args(argv)
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while processes_running(&argv).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the child never started"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    let left = gone_within(&argv, std::time::Duration::from_secs(5));
+    for &pid in &left {
+        // SAFETY: kill(2) of a process this test started; only cleans up after a failure.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    assert!(left.is_empty(), "orphaned children: {left:?}");
+}
+
+/// SIGTERM at any moment of start-up, before the child exists included, ends the child:
+/// a signal the launcher receives while starting it is delivered once it runs.
+#[test]
+fn sigterm_early_in_start_up_leaves_no_child_behind() {
+    let argv = ["sleep", "102.5"];
+    for attempt in 0..50u64 {
+        let launcher = streamalloc()
+            .arg("run")
+            .arg("--")
+            .args(argv)
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_micros(attempt % 10 * 1000));
+        // SAFETY: kill(2) of the launcher this test just started.
+        unsafe { libc::kill(launcher.id() as i32, libc::SIGTERM) };
+        let mut launcher = launcher;
+        let status = launcher.wait().unwrap();
+        let left = gone_within(&argv, std::time::Duration::from_secs(5));
+        for &pid in &left {
+            // SAFETY: as above, cleanup after a failure only.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+        assert!(
+            left.is_empty(),
+            "attempt {attempt} ({status:?}): orphaned children {left:?}"
+        );
+    }
+}

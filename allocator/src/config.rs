@@ -422,19 +422,40 @@ pub enum ConfigError {
     NotUnicode,
 }
 
+/// The most characters of a key, value or entry an error message quotes: the text may be
+/// anyone's, and a 100 KB value must not become a 100 KB message.
+const QUOTED_CHARS: usize = 64;
+
+/// `text` as quoted in a message: at most [`QUOTED_CHARS`] characters, then `…`.
+fn quoted(text: &str) -> String {
+    match text.char_indices().nth(QUOTED_CHARS) {
+        Some((cut, _)) => format!("{}… ({} bytes)", &text[..cut], text.len()),
+        None => text.to_string(),
+    }
+}
+
 impl ConfigError {
-    /// The message with `source` (e.g. `--conf`) named as where the text came from.
+    /// The message with `source` (e.g. `--conf`) named as where the text came from. Keys,
+    /// values and entries are quoted shortened.
     pub fn describe(&self, source: &str) -> String {
         match self {
             Self::UnknownKey { key, known } => {
-                format!("{source}: unknown key `{key}`; known keys: {known}")
+                format!(
+                    "{source}: unknown key `{}`; known keys: {known}",
+                    quoted(key)
+                )
             }
             Self::BadValue {
                 key,
                 value,
                 expected,
-            } => format!("{source}: bad value `{value}` for `{key}`; expected {expected}"),
-            Self::Malformed(entry) => format!("{source}: `{entry}` is not of the form key:value"),
+            } => format!(
+                "{source}: bad value `{}` for `{key}`; expected {expected}",
+                quoted(value)
+            ),
+            Self::Malformed(entry) => {
+                format!("{source}: `{}` is not of the form key:value", quoted(entry))
+            }
             Self::NotUnicode => format!("{source} is not valid UTF-8"),
         }
     }

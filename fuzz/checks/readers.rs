@@ -7,7 +7,7 @@
 
 use std::path::Path;
 use streamalloc_viz::model::{self, Snapshot};
-use streamalloc_viz::{perfetto, pytorch, wire, VizError};
+use streamalloc_viz::{files, perfetto, pytorch, wire, VizError};
 
 /// The decompressed-size limit [`gzip`] also decodes with: small enough for a few
 /// kilobytes of input to reach it.
@@ -52,7 +52,7 @@ pub fn gzip(data: &[u8]) {
             );
         }
     }
-    if let Ok(snapshot) = model::from_bytes(path, data.to_vec()) {
+    if let Ok(snapshot) = files::from_bytes(path, data.to_vec()) {
         usable(path, &snapshot);
     }
     let _ = streamalloc::replay::traces_from_bytes(path, data.to_vec());
@@ -71,7 +71,7 @@ pub fn usable(path: &Path, snapshot: &Snapshot) {
     }
     perfetto::write_perfetto(snapshot, &mut std::io::sink()).expect("writes as Perfetto JSON");
     let mut pickle = Vec::new();
-    pytorch::write_pickle(&model::to_torch(snapshot), &mut pickle).expect("writes as a pickle");
+    pytorch::write_pickle(&pytorch::to_torch(snapshot), &mut pickle).expect("writes as a pickle");
     pytorch::parse_snapshot(path, &pickle).expect("the pickle written reads back");
     let mut json = Vec::new();
     model::write_json(snapshot, &mut json).expect("writes as our JSON");
@@ -86,4 +86,19 @@ pub fn usable(path: &Path, snapshot: &Snapshot) {
         schema_only(snapshot),
         "JSON round trip"
     );
+}
+
+/// `data` as any snapshot file, through the viewer's load path (`files::from_bytes`: gunzip,
+/// sniffing, the PyTorch reader straight from the pickle decoder's arena, or our JSON with
+/// its interned stacks), and as PyTorch's shape: both readers agree on what they accept.
+pub fn snapshot(data: &[u8]) {
+    let path = Path::new("fuzz.snapshot");
+    if let Ok(snapshot) = files::from_bytes(path, data.to_vec()) {
+        usable(path, &snapshot);
+        if data.first() == Some(&0x80) {
+            let torch = pytorch::parse_snapshot(path, data).expect("both pickle readers accept it");
+            let entries: usize = torch.device_traces.iter().map(Vec::len).sum();
+            assert_eq!(entries, snapshot.event_count(), "the same entries");
+        }
+    }
 }

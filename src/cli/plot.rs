@@ -5,7 +5,7 @@ use super::CliError;
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use streamalloc_viz::{model, plot};
+use streamalloc_viz::{files, plot};
 
 /// Arguments of `streamalloc plot`.
 #[derive(Args, Debug)]
@@ -29,7 +29,16 @@ pub(crate) fn run(args: PlotArgs) -> Result<ExitCode, CliError> {
             "--width and --height must be between 100 and 20000".into(),
         ));
     }
-    let snapshot = model::load(&args.file)?;
+    if args.width * args.height > plot::MAX_PIXELS {
+        return Err(CliError::Message(format!(
+            "--width {} --height {}: {} pixels exceed the limit of {} (width times height)",
+            args.width,
+            args.height,
+            args.width * args.height,
+            plot::MAX_PIXELS
+        )));
+    }
+    let snapshot = files::load(&args.file)?;
     plot::plot(&snapshot, &args.output, args.width, args.height)?;
     eprintln!(
         "{}: timeline written to {}",

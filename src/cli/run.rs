@@ -26,10 +26,13 @@
 //! # Exit status and signals
 //! The launcher waits for the child and exits with its status; a child killed by signal
 //! `n` gives `128 + n`, as a shell reports it. SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to
-//! the launcher are forwarded to the child. SIGINT and SIGQUIT are ignored by the launcher
-//! while the child runs: a terminal delivers them to the whole foreground group, child
-//! included, and the launcher must outlive the child to report its status. A command that
-//! cannot be started gives 127 (not found) or 126 (not executable), like a shell.
+//! the launcher are forwarded to the child, from before the child starts (one that arrives
+//! while it is being started is delivered once it runs). SIGINT and SIGQUIT are ignored by
+//! the launcher while the child runs: a terminal delivers them to the whole foreground
+//! group, child included, and the launcher must outlive the child to report its status. If
+//! the launcher dies anyway (SIGKILL), the kernel sends the child SIGTERM
+//! (`PR_SET_PDEATHSIG`): no child outlives its launcher. A command that cannot be started
+//! gives 127 (not found) or 126 (not executable), like a shell.
 
 use super::CliError;
 use std::ffi::OsString;
@@ -94,6 +97,10 @@ pub(crate) fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         command.env(name, value);
     }
     tracing::debug!(?plan, "streamalloc run");
+    // Forwarding is in place before the child exists: a signal that arrives while it is
+    // being started is held and delivered once it runs, never lost.
+    let forwarding = SignalForwarding::install();
+    end_with_launcher(&mut command);
     let mut child = match command.spawn() {
         Ok(child) => child,
         Err(err) => {
@@ -108,7 +115,7 @@ pub(crate) fn run(args: RunArgs) -> Result<ExitCode, CliError> {
             return Ok(ExitCode::from(code));
         }
     };
-    let _forwarding = SignalForwarding::start(child.id());
+    forwarding.attach(child.id());
     let status = child
         .wait()
         .map_err(|err| CliError::Message(format!("run: waiting for the program: {err}")))?;
@@ -313,19 +320,56 @@ fn join_display(paths: &[PathBuf]) -> String {
 
 // ---- Signals ----
 
-/// The child's pid for the signal handler (0: none).
+/// The child's pid for the signal handler (0: not started yet, or reaped).
 static CHILD: AtomicI32 = AtomicI32::new(0);
+/// A forwarded signal that arrived before the child was started (0: none).
+static HELD: AtomicI32 = AtomicI32::new(0);
 
 const FORWARDED: [libc::c_int; 4] = [libc::SIGTERM, libc::SIGHUP, libc::SIGUSR1, libc::SIGUSR2];
 const IGNORED: [libc::c_int; 2] = [libc::SIGINT, libc::SIGQUIT];
 
+/// The signal the kernel sends the child when the launcher dies (even by SIGKILL): the
+/// same the launcher forwards to end it, so the child can clean up as it would then.
+const PARENT_DEATH_SIGNAL: libc::c_int = libc::SIGTERM;
+
 extern "C" fn forward(signal: libc::c_int) {
-    let pid = CHILD.load(Ordering::Relaxed);
+    let pid = CHILD.load(Ordering::SeqCst);
     if pid > 0 {
         // SAFETY: kill is async-signal-safe; the pid is our child's, which we have not
         // reaped yet (the guard clears CHILD after wait returns).
         unsafe { libc::kill(pid, signal) };
+    } else {
+        HELD.store(signal, Ordering::SeqCst);
     }
+}
+
+/// Has the kernel end the child when the launcher dies, whatever kills it: between fork and
+/// exec, the child asks for [`PARENT_DEATH_SIGNAL`] on its parent's death, then checks that
+/// its parent is still the launcher (had it died before the request, the request would
+/// never fire, so the child gives up instead of running orphaned). The child also gets the
+/// default disposition of the signals the launcher ignores.
+fn end_with_launcher(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: getpid is always safe to call.
+    let launcher = unsafe { libc::getpid() };
+    let setup = move || -> std::io::Result<()> {
+        // SAFETY: prctl, getppid and signal are async-signal-safe; between fork and exec
+        // this closure touches no memory but its captured pid.
+        unsafe {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != launcher {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            for signal in IGNORED {
+                libc::signal(signal, libc::SIG_DFL);
+            }
+        }
+        Ok(())
+    };
+    // SAFETY: the closure only makes async-signal-safe calls (see above).
+    unsafe { command.pre_exec(setup) };
 }
 
 /// Forwards signals to the child while alive; restores the defaults when dropped.
@@ -333,25 +377,40 @@ extern "C" fn forward(signal: libc::c_int) {
 struct SignalForwarding;
 
 impl SignalForwarding {
-    fn start(pid: u32) -> Self {
-        CHILD.store(pid as i32, Ordering::Relaxed);
+    /// Installs the handlers; signals that arrive before [`SignalForwarding::attach`] are
+    /// held for the child.
+    fn install() -> Self {
+        CHILD.store(0, Ordering::SeqCst);
+        HELD.store(0, Ordering::SeqCst);
         let handler = forward as extern "C" fn(libc::c_int) as libc::sighandler_t;
         for signal in FORWARDED {
-            // SAFETY: installing a handler that only does an atomic load and kill(2).
+            // SAFETY: installing a handler that only does atomic loads and stores and
+            // kill(2).
             unsafe { libc::signal(signal, handler) };
         }
         for signal in IGNORED {
-            // SAFETY: ignoring a signal in this process only (set after the child was
-            // spawned, so the child keeps the default disposition).
+            // SAFETY: ignoring a signal in this process; the child restores the default
+            // before exec (`end_with_launcher`).
             unsafe { libc::signal(signal, libc::SIG_IGN) };
         }
         Self
+    }
+
+    /// From now on signals go to `pid`; one held meanwhile is delivered now.
+    fn attach(&self, pid: u32) {
+        let pid = pid as i32;
+        CHILD.store(pid, Ordering::SeqCst);
+        let held = HELD.swap(0, Ordering::SeqCst);
+        if held != 0 {
+            // SAFETY: kill(2) of our own, not yet reaped, child.
+            unsafe { libc::kill(pid, held) };
+        }
     }
 }
 
 impl Drop for SignalForwarding {
     fn drop(&mut self) {
-        CHILD.store(0, Ordering::Relaxed);
+        CHILD.store(0, Ordering::SeqCst);
         for signal in FORWARDED.into_iter().chain(IGNORED) {
             // SAFETY: restoring the default disposition.
             unsafe { libc::signal(signal, libc::SIG_DFL) };

@@ -1,11 +1,12 @@
 //! `streamalloc snapshot convert IN OUT --to json|pickle|perfetto`: converts between our
-//! JSON snapshots, PyTorch's memory-snapshot pickles and Perfetto traces.
+//! JSON snapshots, PyTorch's memory-snapshot pickles and Perfetto traces. The output is
+//! written whole or not at all, and never over the input.
 
 use super::CliError;
 use clap::{Args, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::process::ExitCode;
-use streamalloc_viz::model::{self, OutputFormat};
+use streamalloc_viz::files::{self, OutputFormat};
 
 /// Arguments of `streamalloc snapshot`.
 #[derive(Args, Debug)]
@@ -44,13 +45,16 @@ enum Target {
 pub(crate) fn run(args: SnapshotArgs) -> Result<ExitCode, CliError> {
     match args.command {
         SnapshotCommand::Convert(c) => {
-            let snapshot = model::load(&c.input)?;
+            // Checked before reading: the output is replaced only once it is whole, but an
+            // output that is the input would still replace the input.
+            files::check_distinct(&c.input, &c.output)?;
+            let snapshot = files::load(&c.input)?;
             let format = match c.to {
                 Target::Json => OutputFormat::Json,
                 Target::Pickle => OutputFormat::Pickle,
                 Target::Perfetto => OutputFormat::Perfetto,
             };
-            model::save(&snapshot, &c.output, format)?;
+            files::save(&snapshot, &c.output, format)?;
             eprintln!(
                 "{}: {} events on {} device(s) written to {}",
                 c.input.display(),

@@ -6,7 +6,7 @@ use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use streamalloc_viz::{model, server};
+use streamalloc_viz::{files, server};
 
 /// Arguments of `streamalloc view`.
 #[derive(Args, Debug)]
@@ -25,7 +25,7 @@ pub(crate) fn run(args: ViewArgs) -> Result<ExitCode, CliError> {
     // Only when none can be read does the command fail, with the last file's error.
     let mut last_error = None;
     for path in &args.files {
-        let snapshot = match model::load(path) {
+        let snapshot = match files::load(path) {
             Ok(snapshot) => snapshot,
             Err(err) => {
                 if let Some(earlier) = last_error.replace(err) {

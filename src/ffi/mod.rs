@@ -399,7 +399,16 @@ pub fn set_memory_fraction<B: Backend>(registry: &Registry<B>, fraction: f64, de
             ))
         };
         if let Err(message) = set {
-            eprintln!("{message}");
+            // Callers may retry on every step: the first failure is printed, later ones
+            // only logged, and each is the last error for `streamalloc_last_error`.
+            static REPORTED: std::sync::atomic::AtomicBool =
+                std::sync::atomic::AtomicBool::new(false);
+            if REPORTED.swap(true, Ordering::Relaxed) {
+                tracing::debug!(%message, "set_memory_fraction failed");
+            } else {
+                tracing::warn!(%message, "set_memory_fraction failed");
+                eprintln!("{message} (reported once; later failures only through tracing)");
+            }
             error::set(message);
         }
     })

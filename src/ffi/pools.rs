@@ -229,8 +229,8 @@ pub fn pool_release<B: Backend>(
     })
 }
 
-/// The use count of pool `(id0, id1)`, 0 if it does not exist; -1 if the device is
-/// unavailable.
+/// The use count of pool `(id0, id1)`, 0 if it does not exist (on a device that is
+/// unavailable no pool exists), as the header documents.
 #[no_mangle]
 pub extern "C" fn streamalloc_pool_use_count(device: c_int, id0: u64, id1: u64) -> c_int {
     pool_use_count(registry::global(), device, id0, id1)
@@ -243,7 +243,7 @@ pub fn pool_use_count<B: Backend>(
     id0: u64,
     id1: u64,
 ) -> c_int {
-    device_call(registry, device, -1, |allocator| {
+    device_call(registry, device, 0, |allocator| {
         Ok(use_count(allocator.pool_use_count(PoolId(id0, id1))))
     })
 }

@@ -11,9 +11,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use streamalloc_allocator::trace::{TraceAction, TraceEntry};
 use streamalloc_allocator::{DevicePtr, StreamId};
+use streamalloc_viz::limits::{range_within, MAX_ADDRESS_END};
 use streamalloc_viz::model::{DeviceSnapshot, Snapshot};
-use streamalloc_viz::pytorch::{parse_snapshot, TorchSnapshot};
-use streamalloc_viz::sniff::{self, Content};
+use streamalloc_viz::sniff::Content;
+use streamalloc_viz::{input, pytorch};
 
 /// Where the test PyTorch traces are for a checkout at `workspace_root`: `tests/data/traces`
 /// in the repository, so a clone runs the same tests and benchmark without anything beside it.
@@ -39,7 +40,8 @@ pub struct LoadError(pub String);
 /// or our JSON. A snapshot (PyTorch's or ours) gives one trace per device that recorded any
 /// event.
 pub fn load_traces(path: &Path) -> Result<Vec<LoadedTrace>, LoadError> {
-    let raw = std::fs::read(path).map_err(|e| LoadError(format!("{}: {e}", path.display())))?;
+    // The viewer's reader, so replay has the same size limits.
+    let raw = input::read_file(path).map_err(|e| LoadError(e.to_string()))?;
     traces_from_bytes(path, raw)
 }
 
@@ -52,12 +54,13 @@ pub fn traces_from_bytes(path: &Path, raw: Vec<u8>) -> Result<Vec<LoadedTrace>, 
         || path.display().to_string(),
         |n| n.to_string_lossy().into(),
     );
-    // The viewer's bounded gunzip and sniffing, so replay has the same decompressed-size
-    // limits and tells formats apart the same way.
-    let (content, bytes) = sniff::open(path, raw).map_err(|e| LoadError(e.to_string()))?;
+    // The viewer's bounded gunzip, sniffing and snapshot readers, so replay has the same
+    // limits (sizes, memory, devices, addresses) and tells formats apart the same way.
+    let (content, bytes) = input::open(path, raw).map_err(|e| LoadError(e.to_string()))?;
     if content == Content::Pickle {
-        let snapshot = parse_snapshot(path, &bytes).map_err(|e| LoadError(e.to_string()))?;
-        return from_torch(&file_name, path, &snapshot);
+        let snapshot = pytorch::read_model(path, &bytes).map_err(|e| LoadError(e.to_string()))?;
+        drop(bytes);
+        return from_model(&file_name, path, &snapshot);
     }
     from_json(&file_name, path, content, &bytes)
 }
@@ -73,44 +76,18 @@ fn entry(action: TraceAction, addr: u64, size: u64, stream: u64, time_ns: u64) -
     }
 }
 
-/// One trace per device with events; an empty snapshot is an error (nothing to replay).
-fn from_torch(
-    file_name: &str,
-    path: &Path,
-    snapshot: &TorchSnapshot,
-) -> Result<Vec<LoadedTrace>, LoadError> {
-    let devices: Vec<(usize, &Vec<_>)> = snapshot
-        .device_traces
-        .iter()
-        .enumerate()
-        .filter(|(_, t)| !t.is_empty())
-        .collect();
-    if devices.is_empty() {
-        return Err(LoadError(format!(
-            "{}: the snapshot records no trace events (was it recorded with \
-             torch.cuda.memory._record_memory_history()?)",
-            path.display()
-        )));
+/// Every entry's `addr + size` within [`MAX_ADDRESS_END`], as the snapshot readers
+/// require of theirs, so the replay's sums cannot wrap.
+fn check_ranges(path: &Path, entries: &[TraceEntry]) -> Result<(), LoadError> {
+    match entries.iter().position(|e| !range_within(e.addr.0, e.size)) {
+        None => Ok(()),
+        Some(i) => Err(LoadError(format!(
+            "{}: entry {i}: {:#x} of size {} ends past the address limit {MAX_ADDRESS_END:#x}",
+            path.display(),
+            entries[i].addr.0,
+            entries[i].size
+        ))),
     }
-    let several = devices.len() > 1;
-    Ok(devices
-        .into_iter()
-        .map(|(device, trace)| LoadedTrace {
-            name: if several {
-                format!("{file_name}[device {device}]")
-            } else {
-                file_name.to_string()
-            },
-            entries: trace
-                .iter()
-                .filter(|e| !e.action.is_marker())
-                .map(|e| {
-                    let time_ns = e.time_us.unwrap_or(0).saturating_mul(1000);
-                    entry(e.action, e.addr, e.size, e.stream, time_ns)
-                })
-                .collect(),
-        })
-        .collect())
 }
 
 /// Our JSON, told apart by its first character and, for an object, its keys: a list of
@@ -133,6 +110,7 @@ fn from_json(
         |e: serde_json::Error| LoadError(format!("{}: bad trace entry: {e}", path.display()));
     // PyTorch's markers are left out here too, as from every format.
     let one = |mut entries: Vec<TraceEntry>| {
+        check_ranges(path, &entries)?;
         entries.retain(|e| !e.action.is_marker());
         Ok(vec![LoadedTrace {
             name: file_name.to_string(),
@@ -203,9 +181,9 @@ fn key_list<'a>(keys: impl ExactSizeIterator<Item = &'a String>) -> String {
     shown.join(", ")
 }
 
-/// One trace per device with events from our snapshot; PyTorch's markers (`snapshot`,
-/// `user_defined`) are left out as in [`from_torch`], and a snapshot without events is an
-/// error.
+/// One trace per device with events from our snapshot (read from our JSON or from a
+/// PyTorch pickle); PyTorch's markers (`snapshot`, `user_defined`) are left out, and a
+/// snapshot without events is an error.
 fn from_model(
     file_name: &str,
     path: &Path,
@@ -217,8 +195,13 @@ fn from_model(
         .filter(|d| !d.trace.is_empty())
         .collect();
     if devices.is_empty() {
+        let hint = if snapshot.source == "pytorch" {
+            " (was it recorded with torch.cuda.memory._record_memory_history()?)"
+        } else {
+            ""
+        };
         return Err(LoadError(format!(
-            "{}: the snapshot records no trace events",
+            "{}: the snapshot records no trace events{hint}",
             path.display()
         )));
     }

@@ -276,14 +276,14 @@ impl Pass {
                     if let Some((ptr, size)) = live.remove(&event.addr.0) {
                         // Allocated again without a recorded free: free the old block first.
                         allocator.free(ptr).map_err(fail)?;
-                        self.live_bytes -= size;
+                        self.live_bytes = self.live_bytes.saturating_sub(size);
                         report.frees += 1;
                     }
                     let block = allocator
                         .malloc(event.size.max(1), event.stream)
                         .map_err(fail)?;
                     live.insert(event.addr.0, (block.ptr, event.size));
-                    self.live_bytes += event.size;
+                    self.live_bytes = self.live_bytes.saturating_add(event.size);
                     report.peak_live_bytes = report.peak_live_bytes.max(self.live_bytes);
                     report.allocs += 1;
                 }
@@ -295,14 +295,16 @@ impl Pass {
                     match live.remove(&event.addr.0) {
                         Some((ptr, size)) => {
                             allocator.free(ptr).map_err(fail)?;
-                            self.live_bytes -= size;
+                            self.live_bytes = self.live_bytes.saturating_sub(size);
                             report.frees += 1;
                         }
                         None => report.unknown_frees += 1,
                     }
                 }
                 TraceAction::SegmentAlloc | TraceAction::SegmentMap if first => {
-                    self.native += event.size;
+                    // Saturating: sizes are each below 2^63 (the readers' limit), but a
+                    // trace may hold many.
+                    self.native = self.native.saturating_add(event.size);
                     report.native_peak_reserved_bytes =
                         report.native_peak_reserved_bytes.max(self.native);
                 }
@@ -448,5 +450,19 @@ mod tests {
         assert_eq!(report.peak_live_bytes, 2 << 20);
         assert_eq!(report.native_peak_reserved_bytes, 4 << 20);
         assert!(report.peak_reserved_bytes >= report.peak_live_bytes);
+    }
+
+    /// Segment sizes each within the readers' address limit can still add up past 2^64:
+    /// the native figure saturates instead of wrapping (or panicking in a debug build).
+    #[test]
+    fn native_reserved_bytes_saturate() {
+        let size = (1u64 << 63) - 4096;
+        let events = [
+            entry(SegmentAlloc, 0, size, 0),
+            entry(SegmentAlloc, 0, size, 0),
+            entry(SegmentAlloc, 0, size, 0),
+        ];
+        let report = replay(&events, &Config::default(), &mut |_| {}).unwrap();
+        assert_eq!(report.native_peak_reserved_bytes, u64::MAX);
     }
 }

@@ -4,6 +4,7 @@
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
+import os from 'node:os';
 import path from 'node:path';
 import { ARTIFACTS, BIN, CHROMIUM, launch, openViewer, sharedTrace, startViewer } from './lib.mjs';
 
@@ -85,5 +86,47 @@ test('viewer draws a real trace, hover shows details, zoom changes the range', a
   } finally {
     await browser.close();
     proc.kill();
+  }
+});
+
+// A snapshot is anyone's file: its name and its call stacks reach the page as text only.
+// A file named like markup, with frames named like markup, must show those strings
+// literally and run nothing (the page would set window.__pwned, or CSP would report a
+// blocked inline handler).
+test('file names and call stacks that look like markup stay text', async t => {
+  if (!fs.existsSync(BIN)) { t.skip(`streamalloc binary not found at ${BIN}`); return; }
+  if (!fs.existsSync(CHROMIUM)) { t.skip(`chromium not found at ${CHROMIUM}`); return; }
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'sa-hostile-'));
+  const markup = '<img src=x onerror="window.__pwned=1">';
+  const file = path.join(dir, `${markup}.json`);
+  const frame = { name: markup, filename: `<script>window.__pwned=2</script>.py`, line: 1 };
+  fs.writeFileSync(file, JSON.stringify({
+    format: 'streamalloc-snapshot', version: 1, source: 'streamalloc',
+    stacks: [[frame]],
+    devices: [{
+      device: 0, segments: [], trace: [
+        { action: 'segment_alloc', addr: 4096, size: 1 << 20, stream: 0, time_ns: 0 },
+        { action: 'alloc', addr: 4096, size: 4096, stream: 0, time_ns: 1, stack: 0 },
+        { action: 'alloc', addr: 8192, size: 8192, stream: 0, time_ns: 2, stack: 0 },
+      ],
+    }],
+  }));
+  const { url, proc } = await startViewer([file, file]);
+  const browser = await launch();
+  try {
+    const { page } = await openViewer(browser.context, url);
+    await page.selectOption('#colour', 'site');
+    await page.selectOption('#compare', '1');
+    await page.waitForFunction(() => /compare: peak active/.test(document.getElementById('summary').textContent));
+    assert.equal(await page.evaluate(() => window.__pwned), undefined, 'markup from the file ran');
+    assert.equal(await page.locator('img').count(), 0, 'an element was made from file text');
+    assert.equal(await page.locator('aside script').count(), 0);
+    assert.equal(await page.locator('#file option').first().textContent(), `${markup}.json`);
+    assert.ok((await page.locator('#summary').textContent()).includes(markup), 'call site shown as text');
+    assert.ok((await page.locator('#legend').textContent()).includes(markup), 'legend shows it as text');
+  } finally {
+    await browser.close();
+    proc.kill();
+    fs.rmSync(dir, { recursive: true, force: true });
   }
 });

@@ -47,7 +47,7 @@ async function fetchData(f, d) {
   const len = new DataView(buf).getUint32(0, true);
   const h = JSON.parse(new TextDecoder().decode(new Uint8Array(buf, 4, len)));
   const base = (4 + len + 7) & ~7;
-  const types = {f64: Float64Array, i32: Int32Array, u16: Uint16Array, u8: Uint8Array};
+  const types = {f64: Float64Array, i32: Int32Array, u32: Uint32Array, u16: Uint16Array, u8: Uint8Array};
   const c = {};
   for (const [name, col] of Object.entries(h.columns)) {
     c[name] = new types[col.type](buf, base + col.offset, col.len);
@@ -59,6 +59,8 @@ async function fetchData(f, d) {
 function prepare(h, c) {
   const n = h.events, m = h.allocs, k = h.segments, ns = h.streams.length;
   const d = {h, c, n, m};
+  // Stacks arrive as frame indices (each frame is sent once): resolve them to the frames.
+  h.stacks = h.stacks.map(st => st.map(i => h.frames[i]));
   const dAct = new Float64Array(n), dPend = new Float64Array(n), dRes = new Float64Array(n);
   const dStag = new Float64Array(n);
   const cachedD = Array.from({length: ns}, () => null);
@@ -518,27 +520,39 @@ function drawSummary() {
     s.bytes += c.al_size[a]; s.count++;
     sites.set(key, s);
   }
-  const esc = s => s.replace(/[&<>]/g, ch => ({'&': '&amp;', '<': '&lt;', '>': '&gt;'}[ch]));
-  let html = `<table><tr><td>active</td><td class="n">${fmtBytes(act)}</td></tr>` +
-    `<tr><td>reserved</td><td class="n">${fmtBytes(res)}</td></tr>` +
-    `<tr><td>pending frees</td><td class="n">${fmtBytes(pend)}</td></tr>` +
-    `<tr><td>live allocations</td><td class="n">${live.length}</td></tr>`;
-  if (d.h.peak.active) html += `<tr><td>peak active</td><td class="n">${fmtBytes(d.h.peak.active[1])} at #${d.h.peak.active[0]}</td></tr>`;
-  if (d.h.peak.reserved) html += `<tr><td>peak reserved</td><td class="n">${fmtBytes(d.h.peak.reserved[1])}</td></tr>`;
+  // Every text from a file (stream names, call sites) goes in through textContent, never
+  // as HTML: a snapshot is anyone's file.
+  const box = $('summary');
+  box.replaceChildren();
+  const table = (id) => {
+    const t = el('table');
+    if (id) t.id = id;
+    box.append(t);
+    return t;
+  };
+  const title = text => box.append(el('div', 'title', text));
+  let t = table();
+  row(t, ['active', fmtBytes(act)], [1]);
+  row(t, ['reserved', fmtBytes(res)], [1]);
+  row(t, ['pending frees', fmtBytes(pend)], [1]);
+  row(t, ['live allocations', String(live.length)], [1]);
+  if (d.h.peak.active) row(t, ['peak active', `${fmtBytes(d.h.peak.active[1])} at #${d.h.peak.active[0]}`], [1]);
+  if (d.h.peak.reserved) row(t, ['peak reserved', fmtBytes(d.h.peak.reserved[1])], [1]);
   if (C && C.h.peak.active) {
-    html += `<tr><td>compare: peak active</td><td class="n">${fmtBytes(C.h.peak.active[1])}</td></tr>` +
-      `<tr><td>compare: peak reserved</td><td class="n">${fmtBytes(C.h.peak.reserved ? C.h.peak.reserved[1] : 0)}</td></tr>`;
+    row(t, ['compare: peak active', fmtBytes(C.h.peak.active[1])], [1]);
+    row(t, ['compare: peak reserved', fmtBytes(C.h.peak.reserved ? C.h.peak.reserved[1] : 0)], [1]);
   }
-  html += '</table><div class="title">Largest allocations</div><table>';
+  title('Largest allocations');
+  t = table();
   for (const a of live.slice(0, 10)) {
     const st = c.al_stack[a];
-    html += `<tr><td class="n">${fmtBytes(c.al_size[a])}</td><td>${d.h.streams[c.al_stream[a]]}</td><td>${esc(st >= 0 ? d.site[st] : '(no stack)')}</td></tr>`;
+    row(t, [fmtBytes(c.al_size[a]), d.h.streams[c.al_stream[a]], st >= 0 ? d.site[st] : '(no stack)'], [0]);
   }
-  html += '</table><div class="title">By call site</div><table>';
+  title('By call site');
+  t = table();
   for (const [k, s] of [...sites].sort((x, y) => y[1].bytes - x[1].bytes).slice(0, 10)) {
-    html += `<tr><td class="n">${fmtBytes(s.bytes)}</td><td class="n">${s.count}×</td><td>${esc(k)}</td></tr>`;
+    row(t, [fmtBytes(s.bytes), `${s.count}×`, k], [0, 1]);
   }
-  html += '</table>';
   if (C && C.h.peak.active && d.h.peak.active) {
     // Bytes by call site at each snapshot's own peak, largest differences first.
     const bySite = (x, b) => {
@@ -554,28 +568,55 @@ function drawSummary() {
     const keys = new Set([...mine.keys(), ...theirs.keys()]);
     const rows = [...keys].map(k => [k, mine.get(k) || 0, theirs.get(k) || 0])
       .sort((x, y) => Math.abs(y[1] - y[2]) - Math.abs(x[1] - x[2])).slice(0, 10);
-    html += '<div class="title">At each peak, by call site: this file vs. compared</div><table id="compare-table">';
-    for (const [k, a, b] of rows) {
-      html += `<tr><td class="n">${fmtBytes(a)}</td><td class="n">${fmtBytes(b)}</td><td>${esc(k)}</td></tr>`;
-    }
-    html += '</table>';
+    title('At each peak, by call site: this file vs. compared');
+    t = table('compare-table');
+    for (const [k, a, b] of rows) row(t, [fmtBytes(a), fmtBytes(b), k], [0, 1]);
   }
-  $('summary').innerHTML = html;
   $('sumat').textContent = `#${instant}` + (d.n ? ` (${fmtTime(c.ev_time[Math.min(instant, d.n - 1)])})` : '');
 }
 
 function drawLegend() {
   const d = D;
-  let html = '';
+  const box = $('legend');
+  box.replaceChildren();
+  const item = (colour, text) => {
+    const swatch = el('span', 'sw');
+    if (colour) swatch.style.background = colour;
+    const div = el('div');
+    div.append(swatch, text);
+    box.append(div);
+  };
   if (V.colour === 'site') {
-    const list = [...d.siteIds.keys()].slice(0, 10);
-    html = list.map((s, i) => `<div><span class="sw" style="background:${PALETTE[i % 10]}"></span>${s.replace(/</g, '&lt;')}</div>`).join('');
+    [...d.siteIds.keys()].slice(0, 10).forEach((s, i) => item(PALETTE[i % 10], s));
   } else {
-    html = d.h.streams.map((s, i) => `<div><span class="sw" style="background:${PALETTE[i % 10]}"></span>stream ${s}</div>`).join('');
+    d.h.streams.forEach((s, i) => item(PALETTE[i % 10], `stream ${s}`));
   }
-  html += '<div><span class="sw" style="background:#dcdce1"></span>short-lived (within one pixel)</div>' +
-    '<div>dashed line: reserved' + (C ? '; red: compared snapshot (active, reserved dotted)' : '') + '</div>';
-  $('legend').innerHTML = html;
+  item('#dcdce1', 'short-lived (within one pixel)');
+  box.append(el('div', null, 'dashed line: reserved' + (C ? '; red: compared snapshot (active, reserved dotted)' : '')));
+}
+
+/** An element with an optional class and text (set as text, never parsed as HTML). */
+function el(tag, cls, text) {
+  const e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+/** Appends a row of text cells to `table`; the cells at `numeric` are right-aligned. */
+function row(table, cells, numeric) {
+  const tr = el('tr');
+  cells.forEach((text, i) => tr.append(el('td', numeric.includes(i) ? 'n' : null, String(text))));
+  table.append(tr);
+}
+
+/** Replaces the options of `select` with `[value, label]` pairs. */
+function setOptions(select, pairs) {
+  select.replaceChildren(...pairs.map(([value, label]) => {
+    const o = el('option', null, label);
+    o.value = value;
+    return o;
+  }));
 }
 
 function drawAll() {
@@ -711,7 +752,7 @@ async function loadSelected(keepDevice) {
   const file = files[f];
   const dsel = $('device');
   if (!keepDevice) {
-    dsel.innerHTML = file.devices.map((d, i) => `<option value="${i}">cuda:${d.device} (${d.events} events)</option>`).join('');
+    setOptions(dsel, file.devices.map((d, i) => [String(i), `cuda:${d.device} (${d.events} events)`]));
   }
   const di = Number(dsel.value || 0);
   $('status').textContent = `loading ${file.name}…`;
@@ -733,8 +774,8 @@ async function main() {
   try {
     files = await (await fetch('/api/files')).json();
     if (!files.length) { $('status').textContent = 'no files'; return; }
-    $('file').innerHTML = files.map((f, i) => `<option value="${i}">${f.name}</option>`).join('');
-    $('compare').innerHTML = '<option value="">none</option>' + files.map((f, i) => `<option value="${i}">${f.name}</option>`).join('');
+    setOptions($('file'), files.map((f, i) => [String(i), f.name]));
+    setOptions($('compare'), [['', 'none'], ...files.map((f, i) => [String(i), f.name])]);
     await loadSelected();
     V.openMs = performance.now();
     V.ready = true;

@@ -60,6 +60,15 @@ pub enum VizError {
         /// The limit exceeded.
         what: String,
     },
+    /// An output file could not be written: `what` says why (the file is the input, the
+    /// target format cannot express the snapshot, the disk refused).
+    #[error("{}: {what}", path.display())]
+    Write {
+        /// The output file.
+        path: PathBuf,
+        /// What went wrong.
+        what: String,
+    },
     /// The snapshot holds something the target format cannot express.
     #[error("cannot write {format}: {what}")]
     Unrepresentable {

@@ -11,9 +11,15 @@
 //!   PyTorch's own viewer opens ours.
 //! - [`pickle`]: the bounded pickle decoder those snapshots are read with (plain data
 //!   only, shared references resolved, no code run).
+//! - [`limits`]: every bound on untrusted input (sizes, memory built, devices, addresses),
+//!   shared by all readers, the replayer's included.
 //! - [`sniff`]: which of those formats a file holds, told from its content.
+//! - [`input`]: reading a file within the size limits, gunzipping it within its own.
+//! - [`output`]: writing a file whole or not at all.
 //! - [`model`]: the one model every format converts through, which is also our versioned
-//!   JSON format (schema in the module docs); [`model::load`] opens any supported file.
+//!   JSON format (schema in the module docs).
+//! - [`files`]: [`files::load`] opens any supported file, [`files::save`] writes one
+//!   without ever leaving a partial file.
 //! - [`timeline`]: allocation and segment lifetimes and memory counters over time.
 //! - [`perfetto`]: Chrome JSON counter tracks for Perfetto.
 //! - [`plot`]: the timeline as SVG or PNG, without a browser.
@@ -34,8 +40,17 @@
     rust_2018_idioms
 )]
 
+//! ## Layers
+//! A module uses only modules listed before it here: `error`, `limits`, `sniff`, `input`,
+//! `output`, `pickle`, `model`, `timeline`, `pytorch`, `perfetto`, `plot`, `wire`, `files`,
+//! `server`.
+
 mod error;
+pub mod files;
+pub mod input;
+pub mod limits;
 pub mod model;
+pub mod output;
 pub mod perfetto;
 pub mod pickle;
 pub mod plot;

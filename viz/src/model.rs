@@ -45,9 +45,9 @@
 //! its time.
 
 use crate::error::VizError;
-use crate::pytorch::{Frame, Stack, TorchBlock, TorchSegment, TorchSnapshot, TorchTraceEntry};
-use crate::sniff::Content;
-use serde::{Deserialize, Serialize};
+use crate::limits::range_within;
+pub use crate::limits::{MAX_ADDRESS_END, MAX_DEVICE_INDEX};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -59,17 +59,168 @@ pub const FORMAT: &str = "streamalloc-snapshot";
 /// The schema version this crate writes and the newest it reads.
 pub const SCHEMA_VERSION: u32 = 1;
 
-/// The largest device index a snapshot may name. Writers allocate one entry per index up to
-/// the largest (PyTorch's `device_traces` is a list indexed by device), so an unchecked
-/// index of 2^31 in a 5 KB file would ask for tens of GB.
-pub const MAX_DEVICE_INDEX: u32 = 1023;
-
-/// Where an address range (`addr + size`) must end by. Real virtual addresses stay below
-/// 2^57; refusing anything past 2^63 keeps every range's end, and the timeline's sums of a
-/// few of them, representable, so a size of 2^64 - 1 is an error rather than a wrap.
-pub const MAX_ADDRESS_END: u64 = 1 << 63;
-
 // ---- Types ----
+
+/// One frame of a call stack. Its strings are shared by every frame that names the same
+/// function or file.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Frame {
+    /// Function name.
+    pub name: Arc<str>,
+    /// Source file.
+    pub filename: Arc<str>,
+    /// Line number.
+    pub line: i64,
+}
+
+/// The call stacks of a snapshot, innermost frame first. Each distinct frame is stored
+/// once and stacks hold frame indices: traces repeat a few hundred frames in millions of
+/// stacks, so a stack costs four bytes a frame, not a copy of each. Serialised, it is the
+/// schema's `stacks` (a list of lists of frame objects).
+#[derive(Clone, Debug, Default)]
+pub struct Stacks {
+    frames: Vec<Frame>,
+    stacks: Vec<Box<[u32]>>,
+    /// Index of each frame in `frames`.
+    frame_ids: HashMap<Frame, u32>,
+    /// Each distinct string of `frames`, shared.
+    strings: std::collections::HashSet<Arc<str>>,
+}
+
+impl PartialEq for Stacks {
+    fn eq(&self, other: &Self) -> bool {
+        self.len() == other.len()
+            && (0..self.len() as u32).all(|i| self.frames_of(i).eq(other.frames_of(i)))
+    }
+}
+
+impl Stacks {
+    /// Number of stacks.
+    pub fn len(&self) -> usize {
+        self.stacks.len()
+    }
+
+    /// Whether there are no stacks.
+    pub fn is_empty(&self) -> bool {
+        self.stacks.is_empty()
+    }
+
+    /// Every distinct frame; [`Stacks::frame_ids`] index it.
+    pub fn frames(&self) -> &[Frame] {
+        &self.frames
+    }
+
+    /// The frame indices of stack `i` (empty if there is no such stack).
+    pub fn frame_ids(&self, i: u32) -> &[u32] {
+        self.stacks.get(i as usize).map_or(&[], |s| s)
+    }
+
+    /// The frames of stack `i`, innermost first (none if there is no such stack).
+    pub fn frames_of(&self, i: u32) -> impl ExactSizeIterator<Item = &Frame> + '_ {
+        self.frame_ids(i).iter().map(|&f| &self.frames[f as usize])
+    }
+
+    /// `text`, shared with every equal string already in these stacks.
+    pub fn string(&mut self, text: &str) -> Arc<str> {
+        if let Some(s) = self.strings.get(text) {
+            return s.clone();
+        }
+        let s: Arc<str> = Arc::from(text);
+        self.strings.insert(s.clone());
+        s
+    }
+
+    /// The index of `frame`, added if new.
+    pub fn frame(&mut self, frame: Frame) -> u32 {
+        if let Some(&i) = self.frame_ids.get(&frame) {
+            return i;
+        }
+        let frame = Frame {
+            name: self.string(&frame.name),
+            filename: self.string(&frame.filename),
+            line: frame.line,
+        };
+        let i = self.frames.len() as u32;
+        self.frames.push(frame.clone());
+        self.frame_ids.insert(frame, i);
+        i
+    }
+
+    /// Adds a stack of the frames at `ids` (indices from [`Stacks::frame`]) and returns
+    /// its index.
+    pub fn push_ids(&mut self, ids: Box<[u32]>) -> u32 {
+        debug_assert!(ids.iter().all(|&f| (f as usize) < self.frames.len()));
+        self.stacks.push(ids);
+        (self.stacks.len() - 1) as u32
+    }
+
+    /// Adds a stack of `frames`, innermost first, and returns its index.
+    pub fn push(&mut self, frames: impl IntoIterator<Item = Frame>) -> u32 {
+        let ids: Box<[u32]> = frames.into_iter().map(|f| self.frame(f)).collect();
+        self.push_ids(ids)
+    }
+}
+
+impl Serialize for Stacks {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeSeq;
+        struct One<'a>(&'a Stacks, u32);
+        impl Serialize for One<'_> {
+            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.collect_seq(self.0.frames_of(self.1))
+            }
+        }
+        let mut seq = serializer.serialize_seq(Some(self.len()))?;
+        for i in 0..self.len() as u32 {
+            seq.serialize_element(&One(self, i))?;
+        }
+        seq.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Stacks {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        /// Reads the stacks one frame at a time into the tables, so equal frames and
+        /// strings are kept once while reading.
+        struct StacksVisitor;
+        struct StackSeed<'a>(&'a mut Stacks);
+        impl<'de> serde::de::DeserializeSeed<'de> for StackSeed<'_> {
+            type Value = ();
+            fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+                d.deserialize_seq(self)
+            }
+        }
+        impl<'de> serde::de::Visitor<'de> for StackSeed<'_> {
+            type Value = ();
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a list of frames")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+                let mut ids = Vec::new();
+                while let Some(frame) = seq.next_element::<Frame>()? {
+                    ids.push(self.0.frame(frame));
+                }
+                self.0.push_ids(ids.into());
+                Ok(())
+            }
+        }
+        impl<'de> serde::de::Visitor<'de> for StacksVisitor {
+            type Value = Stacks;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a list of call stacks")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Stacks, A::Error> {
+                let mut stacks = Stacks::default();
+                while seq.next_element_seed(StackSeed(&mut stacks))?.is_some() {}
+                Ok(stacks)
+            }
+        }
+        deserializer.deserialize_seq(StacksVisitor)
+    }
+}
 
 /// One block of a segment.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -165,7 +316,7 @@ pub struct Snapshot {
     pub stats: Option<serde_json::Value>,
     /// Shared call stacks, innermost frame first.
     #[serde(default)]
-    pub stacks: Vec<Vec<Frame>>,
+    pub stacks: Stacks,
     /// Per-device segments and traces.
     pub devices: Vec<DeviceSnapshot>,
 }
@@ -179,7 +330,7 @@ impl Snapshot {
             source: source.into(),
             config: None,
             stats: None,
-            stacks: Vec::new(),
+            stacks: Stacks::default(),
             devices: Vec::new(),
         }
     }
@@ -191,7 +342,7 @@ impl Snapshot {
 
     /// Checks what serde cannot: stack indices in range, device indices within
     /// [`MAX_DEVICE_INDEX`], no address range past [`MAX_ADDRESS_END`]. `path` names the file in errors.
-    fn validate(&self, path: &Path) -> Result<(), VizError> {
+    pub fn validate(&self, path: &Path) -> Result<(), VizError> {
         self.check_limits(path)?;
         let n = self.stacks.len();
         let bad = |what: String| Err(VizError::format(path, what));
@@ -220,19 +371,24 @@ impl Snapshot {
 }
 
 impl Snapshot {
-    /// Device indices within [`MAX_DEVICE_INDEX`] and every `addr + size` (segments,
-    /// blocks, events) within [`MAX_ADDRESS_END`], so the timeline and the writers can add without
-    /// overflowing. `path` names the file in errors.
+    /// Device indices within [`MAX_DEVICE_INDEX`] and each named once (a writer keeps one
+    /// entry per device, so a second would be lost), and every `addr + size` (segments,
+    /// blocks, events) within [`MAX_ADDRESS_END`], so the timeline and the writers can add
+    /// without overflowing. `path` names the file in errors.
     pub fn check_limits(&self, path: &Path) -> Result<(), VizError> {
         let bad = |what: String| Err(VizError::format(path, what));
-        let past_end = |addr: u64, size: u64| {
-            addr.checked_add(size)
-                .is_none_or(|end| end > MAX_ADDRESS_END)
-        };
+        let past_end = |addr: u64, size: u64| !range_within(addr, size);
+        let mut seen = std::collections::HashSet::new();
         for d in &self.devices {
             if d.device > MAX_DEVICE_INDEX {
                 return bad(format!(
                     "device index {} exceeds the limit of {MAX_DEVICE_INDEX}",
+                    d.device
+                ));
+            }
+            if !seen.insert(d.device) {
+                return bad(format!(
+                    "device {} appears twice in \"devices\" (each device must be listed once)",
                     d.device
                 ));
             }
@@ -386,234 +542,4 @@ pub fn from_engine(s: &streamalloc_allocator::Snapshot) -> Snapshot {
         trace,
     });
     out
-}
-
-/// Interns stacks into [`Snapshot::stacks`].
-struct StackTable<'a> {
-    stacks: &'a mut Vec<Vec<Frame>>,
-    /// By the shared allocation's address: PyTorch snapshots share equal stacks already.
-    by_ptr: HashMap<*const Frame, u32>,
-}
-
-impl StackTable<'_> {
-    fn intern(&mut self, stack: &Stack) -> Option<u32> {
-        if stack.is_empty() {
-            return None;
-        }
-        let key = stack.as_ptr();
-        if let Some(&i) = self.by_ptr.get(&key) {
-            return Some(i);
-        }
-        let i = self.stacks.len() as u32;
-        self.stacks.push(stack.to_vec());
-        self.by_ptr.insert(key, i);
-        Some(i)
-    }
-}
-
-/// Our model of a PyTorch snapshot.
-pub fn from_torch(t: &TorchSnapshot) -> Snapshot {
-    let mut out = Snapshot::new("pytorch");
-    out.config = t.allocator_settings.clone();
-    let mut table = StackTable {
-        stacks: &mut out.stacks,
-        by_ptr: HashMap::new(),
-    };
-    let device_count = t
-        .segments
-        .iter()
-        .map(|s| s.device as usize + 1)
-        .max()
-        .unwrap_or(0)
-        .max(t.device_traces.len());
-    let mut devices = Vec::new();
-    for d in 0..device_count {
-        let trace = t.device_traces.get(d).map(Vec::as_slice).unwrap_or(&[]);
-        let segs: Vec<&TorchSegment> = t
-            .segments
-            .iter()
-            .filter(|s| s.device as usize == d)
-            .collect();
-        if trace.is_empty() && segs.is_empty() {
-            continue;
-        }
-        let mut segments: Vec<Segment> = segs
-            .iter()
-            .map(|s| Segment {
-                addr: s.address,
-                size: s.total_size,
-                pool: s.segment_type.clone(),
-                stream: s.stream,
-                expandable: s.is_expandable,
-                blocks: s
-                    .blocks
-                    .iter()
-                    .map(|b| Block {
-                        addr: b.address,
-                        size: b.size,
-                        requested: b.requested_size,
-                        state: b.state,
-                        stream: s.stream,
-                        pending_events: 0,
-                        stack: table.intern(&b.frames),
-                    })
-                    .collect(),
-            })
-            .collect();
-        segments.sort_by_key(|s| s.addr);
-        let events = trace
-            .iter()
-            .enumerate()
-            .map(|(i, e)| Event {
-                action: e.action,
-                addr: e.addr,
-                size: e.size,
-                stream: e.stream,
-                time_ns: e.time_us.map_or(i as u64, |us| us.saturating_mul(1000)),
-                stack: table.intern(&e.frames),
-                device_free: e.device_free,
-            })
-            .collect();
-        devices.push(DeviceSnapshot {
-            device: d as u32,
-            time_ns: None,
-            trace_dropped: 0,
-            segments,
-            trace: events,
-        });
-    }
-    out.devices = devices;
-    out
-}
-
-/// PyTorch's model of our snapshot. streamalloc's own actions (cross-stream waits,
-/// staging, empty_cache) have no PyTorch name and are left out.
-pub fn to_torch(s: &Snapshot) -> TorchSnapshot {
-    let stacks: Vec<Stack> = s.stacks.iter().map(|f| Arc::from(f.as_slice())).collect();
-    let empty: Stack = Arc::from(Vec::new());
-    let stack = |i: Option<u32>| {
-        i.and_then(|i| stacks.get(i as usize).cloned())
-            .unwrap_or_else(|| empty.clone())
-    };
-    let mut out = TorchSnapshot {
-        // PyTorch's settings go back where they came from; ours are not PyTorch's.
-        allocator_settings: if s.source == "pytorch" {
-            s.config.clone()
-        } else {
-            None
-        },
-        ..TorchSnapshot::default()
-    };
-    for d in &s.devices {
-        for seg in &d.segments {
-            out.segments.push(TorchSegment {
-                device: d.device,
-                address: seg.addr,
-                total_size: seg.size,
-                stream: seg.stream,
-                segment_type: seg.pool.clone(),
-                is_expandable: seg.expandable,
-                blocks: seg
-                    .blocks
-                    .iter()
-                    .map(|b| TorchBlock {
-                        address: b.addr,
-                        size: b.size,
-                        requested_size: b.requested,
-                        state: b.state,
-                        frames: stack(b.stack),
-                    })
-                    .collect(),
-            });
-        }
-        let idx = d.device as usize;
-        if out.device_traces.len() <= idx {
-            out.device_traces.resize_with(idx + 1, Vec::new);
-        }
-        out.device_traces[idx] = d
-            .trace
-            .iter()
-            .filter(|e| e.action.is_pytorch())
-            .map(|e| TorchTraceEntry {
-                action: e.action,
-                addr: e.addr,
-                size: e.size,
-                stream: e.stream,
-                time_us: Some(e.time_ns / 1000),
-                frames: stack(e.stack),
-                device_free: e.device_free,
-            })
-            .collect();
-    }
-    out
-}
-
-// ---- Loading any format ----
-
-/// Reads any snapshot this crate understands: our JSON, the engine's JSON, or a PyTorch
-/// pickle; each optionally gzip-compressed. Recognised by content, not by name.
-pub fn load(path: &Path) -> Result<Snapshot, VizError> {
-    let raw = std::fs::read(path).map_err(|e| VizError::io(path, e))?;
-    from_bytes(path, raw)
-}
-
-/// [`load`] of a file's content already in memory: `raw` is what the file `path` holds
-/// (`path` only names it in errors).
-pub fn from_bytes(path: &Path, raw: Vec<u8>) -> Result<Snapshot, VizError> {
-    let (content, bytes) = crate::sniff::open(path, raw)?;
-    match content {
-        Content::Pickle => {
-            let snapshot = from_torch(&crate::pytorch::parse_snapshot(path, &bytes)?);
-            snapshot.check_limits(path)?;
-            Ok(snapshot)
-        }
-        Content::JsonObject => parse_json(path, &bytes),
-        Content::Empty => Err(VizError::format(path, "the file is empty")),
-        Content::Gzip | Content::JsonArray | Content::Other => Err(VizError::format(
-            path,
-            "unrecognised content (expected a streamalloc JSON snapshot or a PyTorch memory \
-             snapshot pickle, optionally gzip-compressed)",
-        )),
-    }
-}
-
-// ---- Saving any format ----
-
-/// A file format [`save`] can write.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OutputFormat {
-    /// Our JSON ([`write_json`]).
-    Json,
-    /// A PyTorch-compatible pickle ([`crate::pytorch::write_pickle`]).
-    Pickle,
-    /// A Chrome JSON trace for Perfetto ([`crate::perfetto::write_perfetto`]).
-    Perfetto,
-}
-
-/// Writes `snapshot` to `path` in `format`, gzip-compressed when the name ends in `.gz`.
-pub fn save(snapshot: &Snapshot, path: &Path, format: OutputFormat) -> Result<(), VizError> {
-    let file = std::fs::File::create(path).map_err(|e| VizError::io(path, e))?;
-    let mut out = std::io::BufWriter::new(file);
-    let gz = path.extension().is_some_and(|e| e == "gz");
-    let write = |w: &mut dyn std::io::Write| -> Result<(), VizError> {
-        let mut w = w;
-        match format {
-            OutputFormat::Json => write_json(snapshot, &mut w),
-            OutputFormat::Pickle => crate::pytorch::write_pickle(&to_torch(snapshot), &mut w),
-            OutputFormat::Perfetto => crate::perfetto::write_perfetto(snapshot, &mut w),
-        }
-    };
-    if gz {
-        // The writers emit many tiny writes: buffer them before the compressor.
-        let enc = flate2::write::GzEncoder::new(&mut out, flate2::Compression::default());
-        let mut buffered = std::io::BufWriter::with_capacity(1 << 16, enc);
-        write(&mut buffered)?;
-        let enc = buffered
-            .into_inner()
-            .map_err(|e| VizError::io(path, e.into_error()))?;
-        enc.finish().map_err(|e| VizError::io(path, e))?;
-    } else {
-        write(&mut out)?;
-    }
-    std::io::Write::flush(&mut out).map_err(|e| VizError::io(path, e))
 }

@@ -16,11 +16,10 @@
 //!   iteratively, so no input can overflow the call stack;
 //! - every limit is a named constant below, and every error is one line with the byte
 //!   offset it concerns ([`PickleError`]);
-//! - memory while decoding is proportional to the input (each stack item, container or
-//!   memo entry costs at least one input byte), and the decoded tree, where shared
-//!   references are copied out, is capped at [`MAX_VALUES_PER_BYTE`] values and
-//!   [`MAX_TEXT_PER_BYTE`] string bytes per input byte, so a "billion laughs" of memo
-//!   references fails fast instead of exhausting memory.
+//! - every byte it allocates (stack slots, containers, memo entries, strings; in [`decode`]
+//!   also the values of the tree, where shared references are copied out) is charged to a
+//!   [`Budget`] proportional to the input, so a "billion laughs" of memo references fails
+//!   fast instead of exhausting memory.
 //!
 //! Decoding runs in two steps. The first executes the opcodes into an arena: scalars are
 //! stored inline (strings behind reference counts, so `DUP` and memo references of a long
@@ -34,10 +33,10 @@
 //! protocol-0 text strings (`STRING`, `UNICODE`), which Python 3 never writes at protocol 2
 //! or later.
 
+use crate::limits::{Budget, OverBudget};
 use serde_pickle::{HashableValue, Value};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
-use std::rc::Rc;
 
 /// Deepest nesting of containers accepted (the top-level object counts as one), and the
 /// most `MARK`s open at once. Snapshots nest about six deep; the cap keeps the recursive
@@ -48,22 +47,6 @@ pub const MAX_DEPTH: usize = 512;
 /// Most memo entries. Each costs at least one input byte anyway; this caps the memo of a
 /// huge input at a size a real snapshot never reaches (about 14 entries per trace entry).
 pub const MAX_MEMO: usize = 1 << 26;
-
-/// Values (scalars and containers, after shared references are copied out) the decoded
-/// tree may hold per input byte, on top of [`MAX_VALUES_BASE`]. Real snapshots produce
-/// about one value per byte; memo references to shared call stacks raise that, but a
-/// two-byte `BINGET` expanding to a large tree again and again is an attack.
-pub const MAX_VALUES_PER_BYTE: u64 = 64;
-
-/// Values the decoded tree may always hold, whatever the input size.
-pub const MAX_VALUES_BASE: u64 = 1 << 20;
-
-/// String and bytes payload (in bytes) the decoded tree may hold per input byte, on top of
-/// [`MAX_TEXT_BASE`]: the same defence for long strings referenced many times.
-pub const MAX_TEXT_PER_BYTE: u64 = 64;
-
-/// String and bytes payload the decoded tree may always hold.
-pub const MAX_TEXT_BASE: u64 = 64 << 20;
 
 /// Highest pickle protocol known (Python 3.8+ writes up to 5).
 pub const HIGHEST_PROTOCOL: u8 = 5;
@@ -89,49 +72,103 @@ impl std::error::Error for PickleError {}
 /// integers, floats and the memo are accepted too) into a value tree. Bytes after `STOP`
 /// are ignored, as Python does.
 pub fn decode(bytes: &[u8]) -> Result<Value, PickleError> {
+    let arena = decode_arena(bytes, Budget::for_input(bytes.len()))?;
+    Builder {
+        arena: &arena,
+        budget: arena.budget.clone(),
+        used: Cost::default(),
+        state: vec![State::New; arena.nodes.len()],
+        cache: HashMap::new(),
+    }
+    .build(arena.root.clone())
+}
+
+/// Runs the pickle in `bytes` into an [`Arena`], charging what it allocates to `budget`.
+pub(crate) fn decode_arena(bytes: &[u8], budget: Budget) -> Result<Arena, PickleError> {
     let mut machine = Machine {
         data: bytes,
         pos: 0,
         op_at: 0,
         stack: Vec::new(),
         marks: Vec::new(),
-        memo: HashMap::new(),
+        memo: Memo::default(),
         nodes: Vec::new(),
+        strings: Vec::new(),
+        blobs: Vec::new(),
+        budget,
     };
     let root = machine.run()?;
-    // Only the arena is needed from here on; the stack and memo go before the tree grows.
-    let nodes = std::mem::take(&mut machine.nodes);
-    drop(machine);
-    let len = bytes.len() as u64;
-    Builder {
-        nodes: &nodes,
-        values_left: MAX_VALUES_BASE.saturating_add(len.saturating_mul(MAX_VALUES_PER_BYTE)),
-        text_left: MAX_TEXT_BASE.saturating_add(len.saturating_mul(MAX_TEXT_PER_BYTE)),
-        state: vec![State::New; nodes.len()],
-        cache: HashMap::new(),
-    }
-    .build(root)
+    // The stack and memo go now: only what they refer to is needed from here on.
+    Ok(Arena {
+        nodes: machine.nodes,
+        strings: machine.strings,
+        blobs: machine.blobs,
+        root,
+        budget: machine.budget,
+    })
 }
 
 // ---- Step 1: the stack machine ----
+
+/// The memo: Python numbers its entries 0, 1, 2, ... so they are kept in a vector indexed
+/// by key; a key far past the others (possible, never written by Python) goes to a map, so
+/// a single key of 4 billion does not allocate 4 billion slots.
+#[derive(Default)]
+struct Memo {
+    dense: Vec<Option<Slot>>,
+    sparse: HashMap<u32, Slot>,
+    len: usize,
+}
+
+impl Memo {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn get(&self, key: u32) -> Option<&Slot> {
+        self.dense
+            .get(key as usize)
+            .and_then(Option::as_ref)
+            .or_else(|| self.sparse.get(&key))
+    }
+
+    fn insert(&mut self, key: u32, value: Slot) {
+        let k = key as usize;
+        let old = if k < self.dense.len() {
+            self.dense[k]
+                .replace(value)
+                .or_else(|| self.sparse.remove(&key))
+        } else if k == self.dense.len() {
+            self.dense.push(Some(value));
+            self.sparse.remove(&key)
+        } else {
+            self.sparse.insert(key, value)
+        };
+        if old.is_none() {
+            self.len += 1;
+        }
+    }
+}
 
 /// Index of a container in the arena.
 type NodeId = u32;
 
 /// A stack, memo or container slot: a scalar, or a reference to a container.
 #[derive(Clone, Debug)]
-enum Slot {
+pub(crate) enum Slot {
     None,
     Bool(bool),
     Int(i64),
     Float(f64),
-    Str(Rc<str>),
-    Bytes(Rc<[u8]>),
+    /// Index into [`Arena::strings`].
+    Str(u32),
+    /// Index into [`Arena::blobs`].
+    Bytes(u32),
     Node(NodeId),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum Kind {
     List,
     Tuple,
     /// Items alternate key, value.
@@ -153,12 +190,30 @@ impl Kind {
 }
 
 #[derive(Debug)]
-struct Node {
-    kind: Kind,
+pub(crate) struct Node {
+    pub(crate) kind: Kind,
     /// Byte offset of the opcode that created it, for errors found later.
-    offset: usize,
-    items: Vec<Slot>,
+    pub(crate) offset: usize,
+    pub(crate) items: Vec<Slot>,
 }
+
+/// What the stack machine built: every container, string and byte string of the pickle,
+/// each once however often the pickle refers to it, and the top-level object. Readers walk
+/// it directly ([`crate::pytorch`]), so sharing in the file stays sharing in memory.
+#[derive(Debug)]
+pub(crate) struct Arena {
+    pub(crate) nodes: Vec<Node>,
+    pub(crate) strings: Vec<Box<str>>,
+    pub(crate) blobs: Vec<Box<[u8]>>,
+    pub(crate) root: Slot,
+    /// What is left of the budget the arena was built within, for what is built from it.
+    pub(crate) budget: Budget,
+}
+
+/// In-memory bytes of a stack or container slot, of a container, of a memo entry.
+const SLOT_BYTES: u64 = std::mem::size_of::<Slot>() as u64;
+const NODE_BYTES: u64 = std::mem::size_of::<Node>() as u64;
+const MEMO_ENTRY_BYTES: u64 = 2 * SLOT_BYTES;
 
 struct Machine<'a> {
     data: &'a [u8],
@@ -169,8 +224,11 @@ struct Machine<'a> {
     stack: Vec<Slot>,
     /// Stack lengths at each open `MARK`.
     marks: Vec<usize>,
-    memo: HashMap<u32, Slot>,
+    memo: Memo,
     nodes: Vec<Node>,
+    strings: Vec<Box<str>>,
+    blobs: Vec<Box<[u8]>>,
+    budget: Budget,
 }
 
 /// The name of an opcode, for errors.
@@ -349,8 +407,18 @@ impl<'a> Machine<'a> {
         self.marks.last().copied().unwrap_or(0)
     }
 
-    fn push(&mut self, slot: Slot) {
+    fn charge(&mut self, bytes: u64) -> Result<(), PickleError> {
+        self.budget
+            .charge(bytes)
+            .map_err(|over| self.err(over.to_string()))
+    }
+
+    /// Pushes `slot`, charged to the budget: a slot moves from the stack into a container
+    /// but is never charged again, so the charges bound the high-water mark.
+    fn push(&mut self, slot: Slot) -> Result<(), PickleError> {
+        self.charge(SLOT_BYTES)?;
         self.stack.push(slot);
+        Ok(())
     }
 
     fn pop(&mut self, what: &str) -> Result<Slot, PickleError> {
@@ -376,7 +444,35 @@ impl<'a> Machine<'a> {
         let Some(mark) = self.marks.pop() else {
             return Err(self.err(format!("{what} without a MARK")));
         };
-        Ok(self.stack.split_off(mark.min(self.stack.len())))
+        let mark = mark.min(self.stack.len());
+        // The items move to a vector of their own while the stack keeps its capacity: both
+        // are memory, so the copy is charged before it is made, and a stack far larger than
+        // what it still holds gives its memory back.
+        self.charge((self.stack.len() - mark) as u64 * SLOT_BYTES)?;
+        let items = self.stack.split_off(mark);
+        if self.stack.capacity() > 4096 && self.stack.capacity() > 4 * self.stack.len() {
+            self.stack.shrink_to(2 * self.stack.len());
+        }
+        Ok(items)
+    }
+
+    /// Adds `items` to the container on top of the stack, which must be `kind`; an empty
+    /// container takes the vector as it is rather than a copy.
+    fn append(&mut self, kind: Kind, items: Vec<Slot>, what: &str) -> Result<(), PickleError> {
+        let target = self.target(kind, what)?;
+        if target.is_empty() {
+            *target = items;
+        } else {
+            target.extend(items);
+        }
+        Ok(())
+    }
+
+    fn index(&self, len: usize) -> Result<u32, PickleError> {
+        u32::try_from(len)
+            .ok()
+            .filter(|&id| id < u32::MAX)
+            .ok_or_else(|| self.err(format!("more than {} strings", u32::MAX)))
     }
 
     fn new_node(&mut self, kind: Kind, items: Vec<Slot>) -> Result<Slot, PickleError> {
@@ -384,6 +480,7 @@ impl<'a> Machine<'a> {
             .ok()
             .filter(|&id| id < NodeId::MAX)
             .ok_or_else(|| self.err(format!("more than {} containers", NodeId::MAX)))?;
+        self.charge(NODE_BYTES)?;
         self.nodes.push(Node {
             kind,
             offset: self.op_at,
@@ -417,9 +514,10 @@ impl<'a> Machine<'a> {
 
     fn memo_put(&mut self, key: u32, what: &str) -> Result<(), PickleError> {
         let value = self.top(what)?.clone();
-        if self.memo.len() >= MAX_MEMO && !self.memo.contains_key(&key) {
+        if self.memo.len() >= MAX_MEMO && self.memo.get(key).is_none() {
             return Err(self.err(format!("memo holds more than {MAX_MEMO} entries")));
         }
+        self.charge(MEMO_ENTRY_BYTES)?;
         self.memo.insert(key, value);
         Ok(())
     }
@@ -427,10 +525,10 @@ impl<'a> Machine<'a> {
     fn memo_get(&mut self, key: u32) -> Result<(), PickleError> {
         let value = self
             .memo
-            .get(&key)
+            .get(key)
             .cloned()
             .ok_or_else(|| self.err(format!("memo key {key} is not defined")))?;
-        self.push(value);
+        self.push(value)?;
         Ok(())
     }
 
@@ -438,25 +536,28 @@ impl<'a> Machine<'a> {
         let bytes = self.take(n, what)?;
         match std::str::from_utf8(bytes) {
             Ok(s) => {
-                let s: Rc<str> = Rc::from(s);
-                self.push(Slot::Str(s));
-                Ok(())
+                self.charge(s.len() as u64 + 16)?;
+                let id = self.index(self.strings.len())?;
+                self.strings.push(s.into());
+                self.push(Slot::Str(id))
             }
             Err(e) => Err(self.err(format!("{what}: invalid UTF-8 ({e})"))),
         }
     }
 
     fn bytes(&mut self, n: usize, what: &str) -> Result<(), PickleError> {
-        let bytes: Rc<[u8]> = Rc::from(self.take(n, what)?);
-        self.push(Slot::Bytes(bytes));
-        Ok(())
+        let bytes = self.take(n, what)?;
+        self.charge(bytes.len() as u64 + 16)?;
+        let id = self.index(self.blobs.len())?;
+        self.blobs.push(bytes.into());
+        self.push(Slot::Bytes(id))
     }
 
     fn long(&mut self, n: usize, what: &str) -> Result<(), PickleError> {
         let bytes = self.take(n, what)?;
         match long_to_i64(bytes) {
             Some(v) => {
-                self.push(Slot::Int(v));
+                self.push(Slot::Int(v))?;
                 Ok(())
             }
             None => Err(self.err(format!(
@@ -471,7 +572,7 @@ impl<'a> Machine<'a> {
         }
         let items = self.stack.split_off(self.stack.len() - n);
         let t = self.new_node(Kind::Tuple, items)?;
-        self.push(t);
+        self.push(t)?;
         Ok(())
     }
 
@@ -521,22 +622,22 @@ impl<'a> Machine<'a> {
                 }
                 b'2' => {
                     let v = self.top(name)?.clone();
-                    self.push(v);
+                    self.push(v)?;
                 }
-                b'N' => self.push(Slot::None),
-                0x88 => self.push(Slot::Bool(true)),
-                0x89 => self.push(Slot::Bool(false)),
+                b'N' => self.push(Slot::None)?,
+                0x88 => self.push(Slot::Bool(true))?,
+                0x89 => self.push(Slot::Bool(false))?,
                 b'K' => {
                     let v = self.u8(name)?;
-                    self.push(Slot::Int(i64::from(v)));
+                    self.push(Slot::Int(i64::from(v)))?;
                 }
                 b'M' => {
                     let v = u16::from_le_bytes(self.array(name)?);
-                    self.push(Slot::Int(i64::from(v)));
+                    self.push(Slot::Int(i64::from(v)))?;
                 }
                 b'J' => {
                     let v = i32::from_le_bytes(self.array(name)?);
-                    self.push(Slot::Int(i64::from(v)));
+                    self.push(Slot::Int(i64::from(v)))?;
                 }
                 0x8a => {
                     let n = self.u8(name)?;
@@ -561,11 +662,11 @@ impl<'a> Machine<'a> {
                             ))
                         })?),
                     };
-                    self.push(slot);
+                    self.push(slot)?;
                 }
                 b'L' => {
                     let v = self.int_line(name)?;
-                    self.push(Slot::Int(v));
+                    self.push(Slot::Int(v))?;
                 }
                 b'F' => {
                     let line = self.line(name)?.trim();
@@ -575,11 +676,11 @@ impl<'a> Machine<'a> {
                             truncate_for_message(line)
                         ))
                     })?;
-                    self.push(Slot::Float(v));
+                    self.push(Slot::Float(v))?;
                 }
                 b'G' => {
                     let v = f64::from_be_bytes(self.array(name)?);
-                    self.push(Slot::Float(v));
+                    self.push(Slot::Float(v))?;
                 }
                 0x8c => {
                     let n = self.u8(name)?;
@@ -614,34 +715,34 @@ impl<'a> Machine<'a> {
                 }
                 b']' => {
                     let v = self.new_node(Kind::List, Vec::new())?;
-                    self.push(v);
+                    self.push(v)?;
                 }
                 b'}' => {
                     let v = self.new_node(Kind::Dict, Vec::new())?;
-                    self.push(v);
+                    self.push(v)?;
                 }
                 b')' => {
                     let v = self.new_node(Kind::Tuple, Vec::new())?;
-                    self.push(v);
+                    self.push(v)?;
                 }
                 0x8f => {
                     let v = self.new_node(Kind::Set, Vec::new())?;
-                    self.push(v);
+                    self.push(v)?;
                 }
                 b'l' => {
                     let items = self.pop_mark(name)?;
                     let v = self.new_node(Kind::List, items)?;
-                    self.push(v);
+                    self.push(v)?;
                 }
                 b't' => {
                     let items = self.pop_mark(name)?;
                     let v = self.new_node(Kind::Tuple, items)?;
-                    self.push(v);
+                    self.push(v)?;
                 }
                 0x91 => {
                     let items = self.pop_mark(name)?;
                     let v = self.new_node(Kind::FrozenSet, items)?;
-                    self.push(v);
+                    self.push(v)?;
                 }
                 b'd' => {
                     let items = self.pop_mark(name)?;
@@ -649,7 +750,7 @@ impl<'a> Machine<'a> {
                         return Err(self.err("DICT with an odd number of items"));
                     }
                     let v = self.new_node(Kind::Dict, items)?;
-                    self.push(v);
+                    self.push(v)?;
                 }
                 0x85 => self.tuple(1, name)?,
                 0x86 => self.tuple(2, name)?,
@@ -660,7 +761,7 @@ impl<'a> Machine<'a> {
                 }
                 b'e' => {
                     let items = self.pop_mark(name)?;
-                    self.target(Kind::List, name)?.extend(items);
+                    self.append(Kind::List, items, name)?;
                 }
                 b's' => {
                     let v = self.pop(name)?;
@@ -674,11 +775,11 @@ impl<'a> Machine<'a> {
                     if items.len() % 2 != 0 {
                         return Err(self.err("SETITEMS with an odd number of items"));
                     }
-                    self.target(Kind::Dict, name)?.extend(items);
+                    self.append(Kind::Dict, items, name)?;
                 }
                 0x90 => {
                     let items = self.pop_mark(name)?;
-                    self.target(Kind::Set, name)?.extend(items);
+                    self.append(Kind::Set, items, name)?;
                 }
                 0x94 => {
                     let key = u32::try_from(self.memo.len())
@@ -770,20 +871,23 @@ struct Cost {
     text: u64,
 }
 
+/// In-memory bytes of one value of the tree.
+const VALUE_BYTES: u64 = std::mem::size_of::<Value>() as u64;
+
 /// A container being built: its node, the next item to visit, the values built so far.
 struct Open {
     id: NodeId,
     next: usize,
     out: Vec<Value>,
-    /// Budget left when it was entered, to measure its cost.
-    values_left: u64,
-    text_left: u64,
+    /// What had been built when it was entered, to measure its cost.
+    used: Cost,
 }
 
 struct Builder<'a> {
-    nodes: &'a [Node],
-    values_left: u64,
-    text_left: u64,
+    arena: &'a Arena,
+    budget: Budget,
+    /// Values and text built so far.
+    used: Cost,
     state: Vec<State>,
     /// Finished containers referenced more than once, with what they cost to build.
     cache: HashMap<NodeId, (Value, Cost)>,
@@ -791,30 +895,22 @@ struct Builder<'a> {
 
 impl Builder<'_> {
     fn node(&self, id: NodeId) -> &Node {
-        &self.nodes[id as usize]
+        &self.arena.nodes[id as usize]
     }
 
     fn charge(&mut self, cost: Cost, offset: usize) -> Result<(), PickleError> {
-        if cost.values > self.values_left {
-            return Err(PickleError {
+        let bytes = cost
+            .values
+            .saturating_mul(VALUE_BYTES)
+            .saturating_add(cost.text);
+        self.budget
+            .charge(bytes)
+            .map_err(|over: OverBudget| PickleError {
                 offset,
-                message: format!(
-                    "the decoded data would exceed {MAX_VALUES_BASE} + {MAX_VALUES_PER_BYTE} \
-                     values per input byte (shared references copied out too often)"
-                ),
-            });
-        }
-        if cost.text > self.text_left {
-            return Err(PickleError {
-                offset,
-                message: format!(
-                    "the decoded strings would exceed {MAX_TEXT_BASE} + {MAX_TEXT_PER_BYTE} \
-                     bytes per input byte (shared references copied out too often)"
-                ),
-            });
-        }
-        self.values_left -= cost.values;
-        self.text_left -= cost.text;
+                message: over.to_string(),
+            })?;
+        self.used.values += cost.values;
+        self.used.text += cost.text;
         Ok(())
     }
 
@@ -832,7 +928,8 @@ impl Builder<'_> {
             Slot::Bool(b) => Value::Bool(*b),
             Slot::Int(i) => Value::I64(*i),
             Slot::Float(f) => Value::F64(*f),
-            Slot::Str(s) => {
+            Slot::Str(id) => {
+                let s = &self.arena.strings[*id as usize];
                 self.charge(
                     Cost {
                         values: 1,
@@ -842,7 +939,8 @@ impl Builder<'_> {
                 )?;
                 return Ok(Some(Value::String(s.to_string())));
             }
-            Slot::Bytes(b) => {
+            Slot::Bytes(id) => {
+                let b = &self.arena.blobs[*id as usize];
                 self.charge(
                     Cost {
                         values: 1,
@@ -894,14 +992,14 @@ impl Builder<'_> {
                         ),
                     });
                 }
+                let used = self.used;
                 self.charge(Cost { values: 1, text: 0 }, offset)?;
                 self.state[id as usize] = State::Open;
                 path.push(Open {
                     id,
                     next: 0,
                     out: Vec::with_capacity(self.node(id).items.len()),
-                    values_left: self.values_left + 1,
-                    text_left: self.text_left,
+                    used,
                 });
                 Ok(None)
             }
@@ -911,7 +1009,7 @@ impl Builder<'_> {
     /// How many times each container is referenced (from containers and the root), so
     /// that only shared ones are kept for copying.
     fn shared(&self, root: &Slot) -> Vec<bool> {
-        let mut refs = vec![0u8; self.nodes.len()];
+        let mut refs = vec![0u8; self.arena.nodes.len()];
         let mut count = |slot: &Slot| {
             if let Slot::Node(id) = slot {
                 let r = &mut refs[*id as usize];
@@ -919,7 +1017,7 @@ impl Builder<'_> {
             }
         };
         count(root);
-        for node in self.nodes {
+        for node in &self.arena.nodes {
             node.items.iter().for_each(&mut count);
         }
         refs.into_iter().map(|r| r > 1).collect()
@@ -985,8 +1083,8 @@ impl Builder<'_> {
                     message: "internal error: empty build path".into(),
                 });
             };
-            let nodes = self.nodes;
-            let node = &nodes[top.id as usize];
+            let arena = self.arena;
+            let node = &arena.nodes[top.id as usize];
             if let Some(slot) = node.items.get(top.next) {
                 top.next += 1;
                 if let Some(v) = self.enter(slot, node.offset, &mut path)? {
@@ -999,8 +1097,8 @@ impl Builder<'_> {
             let Some(open) = path.pop() else { continue };
             let id = open.id;
             let cost = Cost {
-                values: open.values_left - self.values_left,
-                text: open.text_left - self.text_left,
+                values: self.used.values - open.used.values,
+                text: self.used.text - open.used.text,
             };
             let value = self.finish(open)?;
             self.state[id as usize] = State::Done;

@@ -11,6 +11,7 @@ use crate::model::{DeviceSnapshot, Snapshot};
 use crate::timeline::{Counter, Timeline};
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
+use std::io::Write;
 use std::path::Path;
 
 /// The viewer's palette (Tableau 10), by stream index.
@@ -35,7 +36,7 @@ enum Cell {
     Empty,
     Envelope,
     /// An allocation: its stream and its index (for the shade).
-    Alloc(u16, u32),
+    Alloc(u32, u32),
 }
 
 /// The plot area, column-major, row 0 at the bottom.
@@ -133,7 +134,7 @@ fn build_grid(device: &DeviceSnapshot, t: &Timeline, w: usize, h: usize) -> Grid
     }
 }
 
-fn shade(stream: u16, k: u32) -> [u8; 3] {
+fn shade(stream: u32, k: u32) -> [u8; 3] {
     let f = 0.82 + (k.wrapping_mul(2_654_435_761) % 1000) as f64 / 1000.0 * 0.3;
     PALETTE[stream as usize % PALETTE.len()].map(|x| (x as f64 * f).min(255.0) as u8)
 }
@@ -363,26 +364,45 @@ pub fn render_rgb(snapshot: &Snapshot, width: usize, height: usize) -> Vec<u8> {
     px
 }
 
-/// Writes the timeline of `snapshot` to `path`: SVG or PNG by the name's extension.
+/// The most pixels an image may have (`width * height`): rendering holds about 16 bytes
+/// per pixel, so this keeps a plot within a few hundred MB.
+pub const MAX_PIXELS: usize = 16_000_000;
+
+/// Writes the timeline of `snapshot` to `path`: SVG or PNG by the name's extension. An
+/// image of more than [`MAX_PIXELS`] is refused before anything is drawn.
 pub fn plot(snapshot: &Snapshot, path: &Path, width: usize, height: usize) -> Result<(), VizError> {
+    if width.checked_mul(height).is_none_or(|n| n > MAX_PIXELS) {
+        return Err(VizError::Write {
+            path: path.into(),
+            what: format!(
+                "an image of {width} x {height} pixels exceeds the limit of {MAX_PIXELS} \
+                 pixels (width times height)"
+            ),
+        });
+    }
     let ext = path
         .extension()
         .and_then(|e| e.to_str())
         .map(str::to_ascii_lowercase);
     match ext.as_deref() {
-        Some("svg") => std::fs::write(path, render_svg(snapshot, width, height))
-            .map_err(|e| VizError::io(path, e)),
+        Some("svg") => {
+            let svg = render_svg(snapshot, width, height);
+            crate::output::write_whole(path, |out| {
+                out.write_all(svg.as_bytes())
+                    .map_err(|e| VizError::io(path, e))
+            })
+        }
         Some("png") => {
             let rgb = render_rgb(snapshot, width, height);
-            let file = std::fs::File::create(path).map_err(|e| VizError::io(path, e))?;
-            let mut enc =
-                png::Encoder::new(std::io::BufWriter::new(file), width as u32, height as u32);
-            enc.set_color(png::ColorType::Rgb);
-            enc.set_depth(png::BitDepth::Eight);
-            let io = |e: png::EncodingError| VizError::io(path, std::io::Error::other(e));
-            let mut writer = enc.write_header().map_err(io)?;
-            writer.write_image_data(&rgb).map_err(io)?;
-            writer.finish().map_err(io)
+            crate::output::write_whole(path, |out| {
+                let mut enc = png::Encoder::new(out, width as u32, height as u32);
+                enc.set_color(png::ColorType::Rgb);
+                enc.set_depth(png::BitDepth::Eight);
+                let io = |e: png::EncodingError| VizError::io(path, std::io::Error::other(e));
+                let mut writer = enc.write_header().map_err(io)?;
+                writer.write_image_data(&rgb).map_err(io)?;
+                writer.finish().map_err(io)
+            })
         }
         _ => Err(VizError::Unrepresentable {
             format: "plot",

@@ -9,12 +9,17 @@
 //! - `device_traces`: one list per device of trace entries, dicts with `action`, `addr`,
 //!   `size`, `stream`, `time_us`, `frames` (and `device_free` for `oom`).
 //!
-//! Decoding goes through [`crate::pickle`], a bounded decoder of plain pickled data into
-//! `serde-pickle`'s generic [`serde_pickle::Value`] (memo and shared references, frames,
-//! integers up to 64 bits), and is then checked key by key, so a truncated, corrupt,
-//! hostile or foreign file gives one [`VizError`] naming the file and the offending byte
-//! or key, never a panic. Call stacks repeat across entries, so identical stacks are shared
-//! ([`Stack`]), which keeps a million-entry trace small in memory.
+//! Decoding runs the bounded decoder of [`crate::pickle`] into its arena, where everything
+//! the pickle shares through its memo is held once, and reads the records straight from
+//! it, checking key by key, so a truncated, corrupt, hostile or foreign file gives one
+//! [`VizError`] naming the file and the offending byte or key, never a panic. Call stacks
+//! are interned as they are read ([`crate::model::Stacks`]): a stack list the pickle
+//! shares is read once, equal frames and strings are kept once, and a stack costs four
+//! bytes a frame. Everything built is charged to the [`Budget`] of the input, so memory
+//! stays proportional to the file.
+//!
+//! [`read_model`] gives our model directly (what the viewer, the plotter, the converter and
+//! the replayer use); [`read_snapshot`] gives PyTorch's own shape ([`TorchSnapshot`]).
 //!
 //! Actions and block states are the shared records of `streamalloc-records`
 //! ([`TraceAction`], [`BlockState`], re-exported here), whose names are PyTorch's; only
@@ -23,8 +28,8 @@
 //!
 //! [`write_pickle`] writes the same shape back with only the opcodes PyTorch's own
 //! JavaScript viewer (`MemoryViz.js`) decodes: protocol 4, dicts, lists, tuples, strings
-//! (memoised with `BINPUT`/`BINGET`, as Python does), integers of at most 8 bytes, floats,
-//! booleans and `None`.
+//! (memoised with `BINPUT`/`BINGET`, as Python does, and so are call stacks), integers of
+//! at most 8 bytes, floats, booleans and `None`.
 //!
 //! # Example
 //! ```no_run
@@ -39,26 +44,22 @@
 //! ```
 
 use crate::error::VizError;
+pub use crate::input::{gunzip_within, maybe_gunzip};
+use crate::limits::{Budget, MAX_DEVICE_INDEX};
+pub use crate::limits::{
+    GUNZIP_MAX_BYTES, GUNZIP_MAX_RATIO, GUNZIP_RATIO_FLOOR, LIMIT_ENV as GUNZIP_LIMIT_ENV,
+};
+pub use crate::model::Frame;
+use crate::model::{Block, DeviceSnapshot, Event, Segment, Snapshot, Stacks};
+use crate::pickle::{Arena, Kind, Slot};
 use crate::sniff::{sniff, Content};
-use serde_pickle::{HashableValue, Value};
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 pub use streamalloc_records::{BlockState, TraceAction};
 
 // ---- Types ----
-
-/// One Python frame of a call stack, as PyTorch records it.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub struct Frame {
-    /// Function name.
-    pub name: String,
-    /// Source file.
-    pub filename: String,
-    /// Line number.
-    pub line: i64,
-}
 
 /// A call stack, innermost frame first. Shared between the entries that have the same one.
 pub type Stack = Arc<[Frame]>;
@@ -146,96 +147,211 @@ impl TorchSnapshot {
 /// Reads a PyTorch snapshot from `path`: a pickle, gzip-compressed or not (recognised by
 /// its content, not its name).
 pub fn read_snapshot(path: &Path) -> Result<TorchSnapshot, VizError> {
-    let raw = std::fs::read(path).map_err(|e| VizError::io(path, e))?;
+    let raw = crate::input::read_file(path)?;
     let bytes = maybe_gunzip(path, raw)?;
     parse_snapshot(path, &bytes)
 }
 
-/// The most bytes a gzip file may decompress to, whatever its ratio.
-pub const GUNZIP_MAX_BYTES: u64 = 1 << 30;
-/// The most a gzip file may expand by (real snapshots expand about 40 times), above
-/// [`GUNZIP_RATIO_FLOOR`]: a 2 MB bomb must not become 2 GB in memory.
-pub const GUNZIP_MAX_RATIO: u64 = 200;
-/// Decompressed sizes up to this are allowed whatever the ratio, so small but very regular
-/// files are not refused.
-pub const GUNZIP_RATIO_FLOOR: u64 = 64 << 20;
-/// Environment variable that replaces both limits by one byte count (e.g. `4G`).
-pub const GUNZIP_LIMIT_ENV: &str = "STREAMALLOC_MAX_DECOMPRESSED";
-
-/// The decompressed-size limit for a gzip file of `compressed` bytes, and how it was set.
-fn gunzip_limit(path: &Path, compressed: usize) -> Result<(u64, String), VizError> {
-    if let Some(text) = std::env::var_os(GUNZIP_LIMIT_ENV) {
-        let text = text.to_string_lossy();
-        let bytes = parse_byte_count(&text).ok_or_else(|| VizError::Limit {
-            path: path.into(),
-            what: format!("{GUNZIP_LIMIT_ENV}={text:?} is not a byte count (e.g. 4G)"),
-        })?;
-        return Ok((bytes, format!("{GUNZIP_LIMIT_ENV}={text}")));
+/// Decodes a snapshot from uncompressed pickle bytes into PyTorch's shape. `path` only
+/// names the source in errors.
+pub fn parse_snapshot(path: &Path, bytes: &[u8]) -> Result<TorchSnapshot, VizError> {
+    let mut device_traces: Vec<Vec<TorchTraceEntry>> = Vec::new();
+    struct Collect(Vec<(usize, RawEntry)>);
+    impl Sink for Collect {
+        fn device(&mut self, _: usize, entries: usize) {
+            self.0.reserve_exact(entries);
+        }
+        fn entry(&mut self, d: usize, _: usize, e: RawEntry) {
+            self.0.push((d, e));
+        }
     }
-    let by_ratio = (compressed as u64)
-        .saturating_mul(GUNZIP_MAX_RATIO)
-        .max(GUNZIP_RATIO_FLOOR);
-    Ok((
-        by_ratio.min(GUNZIP_MAX_BYTES),
-        format!(
-            "{GUNZIP_MAX_RATIO}x the compressed size, at most {} MiB; set {GUNZIP_LIMIT_ENV} \
-             to raise it",
-            GUNZIP_MAX_BYTES >> 20
-        ),
-    ))
-}
-
-/// `123`, `64K`, `512M`, `4G` (binary multiples).
-fn parse_byte_count(text: &str) -> Option<u64> {
-    let t = text.trim();
-    let (digits, shift) = match t.char_indices().last()? {
-        (i, 'k' | 'K') => (&t[..i], 10),
-        (i, 'm' | 'M') => (&t[..i], 20),
-        (i, 'g' | 'G') => (&t[..i], 30),
-        _ => (t, 0),
-    };
-    digits.parse::<u64>().ok()?.checked_mul(1 << shift)
-}
-
-/// Decompresses `raw` if it starts with the gzip magic, else returns it unchanged. The
-/// output is capped (see [`GUNZIP_MAX_BYTES`], [`GUNZIP_MAX_RATIO`], [`GUNZIP_LIMIT_ENV`]):
-/// past the cap the file is refused with one line naming it and the limit.
-pub fn maybe_gunzip(path: &Path, raw: Vec<u8>) -> Result<Vec<u8>, VizError> {
-    if sniff(&raw) != Content::Gzip {
-        return Ok(raw);
-    }
-    let (limit, how) = gunzip_limit(path, raw.len())?;
-    gunzip_within(path, &raw, limit, &how)
-}
-
-/// Decompresses the gzip stream `raw` (every member, as `gzip -d` does) into at most
-/// `limit` bytes: a stream that would give more is refused with [`VizError::Limit`], whose
-/// message says `how` the limit was set. Corrupt or truncated data is [`VizError::Gzip`].
-/// `path` only names the source in errors. [`maybe_gunzip`] is this with the limit of
-/// [`GUNZIP_LIMIT_ENV`] or the ratio.
-pub fn gunzip_within(path: &Path, raw: &[u8], limit: u64, how: &str) -> Result<Vec<u8>, VizError> {
-    let capacity = (raw.len() as u64).saturating_mul(8).min(limit) as usize;
-    let mut out = Vec::with_capacity(capacity);
-    // One byte past the limit tells "exactly at the limit" from "over it".
-    flate2::read::MultiGzDecoder::new(raw)
-        .take(limit.saturating_add(1))
-        .read_to_end(&mut out)
-        .map_err(|source| VizError::Gzip {
-            path: path.into(),
-            source,
-        })?;
-    if out.len() as u64 > limit {
-        return Err(VizError::Limit {
-            path: path.into(),
-            what: format!("decompresses to more than {limit} bytes (limit: {how})"),
+    let mut collect = Collect(Vec::new());
+    let raw = read_records(path, bytes, &mut collect)?;
+    let records = collect.0;
+    let shared: Vec<Stack> = (0..raw.stacks.len() as u32)
+        .map(|i| raw.stacks.frames_of(i).cloned().collect())
+        .collect();
+    let empty: Stack = Arc::from(Vec::new());
+    let stack = |s: Option<u32>| s.map_or_else(|| empty.clone(), |i| shared[i as usize].clone());
+    device_traces.resize_with(raw.device_traces, Vec::new);
+    for (d, e) in records {
+        device_traces[d].push(TorchTraceEntry {
+            action: e.action,
+            addr: e.addr,
+            size: e.size,
+            stream: e.stream,
+            time_us: e.time_us,
+            frames: stack(e.stack),
+            device_free: e.device_free,
         });
     }
+    let segments = raw
+        .segments
+        .into_iter()
+        .map(|s| TorchSegment {
+            device: s.device,
+            address: s.address,
+            total_size: s.total_size,
+            stream: s.stream,
+            segment_type: s.segment_type,
+            is_expandable: s.is_expandable,
+            blocks: s
+                .blocks
+                .into_iter()
+                .map(|b| TorchBlock {
+                    address: b.address,
+                    size: b.size,
+                    requested_size: b.requested_size,
+                    state: b.state,
+                    frames: stack(b.stack),
+                })
+                .collect(),
+        })
+        .collect();
+    Ok(TorchSnapshot {
+        segments,
+        device_traces,
+        allocator_settings: raw.settings,
+    })
+}
+
+/// Decodes a snapshot from uncompressed pickle bytes straight into our model (stacks
+/// shared by index, events built as they are read), within limits
+/// ([`Snapshot::check_limits`]). `path` only names the source in errors. Entries without
+/// `time_us` get their index as their time.
+pub fn read_model(path: &Path, bytes: &[u8]) -> Result<Snapshot, VizError> {
+    /// Each device's events, built as the entries are read.
+    struct Events(Vec<Vec<Event>>);
+    impl Sink for Events {
+        fn device(&mut self, d: usize, entries: usize) {
+            if self.0.len() <= d {
+                self.0.resize_with(d + 1, Vec::new);
+            }
+            self.0[d].reserve_exact(entries);
+        }
+        fn entry(&mut self, d: usize, i: usize, e: RawEntry) {
+            self.0[d].push(Event {
+                action: e.action,
+                addr: e.addr,
+                size: e.size,
+                stream: e.stream,
+                time_ns: e.time_us.map_or(i as u64, |us| us.saturating_mul(1000)),
+                stack: e.stack,
+                device_free: e.device_free,
+            });
+        }
+    }
+    let mut events = Events(Vec::new());
+    let raw = read_records(path, bytes, &mut events)?;
+    let mut traces = events.0;
+    let mut out = Snapshot::new("pytorch");
+    out.config = raw.settings;
+    out.stacks = raw.stacks;
+    let device_count = raw
+        .segments
+        .iter()
+        .map(|s| s.device as usize + 1)
+        .max()
+        .unwrap_or(0)
+        .max(traces.len());
+    let mut segments_of: Vec<Vec<Segment>> = (0..device_count).map(|_| Vec::new()).collect();
+    for s in raw.segments {
+        segments_of[s.device as usize].push(Segment {
+            addr: s.address,
+            size: s.total_size,
+            pool: s.segment_type,
+            stream: s.stream,
+            expandable: s.is_expandable,
+            blocks: s
+                .blocks
+                .into_iter()
+                .map(|b| Block {
+                    addr: b.address,
+                    size: b.size,
+                    requested: b.requested_size,
+                    state: b.state,
+                    stream: s.stream,
+                    pending_events: 0,
+                    stack: b.stack,
+                })
+                .collect(),
+        });
+    }
+    traces.resize_with(device_count, Vec::new);
+    for (d, (mut segments, trace)) in segments_of.into_iter().zip(traces).enumerate() {
+        if trace.is_empty() && segments.is_empty() {
+            continue;
+        }
+        segments.sort_by_key(|s| s.addr);
+        out.devices.push(DeviceSnapshot {
+            device: d as u32,
+            time_ns: None,
+            trace_dropped: 0,
+            segments,
+            trace,
+        });
+    }
+    out.check_limits(path)?;
     Ok(out)
 }
 
-/// Decodes a snapshot from uncompressed pickle bytes. `path` only names the source in
-/// errors.
-pub fn parse_snapshot(path: &Path, bytes: &[u8]) -> Result<TorchSnapshot, VizError> {
+/// A trace entry as read, its stack an index into [`Records::stacks`].
+struct RawEntry {
+    action: TraceAction,
+    addr: u64,
+    size: u64,
+    stream: u64,
+    time_us: Option<u64>,
+    stack: Option<u32>,
+    device_free: Option<u64>,
+}
+
+struct RawBlock {
+    address: u64,
+    size: u64,
+    requested_size: u64,
+    state: BlockState,
+    stack: Option<u32>,
+}
+
+struct RawSegment {
+    device: u32,
+    address: u64,
+    total_size: u64,
+    stream: u64,
+    segment_type: String,
+    is_expandable: bool,
+    blocks: Vec<RawBlock>,
+}
+
+/// What a snapshot holds besides its trace entries, which [`read_records`] hands over one
+/// at a time.
+struct Records {
+    segments: Vec<RawSegment>,
+    /// Length of `device_traces`.
+    device_traces: usize,
+    stacks: Stacks,
+    settings: Option<serde_json::Value>,
+}
+
+/// In-memory bytes of what the readers build per record, charged to the budget.
+const EVENT_BYTES: u64 = std::mem::size_of::<Event>() as u64;
+const BLOCK_BYTES: u64 = std::mem::size_of::<Block>() as u64;
+const SEGMENT_BYTES: u64 = std::mem::size_of::<Segment>() as u64;
+const FRAME_BYTES: u64 = std::mem::size_of::<Frame>() as u64 + 64;
+const JSON_BYTES: u64 = std::mem::size_of::<serde_json::Value>() as u64 + 16;
+
+/// Where [`read_records`] puts trace entries as it reads them.
+trait Sink {
+    /// Device `d`'s trace holds `entries` entries (each already charged to the budget).
+    fn device(&mut self, d: usize, entries: usize);
+    /// Entry `i` of device `d`'s trace.
+    fn entry(&mut self, d: usize, i: usize, entry: RawEntry);
+}
+
+/// Decodes `bytes` and reads its records: segments and stacks into the result, each trace
+/// entry into `sink` as it is read.
+fn read_records(path: &Path, bytes: &[u8], sink: &mut dyn Sink) -> Result<Records, VizError> {
     if sniff(bytes) != Content::Pickle {
         return Err(VizError::Pickle {
             path: path.into(),
@@ -244,60 +360,110 @@ pub fn parse_snapshot(path: &Path, bytes: &[u8]) -> Result<TorchSnapshot, VizErr
                 .into(),
         });
     }
-    let value = crate::pickle::decode(bytes).map_err(|e| VizError::Pickle {
-        path: path.into(),
-        message: e.to_string(),
-    })?;
-    Converter {
+    let mut arena =
+        crate::pickle::decode_arena(bytes, Budget::for_input(bytes.len())).map_err(|e| {
+            VizError::Pickle {
+                path: path.into(),
+                message: e.to_string(),
+            }
+        })?;
+    let budget = std::mem::replace(&mut arena.budget, Budget::new(0));
+    let mut reader = Reader {
         path,
-        stacks: HashMap::new(),
-        empty: Arc::from(Vec::new()),
-    }
-    .snapshot(value)
+        arena: &arena,
+        budget,
+        stacks: Stacks::default(),
+        stack_of_node: HashMap::new(),
+        stack_of_frames: HashMap::new(),
+        frame_of_node: HashMap::new(),
+    };
+    reader.snapshot(sink)
 }
 
-/// Turns the generic pickle value into typed records, checking every key it uses.
-struct Converter<'a> {
+/// A pickle value as the reader sees it.
+enum Item<'a> {
+    None,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(&'a str),
+    Bytes(&'a [u8]),
+    Container(Kind, &'a [Slot]),
+}
+
+/// Reads typed records from the arena, checking every key it uses.
+struct Reader<'a> {
     /// The file, for error messages.
     path: &'a Path,
-    /// Every distinct call stack seen, so that equal stacks share one allocation.
-    stacks: HashMap<Vec<Frame>, Stack>,
-    /// The shared empty stack.
-    empty: Stack,
+    arena: &'a Arena,
+    budget: Budget,
+    stacks: Stacks,
+    /// The stack read from each shared frames list, by the list's container.
+    stack_of_node: HashMap<u32, Option<u32>>,
+    /// Each distinct stack, by its frame indices.
+    stack_of_frames: HashMap<Box<[u32]>, u32>,
+    /// The frame read from each frame dict, by its container.
+    frame_of_node: HashMap<u32, u32>,
 }
 
 /// The name of a pickle value's type, for error messages.
-fn type_name(v: &Value) -> &'static str {
+fn type_name(v: &Item<'_>) -> &'static str {
     match v {
-        Value::None => "None",
-        Value::Bool(_) => "bool",
-        Value::I64(_) | Value::Int(_) => "int",
-        Value::F64(_) => "float",
-        Value::Bytes(_) => "bytes",
-        Value::String(_) => "str",
-        Value::List(_) => "list",
-        Value::Tuple(_) => "tuple",
-        Value::Set(_) | Value::FrozenSet(_) => "set",
-        Value::Dict(_) => "dict",
+        Item::None => "None",
+        Item::Bool(_) => "bool",
+        Item::Int(_) => "int",
+        Item::Float(_) => "float",
+        Item::Bytes(_) => "bytes",
+        Item::Str(_) => "str",
+        Item::Container(Kind::List, ..) => "list",
+        Item::Container(Kind::Tuple, ..) => "tuple",
+        Item::Container(Kind::Set | Kind::FrozenSet, ..) => "set",
+        Item::Container(Kind::Dict, ..) => "dict",
     }
 }
 
-impl Converter<'_> {
+type At<'b> = &'b dyn Fn() -> String;
+
+impl<'a> Reader<'a> {
     fn err(&self, what: String) -> VizError {
         VizError::format(self.path, what)
     }
 
-    /// The entries of a dict whose keys are all strings.
-    fn dict(&self, v: Value, at: &dyn Fn() -> String) -> Result<Vec<(String, Value)>, VizError> {
-        match v {
-            Value::Dict(map) => map
-                .into_iter()
-                .map(|(k, v)| match k {
-                    HashableValue::String(s) => Ok((s, v)),
+    fn charge(&mut self, bytes: u64) -> Result<(), VizError> {
+        self.budget.charge(bytes).map_err(|over| VizError::Limit {
+            path: self.path.into(),
+            what: over.to_string(),
+        })
+    }
+
+    fn item(&self, slot: &Slot) -> Item<'a> {
+        let arena: &'a Arena = self.arena;
+        match slot {
+            Slot::None => Item::None,
+            Slot::Bool(b) => Item::Bool(*b),
+            Slot::Int(i) => Item::Int(*i),
+            Slot::Float(f) => Item::Float(*f),
+            Slot::Str(id) => Item::Str(&arena.strings[*id as usize]),
+            Slot::Bytes(id) => Item::Bytes(&arena.blobs[*id as usize]),
+            Slot::Node(id) => {
+                let node = &arena.nodes[*id as usize];
+                Item::Container(node.kind, &node.items)
+            }
+        }
+    }
+
+    /// The entries of a dict whose keys are all strings, in the order set (a key set twice
+    /// keeps its last value, as in Python).
+    fn dict(&self, slot: &Slot, at: At<'_>) -> Result<Vec<(&'a str, &'a Slot)>, VizError> {
+        match self.item(slot) {
+            Item::Container(Kind::Dict, items) => items
+                .chunks_exact(2)
+                .map(|kv| match self.item(&kv[0]) {
+                    Item::Str(k) => Ok((k, &kv[1])),
                     other => Err(self.err(format!(
-                        "{}: dict key {:?} is not a string",
+                        "{}: dict key of type {} is not a string",
                         at(),
-                        other.into_value()
+                        type_name(&other)
                     ))),
                 })
                 .collect(),
@@ -309,9 +475,9 @@ impl Converter<'_> {
         }
     }
 
-    fn list(&self, v: Value, at: &dyn Fn() -> String) -> Result<Vec<Value>, VizError> {
-        match v {
-            Value::List(l) | Value::Tuple(l) => Ok(l),
+    fn list(&self, slot: &Slot, at: At<'_>) -> Result<&'a [Slot], VizError> {
+        match self.item(slot) {
+            Item::Container(Kind::List | Kind::Tuple, items) => Ok(items),
             other => Err(self.err(format!(
                 "{}: expected a list, found {}",
                 at(),
@@ -320,32 +486,31 @@ impl Converter<'_> {
         }
     }
 
-    fn int(&self, v: &Value, at: &dyn Fn() -> String) -> Result<i64, VizError> {
-        match v {
-            Value::I64(i) => Ok(*i),
-            Value::Bool(b) => Ok(i64::from(*b)),
-            Value::Int(_) => Err(self.err(format!("{}: integer does not fit in 64 bits", at()))),
+    fn int(&self, slot: &Slot, at: At<'_>) -> Result<i64, VizError> {
+        match self.item(slot) {
+            Item::Int(i) => Ok(i),
+            Item::Bool(b) => Ok(i64::from(b)),
             other => Err(self.err(format!(
                 "{}: expected an int, found {}",
                 at(),
-                type_name(other)
+                type_name(&other)
             ))),
         }
     }
 
-    fn uint(&self, v: &Value, at: &dyn Fn() -> String) -> Result<u64, VizError> {
-        let i = self.int(v, at)?;
+    fn uint(&self, slot: &Slot, at: At<'_>) -> Result<u64, VizError> {
+        let i = self.int(slot, at)?;
         u64::try_from(i).map_err(|_| self.err(format!("{}: negative value {i}", at())))
     }
 
     /// Stream handles are pointers: keep their bit pattern even if printed negative.
-    fn stream(&self, v: &Value, at: &dyn Fn() -> String) -> Result<u64, VizError> {
-        Ok(self.int(v, at)? as u64)
+    fn stream(&self, slot: &Slot, at: At<'_>) -> Result<u64, VizError> {
+        Ok(self.int(slot, at)? as u64)
     }
 
-    fn string(&self, v: Value, at: &dyn Fn() -> String) -> Result<String, VizError> {
-        match v {
-            Value::String(s) => Ok(s),
+    fn string(&self, slot: &Slot, at: At<'_>) -> Result<&'a str, VizError> {
+        match self.item(slot) {
+            Item::Str(s) => Ok(s),
             other => Err(self.err(format!(
                 "{}: expected a str, found {}",
                 at(),
@@ -354,46 +519,85 @@ impl Converter<'_> {
         }
     }
 
-    fn frames(&mut self, v: Value, at: &dyn Fn() -> String) -> Result<Stack, VizError> {
-        let items = self.list(v, at)?;
-        if items.is_empty() {
-            return Ok(self.empty.clone());
+    /// The stack a `frames` list names, `None` when empty. A list the pickle shares is read
+    /// once; equal stacks get one index.
+    fn frames(&mut self, slot: &Slot, at: At<'_>) -> Result<Option<u32>, VizError> {
+        let node = match slot {
+            Slot::Node(id) => Some(*id),
+            _ => None,
+        };
+        if let Some(known) = node.and_then(|id| self.stack_of_node.get(&id)) {
+            return Ok(*known);
         }
-        let mut frames = Vec::with_capacity(items.len());
-        for (i, item) in items.into_iter().enumerate() {
-            let at = || format!("{}[{i}]", at());
-            let (mut name, mut filename, mut line) = (String::new(), String::new(), 0);
-            for (k, v) in self.dict(item, &at)? {
-                match k.as_str() {
-                    "name" => name = self.string(v, &|| format!("{}.name", at()))?,
-                    "filename" => filename = self.string(v, &|| format!("{}.filename", at()))?,
-                    "line" => line = self.int(&v, &|| format!("{}.line", at()))?,
-                    _ => {}
+        let items = self.list(slot, at)?;
+        let stack = if items.is_empty() {
+            None
+        } else {
+            let mut ids = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                ids.push(self.frame(item, &|| format!("{}[{i}]", at()))?);
+            }
+            let ids: Box<[u32]> = ids.into();
+            match self.stack_of_frames.get(&ids) {
+                Some(&s) => Some(s),
+                None => {
+                    // The stack, and its key in the map.
+                    self.charge(2 * (4 * ids.len() as u64 + 32))?;
+                    let s = self.stacks.push_ids(ids.clone());
+                    self.stack_of_frames.insert(ids, s);
+                    Some(s)
                 }
             }
-            frames.push(Frame {
-                name,
-                filename,
-                line,
-            });
+        };
+        if let Some(id) = node {
+            self.charge(16)?;
+            self.stack_of_node.insert(id, stack);
         }
-        if let Some(stack) = self.stacks.get(&frames) {
-            return Ok(stack.clone());
-        }
-        let stack: Stack = Arc::from(frames.clone());
-        self.stacks.insert(frames, stack.clone());
         Ok(stack)
     }
 
-    fn snapshot(mut self, v: Value) -> Result<TorchSnapshot, VizError> {
-        let mut segments = None;
-        let mut traces = None;
-        let mut settings = None;
-        for (k, v) in self.dict(v, &|| "top level".into())? {
-            match k.as_str() {
+    fn frame(&mut self, slot: &Slot, at: At<'_>) -> Result<u32, VizError> {
+        let node = match slot {
+            Slot::Node(id) => Some(*id),
+            _ => None,
+        };
+        if let Some(&known) = node.and_then(|id| self.frame_of_node.get(&id)) {
+            return Ok(known);
+        }
+        let (mut name, mut filename, mut line) = ("", "", 0);
+        for (k, v) in self.dict(slot, at)? {
+            match k {
+                "name" => name = self.string(v, &|| format!("{}.name", at()))?,
+                "filename" => filename = self.string(v, &|| format!("{}.filename", at()))?,
+                "line" => line = self.int(v, &|| format!("{}.line", at()))?,
+                _ => {}
+            }
+        }
+        let before = self.stacks.frames().len();
+        let frame = Frame {
+            name: self.stacks.string(name),
+            filename: self.stacks.string(filename),
+            line,
+        };
+        let id = self.stacks.frame(frame);
+        if self.stacks.frames().len() > before {
+            self.charge(FRAME_BYTES + name.len() as u64 + filename.len() as u64)?;
+        }
+        if let Some(n) = node {
+            self.charge(16)?;
+            self.frame_of_node.insert(n, id);
+        }
+        Ok(id)
+    }
+
+    fn snapshot(&mut self, sink: &mut dyn Sink) -> Result<Records, VizError> {
+        let (mut segments, mut traces, mut settings) = (None, None, None);
+        let root = self.arena.root.clone();
+        for (k, v) in self.dict(&root, &|| "top level".into())? {
+            match k {
                 "segments" => segments = Some(v),
                 "device_traces" => traces = Some(v),
-                "allocator_settings" => settings = Some(to_json(v)),
+                "allocator_settings" => settings = Some(v),
                 _ => {}
             }
         }
@@ -404,35 +608,56 @@ impl Converter<'_> {
                     .into(),
             ));
         };
-        let segments = self
+        let settings = match settings {
+            Some(v) => Some(self.settings_json(v)?),
+            None => None,
+        };
+        let mut read_segments = Vec::new();
+        for (i, s) in self
             .list(segments, &|| "segments".into())?
-            .into_iter()
+            .iter()
             .enumerate()
-            .map(|(i, s)| self.segment(s, i))
-            .collect::<Result<Vec<_>, _>>()?;
-        let device_traces = self
-            .list(traces, &|| "device_traces".into())?
-            .into_iter()
-            .enumerate()
-            .map(|(d, trace)| {
-                let entries = self.list(trace, &|| format!("device_traces[{d}]"))?;
-                entries
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, e)| self.entry(e, d, i))
-                    .collect::<Result<Vec<_>, _>>()
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(TorchSnapshot {
-            segments,
-            device_traces,
-            allocator_settings: settings,
+        {
+            let seg = self.segment(s, i)?;
+            read_segments.push(seg);
+        }
+        let traces = self.list(traces, &|| "device_traces".into())?;
+        self.charge(24 * traces.len() as u64)?;
+        // Entries of devices past the limit would become devices past the limit.
+        let with_entries = traces
+            .iter()
+            .rposition(|t| !matches!(self.item(t), Item::Container(_, items) if items.is_empty()))
+            .map_or(0, |d| d + 1);
+        if with_entries > MAX_DEVICE_INDEX as usize + 1 {
+            return Err(self.err(format!(
+                "device_traces: entries for device {} exceed the device index limit of \
+                 {MAX_DEVICE_INDEX}",
+                with_entries - 1
+            )));
+        }
+        for (d, trace) in traces.iter().enumerate() {
+            let entries = self.list(trace, &|| format!("device_traces[{d}]"))?;
+            // Charged before anything is built, so a trace the budget cannot hold is
+            // refused at once.
+            self.charge(EVENT_BYTES.saturating_mul(entries.len() as u64))?;
+            sink.device(d, entries.len());
+            for (i, e) in entries.iter().enumerate() {
+                let read = self.entry(e, d, i)?;
+                sink.entry(d, i, read);
+            }
+        }
+        Ok(Records {
+            segments: read_segments,
+            device_traces: traces.len(),
+            stacks: std::mem::take(&mut self.stacks),
+            settings,
         })
     }
 
-    fn segment(&mut self, v: Value, i: usize) -> Result<TorchSegment, VizError> {
+    fn segment(&mut self, v: &Slot, i: usize) -> Result<RawSegment, VizError> {
         let at = || format!("segments[{i}]");
-        let mut seg = TorchSegment {
+        self.charge(SEGMENT_BYTES)?;
+        let mut seg = RawSegment {
             device: 0,
             address: 0,
             total_size: 0,
@@ -442,14 +667,14 @@ impl Converter<'_> {
             blocks: Vec::new(),
         };
         let (mut have_address, mut have_size) = (false, false);
-        let mut blocks = Vec::new();
+        let mut blocks: &[Slot] = &[];
         for (k, v) in self.dict(v, &at)? {
             let key_at = || format!("{}.{k}", at());
-            match k.as_str() {
+            match k {
                 "device" => {
-                    // Bounded here, before the model's per-device loop sees it.
-                    let max = crate::model::MAX_DEVICE_INDEX;
-                    seg.device = u32::try_from(self.uint(&v, &key_at)?)
+                    // Bounded here, before the per-device loops see it.
+                    let max = MAX_DEVICE_INDEX;
+                    seg.device = u32::try_from(self.uint(v, &key_at)?)
                         .ok()
                         .filter(|&d| d <= max)
                         .ok_or_else(|| {
@@ -460,16 +685,20 @@ impl Converter<'_> {
                         })?
                 }
                 "address" => {
-                    seg.address = self.uint(&v, &key_at)?;
+                    seg.address = self.uint(v, &key_at)?;
                     have_address = true;
                 }
                 "total_size" => {
-                    seg.total_size = self.uint(&v, &key_at)?;
+                    seg.total_size = self.uint(v, &key_at)?;
                     have_size = true;
                 }
-                "stream" => seg.stream = self.stream(&v, &key_at)?,
-                "segment_type" => seg.segment_type = self.string(v, &key_at)?,
-                "is_expandable" => seg.is_expandable = matches!(v, Value::Bool(true)),
+                "stream" => seg.stream = self.stream(v, &key_at)?,
+                "segment_type" => {
+                    let t = self.string(v, &key_at)?;
+                    self.charge(t.len() as u64)?;
+                    seg.segment_type = t.to_string();
+                }
+                "is_expandable" => seg.is_expandable = matches!(v, Slot::Bool(true)),
                 "blocks" => blocks = self.list(v, &key_at)?,
                 _ => {}
             }
@@ -478,36 +707,37 @@ impl Converter<'_> {
             return Err(self.err(format!("{}: missing \"address\" or \"total_size\"", at())));
         }
         let mut addr = seg.address;
-        for (j, b) in blocks.into_iter().enumerate() {
+        for (j, b) in blocks.iter().enumerate() {
             let at = || format!("segments[{i}].blocks[{j}]");
-            let mut block = TorchBlock {
+            self.charge(BLOCK_BYTES)?;
+            let mut block = RawBlock {
                 address: addr,
                 size: 0,
                 requested_size: 0,
                 state: BlockState::Inactive,
-                frames: self.empty.clone(),
+                stack: None,
             };
             let (mut have_size, mut have_state, mut have_requested) = (false, false, false);
             for (k, v) in self.dict(b, &at)? {
                 let key_at = || format!("{}.{k}", at());
-                match k.as_str() {
-                    "address" => block.address = self.uint(&v, &key_at)?,
+                match k {
+                    "address" => block.address = self.uint(v, &key_at)?,
                     "size" => {
-                        block.size = self.uint(&v, &key_at)?;
+                        block.size = self.uint(v, &key_at)?;
                         have_size = true;
                     }
                     "requested_size" => {
-                        block.requested_size = self.uint(&v, &key_at)?;
+                        block.requested_size = self.uint(v, &key_at)?;
                         have_requested = true;
                     }
                     "state" => {
                         let name = self.string(v, &key_at)?;
-                        block.state = BlockState::from_name(&name).ok_or_else(|| {
+                        block.state = BlockState::from_name(name).ok_or_else(|| {
                             self.err(format!("{}: unknown block state {name:?}", key_at()))
                         })?;
                         have_state = true;
                     }
-                    "frames" => block.frames = self.frames(v, &key_at)?,
+                    "frames" => block.stack = self.frames(v, &key_at)?,
                     _ => {}
                 }
             }
@@ -523,34 +753,34 @@ impl Converter<'_> {
         Ok(seg)
     }
 
-    fn entry(&mut self, v: Value, d: usize, i: usize) -> Result<TorchTraceEntry, VizError> {
+    fn entry(&mut self, v: &Slot, d: usize, i: usize) -> Result<RawEntry, VizError> {
         let at = || format!("device_traces[{d}][{i}]");
-        let mut entry = TorchTraceEntry {
+        let mut entry = RawEntry {
             action: TraceAction::Alloc,
             addr: 0,
             size: 0,
             stream: 0,
             time_us: None,
-            frames: self.empty.clone(),
+            stack: None,
             device_free: None,
         };
         let mut have_action = false;
         for (k, v) in self.dict(v, &at)? {
             let key_at = || format!("{}.{k}", at());
-            match k.as_str() {
+            match k {
                 "action" => {
                     let name = self.string(v, &key_at)?;
-                    entry.action = TraceAction::from_pytorch_name(&name).ok_or_else(|| {
+                    entry.action = TraceAction::from_pytorch_name(name).ok_or_else(|| {
                         self.err(format!("{}: unknown action {name:?}", key_at()))
                     })?;
                     have_action = true;
                 }
-                "addr" => entry.addr = self.uint(&v, &key_at)?,
-                "size" => entry.size = self.uint(&v, &key_at)?,
-                "stream" => entry.stream = self.stream(&v, &key_at)?,
-                "time_us" => entry.time_us = Some(self.uint(&v, &key_at)?),
-                "frames" => entry.frames = self.frames(v, &key_at)?,
-                "device_free" => entry.device_free = Some(self.uint(&v, &key_at)?),
+                "addr" => entry.addr = self.uint(v, &key_at)?,
+                "size" => entry.size = self.uint(v, &key_at)?,
+                "stream" => entry.stream = self.stream(v, &key_at)?,
+                "time_us" => entry.time_us = Some(self.uint(v, &key_at)?),
+                "frames" => entry.stack = self.frames(v, &key_at)?,
+                "device_free" => entry.device_free = Some(self.uint(v, &key_at)?),
                 _ => {}
             }
         }
@@ -559,35 +789,209 @@ impl Converter<'_> {
         }
         Ok(entry)
     }
+
+    /// A pickle value as JSON (for settings we carry but do not interpret). Shared
+    /// containers are copied out, charged to the budget; a container inside itself, or
+    /// nesting deeper than the pickle decoder allows, is refused.
+    fn settings_json(&mut self, slot: &Slot) -> Result<serde_json::Value, VizError> {
+        self.json_at(slot, 0)
+    }
+
+    fn json_at(&mut self, slot: &Slot, depth: usize) -> Result<serde_json::Value, VizError> {
+        use serde_json::Value as J;
+        if depth > crate::pickle::MAX_DEPTH {
+            return Err(self.err(format!(
+                "allocator_settings: nested more than {} deep",
+                crate::pickle::MAX_DEPTH
+            )));
+        }
+        self.charge(JSON_BYTES)?;
+        Ok(match self.item(slot) {
+            Item::None => J::Null,
+            Item::Bool(b) => J::Bool(b),
+            Item::Int(i) => J::from(i),
+            Item::Float(f) => serde_json::Number::from_f64(f).map_or(J::Null, J::Number),
+            Item::Bytes(b) => {
+                self.charge(b.len() as u64)?;
+                J::String(String::from_utf8_lossy(b).into_owned())
+            }
+            Item::Str(s) => {
+                self.charge(s.len() as u64)?;
+                J::String(s.to_string())
+            }
+            Item::Container(Kind::Dict, items) => {
+                let mut map = serde_json::Map::new();
+                for kv in items.chunks_exact(2) {
+                    let key = match self.item(&kv[0]) {
+                        Item::Str(s) => s.to_string(),
+                        Item::Int(i) => i.to_string(),
+                        other => type_name(&other).to_string(),
+                    };
+                    self.charge(key.len() as u64)?;
+                    let value = self.json_at(&kv[1], depth + 1)?;
+                    map.insert(key, value);
+                }
+                J::Object(map)
+            }
+            Item::Container(_, items) => {
+                let mut out = Vec::with_capacity(items.len());
+                for item in items {
+                    out.push(self.json_at(item, depth + 1)?);
+                }
+                J::Array(out)
+            }
+        })
+    }
 }
 
-/// A pickle value as JSON (for settings we carry but do not interpret).
-fn to_json(v: Value) -> serde_json::Value {
-    use serde_json::Value as J;
-    match v {
-        Value::None => J::Null,
-        Value::Bool(b) => J::Bool(b),
-        Value::I64(i) => J::from(i),
-        Value::Int(i) => J::String(i.to_string()),
-        Value::F64(f) => serde_json::Number::from_f64(f).map_or(J::Null, J::Number),
-        Value::Bytes(b) => J::String(String::from_utf8_lossy(&b).into_owned()),
-        Value::String(s) => J::String(s),
-        Value::List(l) | Value::Tuple(l) => J::Array(l.into_iter().map(to_json).collect()),
-        Value::Set(s) | Value::FrozenSet(s) => {
-            J::Array(s.into_iter().map(|h| to_json(h.into_value())).collect())
+// ---- Conversions ----
+
+/// Our model of a PyTorch snapshot.
+pub fn from_torch(t: &TorchSnapshot) -> Snapshot {
+    let mut out = Snapshot::new("pytorch");
+    out.config = t.allocator_settings.clone();
+    let mut by_ptr: HashMap<*const Frame, u32> = HashMap::new();
+    let stacks = &mut out.stacks;
+    let mut intern = |stack: &Stack| -> Option<u32> {
+        if stack.is_empty() {
+            return None;
         }
-        Value::Dict(d) => J::Object(
-            d.into_iter()
-                .map(|(k, v)| {
-                    let key = match k.into_value() {
-                        Value::String(s) => s,
-                        other => format!("{other:?}"),
-                    };
-                    (key, to_json(v))
-                })
-                .collect(),
-        ),
+        Some(
+            *by_ptr
+                .entry(stack.as_ptr())
+                .or_insert_with(|| stacks.push(stack.iter().cloned())),
+        )
+    };
+    let device_count = t
+        .segments
+        .iter()
+        .map(|s| s.device as usize + 1)
+        .max()
+        .unwrap_or(0)
+        .max(t.device_traces.len());
+    let mut devices = Vec::new();
+    for d in 0..device_count {
+        let trace = t.device_traces.get(d).map(Vec::as_slice).unwrap_or(&[]);
+        let segs: Vec<&TorchSegment> = t
+            .segments
+            .iter()
+            .filter(|s| s.device as usize == d)
+            .collect();
+        if trace.is_empty() && segs.is_empty() {
+            continue;
+        }
+        let mut segments: Vec<Segment> = segs
+            .iter()
+            .map(|s| Segment {
+                addr: s.address,
+                size: s.total_size,
+                pool: s.segment_type.clone(),
+                stream: s.stream,
+                expandable: s.is_expandable,
+                blocks: s
+                    .blocks
+                    .iter()
+                    .map(|b| Block {
+                        addr: b.address,
+                        size: b.size,
+                        requested: b.requested_size,
+                        state: b.state,
+                        stream: s.stream,
+                        pending_events: 0,
+                        stack: intern(&b.frames),
+                    })
+                    .collect(),
+            })
+            .collect();
+        segments.sort_by_key(|s| s.addr);
+        let events = trace
+            .iter()
+            .enumerate()
+            .map(|(i, e)| Event {
+                action: e.action,
+                addr: e.addr,
+                size: e.size,
+                stream: e.stream,
+                time_ns: e.time_us.map_or(i as u64, |us| us.saturating_mul(1000)),
+                stack: intern(&e.frames),
+                device_free: e.device_free,
+            })
+            .collect();
+        devices.push(DeviceSnapshot {
+            device: d as u32,
+            time_ns: None,
+            trace_dropped: 0,
+            segments,
+            trace: events,
+        });
     }
+    out.devices = devices;
+    out
+}
+
+/// PyTorch's model of our snapshot. streamalloc's own actions (cross-stream waits,
+/// staging, empty_cache) have no PyTorch name and are left out. Each stack becomes one
+/// shared [`Stack`].
+pub fn to_torch(s: &Snapshot) -> TorchSnapshot {
+    let stacks: Vec<Stack> = (0..s.stacks.len() as u32)
+        .map(|i| s.stacks.frames_of(i).cloned().collect())
+        .collect();
+    let empty: Stack = Arc::from(Vec::new());
+    let stack = |i: Option<u32>| {
+        i.and_then(|i| stacks.get(i as usize).cloned())
+            .unwrap_or_else(|| empty.clone())
+    };
+    let mut out = TorchSnapshot {
+        // PyTorch's settings go back where they came from; ours are not PyTorch's.
+        allocator_settings: if s.source == "pytorch" {
+            s.config.clone()
+        } else {
+            None
+        },
+        ..TorchSnapshot::default()
+    };
+    for d in &s.devices {
+        for seg in &d.segments {
+            out.segments.push(TorchSegment {
+                device: d.device,
+                address: seg.addr,
+                total_size: seg.size,
+                stream: seg.stream,
+                segment_type: seg.pool.clone(),
+                is_expandable: seg.expandable,
+                blocks: seg
+                    .blocks
+                    .iter()
+                    .map(|b| TorchBlock {
+                        address: b.addr,
+                        size: b.size,
+                        requested_size: b.requested,
+                        state: b.state,
+                        frames: stack(b.stack),
+                    })
+                    .collect(),
+            });
+        }
+        let idx = d.device as usize;
+        if out.device_traces.len() <= idx {
+            out.device_traces.resize_with(idx + 1, Vec::new);
+        }
+        out.device_traces[idx] = d
+            .trace
+            .iter()
+            .filter(|e| e.action.is_pytorch())
+            .map(|e| TorchTraceEntry {
+                action: e.action,
+                addr: e.addr,
+                size: e.size,
+                stream: e.stream,
+                time_us: Some(e.time_ns / 1000),
+                frames: stack(e.stack),
+                device_free: e.device_free,
+            })
+            .collect();
+    }
+    out
 }
 
 // ---- Writing ----
@@ -604,11 +1008,17 @@ fn as_i64(v: u64, what: &str) -> Result<i64, VizError> {
 /// A pickle emitter limited to what PyTorch's viewers read: protocol 4 (unframed); dicts, lists,
 /// 2-tuples, strings, integers of at most 8 bytes, floats, booleans, `None`. Strings are memoised
 /// (`BINPUT`/`BINGET`, as Python's own pickler does), so the keys and call-stack strings
-/// repeated in every trace entry are written once: files shrink several times over.
+/// repeated in every trace entry are written once: files shrink several times over. Call
+/// stacks are memoised too, by their shared allocation: an entry whose stack was written
+/// before refers to it, as in the pickles PyTorch writes.
 struct PickleWriter<W: Write> {
     out: W,
     /// Memo index of every string written so far.
     memo: HashMap<String, u32>,
+    /// Memo index of every call stack written so far, by its shared allocation: a stack is
+    /// written once and referred to from every other entry with it, as PyTorch's own
+    /// snapshots do.
+    stacks: HashMap<*const Frame, u32>,
 }
 
 /// Strings longer than this are not memoised (they rarely repeat).
@@ -650,12 +1060,7 @@ impl<W: Write> PickleWriter<W> {
 
     fn str(&mut self, v: &str) -> Result<(), VizError> {
         if let Some(&id) = self.memo.get(v) {
-            return if id < 256 {
-                self.raw(&[b'h', id as u8])
-            } else {
-                self.op(b'j')?;
-                self.raw(&id.to_le_bytes())
-            };
+            return self.memo_get(id);
         }
         let bytes = v.as_bytes();
         if bytes.len() < 256 {
@@ -665,17 +1070,39 @@ impl<W: Write> PickleWriter<W> {
             self.raw(&(bytes.len() as u32).to_le_bytes())?;
         }
         self.raw(bytes)?;
-        if bytes.len() <= MEMO_MAX_LEN && self.memo.len() < MEMO_MAX_ENTRIES {
-            let id = self.memo.len() as u32;
-            if id < 256 {
-                self.raw(&[b'q', id as u8])?;
-            } else {
-                self.op(b'r')?;
-                self.raw(&id.to_le_bytes())?;
+        if bytes.len() <= MEMO_MAX_LEN {
+            if let Some(id) = self.memoise()? {
+                self.memo.insert(v.to_owned(), id);
             }
-            self.memo.insert(v.to_owned(), id);
         }
         Ok(())
+    }
+
+    /// Stores the object on top of the stack under the next memo index (`BINPUT`), and
+    /// returns it; `None` once the memo holds [`MEMO_MAX_ENTRIES`].
+    fn memoise(&mut self) -> Result<Option<u32>, VizError> {
+        let id = self.memo.len() + self.stacks.len();
+        if id >= MEMO_MAX_ENTRIES {
+            return Ok(None);
+        }
+        let id = id as u32;
+        if id < 256 {
+            self.raw(&[b'q', id as u8])?;
+        } else {
+            self.op(b'r')?;
+            self.raw(&id.to_le_bytes())?;
+        }
+        Ok(Some(id))
+    }
+
+    /// Pushes memo entry `id` (`BINGET`).
+    fn memo_get(&mut self, id: u32) -> Result<(), VizError> {
+        if id < 256 {
+            self.raw(&[b'h', id as u8])
+        } else {
+            self.op(b'j')?;
+            self.raw(&id.to_le_bytes())
+        }
     }
 
     /// A list of `n` items written by `item(self, i)`, appended in batches of 1000.
@@ -726,7 +1153,14 @@ impl<W: Write> PickleWriter<W> {
         }
     }
 
-    fn frames(&mut self, stack: &[Frame]) -> Result<(), VizError> {
+    /// A call stack: written in full the first time, then referred to through the memo.
+    fn frames(&mut self, stack: &Stack) -> Result<(), VizError> {
+        if stack.is_empty() {
+            return self.op(b']');
+        }
+        if let Some(&id) = self.stacks.get(&stack.as_ptr()) {
+            return self.memo_get(id);
+        }
         self.list(stack.len(), |w, i| {
             let f = &stack[i];
             w.op(b'}')?;
@@ -738,7 +1172,11 @@ impl<W: Write> PickleWriter<W> {
             w.str("line")?;
             w.int(f.line)?;
             w.op(b'u')
-        })
+        })?;
+        if let Some(id) = self.memoise()? {
+            self.stacks.insert(stack.as_ptr(), id);
+        }
+        Ok(())
     }
 
     fn block(&mut self, b: &TorchBlock) -> Result<(), VizError> {
@@ -837,6 +1275,7 @@ pub fn write_pickle(snapshot: &TorchSnapshot, out: &mut impl Write) -> Result<()
     let mut w = PickleWriter {
         out,
         memo: HashMap::new(),
+        stacks: HashMap::new(),
     };
     w.raw(&[0x80, 4])?;
     w.op(b'}')?;

@@ -1,13 +1,10 @@
 //! What a snapshot or trace file holds, told from its first bytes.
 //!
-//! Every reader here recognises files by content, not by name: the viewer's
-//! [`crate::model::load`], the PyTorch pickle parser and the root crate's trace loader for
-//! `streamalloc replay` all accept a PyTorch pickle or our JSON, gzip-compressed or not.
+//! Every reader here recognises files by content, not by name: the viewer's loader, the
+//! PyTorch pickle parser and the root crate's trace loader for `streamalloc replay` all
+//! accept a PyTorch pickle or our JSON, gzip-compressed or not.
 //! This module is the one place that decides which of those a file is, so that every
 //! reader agrees on it.
-
-use crate::error::VizError;
-use std::path::Path;
 
 /// The first two bytes of every gzip member.
 pub const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
@@ -18,7 +15,7 @@ pub const PICKLE_PROTO: u8 = 0x80;
 /// What a file's bytes look like.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Content {
-    /// A gzip stream (see [`crate::pytorch::maybe_gunzip`]).
+    /// A gzip stream.
     Gzip,
     /// A pickle, protocol 2 or later: a PyTorch memory snapshot.
     Pickle,
@@ -47,15 +44,6 @@ pub fn sniff(bytes: &[u8]) -> Content {
         Some(b'[') => Content::JsonArray,
         Some(_) => Content::Other,
     }
-}
-
-/// A file's content `raw`, decompressed if it is gzip (within the limits of
-/// [`crate::pytorch::maybe_gunzip`]), with what the result holds. `path` only names the
-/// file in errors. A gzip stream inside the gzip stream is not opened again: it is
-/// reported as [`Content::Gzip`].
-pub fn open(path: &Path, raw: Vec<u8>) -> Result<(Content, Vec<u8>), VizError> {
-    let bytes = crate::pytorch::maybe_gunzip(path, raw)?;
-    Ok((sniff(&bytes), bytes))
 }
 
 #[cfg(test)]

@@ -39,9 +39,9 @@ pub struct AllocSpan {
     /// Bytes.
     pub size: u64,
     /// Index into [`Timeline::streams`] of the allocating stream.
-    pub stream: u16,
+    pub stream: u32,
     /// Index into [`Timeline::streams`] of the stream owning the segment it lies in.
-    pub owner: u16,
+    pub owner: u32,
     /// Call stack (index into the snapshot's `stacks`).
     pub stack: Option<u32>,
 }
@@ -58,7 +58,7 @@ pub struct SegmentSpan {
     /// Bytes.
     pub size: u64,
     /// Index into [`Timeline::streams`].
-    pub stream: u16,
+    pub stream: u32,
 }
 
 /// The derived view of one device's trace.
@@ -121,11 +121,11 @@ impl Timeline {
     /// Pairs up the events of `device` and computes the counters.
     pub fn build(device: &DeviceSnapshot) -> Timeline {
         let mut t = Timeline::default();
-        let mut stream_index: HashMap<u64, u16> = HashMap::new();
-        let mut stream = |s: u64, streams: &mut Vec<u64>| -> u16 {
+        let mut stream_index: HashMap<u64, u32> = HashMap::new();
+        let mut stream = |s: u64, streams: &mut Vec<u64>| -> u32 {
             *stream_index.entry(s).or_insert_with(|| {
                 streams.push(s);
-                (streams.len() - 1).min(u16::MAX as usize) as u16
+                (streams.len() - 1) as u32
             })
         };
         let trace = &device.trace;

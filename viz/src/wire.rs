@@ -14,16 +14,18 @@
 //!   "t0_ns": int,                       // time of the first event; columns are relative
 //!   "streams": ["0x0", ...],            // stream handles; columns hold indices into this
 //!   "actions": ["alloc", ...],          // names of the action codes
-//!   "stacks": [[["name", "file", line], ...], ...],
+//!   "frames": [["name", "file", line], ...],  // each distinct frame once
+//!   "stacks": [[frame index, ...], ...],      // innermost first
 //!   "peak": {"active": [i, bytes], "reserved": [i, bytes]},
 //!   "trace_dropped": int, "config": {...}|null, "stats": {...}|null,
-//!   "columns": {"name": {"type": "f64"|"i32"|"u16"|"u8", "offset": bytes, "len": count}} }
+//!   "columns": {"name": {"type": "f64"|"i32"|"u32"|"u8", "offset": bytes, "len": count}} }
 //! ```
-//! Columns: `ev_time` (f64 ns since `t0_ns`), `ev_action` (u8), `ev_stream` (u16),
+//! Columns: `ev_time` (f64 ns since `t0_ns`), `ev_action` (u8), `ev_stream` (u32),
 //! `ev_addr`, `ev_size` (f64); `al_start`, `al_fr`, `al_end` (i32 event index, -1 for
-//! none), `al_addr`, `al_size` (f64), `al_stream`, `al_owner` (u16), `al_stack` (i32, -1
-//! for none); `sg_start`, `sg_end` (i32), `sg_addr`, `sg_size` (f64), `sg_stream` (u16).
-//! Addresses travel as f64: exact below 2^53, which device addresses are.
+//! none), `al_addr`, `al_size` (f64), `al_stream`, `al_owner` (u32), `al_stack` (i32, -1
+//! for none); `sg_start`, `sg_end` (i32), `sg_addr`, `sg_size` (f64), `sg_stream` (u32).
+//! Addresses travel as f64: exact below 2^53, which device addresses are. Stream indices
+//! are u32, so a trace of more than 65,536 streams keeps every event on its own stream.
 
 use crate::model::{DeviceSnapshot, Snapshot, TraceAction};
 use crate::timeline::{Counter, Timeline};
@@ -56,9 +58,9 @@ impl Columns {
         self.push(name, "i32", n, v.flat_map(i32::to_le_bytes));
     }
 
-    fn u16s(&mut self, name: &str, v: impl ExactSizeIterator<Item = u16>) {
+    fn u32s(&mut self, name: &str, v: impl ExactSizeIterator<Item = u32>) {
         let n = v.len();
-        self.push(name, "u16", n, v.flat_map(u16::to_le_bytes));
+        self.push(name, "u32", n, v.flat_map(u32::to_le_bytes));
     }
 }
 
@@ -73,16 +75,16 @@ pub fn encode_device(snapshot: &Snapshot, device: &DeviceSnapshot) -> Vec<u8> {
     let t0 = trace.first().map_or(0, |e| e.time_ns);
     let mut stream_of = std::collections::HashMap::new();
     for (i, s) in t.streams.iter().enumerate() {
-        stream_of.insert(*s, i as u16);
+        stream_of.insert(*s, i as u32);
     }
     let mut streams = t.streams.clone();
     // Events on streams the timeline did not index (waits, staging) get indices too.
-    let ev_stream: Vec<u16> = trace
+    let ev_stream: Vec<u32> = trace
         .iter()
         .map(|e| {
             *stream_of.entry(e.stream).or_insert_with(|| {
                 streams.push(e.stream);
-                (streams.len() - 1) as u16
+                (streams.len() - 1) as u32
             })
         })
         .collect();
@@ -101,7 +103,7 @@ pub fn encode_device(snapshot: &Snapshot, device: &DeviceSnapshot) -> Vec<u8> {
         trace.len(),
         trace.iter().map(|e| e.action.code()),
     );
-    c.u16s("ev_stream", ev_stream.into_iter());
+    c.u32s("ev_stream", ev_stream.into_iter());
     c.f64s("ev_addr", trace.iter().map(|e| e.addr as f64));
     c.f64s("ev_size", trace.iter().map(|e| e.size as f64));
     let a = &t.allocs;
@@ -110,8 +112,8 @@ pub fn encode_device(snapshot: &Snapshot, device: &DeviceSnapshot) -> Vec<u8> {
     c.i32s("al_end", a.iter().map(|x| idx(x.end)));
     c.f64s("al_addr", a.iter().map(|x| x.addr as f64));
     c.f64s("al_size", a.iter().map(|x| x.size as f64));
-    c.u16s("al_stream", a.iter().map(|x| x.stream));
-    c.u16s("al_owner", a.iter().map(|x| x.owner));
+    c.u32s("al_stream", a.iter().map(|x| x.stream));
+    c.u32s("al_owner", a.iter().map(|x| x.owner));
     c.i32s(
         "al_stack",
         a.iter().map(|x| x.stack.map_or(-1, |s| s as i32)),
@@ -121,16 +123,16 @@ pub fn encode_device(snapshot: &Snapshot, device: &DeviceSnapshot) -> Vec<u8> {
     c.i32s("sg_end", s.iter().map(|x| idx(x.end)));
     c.f64s("sg_addr", s.iter().map(|x| x.addr as f64));
     c.f64s("sg_size", s.iter().map(|x| x.size as f64));
-    c.u16s("sg_stream", s.iter().map(|x| x.stream));
+    c.u32s("sg_stream", s.iter().map(|x| x.stream));
 
-    let stacks: Vec<Vec<serde_json::Value>> = snapshot
+    let frames: Vec<serde_json::Value> = snapshot
         .stacks
+        .frames()
         .iter()
-        .map(|st| {
-            st.iter()
-                .map(|f| json!([f.name, f.filename, f.line]))
-                .collect()
-        })
+        .map(|f| json!([f.name, f.filename, f.line]))
+        .collect();
+    let stacks: Vec<&[u32]> = (0..snapshot.stacks.len() as u32)
+        .map(|i| snapshot.stacks.frame_ids(i))
         .collect();
     let peak = |k: Counter| t.peak(k).map(|(i, v)| json!([i, v]));
     let header = json!({
@@ -142,6 +144,7 @@ pub fn encode_device(snapshot: &Snapshot, device: &DeviceSnapshot) -> Vec<u8> {
         "t0_ns": t0,
         "streams": streams.iter().map(|s| format!("{s:#x}")).collect::<Vec<_>>(),
         "actions": TraceAction::ALL.iter().map(|a| a.name()).collect::<Vec<_>>(),
+        "frames": frames,
         "stacks": stacks,
         "peak": {"active": peak(Counter::Active), "reserved": peak(Counter::Reserved)},
         "trace_dropped": device.trace_dropped,

@@ -6,7 +6,7 @@ mod common;
 use streamalloc_viz::model::{self, Snapshot, TraceAction};
 use streamalloc_viz::pytorch::{self, parse_snapshot, write_pickle};
 use streamalloc_viz::timeline::{Counter, Timeline};
-use streamalloc_viz::VizError;
+use streamalloc_viz::{files, VizError};
 
 fn json_round_trip(s: &Snapshot) -> Snapshot {
     let mut bytes = Vec::new();
@@ -16,14 +16,14 @@ fn json_round_trip(s: &Snapshot) -> Snapshot {
 
 fn pickle_round_trip(s: &Snapshot) -> Snapshot {
     let mut bytes = Vec::new();
-    write_pickle(&model::to_torch(s), &mut bytes).unwrap();
-    model::from_torch(&parse_snapshot("mem.pickle".as_ref(), &bytes).unwrap())
+    write_pickle(&pytorch::to_torch(s), &mut bytes).unwrap();
+    pytorch::from_torch(&parse_snapshot("mem.pickle".as_ref(), &bytes).unwrap())
 }
 
 #[test]
 fn pytorch_trace_round_trips_through_json_and_pickle() {
     let path = common::shared_trace("tp_allreduce_0.pickle.gz");
-    let ours = model::load(&path).unwrap();
+    let ours = files::load(&path).unwrap();
     assert_eq!(ours.source, "pytorch");
     assert_eq!(ours.devices.len(), 1);
     assert_eq!(ours.devices[0].trace.len(), 123);
@@ -130,7 +130,7 @@ fn engine_timeline_matches_engine_stats() {
 #[test]
 fn gpt2_timeline_peaks_match_trace_stats() {
     let path = common::shared_trace("gpt2.pickle.gz");
-    let ours = model::load(&path).unwrap();
+    let ours = files::load(&path).unwrap();
     let t = Timeline::build(&ours.devices[0]);
     let mib = |v: u64| format!("{:.1}", v as f64 / (1u64 << 20) as f64);
     // shared/baselines/results.md: peak live 15044.8 MiB, native peak reserved 15754.0 MiB.
@@ -193,7 +193,7 @@ fn unreadable_inputs_are_named_errors() {
         ),
     ];
     for (name, bytes, expect) in cases {
-        let err = model::load(&temp(name, bytes)).unwrap_err();
+        let err = files::load(&temp(name, bytes)).unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains(expect) && msg.contains(name), "{name}: {msg}");
         assert!(!msg.contains('\n'), "one line: {msg}");
@@ -217,7 +217,7 @@ fn unreadable_inputs_are_named_errors() {
     });
     let mut bytes = Vec::new();
     model::write_json(&s, &mut bytes).unwrap();
-    let err = model::load(&temp("stack.json", &bytes)).unwrap_err();
+    let err = files::load(&temp("stack.json", &bytes)).unwrap_err();
     assert!(matches!(err, VizError::Format { .. }), "{err}");
     let _ = pytorch::TraceAction::PYTORCH;
 }
@@ -251,7 +251,7 @@ fn pickles_past_the_device_and_address_limits_are_refused() {
         write_pickle(&snap, &mut bytes).unwrap();
         let path = dir.join(name);
         std::fs::write(&path, &bytes).unwrap();
-        let err = model::load(&path).unwrap_err().to_string();
+        let err = files::load(&path).unwrap_err().to_string();
         assert!(err.contains(name) && err.contains("limit"), "{err}");
         assert!(!err.contains('\n'), "{err}");
     }
@@ -264,7 +264,7 @@ fn pickles_past_the_device_and_address_limits_are_refused() {
     write_pickle(&ok, &mut bytes).unwrap();
     let path = dir.join("ok.pickle");
     std::fs::write(&path, &bytes).unwrap();
-    model::load(&path).unwrap();
+    files::load(&path).unwrap();
     std::fs::remove_dir_all(&dir).ok();
 }
 

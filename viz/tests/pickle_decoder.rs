@@ -121,7 +121,7 @@ fn torch211_snapshots_with_shared_objects_read_as_python_reads_them() {
 #[test]
 fn torch211_snapshots_convert_to_json() {
     for want in &TORCH211 {
-        let model = streamalloc_viz::model::load(&fixture(want.name)).unwrap();
+        let model = streamalloc_viz::files::load(&fixture(want.name)).unwrap();
         let mut json = Vec::new();
         streamalloc_viz::model::write_json(&model, &mut json).unwrap();
         let back = streamalloc_viz::model::parse_json(Path::new("back.json"), &json).unwrap();
@@ -383,7 +383,7 @@ fn a_memo_reference_bomb_fails_fast() {
     }
     bomb.push(b'.');
     let err = quickly("bomb", || fails(&bomb));
-    assert!(err.contains("values per input byte"), "{err}");
+    assert!(err.contains("bytes per input byte"), "{err}");
 
     // One long string referenced 100,000 times.
     let mut strings = vec![0x80, 4, b']', b'(', b'X'];
@@ -642,8 +642,8 @@ fn plain_value() -> impl Strategy<Value = Value> {
 fn stack() -> impl Strategy<Value = Arc<[Frame]>> {
     proptest::collection::vec(
         (".{0,6}", ".{0,6}", any::<i64>()).prop_map(|(name, filename, line)| Frame {
-            name,
-            filename,
+            name: name.into(),
+            filename: filename.into(),
             line,
         }),
         0..3,
@@ -738,4 +738,22 @@ fn torch_snapshot() -> impl Strategy<Value = TorchSnapshot> {
                 allocator_settings,
             },
         )
+}
+
+/// Memo keys need not come in order: a key set before the ones below it, then set again,
+/// reads back its latest value, as in Python.
+#[test]
+fn memo_keys_out_of_order_and_overwritten_read_back_their_latest_value() {
+    let bytes = [
+        0x80, 4, //
+        b'K', 9, b'q', 1, b'0', // memo[1] = 9
+        b'K', 8, b'q', 0, b'0', // memo[0] = 8
+        b'K', 7, b'q', 1, b'0', // memo[1] = 7
+        b'K', 6, b'r', 0, 0, 0, 0x40, b'0', // memo[2^30] = 6
+        b']', b'(', b'h', 1, b'h', 0, b'j', 0, 0, 0, 0x40, b'e', b'.',
+    ];
+    assert_eq!(
+        decode(&bytes).unwrap(),
+        Value::List(vec![Value::I64(7), Value::I64(8), Value::I64(6)])
+    );
 }

@@ -5,7 +5,7 @@ mod common;
 
 use std::process::Command;
 use streamalloc_viz::model;
-use streamalloc_viz::pytorch::{parse_snapshot, read_snapshot, write_pickle};
+use streamalloc_viz::pytorch::{self, parse_snapshot, read_snapshot, write_pickle};
 
 #[test]
 fn written_pickle_reads_back_identically() {
@@ -89,7 +89,7 @@ fn written_pickle_loads_in_python_with_pytorch_keys_and_viewer_opcodes() {
 #[test]
 fn engine_snapshot_as_pickle_loads_in_python() {
     let ours = model::from_engine(&common::engine::engine_snapshot());
-    let torch = model::to_torch(&ours);
+    let torch = pytorch::to_torch(&ours);
     let mut bytes = Vec::new();
     write_pickle(&torch, &mut bytes).unwrap();
     let Some(out) = python_check(&bytes, "engine") else {
@@ -102,4 +102,47 @@ fn engine_snapshot_as_pickle_loads_in_python() {
         .count();
     assert_eq!(out, format!("{} {allocs}\n", torch.device_traces[0].len()));
     assert!(allocs > 0);
+}
+
+/// A stack shared by many entries is written once and referred to through the memo, as
+/// PyTorch's own pickles do: 10,000 entries with one 30-frame stack take a few bytes each
+/// beyond their numbers, read back with that stack, and load in Python.
+#[test]
+fn a_shared_stack_is_written_once() {
+    use streamalloc_viz::model::{DeviceSnapshot, Event, Frame, Snapshot, TraceAction};
+    let mut snap = Snapshot::new("pytorch");
+    let stack = snap.stacks.push((0..30).map(|i| Frame {
+        name: format!("layer_{i}").into(),
+        filename: "model.py".into(),
+        line: i,
+    }));
+    let trace = (0..10_000u64)
+        .map(|i| Event {
+            action: TraceAction::Alloc,
+            addr: 0x1000 * (i + 1),
+            size: 512,
+            stream: 0,
+            time_ns: i * 1000,
+            stack: Some(stack),
+            device_free: None,
+        })
+        .collect();
+    snap.devices.push(DeviceSnapshot {
+        device: 0,
+        time_ns: None,
+        trace_dropped: 0,
+        segments: Vec::new(),
+        trace,
+    });
+    let mut bytes = Vec::new();
+    write_pickle(&pytorch::to_torch(&snap), &mut bytes).unwrap();
+    // Each entry: its dict, keys by memo, four numbers and a memo reference to its stack.
+    assert!(bytes.len() < 10_000 * 80, "{} bytes", bytes.len());
+    let back = pytorch::read_model(std::path::Path::new("shared.pickle"), &bytes).unwrap();
+    assert_eq!(back.stacks.len(), 1);
+    assert_eq!(back.stacks.frames_of(0).count(), 30);
+    assert!(back.devices[0].trace.iter().all(|e| e.stack == Some(0)));
+    if let Some(out) = python_check(&bytes, "shared") {
+        assert!(out.starts_with("10000 "), "{out}");
+    }
 }

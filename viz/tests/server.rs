@@ -253,3 +253,65 @@ fn a_request_is_parsed_from_its_head_alone() {
         Err(Refusal::TooLarge)
     );
 }
+
+/// Every answer carries the headers that keep file text from ever running as script: a
+/// strict Content-Security-Policy (no inline code, nothing from elsewhere, no framing),
+/// nosniff and no framing for old browsers.
+#[test]
+fn every_answer_forbids_scripts_from_elsewhere_sniffing_and_framing() {
+    let addr = start(server::Limits::default());
+    let (forbidden, _) = request(addr, "GET / HTTP/1.1\r\nHost: evil.example\r\n\r\n");
+    for head in [
+        get(addr, "/").0,
+        get(addr, "/app.js").0,
+        get(addr, "/api/files").0,
+        get(addr, "/api/data?f=0&d=0").0,
+        get(addr, "/nothing").0,
+        forbidden,
+    ] {
+        let csp = head
+            .lines()
+            .find_map(|l| l.strip_prefix("Content-Security-Policy: "))
+            .unwrap_or_else(|| panic!("no CSP in {head}"));
+        for directive in [
+            "default-src 'none'",
+            "script-src 'self'",
+            "style-src 'self'",
+            "frame-ancestors 'none'",
+        ] {
+            assert!(csp.contains(directive), "{directive} missing from {csp}");
+        }
+        assert!(!csp.contains("unsafe-inline"), "{csp}");
+        assert!(
+            head.contains("\r\nX-Content-Type-Options: nosniff"),
+            "{head}"
+        );
+        assert!(head.contains("\r\nX-Frame-Options: DENY"), "{head}");
+    }
+}
+
+/// The page puts text from files (file names, stream names, call sites) into the document
+/// only as text: no HTML is built from strings, and no inline script or style exists for
+/// the CSP to have to allow.
+#[test]
+fn the_page_never_parses_file_text_as_html() {
+    let js = include_str!("../assets/app.js");
+    for sink in [
+        "innerHTML",
+        "outerHTML",
+        "insertAdjacentHTML",
+        "document.write",
+        "eval(",
+    ] {
+        assert!(!js.contains(sink), "app.js uses {sink}");
+    }
+    let html = include_str!("../assets/index.html");
+    let handler = html
+        .split_whitespace()
+        .any(|w| w.starts_with("on") && w.contains('='));
+    assert!(
+        !html.contains("style=") && !handler,
+        "inline code in index.html"
+    );
+    assert!(!html.contains("<script>"), "inline script in index.html");
+}
