@@ -25,6 +25,10 @@ pub struct BlockInfo {
     pub stream: StreamId,
     /// Events still pending on it (free blocks only).
     pub pending_events: u32,
+    /// For pages lent to a stitched range: the range's address, where the allocation the
+    /// program sees lies (the trace records it there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lent_to: Option<DevicePtr>,
 }
 
 /// One segment obtained from the device.

