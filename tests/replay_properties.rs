@@ -15,7 +15,7 @@ use streamalloc_allocator::testing::{proptest_cases, Harness, Op};
 
 mod common;
 use streamalloc_allocator::trace::{TraceAction, TraceEntry};
-use streamalloc_allocator::{Allocator, Backend, Config, DevicePtr, ReusePolicy};
+use streamalloc_allocator::{Allocation, Allocator, Backend, Config, DevicePtr, ReusePolicy};
 
 const MIB: u64 = 1 << 20;
 
@@ -176,15 +176,15 @@ fn the_simulator_reports_unmapping_pages_in_use_and_touching_unmapped_ones() {
     assert_eq!(device.reserved(), 0);
 }
 
-#[test]
-/// Without stitching: growing unmaps the free pages first, after a synchronisation.
-fn growth_unmaps_free_pages_only_after_their_streams_finish() {
+/// Stream a writes 8 MiB for a long time, then frees it: ready for a, but a's kernel is
+/// still running when stream b asks for 10 MiB, too large for the freed block; b then
+/// writes its block. Returns the device, the allocator and b's block.
+fn long_write_freed_then_larger_request(
+    config: Config,
+) -> (SimBackend, Allocator<SimBackend>, Allocation) {
     let device = SimBackend::new(1 << 30);
-    let config = Config::parse("expandable_segments:true,stitch:false").unwrap();
     let allocator = Allocator::new(device.clone(), config).unwrap();
     let (a, b) = (device.create_stream(), device.create_stream());
-    // Stream a writes 8 MiB for a long time, then frees it: ready for a, but a's kernel is
-    // still running when b's request makes the allocator reclaim pages.
     let first = allocator.malloc(8 * MIB, a).unwrap();
     device.launch(
         a,
@@ -193,9 +193,16 @@ fn growth_unmaps_free_pages_only_after_their_streams_finish() {
         "long write",
     );
     allocator.free(first.ptr).unwrap();
-    // Too large for the freed block, so b's request grows b's segment.
     let second = allocator.malloc(10 * MIB, b).unwrap();
     device.launch(b, &[Access::write(second.ptr, 10 * MIB)], 1_000, "b writes");
+    (device, allocator, second)
+}
+
+#[test]
+/// Without stitching: growing unmaps the free pages first, after a synchronisation.
+fn growth_unmaps_free_pages_only_after_their_streams_finish() {
+    let (device, allocator, second) =
+        long_write_freed_then_larger_request(Config::parse("stitch:false").unwrap());
     assert!(device.races().is_empty(), "{:?}", device.races());
     // The freed pages went back before b's were mapped: never more than 10 MiB reserved.
     assert_eq!(allocator.stats().reserved_bytes.peak, 10 * MIB);
@@ -212,19 +219,8 @@ fn growth_unmaps_free_pages_only_after_their_streams_finish() {
 /// synchronisation, and without growing past what b needs.
 #[test]
 fn stitched_pages_of_another_stream_wait_on_the_device_not_the_host() {
-    let device = SimBackend::new(1 << 30);
-    let allocator = Allocator::new(device.clone(), Config::default()).unwrap();
-    let (a, b) = (device.create_stream(), device.create_stream());
-    let first = allocator.malloc(8 * MIB, a).unwrap();
-    device.launch(
-        a,
-        &[Access::write(first.ptr, 8 * MIB)],
-        50_000_000,
-        "long write",
-    );
-    allocator.free(first.ptr).unwrap();
-    let second = allocator.malloc(10 * MIB, b).unwrap();
-    device.launch(b, &[Access::write(second.ptr, 10 * MIB)], 1_000, "b writes");
+    let (device, allocator, second) = long_write_freed_then_larger_request(Config::default());
+    let b = second.stream;
     assert!(device.races().is_empty(), "{:?}", device.races());
     let stats = allocator.stats();
     assert_eq!(stats.stitches, 1, "{stats:?}");

@@ -53,14 +53,7 @@ impl State {
                 Reclaim::NotNeeded => false,
             }
         };
-        let segment = match self
-            .growth
-            .expandable()
-            .and_then(|v| v.segment_of(slot, pool))
-        {
-            Some(segment) => segment,
-            None => self.add_expandable_segment(backend, pool, slot)?,
-        };
+        let segment = self.expandable_segment_for(backend, pool, slot)?;
         // Only mapping that follows a reclaim is charged to it: the clock is read for that.
         let map_started = reclaimed.then(|| backend.now_ns());
         let mapped = match self.placement(segment, size, slot) {
@@ -307,6 +300,23 @@ impl State {
         // against: a mapping that fills its stretch borders both, and `hand_out` lists the
         // remainder of what it splits without merge attempts.
         Ok(Some(self.merge_neighbours(mapped)))
+    }
+
+    /// `slot`'s expandable segment of `pool`, reserved now if it has none yet.
+    pub(super) fn expandable_segment_for<B: Backend>(
+        &mut self,
+        backend: &B,
+        pool: PoolKind,
+        slot: StreamSlot,
+    ) -> Result<SegmentKey, AllocError> {
+        match self
+            .growth
+            .expandable()
+            .and_then(|vmm| vmm.segment_of(slot, pool))
+        {
+            Some(segment) => Ok(segment),
+            None => self.add_expandable_segment(backend, pool, slot),
+        }
     }
 
     /// Reserves the address space of `slot`'s expandable segment of `pool`.

@@ -115,14 +115,7 @@ impl State {
         shortfall: u64,
     ) -> Result<bool, AllocError> {
         let Need { slot, pool, .. } = need;
-        let segment = match self
-            .growth
-            .expandable()
-            .and_then(|vmm| vmm.segment_of(slot, pool))
-        {
-            Some(segment) => segment,
-            None => self.add_expandable_segment(backend, pool, slot)?,
-        };
+        let segment = self.expandable_segment_for(backend, pool, slot)?;
         let Some(placement) = self.placement_mapping(segment, shortfall, slot) else {
             return Ok(false);
         };
