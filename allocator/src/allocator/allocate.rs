@@ -60,6 +60,7 @@ impl State {
     ) -> Result<Allocation, AllocError> {
         let Need { slot, size, .. } = need;
         let stream = self.streams.id(slot);
+        self.streams.prune_free_slots();
         // Hot blocks are invisible to best fit and to other streams: merge them back first.
         if self.flush_hot() {
             if let Some(key) = self.take_ready(need) {
@@ -125,11 +126,12 @@ impl State {
         } = need;
         let mut best: Option<(u64, u64, BlockKey)> = None;
         let memory_pool = self.streams.pool(slot);
-        for (index, state) in self.streams.states.iter().enumerate() {
+        for &index in self.streams.free_slots() {
+            let state = self.streams.get(index);
             if state.pool != memory_pool {
                 continue;
             }
-            let own = index as StreamSlot == slot;
+            let own = index == slot;
             let lists = [
                 Some(&state.pending[pool as usize]),
                 (!own).then_some(&state.ready[pool as usize]),

@@ -22,6 +22,7 @@ impl State {
     #[inline]
     pub(super) fn push_hot(&mut self, key: BlockKey, owner: StreamSlot, size: u64) {
         let evicted = self.streams.get_mut(owner).hot.push(size, key);
+        self.streams.note_hot(owner);
         self.arena.park_hot(key);
         if let Some(evicted) = evicted {
             self.unhot(evicted);
@@ -43,8 +44,8 @@ impl State {
     /// Moves every hot block into the free lists, merging it. Returns true if any moved.
     pub(super) fn flush_hot(&mut self) -> bool {
         let mut any = false;
-        for index in 0..self.streams.len() {
-            for key in self.streams.states[index].hot.drain(false) {
+        for slot in self.streams.take_hot_slots() {
+            for key in self.streams.get_mut(slot).hot.drain(false) {
                 self.unhot(key);
                 any = true;
             }
@@ -125,6 +126,8 @@ impl State {
     /// Adds a free block to the list its owner and pending state call for.
     #[inline]
     pub(super) fn list(&mut self, key: BlockKey) {
+        let owner = self.arena.block(key).owner();
+        self.streams.note_free(owner);
         let (list, size, addr, pending) = self.home_list(key);
         list.insert(size, addr, key);
         if pending {

@@ -178,8 +178,9 @@ impl State {
     ) -> Result<Vec<Pick>, u64> {
         let want = need.size.div_ceil(page) * page;
         let mut runs: Vec<Pick> = Vec::new();
-        for (index, state) in self.streams.states.iter().enumerate() {
-            let own = index as StreamSlot == need.slot;
+        for &index in self.streams.free_slots() {
+            let state = self.streams.get(index);
+            let own = index == need.slot;
             if state.pool != memory_pool || !(own || waits) {
                 continue;
             }

@@ -45,6 +45,20 @@ pub(crate) struct StreamState {
     /// one stream complete in order, so a completion pass stops at the first incomplete
     /// one: each event is queried about once.
     pub(crate) in_flight: VecDeque<EventKey>,
+    /// The slot is in [`StreamTable::hot_slots`].
+    in_hot_slots: bool,
+    /// The slot is in [`StreamTable::free_slots`].
+    in_free_slots: bool,
+}
+
+impl StreamState {
+    /// True if no free list of the slot holds a block.
+    fn lists_empty(&self) -> bool {
+        self.ready
+            .iter()
+            .chain(&self.pending)
+            .all(|list| list.len() == 0)
+    }
 }
 
 /// While a stream's hot list is disarmed, one free in this many is parked anyway, so that
@@ -156,6 +170,14 @@ pub(crate) struct StreamTable {
     pooled: HashMap<(StreamId, PoolId), StreamSlot>,
     /// The default-pool stream looked up last, which is nearly always the next one asked for.
     last: Option<(StreamId, StreamSlot)>,
+    /// Slots that may hold hot blocks, each once: what flushing the hot lists visits, so
+    /// that a slow-path malloc costs no walk over every stream a program ever used.
+    hot_slots: Vec<StreamSlot>,
+    /// Slots that may hold listed free blocks, each once (emptied ones are pruned now and
+    /// then): what looking for another stream's block visits.
+    free_slots: Vec<StreamSlot>,
+    /// `free_slots.len()` after the last pruning.
+    free_slots_pruned: usize,
 }
 
 impl StreamTable {
@@ -200,8 +222,60 @@ impl StreamTable {
             pending: Default::default(),
             hot: HotList::default(),
             in_flight: VecDeque::new(),
+            in_hot_slots: false,
+            in_free_slots: false,
         });
         slot
+    }
+
+    /// Notes that `slot` holds a hot block.
+    #[inline]
+    pub(crate) fn note_hot(&mut self, slot: StreamSlot) {
+        let state = &mut self.states[slot as usize];
+        if !state.in_hot_slots {
+            state.in_hot_slots = true;
+            self.hot_slots.push(slot);
+        }
+    }
+
+    /// Takes the slots that may hold hot blocks (the caller drains their hot lists).
+    pub(crate) fn take_hot_slots(&mut self) -> Vec<StreamSlot> {
+        let slots = std::mem::take(&mut self.hot_slots);
+        for &slot in &slots {
+            self.states[slot as usize].in_hot_slots = false;
+        }
+        slots
+    }
+
+    /// Notes that `slot` holds a listed free block.
+    #[inline]
+    pub(crate) fn note_free(&mut self, slot: StreamSlot) {
+        let state = &mut self.states[slot as usize];
+        if !state.in_free_slots {
+            state.in_free_slots = true;
+            self.free_slots.push(slot);
+        }
+    }
+
+    /// The slots that may hold listed free blocks (a superset of those that do).
+    pub(crate) fn free_slots(&self) -> &[StreamSlot] {
+        &self.free_slots
+    }
+
+    /// Drops slots whose lists are empty from [`StreamTable::free_slots`] once it has
+    /// doubled since the last time: amortised constant per malloc.
+    pub(crate) fn prune_free_slots(&mut self) {
+        if self.free_slots.len() < 64 || self.free_slots.len() < 2 * self.free_slots_pruned {
+            return;
+        }
+        let states = &mut self.states;
+        self.free_slots.retain(|&slot| {
+            let state = &mut states[slot as usize];
+            let keep = !state.lists_empty();
+            state.in_free_slots = keep;
+            keep
+        });
+        self.free_slots_pruned = self.free_slots.len();
     }
 
     /// The pool `slot` allocates for.
