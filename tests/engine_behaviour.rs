@@ -515,3 +515,35 @@ fn a_driver_refusing_second_mappings_turns_stitching_off_not_requests() {
     allocator.check_invariants().unwrap();
     assert!(device.races().is_empty(), "{:?}", device.races());
 }
+
+/// The out-of-memory report names the live bytes that stitching made of scattered pages
+/// and the free bytes left in partly used pages, which no stitch can take.
+#[test]
+fn out_of_memory_names_stitched_and_stranded_bytes() {
+    let config = Config::parse("memory_limit:64MiB").unwrap();
+    let (device, allocator) = allocator(1 << 30, config);
+    let stream = device.create_stream();
+    let live = free_around_a_live_block(&allocator, stream);
+    let wide = allocator.malloc(40 * MIB, stream).unwrap();
+    let small = allocator.malloc(MIB, stream).unwrap();
+    let err = allocator.malloc(30 * MIB, stream).unwrap_err();
+    let AllocError::OutOfMemory(report) = &err else {
+        panic!("expected out of memory, got {err}")
+    };
+    assert_eq!(report.stitched, 40 * MIB, "{report:?}");
+    // The 1 MiB block shares its page with free bytes that no stitch can take.
+    assert!(
+        report.stranded > 0 && report.stranded < 2 * MIB,
+        "{report:?}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains("40.00 MiB of it stitched from scattered pages")
+            && message.contains("stranded in partly used pages"),
+        "{message}"
+    );
+    for ptr in [wide.ptr, small.ptr, live] {
+        allocator.free(ptr).unwrap();
+    }
+    allocator.check_invariants().unwrap();
+}

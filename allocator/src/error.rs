@@ -59,6 +59,12 @@ pub struct OutOfMemory {
     /// Expandable segments were in use (they map memory where a request needs it, so
     /// scattered free memory hurts them far less).
     pub expandable: bool,
+    /// Bytes of live allocations made of pages stitched from several holes (see
+    /// `pool::stitch`): memory fragmentation would otherwise have stranded.
+    pub stitched: u64,
+    /// Bytes of free cached memory in partly used pages, which no stitch can take (only
+    /// with expandable segments; 0 otherwise).
+    pub stranded: u64,
 }
 
 impl OutOfMemory {
@@ -104,14 +110,17 @@ impl std::fmt::Display for OutOfMemory {
         use crate::config::format_bytes as b;
         write!(
             f,
-            "out of memory: tried to allocate {} on {}; {} free in cache (largest free block {}), \
-             {} reserved, {} allocated, limit {}; {}",
+            "out of memory: tried to allocate {} on {}; {} free in cache (largest free block {}, \
+             {} stranded in partly used pages), {} reserved, {} allocated ({} of it stitched \
+             from scattered pages), limit {}; {}",
             b(self.requested),
             self.stream,
             b(self.free_cached),
             b(self.largest_free_block),
+            b(self.stranded),
             b(self.reserved),
             b(self.allocated),
+            b(self.stitched),
             self.limit.map_or_else(|| "none".to_string(), b),
             self.advice(),
         )

@@ -17,6 +17,21 @@ impl State {
                 largest = largest.max(list.largest());
             }
         }
+        // Free bytes outside whole pages: what stitching cannot reach.
+        let stranded = match self.growth.expandable() {
+            Some(vmm) => self
+                .arena
+                .blocks()
+                .filter(|(_, block)| block.is_free() && block.is_expandable())
+                .map(|(_, block)| {
+                    let (_, whole) =
+                        crate::pool::stitch::whole_pages(block.addr(), block.size(), vmm.page);
+                    block.size() - whole
+                })
+                .sum(),
+            None => 0,
+        };
+        let stitched = self.stitches.actives().map(|(_, stitch)| stitch.size).sum();
         self.stats.ooms += 1;
         self.note(backend, TraceAction::Oom, 0, requested, slot);
         let report = OutOfMemory {
@@ -28,6 +43,8 @@ impl State {
             allocated: self.stats.allocated_bytes.current,
             limit: self.limit,
             expandable: self.growth.expandable().is_some(),
+            stitched,
+            stranded,
         };
         tracing::warn!(%report, "allocation failed");
         report
