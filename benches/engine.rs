@@ -17,15 +17,21 @@
 //!   `mt19937_64` sequences: 60% of sizes uniform in 1 B–1 MiB, 35% in 1–64 MiB, 5% in
 //!   64–256 MiB; 64 live blocks, a random one freed after each malloc), per operation, so
 //!   that local figures track the GPU host's. The random numbers are drawn before timing.
+//! - `*_tsc_clock`: the same with the trace stamped by the time-stamp counter, as the CUDA
+//!   backend does (x86-64 only): the simulator's virtual clock is one load, so only these
+//!   show what the trace's clock reads cost.
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use std::hint::black_box;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 use streamalloc_allocator::backend::sim::SimBackend;
+use streamalloc_allocator::backend::BackendResult;
 use streamalloc_allocator::config::format_bytes;
 use streamalloc_allocator::scenarios::record_stream_pipeline;
-use streamalloc_allocator::{Allocator, Config, ReusePolicy, StreamId};
+use streamalloc_allocator::{
+    Allocator, Backend, Config, DevicePtr, EventHandle, ReusePolicy, StreamId,
+};
 
 fn sim_allocator(config: Config) -> (SimBackend, Allocator<SimBackend>) {
     let device = SimBackend::new(1 << 40);
@@ -123,6 +129,28 @@ fn cached_same_stream(c: &mut Criterion) {
             allocator.free(block.ptr).unwrap();
         })
     });
+
+    #[cfg(target_arch = "x86_64")]
+    {
+        let device = SimBackend::new(1 << 40);
+        let allocator = Allocator::new(TscClocked::new(device.clone()), Config::default()).unwrap();
+        let stream = device.create_stream();
+        let warm = allocator.malloc(1 << 20, stream).unwrap();
+        allocator.free(warm.ptr).unwrap();
+        group.bench_function("cached_same_stream_tsc_clock", |b| {
+            b.iter(|| {
+                let block = allocator.malloc(black_box(1 << 20), stream).unwrap();
+                allocator.free(block.ptr).unwrap();
+            })
+        });
+        let workload = HostCostMixed::new(HOST_COST_MALLOCS);
+        workload.run(&allocator, stream);
+        group.throughput(Throughput::Elements(workload.ops()));
+        group.bench_function("host_cost_mixed_tsc_clock", |b| {
+            b.iter(|| workload.run(&allocator, stream))
+        });
+        group.throughput(Throughput::Elements(1));
+    }
 
     for (name, trace_capacity) in [("host_cost_mixed", 65_536), ("host_cost_mixed_no_trace", 0)] {
         let (device, allocator) = sim_allocator(Config {
@@ -225,7 +253,7 @@ impl HostCostMixed {
     }
 
     /// One run: every malloc, the frees after them, then the remaining live blocks freed.
-    fn run(&self, allocator: &Allocator<SimBackend>, stream: StreamId) {
+    fn run<B: Backend>(&self, allocator: &Allocator<B>, stream: StreamId) {
         let mut live = Vec::with_capacity(65);
         for (&size, &victim) in self.sizes.iter().zip(&self.victims) {
             live.push(allocator.malloc(black_box(size), stream).unwrap().ptr);
@@ -236,6 +264,86 @@ impl HostCostMixed {
         for ptr in live {
             allocator.free(ptr).unwrap();
         }
+    }
+}
+
+/// The simulated device with the CUDA backend's trace clock: the time-stamp counter, scaled
+/// to nanoseconds by a rate measured at creation.
+#[cfg(target_arch = "x86_64")]
+struct TscClocked {
+    device: SimBackend,
+    start: u64,
+    /// Nanoseconds per tick, in 32.32 fixed point.
+    ns_per_tick_q32: u64,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl TscClocked {
+    fn new(device: SimBackend) -> Self {
+        let (begin, start) = (Instant::now(), rdtsc());
+        while begin.elapsed() < Duration::from_millis(2) {
+            std::hint::spin_loop();
+        }
+        let (ticks, ns) = (rdtsc() - start, begin.elapsed().as_nanos());
+        Self {
+            device,
+            start,
+            ns_per_tick_q32: ((ns << 32) / u128::from(ticks.max(1))) as u64,
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn rdtsc() -> u64 {
+    // SAFETY: RDTSC is available on every x86-64 CPU and has no memory effects.
+    #[allow(unused_unsafe)]
+    unsafe {
+        std::arch::x86_64::_rdtsc()
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Backend for TscClocked {
+    fn total_memory(&self) -> BackendResult<u64> {
+        self.device.total_memory()
+    }
+    fn alloc_segment(&self, size: u64) -> BackendResult<DevicePtr> {
+        self.device.alloc_segment(size)
+    }
+    fn free_segment(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        self.device.free_segment(ptr, size)
+    }
+    fn create_event(&self) -> BackendResult<EventHandle> {
+        self.device.create_event()
+    }
+    fn destroy_event(&self, event: EventHandle) -> BackendResult<()> {
+        self.device.destroy_event(event)
+    }
+    fn record_event(&self, event: EventHandle, stream: StreamId) -> BackendResult<()> {
+        self.device.record_event(event, stream)
+    }
+    fn query_event(&self, event: EventHandle) -> BackendResult<bool> {
+        self.device.query_event(event)
+    }
+    fn synchronize_event(&self, event: EventHandle) -> BackendResult<()> {
+        self.device.synchronize_event(event)
+    }
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> BackendResult<()> {
+        self.device.stream_wait_event(stream, event)
+    }
+    fn synchronize_device(&self) -> BackendResult<()> {
+        self.device.synchronize_device()
+    }
+    fn now_ns(&self) -> u64 {
+        self.ticks_to_ns(self.now_ticks())
+    }
+    #[inline]
+    fn now_ticks(&self) -> u64 {
+        rdtsc()
+    }
+    fn ticks_to_ns(&self, ticks: u64) -> u64 {
+        let ticks = ticks.saturating_sub(self.start);
+        ((u128::from(ticks) * u128::from(self.ns_per_tick_q32)) >> 32) as u64
     }
 }
 

@@ -2,7 +2,8 @@
 //!
 //! Every state change the engine makes (a block handed out or returned, a segment
 //! obtained or released, a cross-stream wait, an out-of-memory) is pushed here with a
-//! timestamp from [`crate::Backend::now_ns`]. The ring has a fixed capacity set by
+//! timestamp from [`crate::Backend::now_ticks`], converted to nanoseconds by
+//! [`crate::Backend::ticks_to_ns`] when the ring is read. The ring has a fixed capacity set by
 //! `trace_capacity` in the configuration: when full, the oldest record is overwritten and
 //! counted in [`TraceRing::dropped`], so tracing never grows memory and never fails.
 //!
@@ -21,6 +22,9 @@
 //! that completes at once (no other stream used the block) is one record standing for both
 //! `free_requested` and `free_completed` at the same instant. A same-stream malloc+free pair
 //! thus costs two 32-byte records and two clock reads instead of three 40-byte entries.
+//! Records keep the clock's raw ticks (on the CUDA backend the time-stamp counter as read):
+//! the conversion to nanoseconds, a 128-bit multiply per entry, is paid when the ring is
+//! read rather than on every operation.
 //! Records are expanded back into [`TraceEntry`]s when read, and capacity and `dropped`
 //! still count entries, so snapshots see exactly what a [`TraceRing`] of the same capacity
 //! fed the expanded entries would hold (the property test below checks this).
@@ -40,7 +44,8 @@
 //!
 //! Fast-path records carry a time read before the engine's lock was taken (the read then
 //! overlaps the lock's atomic instruction), so a thread that read the clock first may push
-//! last: pushes clamp each time to the newest one, and the ring reads back in time order.
+//! last: pushes clamp each time to the newest one, and the ring reads back in time order
+//! (ticks are monotonic, and so is their conversion).
 
 use crate::types::{DevicePtr, StreamId};
 pub use streamalloc_records::{TraceAction, TraceEntry};
@@ -157,7 +162,8 @@ pub(crate) const NO_STREAM: u32 = u32::MAX;
 struct Record {
     addr: u64,
     size: u64,
-    time_ns: u64,
+    /// The backend clock's raw reading ([`crate::Backend::now_ticks`]).
+    ticks: u64,
     /// The stream's slot in the allocator's stream table, or [`NO_STREAM`].
     slot: u32,
     /// What happened; `FreeRequested` for a completed free.
@@ -173,7 +179,7 @@ impl Record {
     const EMPTY: Record = Record {
         addr: 0,
         size: 0,
-        time_ns: 0,
+        ticks: 0,
         slot: NO_STREAM,
         action: TraceAction::Alloc,
         completed: false,
@@ -203,8 +209,8 @@ pub(crate) struct CompactRing {
     /// The newest records, not yet in `records`: `staged[..staged_len]`, oldest first.
     staged: Box<[Record; STAGED]>,
     staged_len: usize,
-    /// Time of the newest record pushed.
-    newest_time_ns: u64,
+    /// Ticks of the newest record pushed.
+    newest_ticks: u64,
     /// Entries pushed since creation, staged ones included.
     pushed: u64,
     /// Maximum number of entries kept.
@@ -219,7 +225,7 @@ impl CompactRing {
             next: 0,
             staged: Box::new([Record::EMPTY; STAGED]),
             staged_len: 0,
-            newest_time_ns: 0,
+            newest_ticks: 0,
             pushed: 0,
             capacity,
         }
@@ -231,7 +237,8 @@ impl CompactRing {
         self.capacity != 0
     }
 
-    /// Appends one entry for the stream in `slot` (or [`NO_STREAM`]).
+    /// Appends one entry for the stream in `slot` (or [`NO_STREAM`]), at the clock reading
+    /// `ticks`.
     #[inline]
     pub(crate) fn push(
         &mut self,
@@ -239,12 +246,12 @@ impl CompactRing {
         addr: u64,
         size: u64,
         slot: u32,
-        time_ns: u64,
+        ticks: u64,
     ) {
         self.push_record(Record {
             addr,
             size,
-            time_ns,
+            ticks,
             slot,
             action,
             completed: false,
@@ -254,11 +261,11 @@ impl CompactRing {
     /// Appends `free_requested` then `free_completed` for the same block at the same
     /// instant, as one record.
     #[inline]
-    pub(crate) fn push_free_completed(&mut self, addr: u64, size: u64, slot: u32, time_ns: u64) {
+    pub(crate) fn push_free_completed(&mut self, addr: u64, size: u64, slot: u32, ticks: u64) {
         self.push_record(Record {
             addr,
             size,
-            time_ns,
+            ticks,
             slot,
             action: TraceAction::FreeRequested,
             completed: true,
@@ -271,8 +278,8 @@ impl CompactRing {
             return;
         }
         // Fast-path times are read before the lock: keep the ring's times in its order.
-        record.time_ns = record.time_ns.max(self.newest_time_ns);
-        self.newest_time_ns = record.time_ns;
+        record.ticks = record.ticks.max(self.newest_ticks);
+        self.newest_ticks = record.ticks;
         if self.staged_len == STAGED {
             self.flush();
         }
@@ -322,16 +329,21 @@ impl CompactRing {
         self.records.iter().map(Record::weight).sum()
     }
 
-    /// Time of the newest entry (0 if none).
+    /// Ticks of the newest entry (0 if none).
     #[cfg(test)]
-    fn last_time_ns(&mut self) -> u64 {
+    fn last_ticks(&mut self) -> u64 {
         self.flush();
-        self.ordered().last().map_or(0, |record| record.time_ns)
+        self.ordered().last().map_or(0, |record| record.ticks)
     }
 
     /// The newest `capacity` entries, oldest first, with each slot turned into its stream
-    /// by `stream` ([`NO_STREAM`] becomes `StreamId(0)`).
-    pub(crate) fn entries(&mut self, stream: impl Fn(u32) -> StreamId) -> Vec<TraceEntry> {
+    /// by `stream` ([`NO_STREAM`] becomes `StreamId(0)`) and each reading into nanoseconds
+    /// by `ticks_to_ns`.
+    pub(crate) fn entries(
+        &mut self,
+        stream: impl Fn(u32) -> StreamId,
+        ticks_to_ns: impl Fn(u64) -> u64,
+    ) -> Vec<TraceEntry> {
         self.flush();
         let held = self.held();
         // Entries of the oldest records beyond `capacity` were overwritten in a ring of
@@ -348,7 +360,7 @@ impl CompactRing {
                 } else {
                     stream(record.slot)
                 },
-                time_ns: record.time_ns,
+                time_ns: ticks_to_ns(record.ticks),
             };
             if skip > 0 {
                 skip -= 1;
@@ -381,6 +393,11 @@ impl CompactRing {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// A clock whose tick is a nanosecond, as the simulator's.
+    fn same(ticks: u64) -> u64 {
+        ticks
+    }
 
     fn entry(i: u64) -> TraceEntry {
         TraceEntry {
@@ -424,7 +441,11 @@ mod tests {
         let mut ring = CompactRing::new(3);
         ring.push(TraceAction::Alloc, 0x10, 512, 0, 1);
         ring.push_free_completed(0x10, 512, 0, 2);
-        let actions: Vec<_> = ring.entries(stream).iter().map(|e| e.action).collect();
+        let actions: Vec<_> = ring
+            .entries(stream, same)
+            .iter()
+            .map(|e| e.action)
+            .collect();
         assert_eq!(
             actions,
             [
@@ -433,12 +454,12 @@ mod tests {
                 TraceAction::FreeCompleted
             ]
         );
-        assert_eq!(ring.entries(stream)[2].stream, StreamId(100));
-        assert_eq!(ring.entries(stream)[2].time_ns, 2);
+        assert_eq!(ring.entries(stream, same)[2].stream, StreamId(100));
+        assert_eq!(ring.entries(stream, same)[2].time_ns, 2);
         // One more entry pushes out the alloc; two more, the free_requested half too.
         ring.push(TraceAction::Oom, 0, 7, NO_STREAM, 3);
         ring.push(TraceAction::Alloc, 0x20, 512, 1, 4);
-        let entries = ring.entries(stream);
+        let entries = ring.entries(stream, same);
         let actions: Vec<_> = entries.iter().map(|e| e.action).collect();
         assert_eq!(
             actions,
@@ -451,7 +472,7 @@ mod tests {
         assert_eq!(entries[1].stream, StreamId(0));
         assert_eq!(entries[2].stream, StreamId(101));
         assert_eq!(ring.dropped(), 2);
-        assert_eq!(ring.last_time_ns(), 4);
+        assert_eq!(ring.last_ticks(), 4);
     }
 
     /// Fast-path times are read before the engine's lock, so a thread that read the clock
@@ -467,18 +488,35 @@ mod tests {
             }
         }
         let times: Vec<u64> = ring
-            .entries(|_| StreamId(1))
+            .entries(|_| StreamId(1), same)
             .iter()
             .map(|e| e.time_ns)
             .collect();
         assert_eq!(times, [5, 5, 5, 9, 9, 9, 9, 12, 12, 12]);
     }
 
+    /// Records keep the clock's raw reading; the conversion applies when the ring is read,
+    /// to every entry, the completion half of a free included.
+    #[test]
+    fn compact_ring_converts_ticks_to_ns_when_read() {
+        let mut ring = CompactRing::new(8);
+        ring.push(TraceAction::Alloc, 0x10, 512, 0, 1_000);
+        ring.push_free_completed(0x10, 512, 0, 1_250);
+        assert_eq!(ring.last_ticks(), 1_250);
+        let ticks_to_ns = |ticks: u64| (ticks - 1_000) * 3;
+        let times: Vec<u64> = ring
+            .entries(|_| StreamId(1), ticks_to_ns)
+            .iter()
+            .map(|e| e.time_ns)
+            .collect();
+        assert_eq!(times, [0, 750, 750]);
+    }
+
     #[test]
     fn compact_ring_of_one_keeps_the_completion() {
         let mut ring = CompactRing::new(1);
         ring.push_free_completed(0x10, 512, 0, 9);
-        let entries = ring.entries(|_| StreamId(5));
+        let entries = ring.entries(|_| StreamId(5), same);
         assert_eq!(entries.len(), 1);
         assert_eq!(entries[0].action, TraceAction::FreeCompleted);
         assert_eq!(ring.dropped(), 1);
@@ -524,11 +562,11 @@ mod tests {
                 }
                 if read {
                     prop_assert_eq!(compact.dropped(), model.dropped());
-                    prop_assert_eq!(compact.last_time_ns(), model.last_time_ns());
+                    prop_assert_eq!(compact.last_ticks(), model.last_time_ns());
                 }
             }
             let expected: Vec<TraceEntry> = model.entries().copied().collect();
-            prop_assert_eq!(compact.entries(stream), expected);
+            prop_assert_eq!(compact.entries(stream, same), expected);
             prop_assert_eq!(compact.dropped(), model.dropped());
         }
     }

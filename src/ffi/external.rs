@@ -159,6 +159,13 @@ impl<B: Backend> Backend for WithSources<B> {
     fn now_ns(&self) -> u64 {
         self.inner.now_ns()
     }
+    #[inline]
+    fn now_ticks(&self) -> u64 {
+        self.inner.now_ticks()
+    }
+    fn ticks_to_ns(&self, ticks: u64) -> u64 {
+        self.inner.ticks_to_ns(ticks)
+    }
     fn supports_virtual_memory(&self) -> bool {
         self.inner.supports_virtual_memory()
     }

@@ -46,9 +46,13 @@ impl State {
         if let Some(key) = self.take_ready(need) {
             return Ok(self.hand_out(key, slot, size, requested, now));
         }
-        self.malloc_slow(backend, config, requested, need)
+        self.malloc_slow(backend, config, requested, need, now)
     }
 
+    /// Every way of serving `need` after the stream's ready blocks. The block's `alloc`
+    /// record carries `now`, the clock read when the request came in: the ring lifts it
+    /// past the records noted on the way (a `segment_alloc`, say), which read the clock
+    /// themselves.
     #[cold]
     #[inline(never)]
     pub(super) fn malloc_slow<B: Backend>(
@@ -57,6 +61,7 @@ impl State {
         config: &Config,
         requested: u64,
         need: Need,
+        now: u64,
     ) -> Result<Allocation, AllocError> {
         let Need { slot, size, .. } = need;
         let stream = self.streams.id(slot);
@@ -64,7 +69,7 @@ impl State {
         // Hot blocks are invisible to best fit and to other streams: merge them back first.
         if self.flush_hot() {
             if let Some(key) = self.take_ready(need) {
-                return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
+                return Ok(self.hand_out(key, slot, size, requested, now));
             }
         }
         // A capturing stream may not query events, wait on events recorded outside the
@@ -78,7 +83,7 @@ impl State {
                 || self.events.outstanding() >= config.event_batch;
             if due && self.collect_completed(backend)? {
                 if let Some(key) = self.take_ready(need) {
-                    return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
+                    return Ok(self.hand_out(key, slot, size, requested, now));
                 }
             }
             // 3. Any other free block, reused after a device-side wait.
@@ -86,7 +91,7 @@ impl State {
                 if let Some(key) = self.best_waitable(need) {
                     self.unlist(key);
                     self.wait_for_block(backend, key, slot)?;
-                    return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
+                    return Ok(self.hand_out(key, slot, size, requested, now));
                 }
             }
         }
@@ -94,19 +99,19 @@ impl State {
         //    earlier free (expandable segments; see `stitch`).
         if !capturing {
             if let Some(key) = self.stitch(backend, need, config.reuse_policy)? {
-                return Ok(self.hand_out_whole(key, slot, requested, self.clock(backend)));
+                return Ok(self.hand_out_whole(key, slot, requested, now));
             }
         }
         // 5. Grow.
         if let Some(key) = self.grow_any(backend, need, capturing)? {
-            return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
+            return Ok(self.hand_out(key, slot, size, requested, now));
         }
         // 6. Return cached memory to the device and grow again.
         if !capturing && self.stats.reserved_bytes.current > self.stats.allocated_bytes.current {
             self.release_cached(backend)?;
             if let Some(key) = self.grow_any(backend, need, capturing)? {
                 self.stats.retries += 1;
-                return Ok(self.hand_out(key, slot, size, requested, self.clock(backend)));
+                return Ok(self.hand_out(key, slot, size, requested, now));
             }
         }
         // 7. Out of memory.

@@ -50,7 +50,10 @@ impl State {
             }
             return Ok(());
         }
-        self.note(backend, TraceAction::FreeRequested, ptr.0, size, owner);
+        if self.trace.enabled() {
+            self.trace
+                .push(TraceAction::FreeRequested, ptr.0, size, owner, now);
+        }
         if self.pools.capture_underway() {
             // An event recorded now on a capturing stream would become part of the
             // capture: the block waits, out of every list and counted as pending, until

@@ -297,12 +297,12 @@ impl<B: Backend> Allocator<B> {
         state.malloc(&self.backend, &self.config, size, stream, pool, now)
     }
 
-    /// The clock, read before taking the lock when tracing (so that the read overlaps the
-    /// lock's atomic instruction), else 0.
+    /// The clock's raw ticks, read before taking the lock when tracing (so that the read
+    /// overlaps the lock's atomic instruction), else 0.
     #[inline]
     fn early_now(&self) -> u64 {
         if self.config.trace_capacity != 0 {
-            self.backend.now_ns()
+            self.backend.now_ticks()
         } else {
             0
         }
@@ -515,6 +515,8 @@ impl<B: Backend> Allocator<B> {
 mod tests {
     use super::*;
     use crate::backend::sim::SimBackend;
+    use crate::backend::BackendResult;
+    use crate::types::EventHandle;
 
     /// Whole segments: these tests follow blocks through splits and merges by address.
     fn sim(trace_capacity: usize) -> (SimBackend, Allocator<SimBackend>) {
@@ -633,6 +635,68 @@ mod tests {
                 (StagingAcquire, DevicePtr(7), 8, comm, 160),
             ]
         );
+    }
+
+    /// The simulated device with a trace clock whose ticks are not nanoseconds (as the CUDA
+    /// backend's time-stamp counter): a tick is a quarter nanosecond, counted from 1000.
+    struct QuarterTicks(SimBackend);
+
+    impl Backend for QuarterTicks {
+        fn total_memory(&self) -> BackendResult<u64> {
+            self.0.total_memory()
+        }
+        fn alloc_segment(&self, size: u64) -> BackendResult<DevicePtr> {
+            self.0.alloc_segment(size)
+        }
+        fn free_segment(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+            self.0.free_segment(ptr, size)
+        }
+        fn create_event(&self) -> BackendResult<EventHandle> {
+            self.0.create_event()
+        }
+        fn destroy_event(&self, event: EventHandle) -> BackendResult<()> {
+            self.0.destroy_event(event)
+        }
+        fn record_event(&self, event: EventHandle, stream: StreamId) -> BackendResult<()> {
+            self.0.record_event(event, stream)
+        }
+        fn query_event(&self, event: EventHandle) -> BackendResult<bool> {
+            self.0.query_event(event)
+        }
+        fn synchronize_event(&self, event: EventHandle) -> BackendResult<()> {
+            self.0.synchronize_event(event)
+        }
+        fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> BackendResult<()> {
+            self.0.stream_wait_event(stream, event)
+        }
+        fn synchronize_device(&self) -> BackendResult<()> {
+            self.0.synchronize_device()
+        }
+        fn now_ns(&self) -> u64 {
+            self.0.now_ns()
+        }
+        fn now_ticks(&self) -> u64 {
+            1000 + 4 * self.0.now_ns()
+        }
+        fn ticks_to_ns(&self, ticks: u64) -> u64 {
+            (ticks - 1000) / 4
+        }
+    }
+
+    #[test]
+    fn trace_times_are_the_backends_ticks_read_back_in_ns() {
+        let device = SimBackend::new(1 << 30);
+        let allocator = Allocator::new(QuarterTicks(device.clone()), Config::default()).unwrap();
+        let stream = device.create_stream();
+        device.advance_host(100);
+        let block = allocator.malloc(4096, stream).unwrap();
+        device.advance_host(50);
+        allocator.free(block.ptr).unwrap();
+        let snapshot = allocator.snapshot();
+        let times: Vec<_> = snapshot.trace.iter().map(|e| e.time_ns).collect();
+        // segment_alloc, alloc, free_requested, free_completed.
+        assert_eq!(times, [100, 100, 150, 150]);
+        assert_eq!(snapshot.time_ns, 150);
     }
 
     #[test]

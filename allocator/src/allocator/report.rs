@@ -50,16 +50,6 @@ impl State {
         report
     }
 
-    /// The clock for a trace record taken under the lock (0 when not tracing).
-    #[inline]
-    pub(super) fn clock<B: Backend>(&self, backend: &B) -> u64 {
-        if self.trace.enabled() {
-            backend.now_ns()
-        } else {
-            0
-        }
-    }
-
     /// Records an event now. The ring keeps `slot`, turned into the stream's handle only when
     /// read; a slot no stream has (`empty_cache` before any allocation) reads as stream 0.
     #[inline]
@@ -77,7 +67,8 @@ impl State {
             } else {
                 NO_STREAM
             };
-            self.trace.push(action, addr, size, slot, backend.now_ns());
+            self.trace
+                .push(action, addr, size, slot, backend.now_ticks());
         }
     }
 
@@ -147,7 +138,10 @@ impl State {
             config: config.clone(),
             stats: self.stats,
             segments,
-            trace: self.trace.entries(|slot| self.streams.id(slot)),
+            trace: self.trace.entries(
+                |slot| self.streams.id(slot),
+                |ticks| backend.ticks_to_ns(ticks),
+            ),
             trace_dropped: self.trace.dropped(),
             time_ns: backend.now_ns(),
         }

@@ -72,6 +72,21 @@ pub trait Backend: Send + Sync {
     /// virtual host time so traces are deterministic.
     fn now_ns(&self) -> u64;
 
+    /// The same clock in its raw unit, for timestamps taken on the hot path and converted
+    /// by [`Backend::ticks_to_ns`] only when read back (the conversion is then paid per
+    /// snapshot, not per operation). Monotonic like [`Backend::now_ns`]; the defaults make
+    /// a tick one nanosecond.
+    #[inline]
+    fn now_ticks(&self) -> u64 {
+        self.now_ns()
+    }
+
+    /// Converts a reading of [`Backend::now_ticks`] to [`Backend::now_ns`]'s time base.
+    #[inline]
+    fn ticks_to_ns(&self, ticks: u64) -> u64 {
+        ticks
+    }
+
     // ---- Virtual memory (expandable segments) -----------------------------------------
     //
     // In the style of CUDA's VMM API: reserve a range of addresses with no memory behind it
@@ -178,6 +193,13 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     }
     fn now_ns(&self) -> u64 {
         (**self).now_ns()
+    }
+    #[inline]
+    fn now_ticks(&self) -> u64 {
+        (**self).now_ticks()
+    }
+    fn ticks_to_ns(&self, ticks: u64) -> u64 {
+        (**self).ticks_to_ns(ticks)
     }
     fn supports_virtual_memory(&self) -> bool {
         (**self).supports_virtual_memory()

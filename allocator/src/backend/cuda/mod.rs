@@ -320,7 +320,16 @@ impl Backend for CudaBackend {
 
     #[inline]
     fn now_ns(&self) -> u64 {
-        self.clock.now_ns()
+        self.clock.ticks_to_ns(self.clock.now_ticks())
+    }
+
+    #[inline]
+    fn now_ticks(&self) -> u64 {
+        self.clock.now_ticks()
+    }
+
+    fn ticks_to_ns(&self, ticks: u64) -> u64 {
+        self.clock.ticks_to_ns(ticks)
     }
 
     fn supports_virtual_memory(&self) -> bool {
@@ -409,9 +418,12 @@ impl Drop for RelaxedCapture {
 
 // ---- Clock ------------------------------------------------------------------------------
 
-/// Trace timestamps in nanoseconds since the backend was created. On x86-64 it reads the
-/// time-stamp counter (a few ns, against ~20 ns for `Instant::now`; the fast path takes
-/// up to three timestamps per malloc/free pair), scaled by a rate measured at creation.
+/// Trace timestamps. A tick is, on x86-64, a raw reading of the time-stamp counter: the
+/// hot path stores it as read and [`Clock::ticks_to_ns`] scales it to nanoseconds since the
+/// backend was created, by a rate measured then, only when the trace is read. `rdtsc` costs
+/// a few ns (~16 on some hosts), against ~20 for `Instant::now`, and a malloc/free pair
+/// takes two timestamps. Elsewhere, or where the counter cannot be calibrated, a tick is a
+/// nanosecond of `Instant`.
 #[derive(Debug)]
 struct Clock {
     start: Instant,
@@ -458,14 +470,25 @@ impl Clock {
         Self { start }
     }
 
+    /// The raw reading: the time-stamp counter, or nanoseconds since creation.
     #[inline]
-    fn now_ns(&self) -> u64 {
+    fn now_ticks(&self) -> u64 {
         #[cfg(target_arch = "x86_64")]
         if self.tsc.ns_per_tick_q32 != 0 {
-            let ticks = rdtsc().wrapping_sub(self.tsc.start);
-            return ((u128::from(ticks) * u128::from(self.tsc.ns_per_tick_q32)) >> 32) as u64;
+            return rdtsc();
         }
         self.start.elapsed().as_nanos() as u64
+    }
+
+    /// Nanoseconds since creation at the reading `ticks`.
+    fn ticks_to_ns(&self, ticks: u64) -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        if self.tsc.ns_per_tick_q32 != 0 {
+            // A core whose counter lags the creating core's reads as the start.
+            let ticks = ticks.saturating_sub(self.tsc.start);
+            return ((u128::from(ticks) * u128::from(self.tsc.ns_per_tick_q32)) >> 32) as u64;
+        }
+        ticks
     }
 }
 
@@ -486,12 +509,12 @@ mod tests {
     #[test]
     fn clock_is_monotonic_and_close_to_instant() {
         let clock = Clock::new();
-        let a = clock.now_ns();
+        let a = clock.ticks_to_ns(clock.now_ticks());
         let begin = Instant::now();
         while begin.elapsed().as_millis() < 5 {
             std::hint::spin_loop();
         }
-        let b = clock.now_ns();
+        let b = clock.ticks_to_ns(clock.now_ticks());
         assert!(b > a);
         let elapsed = b - a;
         assert!(
