@@ -95,15 +95,15 @@ impl State {
             }
         }
         self.promote_completed(backend);
-        self.release_quarantined(backend);
+        self.release_quarantined();
     }
 
     /// Frees deferred and quarantined blocks (allocated to nobody) now that the device is
     /// idle: their other-stream uses are complete.
-    pub(super) fn release_quarantined<B: Backend>(&mut self, backend: &B) {
+    pub(super) fn release_quarantined(&mut self) {
         for (key, _, _) in std::mem::take(&mut self.deferred_frees) {
             self.undefer(key);
-            self.settle_freed(backend, key);
+            self.settle_freed(key);
         }
         let quarantined: Vec<BlockKey> = self
             .arena
@@ -118,15 +118,15 @@ impl State {
             self.arena.free(key);
             self.stats.allocated_bytes.sub(size);
             self.stats.active_bytes.sub(size);
-            self.settle_freed(backend, key);
+            self.settle_freed(key);
         }
     }
 
     /// Puts the freed, unlisted block `key` back into circulation with the device idle: a
     /// stitched range gives its pages back, any other block is listed.
-    fn settle_freed<B: Backend>(&mut self, backend: &B, key: BlockKey) {
+    fn settle_freed(&mut self, key: BlockKey) {
         if self.arena.block(key).is_stitched() {
-            self.return_stitch_idle(backend, key);
+            self.return_stitch_idle(key);
         } else {
             self.insert_free(key);
         }

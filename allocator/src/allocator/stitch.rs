@@ -485,11 +485,10 @@ impl State {
 
     /// [`State::return_stitch`] with the device idle (after a synchronisation): the pages
     /// need no events.
-    pub(super) fn return_stitch_idle<B: Backend>(&mut self, backend: &B, key: BlockKey) {
+    pub(super) fn return_stitch_idle(&mut self, key: BlockKey) {
         let addr = self.arena.block(key).addr();
         self.park_stitch(key, ThinVec::new());
         tracing::debug!(addr, "stitched range returned after a synchronisation");
-        let _ = backend;
     }
 
     /// Takes the lent blocks of the freed stitched block `key` back as free blocks of its

@@ -260,7 +260,7 @@ impl PageMap {
         let mut done: Vec<(u64, u64)> = Vec::new();
         let undo = |done: &[(u64, u64)]| {
             for &(at, len) in done {
-                // SAFETY: mapped just above by this call and never handed out.
+                // SAFETY: mapped just above, in this function, and never handed out.
                 unsafe { sys::cuMemUnmap(at, len as usize) };
             }
         };
