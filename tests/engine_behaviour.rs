@@ -211,8 +211,10 @@ fn without_reclaims_a_limit_still_unmaps_free_memory_to_make_room() {
     assert!(stats.reserved_bytes.peak <= 64 * MIB, "{stats:?}");
     assert!(stats.page_unmap_bytes > 0, "{stats:?}");
     assert!(stats.device_syncs > syncs, "{stats:?}");
-    // Made by the reclaim before mapping, not by the out-of-memory path's release and retry.
-    assert_eq!((stats.retries, stats.ooms), (0, 0), "{stats:?}");
+    // Made by the policy's step under pressure (one synchronisation, which PyTorch counts
+    // as an allocation retry), unmapping only what the limit needs: not an out-of-memory.
+    assert_eq!((stats.retries, stats.ooms), (1, 0), "{stats:?}");
+    assert!(stats.page_unmap_bytes < 56 * MIB, "{stats:?}");
     allocator.free(wide.ptr).unwrap();
     allocator.free(live).unwrap();
     allocator.check_invariants().unwrap();

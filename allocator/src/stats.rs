@@ -83,7 +83,8 @@ pub struct Stats {
     pub events_destroyed: u64,
     /// Requests that failed with out-of-memory.
     pub ooms: u64,
-    /// Requests that succeeded only after freeing cached memory.
+    /// Synchronisations made to free memory for a request no other step could serve
+    /// (PyTorch's `num_alloc_retries`), whether the retry succeeded or not.
     pub retries: u64,
     /// Frees of pointers the allocator did not hand out (or already freed).
     pub invalid_frees: u64,

@@ -49,10 +49,10 @@ impl State {
         self.malloc_slow(backend, config, requested, need, now)
     }
 
-    /// Every way of serving `need` after the stream's ready blocks. The block's `alloc`
-    /// record carries `now`, the clock read when the request came in: the ring lifts it
-    /// past the records noted on the way (a `segment_alloc`, say), which read the clock
-    /// themselves.
+    /// Every way of serving `need` after the stream's ready blocks, in the order of the
+    /// policy (the parent module's docs). The block's `alloc` record carries `now`, the
+    /// clock read when the request came in: the ring lifts it past the records noted on the
+    /// way (a `segment_alloc`, say), which read the clock themselves.
     #[cold]
     #[inline(never)]
     pub(super) fn malloc_slow<B: Backend>(
@@ -77,47 +77,110 @@ impl State {
         // While any capture is under way (global capture mode), no stream may: a query or a
         // synchronisation anywhere, or a wait on a capturing stream's event, breaks it.
         let capturing = self.pools.capture_underway() || backend.is_capturing(stream)?;
+        let policy = config.reuse_policy;
         if !capturing {
             // 2. Blocks whose events completed, found by one batched pass.
-            let due = config.reuse_policy == ReusePolicy::Pytorch
-                || self.events.outstanding() >= config.event_batch;
+            let due =
+                policy == ReusePolicy::Pytorch || self.events.outstanding() >= config.event_batch;
             if due && self.collect_completed(backend)? {
                 if let Some(key) = self.take_ready(need) {
                     return Ok(self.hand_out(key, slot, size, requested, now));
                 }
             }
             // 3. Any other free block, reused after a device-side wait.
-            if config.reuse_policy == ReusePolicy::StreamWait {
-                if let Some(key) = self.best_waitable(need) {
-                    self.unlist(key);
-                    self.wait_for_block(backend, key, slot)?;
-                    return Ok(self.hand_out(key, slot, size, requested, now));
-                }
+            if let Some(key) = self.take_waitable(backend, need, policy)? {
+                return Ok(self.hand_out(key, slot, size, requested, now));
             }
-        }
-        // 4. Stitch free pages of the pool into one range, or revive a stitch kept from an
-        //    earlier free (expandable segments; see `stitch`).
-        if !capturing {
-            if let Some(key) = self.stitch(backend, need, config.reuse_policy)? {
+            // 4. Revive a kept stitch, or stitch pages that need no wait.
+            if let Some(key) = self.stitch(backend, need, policy, Effort::Light)? {
                 return Ok(self.hand_out_whole(key, slot, requested, now));
             }
         }
-        // 5. Grow.
-        if let Some(key) = self.grow_any(backend, need, capturing)? {
+        // 5. Grow within the growth budget.
+        if let Some(key) = self.grow_any(backend, need, capturing, Effort::Light)? {
             return Ok(self.hand_out(key, slot, size, requested, now));
         }
-        // 6. Return cached memory to the device and grow again.
-        if !capturing && self.stats.reserved_bytes.current > self.stats.allocated_bytes.current {
-            self.release_cached(backend)?;
-            if let Some(key) = self.grow_any(backend, need, capturing)? {
-                self.stats.retries += 1;
+        if !capturing {
+            // 6. Stitch free pages of every stream of the pool, waiting on the device.
+            if let Some(key) = self.stitch(backend, need, policy, Effort::Waiting)? {
+                return Ok(self.hand_out_whole(key, slot, requested, now));
+            }
+            // 7. Grow past the budget, within the limit.
+            if let Some(key) = self.grow_any(backend, need, false, Effort::Waiting)? {
                 return Ok(self.hand_out(key, slot, size, requested, now));
             }
+            // 8. Under pressure: every free byte, after one synchronisation.
+            if let Some(served) = self.serve_under_pressure(backend, need, policy)? {
+                return Ok(match served {
+                    Served::Block(key) => self.hand_out(key, slot, size, requested, now),
+                    Served::Stitched(key) => self.hand_out_whole(key, slot, requested, now),
+                });
+            }
         }
-        // 7. Out of memory.
+        // 9. Out of memory.
         Err(AllocError::OutOfMemory(
             self.out_of_memory(backend, requested, slot),
         ))
+    }
+
+    /// Step 3 of the policy: under the `stream_wait` policy, the best-fitting block of the
+    /// caller's pending list or of another stream of its pool, unlisted, the caller's
+    /// stream waiting on the device for its last uses.
+    fn take_waitable<B: Backend>(
+        &mut self,
+        backend: &B,
+        need: Need,
+        policy: ReusePolicy,
+    ) -> Result<Option<BlockKey>, AllocError> {
+        if policy != ReusePolicy::StreamWait {
+            return Ok(None);
+        }
+        let Some(key) = self.best_waitable(need) else {
+            return Ok(None);
+        };
+        self.unlist(key);
+        self.wait_for_block(backend, key, need.slot)?;
+        Ok(Some(key))
+    }
+
+    /// Step 8 of the policy, when neither the budget nor the limit (or the device) left
+    /// room: one device synchronisation makes every free byte idle for every stream and
+    /// every event complete; then, in order, the caller's blocks and any stream's; free
+    /// pages of the pool stitched (growing only the shortfall); free whole pages unmapped
+    /// until the request fits, and mapped for it; and last, every cached byte returned and
+    /// growth tried again. `None` if none of it finds room.
+    fn serve_under_pressure<B: Backend>(
+        &mut self,
+        backend: &B,
+        need: Need,
+        policy: ReusePolicy,
+    ) -> Result<Option<Served>, AllocError> {
+        // PyTorch's `num_alloc_retries`: a synchronisation to free memory and try again.
+        self.stats.retries += 1;
+        self.synchronize(backend)?;
+        self.coalesce_across_streams();
+        if let Some(key) = self.take_ready(need) {
+            return Ok(Some(Served::Block(key)));
+        }
+        if let Some(key) = self.take_waitable(backend, need, policy)? {
+            return Ok(Some(Served::Block(key)));
+        }
+        if let Some(key) = self.stitch(backend, need, policy, Effort::Synchronised)? {
+            return Ok(Some(Served::Stitched(key)));
+        }
+        // Whole segments have nothing to unmap: they grow again only once released.
+        if self.growth.expandable().is_some() {
+            if let Some(key) = self.grow_any(backend, need, false, Effort::Synchronised)? {
+                return Ok(Some(Served::Block(key)));
+            }
+        }
+        if self.stats.reserved_bytes.current > self.stats.allocated_bytes.current {
+            self.release_cached(backend)?;
+            if let Some(key) = self.grow_any(backend, need, false, Effort::Synchronised)? {
+                return Ok(Some(Served::Block(key)));
+            }
+        }
+        Ok(None)
     }
 
     /// The best-fitting block that `need.slot` can take after device-side waits: its own
@@ -193,15 +256,21 @@ impl State {
     }
 
     /// Room for `need`, unlisted and owned by its slot, from a new segment or from pages
-    /// mapped into an expandable one; `None` if the limit or the device refuses.
+    /// mapped into an expandable one, as far as `effort` allows (see
+    /// [`State::grow_expandable`]); `None` if the budget, the limit or the device refuses.
+    /// Whole segments know no budget: they grow at the first effort and not again before a
+    /// synchronisation has released memory.
     pub(super) fn grow_any<B: Backend>(
         &mut self,
         backend: &B,
         need: Need,
         capturing: bool,
+        effort: Effort,
     ) -> Result<Option<BlockKey>, AllocError> {
         if self.growth.expandable().is_some() {
-            self.grow_expandable(backend, need, capturing)
+            self.grow_expandable(backend, need, capturing, effort)
+        } else if effort == Effort::Waiting {
+            Ok(None)
         } else {
             self.grow(backend, need.size, need.pool, need.slot)
         }
@@ -333,6 +402,13 @@ impl State {
         self.allocated.insert(addr, key);
         self.account_alloc(addr, size, slot, requested, now)
     }
+}
+
+/// What step 8 of the policy found: a block to split as usual, or a stitched range to hand
+/// out whole.
+enum Served {
+    Block(BlockKey),
+    Stitched(BlockKey),
 }
 
 impl State {

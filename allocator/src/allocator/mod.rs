@@ -5,16 +5,33 @@
 //! but the trace clock.
 //!
 //! # Allocation policy, in order
+//! Memory pressure decides how far a request goes: while memory is plentiful it is served
+//! without waiting on other streams' work in flight; near the limit the engine becomes
+//! frugal, in a fixed order, and fails only after all of it.
 //! 1. a ready block of the caller's stream (best fit) — no event, no wait;
 //! 2. blocks whose events completed: a batched completion pass, only once enough events are
 //!    in flight (`event_batch`), or always under the PyTorch policy;
 //! 3. (`stream_wait` policy) the best-fitting block of the caller's pending list or of any
 //!    other stream: the caller's stream waits for it on the device;
-//! 4. grow the pool by a new segment, within the memory limit; with expandable segments,
-//!    map memory into the stream's address reservation instead, first (past the live peak
-//!    plus a slack) synchronising and unmapping free mappings until the excess is gone;
-//! 5. synchronise, return every cached segment to the device, and grow again;
-//! 6. a typed out-of-memory error with a fragmentation report.
+//! 4. (expandable segments, `stitch`) revive a kept stitched range, or stitch free pages
+//!    that need no device wait (the stream's own), growing only the shortfall and only
+//!    within the growth budget;
+//! 5. grow within the growth budget (the live peak plus a slack) and the limit: a new
+//!    segment, or pages mapped into the stream's address reservation;
+//! 6. (`stitch`) stitch free pages of every stream of the memory pool, the caller's stream
+//!    waiting on the device for their last uses;
+//! 7. grow past the budget, within the limit (expandable segments reclaim free mappings
+//!    first, as `reclaim` asks: a synchronisation);
+//! 8. under pressure (the limit, or the device, refuses): synchronise once, so that every
+//!    free byte is idle for every stream; then the caller's blocks and any stream's,
+//!    stitching every free page of the pool, unmapping free whole pages until the request
+//!    fits and mapping it, and finally returning every cached byte and growing again;
+//! 9. a typed out-of-memory error with a fragmentation report.
+//!
+//! With a memory limit set, a request fails only if live bytes, the request (in whole
+//! pages), the free bytes stranded in partly used pages and the memory the pool may not
+//! touch (other pools' pinned memory) exceed the limit: step 8 reaches every other byte
+//! (`tests/pressure_properties.rs` states it).
 //!
 //! Every step looks only at blocks of the request's memory pool (`pools`): a slot is a
 //! stream in one pool, and step 3 considers only slots of the same pool.
@@ -156,6 +173,19 @@ struct State {
     deferred_frees: Vec<(BlockKey, u64, thin_vec::ThinVec<StreamSlot>)>,
 }
 
+/// How far a step of the policy may go to find memory (see the module docs): each level
+/// allows what the previous ones do, and more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Effort {
+    /// No device wait on another stream's work, and no memory past the growth budget.
+    Light,
+    /// Device-side waits on other streams' work; memory up to the limit.
+    Waiting,
+    /// Right after a device-wide synchronisation: every free byte is idle, so nothing needs
+    /// waiting for, and free pages may be unmapped to make room.
+    Synchronised,
+}
+
 /// What a request needs from a free block: its stream slot, the pool kind whose lists may
 /// serve it, its rounded size, and the largest block that may be split for it
 /// (`max_split_size`). The policy's steps pass it along whole.
@@ -209,14 +239,17 @@ impl<B: Backend> Allocator<B> {
         let growth = if !config.expandable_segments {
             Growth::WholeSegments
         } else if backend.supports_virtual_memory() {
-            // Stitching maps pages a second time, which drivers do only for whole
-            // allocations: one per page.
-            backend.set_page_allocations(config.stitch);
-            Growth::Expandable(ExpandableTable::new(
+            let mut table = ExpandableTable::new(
                 backend.page_size(),
                 backend.total_memory()?,
                 RECLAIM_SLACK_BP,
-            ))
+            );
+            // Stitching maps pages a second time, which drivers do only for whole
+            // allocations, and under a limit every free page must be able to go back alone:
+            // one allocation per page.
+            table.page_granular = config.stitch || limit.is_some();
+            backend.set_page_allocations(table.page_granular);
+            Growth::Expandable(table)
         } else {
             // Info, not a warning: expandable segments are the default, and a backend
             // without virtual memory is an expected configuration.
@@ -337,6 +370,16 @@ impl<B: Backend> Allocator<B> {
     pub fn set_memory_limit(&self, limit: Option<u64>) -> Result<(), AllocError> {
         let mut state = self.state.lock();
         state.limit = limit;
+        if limit.is_some() {
+            // Pages mapped from now on can go back one by one (those mapped before keep
+            // their pieces).
+            if let Some(vmm) = state.growth.expandable_mut() {
+                if !vmm.page_granular {
+                    vmm.page_granular = true;
+                    self.backend.set_page_allocations(true);
+                }
+            }
+        }
         if let Some(limit) = limit {
             if state.stats.reserved_bytes.current > limit {
                 state.release_cached(&self.backend)?;

@@ -44,7 +44,7 @@ impl State {
         self.synchronize(backend)?;
         self.evict_dormant_stitches(backend, which)?;
         self.coalesce_across_streams();
-        self.unmap_free_pages_upto(backend, u64::MAX, which)?;
+        self.unmap_free_pages_upto(backend, u64::MAX, which, &[])?;
         self.release_unmapped_segments(backend, which)?;
         let free_segments: Vec<_> = self
             .arena

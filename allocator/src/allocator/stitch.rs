@@ -56,6 +56,13 @@ const MAX_DORMANT: usize = 64;
 /// request, or a page: more would lend pages the request does not need.
 const REVIVE_SLACK: u64 = 8;
 
+/// What the free pages of a pool lack to cover a request: `bytes` (0 where stitching is
+/// not the way), and the free blocks whose pages the stitch would take.
+struct Shortfall {
+    bytes: u64,
+    runs: Vec<BlockKey>,
+}
+
 /// One run of free whole pages a new stitch will take: the free block holding it, its
 /// first byte and its bytes.
 #[derive(Clone, Copy, Debug)]
@@ -68,13 +75,18 @@ struct Pick {
 impl State {
     /// Serves `need` from a stitched range, reviving a dormant one or stitching free pages
     /// of its memory pool; `None` if stitching is off, the request is small, or the pool's
-    /// free pages do not cover it. The range is an unlisted free block owned by the
-    /// request's slot, to be handed out whole ([`State::hand_out_whole`]).
+    /// free pages do not cover it. At [`Effort::Light`] only pages that need no device
+    /// wait are taken (the stream's own ready ones), and memory grows for the shortfall only
+    /// within the growth budget; past it, pages of every stream of the pool, the caller's
+    /// stream waiting on the device for their last uses. The range is an unlisted free
+    /// block owned by the request's slot, to be handed out whole
+    /// ([`State::hand_out_whole`]).
     pub(super) fn stitch<B: Backend>(
         &mut self,
         backend: &B,
         need: Need,
         policy: ReusePolicy,
+        effort: Effort,
     ) -> Result<Option<BlockKey>, AllocError> {
         let Some(vmm) = self.growth.expandable() else {
             return Ok(None);
@@ -86,16 +98,30 @@ impl State {
         let memory_pool = self.streams.pool(need.slot);
         // Under PyTorch's policy a block never moves between streams or waits on events:
         // only the stream's own ready pages are stitched.
-        let waits = policy == ReusePolicy::StreamWait;
+        let waits = policy == ReusePolicy::StreamWait && effort != Effort::Light;
         if let Some(index) = self.revivable(need, memory_pool, page, waits) {
             return self.revive(backend, index, need).map(Some);
         }
         for _ in 0..SHORTFALL_TRIES {
-            let shortfall = match self.pick_free_pages(need, memory_pool, page, waits) {
+            let Shortfall {
+                bytes: shortfall,
+                runs,
+            } = match self.pick_free_pages(need, memory_pool, page, waits) {
                 Ok(picks) => return self.make_stitch(backend, need, memory_pool, picks),
-                Err(0) => return Ok(None),
+                Err(shortfall) if shortfall.bytes == 0 => return Ok(None),
                 Err(shortfall) => shortfall,
             };
+            let grown = self.page_rounded(shortfall);
+            match effort {
+                Effort::Light if !self.within_budget(grown) => return Ok(None),
+                Effort::Synchronised if !self.fits_limit(grown) => {
+                    // Make room for the shortfall with free pages the stitch will not take.
+                    let excess =
+                        self.stats.reserved_bytes.current + grown - self.limit.unwrap_or(u64::MAX);
+                    self.unmap_free_pages_upto(backend, excess, Release::Unpinned, &runs)?;
+                }
+                _ => {}
+            }
             // Map only what the pool's free pages lack, then stitch them all: memory grows
             // by the shortfall, not by the request.
             if !self.grow_shortfall(backend, need, shortfall)? {
@@ -168,14 +194,15 @@ impl State {
     /// first (fewest mappings), and for what remains the smallest run that covers it (so a
     /// large run is not cut for a little). If the pool's free pages fall short, the bytes
     /// they lack (0 if there are none at all, or if covering would take more than
-    /// [`MAX_SOURCES`] runs: growing is then the better choice).
+    /// [`MAX_SOURCES`] runs: growing is then the better choice), with the blocks of the runs
+    /// a stitch would take once the shortfall is grown.
     fn pick_free_pages(
         &self,
         need: Need,
         memory_pool: PoolId,
         page: u64,
         waits: bool,
-    ) -> Result<Vec<Pick>, u64> {
+    ) -> Result<Vec<Pick>, Shortfall> {
         let want = need.size.div_ceil(page) * page;
         let mut runs: Vec<Pick> = Vec::new();
         for &index in self.streams.free_slots() {
@@ -210,7 +237,14 @@ impl State {
         // What the largest runs lack (one source is left for the memory grown for it).
         let usable: u64 = runs.iter().take(MAX_SOURCES - 1).map(|run| run.len).sum();
         if usable < want {
-            return Err(if usable > 0 { want - usable } else { 0 });
+            return Err(Shortfall {
+                bytes: if usable > 0 { want - usable } else { 0 },
+                runs: runs
+                    .iter()
+                    .take(MAX_SOURCES - 1)
+                    .map(|run| run.block)
+                    .collect(),
+            });
         }
         let mut picks = Vec::new();
         let mut got = 0;
@@ -233,7 +267,10 @@ impl State {
         if got >= want {
             Ok(picks)
         } else {
-            Err(0)
+            Err(Shortfall {
+                bytes: 0,
+                runs: Vec::new(),
+            })
         }
     }
 
