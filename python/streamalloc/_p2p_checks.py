@@ -177,7 +177,7 @@ def translate_ops(ops, rank: int, world: int, group_rank=None, isend=None, irecv
             raise P2PError(f"op {n} (peer {peer}): the tensor is not contiguous; pass "
                            "t.contiguous() and copy the result back after wait()")
         index = t.get_device()
-        if index != device_index:
+        if index != device_index or (index < 0 and t.device != device):  # cpu vs meta: -1
             if device_index is not None:
                 raise P2PError(f"op {n} (peer {peer}): the tensor is on {t.device}, the "
                                f"first op's is on {device}; use one device")
