@@ -2,6 +2,7 @@
 //! path (completed events, device-side waits, growth, release and retry, out of memory),
 //! in the order of the policy in the parent module's docs.
 
+use super::torch_stats::{counts_split, stat_kind};
 use super::*;
 
 impl State {
@@ -109,6 +110,7 @@ impl State {
         // 6. Return cached memory to the device and grow again.
         if !capturing && self.stats.reserved_bytes.current > self.stats.allocated_bytes.current {
             self.release_cached(backend)?;
+            self.stats.torch.alloc_retries += 1;
             if let Some(key) = self.grow_any(backend, need, capturing)? {
                 self.stats.retries += 1;
                 return Ok(self.hand_out(key, slot, size, requested, now));
@@ -227,8 +229,7 @@ impl State {
             Err(err) if err.out_of_memory => return Ok(None),
             Err(err) => return Err(err.into()),
         };
-        self.stats.reserved_bytes.add(segment_size);
-        self.stats.segment_allocs += 1;
+        self.stats.reserved(pool, segment_size, true);
         self.note(
             backend,
             TraceAction::SegmentAlloc,
@@ -257,27 +258,27 @@ impl State {
         now: u64,
     ) -> Allocation {
         debug_assert_eq!(self.arena.block(key).owner(), slot);
-        let block = self.arena.hand_out(key, slot, requested);
-        let (addr, size) = (block.addr(), block.size());
+        if counts_split(self.arena.block(key)) {
+            let size = self.arena.block(key).size();
+            self.stats.split_out(self.arena.block(key).pool(), size);
+        }
+        let addr = self.arena.hand_out(key, slot, requested).addr();
         debug_assert_eq!(self.allocated.get(&addr), Some(&key));
-        self.account_alloc(addr, size, slot, requested, now)
+        self.account_alloc(key, slot, requested, now)
     }
 
-    /// Counts and traces a block of `size` bytes at `addr` handed to `slot`.
+    /// Counts and traces the block `key`, just handed to `slot`.
     #[inline]
     pub(super) fn account_alloc(
         &mut self,
-        addr: u64,
-        size: u64,
+        key: BlockKey,
         slot: StreamSlot,
         requested: u64,
         now: u64,
     ) -> Allocation {
-        let stats = &mut self.stats;
-        stats.allocated_bytes.add(size);
-        stats.requested_bytes.add(requested);
-        stats.active_bytes.add(size);
-        stats.allocs += 1;
+        let block = self.arena.block(key);
+        let (addr, size, kind) = (block.addr(), block.size(), stat_kind(block));
+        self.stats.handed_out(kind, size, requested);
         if self.trace.enabled() {
             self.trace.push(TraceAction::Alloc, addr, size, slot, now);
         }
@@ -328,10 +329,9 @@ impl State {
         for event in self.arena.take_pending(key) {
             self.events.release(event, &mut self.stats);
         }
-        let block = self.arena.hand_out(key, slot, requested);
-        let (addr, size) = (block.addr(), block.size());
+        let addr = self.arena.hand_out(key, slot, requested).addr();
         self.allocated.insert(addr, key);
-        self.account_alloc(addr, size, slot, requested, now)
+        self.account_alloc(key, slot, requested, now)
     }
 }
 

@@ -29,6 +29,7 @@ mod pools;
 mod release;
 mod report;
 mod stitch;
+mod torch_stats;
 
 pub use pools::PoolBlock;
 use release::Release;
@@ -45,7 +46,7 @@ use crate::pool::size::{
 };
 use crate::pool::stitch::StitchTable;
 use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
-use crate::stats::Stats;
+use crate::stats::{Stats, TorchStats};
 use crate::trace::{CompactRing, TraceAction, NO_STREAM};
 use crate::types::{Allocation, DevicePtr, PoolId, PoolKind, StreamId};
 use crate::util::BuildAddrHasher;
@@ -132,6 +133,9 @@ struct State {
     allocated: HashMap<u64, BlockKey, BuildAddrHasher>,
     /// Counters.
     stats: Stats,
+    /// The pool kind each mapped stretch of the expandable segments counts in, for
+    /// PyTorch's per-kind `reserved_bytes`.
+    mapped_kinds: torch_stats::MappedKinds,
     /// Recent events.
     trace: CompactRing,
     /// Reserved bytes never exceeded (from `memory_limit`, `memory_fraction` or
@@ -230,7 +234,14 @@ impl<B: Backend> Allocator<B> {
             streams: StreamTable::default(),
             events: EventTable::default(),
             allocated: HashMap::default(),
-            stats: Stats::default(),
+            stats: Stats {
+                torch: TorchStats {
+                    max_split_size: config.max_split_size.unwrap_or(u64::MAX),
+                    ..TorchStats::default()
+                },
+                ..Stats::default()
+            },
+            mapped_kinds: torch_stats::MappedKinds::default(),
             trace: CompactRing::new(config.trace_capacity),
             limit,
             growth,
@@ -263,14 +274,26 @@ impl<B: Backend> Allocator<B> {
             return Err(AllocError::InvalidSize(size));
         }
         let now = self.early_now();
-        self.state.lock().malloc(
-            &self.backend,
-            &self.config,
-            size,
-            stream,
-            PoolId::DEFAULT,
-            now,
-        )
+        self.operation(|state| {
+            state.malloc(
+                &self.backend,
+                &self.config,
+                size,
+                stream,
+                PoolId::DEFAULT,
+                now,
+            )
+        })
+    }
+
+    /// Runs `body` on the state under the lock, then applies the net changes it made to
+    /// PyTorch's statistics (one change per operation, as PyTorch counts them).
+    #[inline]
+    fn operation<T>(&self, body: impl FnOnce(&mut State) -> T) -> T {
+        let mut state = self.state.lock();
+        let result = body(&mut state);
+        state.stats.settle();
+        result
     }
 
     /// Allocates at least `size` bytes for use on `stream` from memory pool `pool`, which
@@ -290,11 +313,12 @@ impl<B: Backend> Allocator<B> {
             return Err(AllocError::InvalidSize(size));
         }
         let now = self.early_now();
-        let mut state = self.state.lock();
-        if !state.pools.is_live(pool) {
-            return Err(AllocError::UnknownPool(pool));
-        }
-        state.malloc(&self.backend, &self.config, size, stream, pool, now)
+        self.operation(|state| {
+            if !state.pools.is_live(pool) {
+                return Err(AllocError::UnknownPool(pool));
+            }
+            state.malloc(&self.backend, &self.config, size, stream, pool, now)
+        })
     }
 
     /// The clock's raw ticks, read before taking the lock when tracing (so that the read
@@ -312,7 +336,7 @@ impl<B: Backend> Allocator<B> {
     /// the block is reusable at once by its own stream.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         let now = self.early_now();
-        self.state.lock().free(&self.backend, ptr, now)
+        self.operation(|state| state.free(&self.backend, ptr, now))
     }
 
     /// True if `ptr` is a block this allocator handed out and that is not yet freed.
@@ -329,20 +353,21 @@ impl<B: Backend> Allocator<B> {
     /// Synchronises the device and returns every wholly free segment to it. Idle event
     /// objects are destroyed too. Returns the bytes released.
     pub fn empty_cache(&self) -> Result<u64, AllocError> {
-        Ok(self.state.lock().release_cached(&self.backend)?)
+        Ok(self.operation(|state| state.release_cached(&self.backend))?)
     }
 
     /// Sets (or, with `None`, lifts) the reserved-bytes limit. If more is reserved than the
     /// new limit, cached memory is released; allocated memory is never taken back.
     pub fn set_memory_limit(&self, limit: Option<u64>) -> Result<(), AllocError> {
-        let mut state = self.state.lock();
-        state.limit = limit;
-        if let Some(limit) = limit {
-            if state.stats.reserved_bytes.current > limit {
-                state.release_cached(&self.backend)?;
+        self.operation(|state| {
+            state.limit = limit;
+            if let Some(limit) = limit {
+                if state.stats.reserved_bytes.current > limit {
+                    state.release_cached(&self.backend)?;
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// The limit in force.
@@ -378,14 +403,15 @@ impl<B: Backend> Allocator<B> {
     /// `endAllocateToPool`); the pool keeps its use until released. When no capture is
     /// under way any more, frees deferred during captures get their events.
     pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<(), AllocError> {
-        let mut state = self.state.lock();
-        if !state.pools.end(pool) {
-            return Err(AllocError::UnknownPool(pool));
-        }
-        if !state.pools.capture_underway() {
-            state.complete_deferred_frees(&self.backend)?;
-        }
-        Ok(())
+        self.operation(|state| {
+            if !state.pools.end(pool) {
+                return Err(AllocError::UnknownPool(pool));
+            }
+            if !state.pools.capture_underway() {
+                state.complete_deferred_frees(&self.backend)?;
+            }
+            Ok(())
+        })
     }
 
     /// Drops a use of `pool` (PyTorch's `releasePool`). At zero its memory stops being
@@ -429,9 +455,7 @@ impl<B: Backend> Allocator<B> {
         checkpoint: &[PoolBlock],
     ) -> Result<Vec<DevicePtr>, AllocError> {
         let now = self.early_now();
-        self.state
-            .lock()
-            .restore_pool(&self.backend, pool, checkpoint, now)
+        self.operation(|state| state.restore_pool(&self.backend, pool, checkpoint, now))
     }
 
     /// Synchronises the device and returns `pool`'s wholly free segments (and free
@@ -444,10 +468,7 @@ impl<B: Backend> Allocator<B> {
         } else {
             Release::Pool(pool)
         };
-        Ok(self
-            .state
-            .lock()
-            .release_cached_where(&self.backend, which)?)
+        Ok(self.operation(|state| state.release_cached_where(&self.backend, which))?)
     }
 
     /// The largest free cached block of the default pool (PyTorch's `cacheInfo`, which
@@ -479,13 +500,7 @@ impl<B: Backend> Allocator<B> {
 
     /// Sets every peak to its current value.
     pub fn reset_peak_stats(&self) {
-        let mut state = self.state.lock();
-        let stats = &mut state.stats;
-        stats.allocated_bytes.reset_peak();
-        stats.requested_bytes.reset_peak();
-        stats.reserved_bytes.reset_peak();
-        stats.active_bytes.reset_peak();
-        stats.pending_free_bytes.reset_peak();
+        self.state.lock().stats.reset_peaks();
     }
 
     /// Appends an event to the trace ring on behalf of a component built on the allocator
@@ -498,8 +513,7 @@ impl<B: Backend> Allocator<B> {
 
     /// Segments, blocks, trace, stats and configuration at this instant.
     pub fn snapshot(&self) -> Snapshot {
-        let mut state = self.state.lock();
-        state.snapshot(&self.backend, &self.config)
+        self.operation(|state| state.snapshot(&self.backend, &self.config))
     }
 
     /// Walks every structure and checks the engine's invariants: segments tiled by blocks,

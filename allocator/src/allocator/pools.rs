@@ -98,7 +98,7 @@ impl State {
             let key = self.carve(key, block.ptr.0, block.size);
             self.arena.hand_out(key, slot, block.requested);
             self.allocated.insert(block.ptr.0, key);
-            self.account_alloc(block.ptr.0, block.size, slot, block.requested, now);
+            self.account_alloc(key, slot, block.requested, now);
         }
         Ok(freed)
     }
