@@ -126,6 +126,18 @@ pub enum Op {
 /// The program's user pool.
 pub const USER_POOL: PoolId = PoolId(0, 1);
 
+/// The rule the program's user pool is given when it is made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PoolRule {
+    /// None: it grows as the allocator does.
+    #[default]
+    Plain,
+    /// It grows by whole segments (a pool whose segments come from another allocator).
+    WholeSegments,
+    /// Its blocks are never split (`MemPool(no_split=True)`).
+    NoSplit,
+}
+
 #[derive(Clone, Debug)]
 struct Live {
     ptr: DevicePtr,
@@ -170,6 +182,7 @@ pub struct Harness {
     /// Every range handed out in each pool that has uses, by pool.
     pool_ranges: BTreeMap<PoolId, Vec<(u64, u64)>>,
     check_pool_isolation: bool,
+    user_pool_rule: PoolRule,
 }
 
 impl Harness {
@@ -189,7 +202,14 @@ impl Harness {
             next_graph: 1,
             pool_ranges: BTreeMap::new(),
             check_pool_isolation: true,
+            user_pool_rule: PoolRule::Plain,
         })
+    }
+
+    /// Gives the user pool `rule` when the program makes it.
+    pub fn with_user_pool_rule(mut self, rule: PoolRule) -> Self {
+        self.user_pool_rule = rule;
+        self
     }
 
     /// Stops checking pool isolation, so that a test can show what the race detector
@@ -253,6 +273,14 @@ impl Harness {
                         self.allocator
                             .create_or_incref_pool(USER_POOL)
                             .map_err(|err| format!("step {step}: create pool: {err}"))?;
+                        let rule = match self.user_pool_rule {
+                            PoolRule::Plain => Ok(()),
+                            PoolRule::WholeSegments => {
+                                self.allocator.set_pool_whole_segments(USER_POOL)
+                            }
+                            PoolRule::NoSplit => self.allocator.set_pool_no_split(USER_POOL),
+                        };
+                        rule.map_err(|err| format!("step {step}: pool rule: {err}"))?;
                         self.pool_ranges.insert(USER_POOL, Vec::new());
                     }
                     self.malloc(step, stream, size, duration, USER_POOL)?;

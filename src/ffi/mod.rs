@@ -47,6 +47,7 @@ pub mod fallback;
 pub mod ipc;
 pub mod layout;
 pub mod p2p;
+pub mod pool_rules;
 pub mod pools;
 pub mod stats;
 /// The C ABI's fuzz harness (feature `testing`): not part of the library's API.

@@ -43,6 +43,7 @@ use crate::pool::arena::{Arena, BlockKey, StreamSlot};
 use crate::pool::expandable::ExpandableTable;
 use crate::pool::size::{
     pool_of, round_size, segment_size_for, should_split, MAX_REQUEST, MIN_BLOCK_SIZE,
+    SEGMENT_ROUNDING,
 };
 use crate::pool::stitch::StitchTable;
 use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
@@ -426,6 +427,46 @@ impl<B: Backend> Allocator<B> {
             .pools
             .release(pool)
             .ok_or(AllocError::UnknownPool(pool))
+    }
+
+    /// Makes `pool` grow by whole segments from [`Backend::alloc_segment`] (given back with
+    /// [`Backend::free_segment`]) whatever `expandable_segments` says: what a pool whose
+    /// segments come from another allocator needs (PyTorch's `MemPool(allocator=...)`,
+    /// whose segments its allocator makes whole whatever the default pool does). Set
+    /// before the pool allocates; the pool keeps the rule until it is forgotten.
+    pub fn set_pool_whole_segments(&self, pool: PoolId) -> Result<(), AllocError> {
+        self.set_pool_rule(
+            pool,
+            "growing by whole segments",
+            PoolTable::set_whole_segments,
+        )
+    }
+
+    /// Makes `pool` never split a block (PyTorch's `MemPool(no_split=True)`): each block is
+    /// a whole segment, sized to its request rounded to 2 MiB, handed out whole. Set
+    /// before the pool allocates.
+    pub fn set_pool_no_split(&self, pool: PoolId) -> Result<(), AllocError> {
+        self.set_pool_rule(pool, "no_split", PoolTable::set_no_split)
+    }
+
+    fn set_pool_rule(
+        &self,
+        pool: PoolId,
+        rule: &'static str,
+        set: fn(&mut PoolTable, PoolId),
+    ) -> Result<(), AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("given a rule of its own"));
+        }
+        let mut state = self.state.lock();
+        if !state.pools.is_live(pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        if state.holds_memory(pool) {
+            return Err(AllocError::PoolHoldsMemory { pool, rule });
+        }
+        set(&mut state.pools, pool);
+        Ok(())
     }
 
     /// The use count of `pool`; 0 for a pool that does not exist or was released.

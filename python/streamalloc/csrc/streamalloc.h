@@ -125,11 +125,12 @@ int streamalloc_pool_incref(int device, uint64_t pool_id0, uint64_t pool_id1);
  * remaining use count, or -1 (unknown pool). */
 int streamalloc_pool_release(int device, uint64_t pool_id0, uint64_t pool_id1);
 /* Makes the pool take its segments from another allocator (torch.cuda.MemPool(allocator=
- * ...)): the engine calls alloc(ctx, size, device) for each segment it needs, splits and
- * caches it for this pool only, and calls free(ctx, ptr, size, device) when it releases it
- * (empty_cache of the pool after its last release, or an out-of-memory retry). The pool
- * must not have allocated yet; refused (-1) on a device with expandable segments in effect.
- * alloc and free must stay callable with ctx until every segment is freed. 0, or -1. */
+ * ...)): the engine calls alloc(ctx, size, device) for each segment it needs, whole, with
+ * or without expandable segments for the other pools, splits and caches it for this pool
+ * only, and calls free(ctx, ptr, size, device) when it releases it (empty_cache of the
+ * pool after its last release, or an out-of-memory retry). The pool must not have
+ * allocated yet. alloc and free must stay callable with ctx until every segment is freed.
+ * 0, or -1. */
 int streamalloc_pool_set_segment_source(int device, uint64_t pool_id0, uint64_t pool_id1,
                                         void* (*alloc)(void* ctx, size_t size, int device),
                                         void (*free)(void* ctx, void* ptr, size_t size,
@@ -139,6 +140,10 @@ int streamalloc_pool_set_segment_source(int device, uint64_t pool_id0, uint64_t 
  * find no memory (torch.cuda.MemPool(use_on_oom=True)), or unmarks it. The pool must
  * exist. 0, or -1. */
 int streamalloc_pool_set_use_on_oom(int device, uint64_t pool_id0, uint64_t pool_id1, int on);
+/* Makes the pool never split a block (torch.cuda.MemPool(no_split=True)): each block is a
+ * whole segment of its own, its request rounded to 2 MiB. The pool must exist and not have
+ * allocated yet. 0, or -1. */
+int streamalloc_pool_set_no_split(int device, uint64_t pool_id0, uint64_t pool_id1);
 /* The pool's use count; 0 for a pool that does not exist. */
 int streamalloc_pool_use_count(int device, uint64_t pool_id0, uint64_t pool_id1);
 /* Writes the addresses of the pool's live allocations (up to capacity of them) and

@@ -851,10 +851,10 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
   }
 
   void setNoSplit(DeviceIndex device, MempoolId_t mempool_id) override {
-    dev(device);
-    unsupported(
-        "setNoSplit (torch.cuda.MemPool(no_split=True))",
-        "block splitting is streamalloc's policy and has no per-pool switch");
+    touch(device);
+    if (streamalloc_pool_set_no_split(device, mempool_id.first, mempool_id.second) != 0) {
+      fail("setNoSplit (torch.cuda.MemPool(no_split=True))");
+    }
   }
 
   bool checkPoolLiveAllocations(
