@@ -23,6 +23,7 @@ use std::ffi::{c_int, c_void};
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, RwLock};
+use streamalloc_allocator::backend::ipc::{ExportedMapping, ForeignMapping, IpcBackend, IpcError};
 use streamalloc_allocator::backend::BackendResult;
 use streamalloc_allocator::{Backend, BackendError, DevicePtr, EventHandle, StreamId};
 
@@ -190,6 +191,23 @@ impl<B: Backend> Backend for WithSources<B> {
     }
     fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.inner.unmap_pages(ptr, size)
+    }
+}
+
+/// IPC of the wrapped device's memory: a source's segments are whole segments, shared
+/// with `cudaIpcGetMemHandle` by the door, never through these.
+impl<B: IpcBackend> IpcBackend for WithSources<B> {
+    fn ipc_export(&self, ptr: DevicePtr, size: u64) -> Result<Vec<ExportedMapping>, IpcError> {
+        self.inner.ipc_export(ptr, size)
+    }
+    fn ipc_import(&self, pid: i32, mappings: &[ForeignMapping]) -> Result<DevicePtr, IpcError> {
+        self.inner.ipc_import(pid, mappings)
+    }
+    fn ipc_import_size(&self, ptr: DevicePtr) -> Option<u64> {
+        self.inner.ipc_import_size(ptr)
+    }
+    fn ipc_close(&self, ptr: DevicePtr) -> Result<(), IpcError> {
+        self.inner.ipc_close(ptr)
     }
 }
 

@@ -45,6 +45,7 @@ pub mod error;
 pub mod external;
 pub mod fallback;
 pub mod ipc;
+pub mod ipc_handle;
 pub mod layout;
 pub mod p2p;
 pub mod pool_rules;

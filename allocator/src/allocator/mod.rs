@@ -104,8 +104,8 @@ pub struct AllocationSite {
     /// The memory is mapped through the VMM API: an expandable segment, or a stitched
     /// range.
     pub expandable: bool,
-    /// The allocation is a stitched range (pages of several mappings joined), which CUDA
-    /// IPC cannot share.
+    /// The allocation is a stitched range (pages of several mappings joined): CUDA IPC
+    /// shares its pages ([`Allocator::stitched_pages`]).
     pub stitched: bool,
 }
 
@@ -532,6 +532,24 @@ impl<B: Backend> Allocator<B> {
             expandable: segment.is_expandable() || segment.is_stitched(),
             stitched: segment.is_stitched(),
         })
+    }
+
+    /// The pages of the live stitched allocation at `ptr`, in the order they appear in it:
+    /// runs of whole pages of expandable segments, mapped first there. What CUDA IPC shares
+    /// for it: the stitched range is a second mapping, with no physical allocation of its
+    /// own to export, while each page of a run is one (stitching maps one allocation per
+    /// page). `None` if `ptr` is no live stitched allocation.
+    pub fn stitched_pages(&self, ptr: DevicePtr) -> Option<Vec<(DevicePtr, u64)>> {
+        let state = self.state.lock();
+        let key = state.allocated_key(ptr.0)?;
+        let stitch = state.stitches.active(state.arena.block(key).segment())?;
+        Some(
+            stitch
+                .sources
+                .iter()
+                .map(|source| (DevicePtr(source.addr), source.len))
+                .collect(),
+        )
     }
 
     /// A copy of the counters.

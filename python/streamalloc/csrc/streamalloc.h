@@ -165,20 +165,24 @@ int64_t streamalloc_pool_restore(int device, uint64_t pool_id0, uint64_t pool_id
                                  const streamalloc_pool_block_t* blocks, size_t count,
                                  uint64_t* freed_out, size_t freed_capacity);
 
-/* ---- IPC of expandable-segment memory ---------------------------------------------- */
+/* ---- IPC of mapped memory ---------------------------------------------------------- */
 
 /* Writes the IPC handle of the live allocation at ptr, which lies in an expandable segment
- * (whole segments are shared with cudaIpcGetMemHandle), into out, and the allocation's
- * offset from the first byte the handle opens into *offset. The handle is PyTorch's own
- * expandable-segment format (version 2, type 'e') when every mapping under the allocation
- * has one size, so PyTorch's allocator can open it; otherwise streamalloc's (type 's').
- * Returns the handle's length; if that exceeds capacity nothing is written (call again
- * with more room). -1 on error. */
+ * or a stitched range (whole segments are shared with cudaIpcGetMemHandle), into out, and
+ * the allocation's offset from the first byte the handle opens into *offset. A stitched
+ * range is shared as its pages, in order. The handle is PyTorch's own expandable-segment
+ * format (version 2, type 'e') when every allocation shared has one size, so PyTorch's
+ * allocator can open it; otherwise streamalloc's (type 's'). Returns the handle's length;
+ * if that exceeds capacity nothing is written (call again with more room). -1 on error. */
 int64_t streamalloc_ipc_export(void* ptr, uint8_t* out, size_t capacity, uint64_t* offset);
+/* Writes a failed export's handle (type 'x') carrying message, the sender's reason for not
+ * sharing, into out: the receiver's streamalloc_ipc_open fails with it. Returns the
+ * handle's length (nothing written if it exceeds capacity), or -1. */
+int64_t streamalloc_ipc_failure_handle(const char* message, uint8_t* out, size_t capacity);
 /* Opens a handle of type 'e' (from PyTorch's allocator or streamalloc) or 's' sent by
  * another process, on device: copies the sender's file descriptors (pidfd_getfd; needs
  * ptrace access to the sender) and maps them. Returns the first byte (add the sender's
- * offset), or null. */
+ * offset), or null (for an 'x' handle, with the sender's reason). */
 void* streamalloc_ipc_open(const uint8_t* handle, size_t len, int device);
 /* Synchronises the device and unmaps what streamalloc_ipc_open returned. 0, or -1. */
 int streamalloc_ipc_close(void* base);
