@@ -3,6 +3,7 @@
 #   python3 accept_door.py stats ALLOC OUT.json     # memory_stats() keys, values, reset_accumulated
 #   python3 accept_door.py use_on_oom ALLOC OUT.json  # a MemPool(use_on_oom=True) backs an OOM
 #   python3 accept_door.py nccl ALLOC OUT.json [RANKS]  # NCCL-registered MemPool all_reduce (2 GPUs)
+#   python3 accept_door.py no_split ALLOC OUT.json  # MemPool(no_split=True): a segment per tensor
 #   python3 accept_door.py ipc ALLOC OUT.json       # CUDA IPC of 1 KiB, expandable and stitched
 #                                                   # tensors to spawned and forkserver children
 #   python3 accept_door.py table OUTDIR             # the table of every OUT.json in OUTDIR
@@ -219,6 +220,22 @@ def check_nccl(alloc, ranks="2"):
     return result(ok, fig, ranks=got, conf=os.environ.get("STREAMALLOC_CONF", "(default)"))
 
 
+# ---- MemPool(no_split=True) ----
+
+def check_no_split(alloc):
+    import torch
+    pool = torch.cuda.MemPool(no_split=True)
+    with torch.cuda.use_mem_pool(pool):
+        held = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (4096, 3 * MiB, 3 * MiB)]
+    segments = [s for s in torch.cuda.memory._snapshot()["segments"]
+                if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pool.id)]
+    blocks = [sum(1 for b in s["blocks"] if b["state"] == "active_allocated") for s in segments]
+    ok = len(held) == len(segments) and all(count == 1 for count in blocks)
+    del held
+    return result(ok, f"{len(segments)} segments for 3 tensors, blocks per segment {blocks}",
+                  segments=len(segments), blocks=blocks)
+
+
 # ---- CUDA IPC of every kind of tensor ----
 
 def check_ipc(alloc):
@@ -275,7 +292,7 @@ def table(outdir):
 
 
 CHECKS = {"profile": check_profile, "stats": check_stats, "use_on_oom": check_use_on_oom,
-          "nccl": check_nccl, "ipc": check_ipc}
+          "nccl": check_nccl, "ipc": check_ipc, "no_split": check_no_split}
 
 
 def main():

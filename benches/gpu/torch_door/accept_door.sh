@@ -8,6 +8,7 @@
 #   - an NCCL all_reduce on buffers of a MemPool(ProcessGroupNCCL's mem_allocator)
 #     registered with NCCL, equal to the unregistered one, on 2 and 4 ranks under the
 #     default configuration (skipped where there are fewer GPUs);
+#   - a MemPool(no_split=True): one segment per tensor;
 #   - CUDA IPC of a 1 KiB, an expandable and a stitched tensor to spawned and forkserver
 #     children (benches/gpu/ipc/ipc_check.py);
 #   - memory_stats() after one workload against PyTorch's (stats_compare.py);
@@ -44,6 +45,7 @@ for alloc in native sa_native; do
   run stats "$alloc" 90 &
   wait
   STREAMALLOC_CONF=expandable_segments:false run use_on_oom "$alloc" 90
+  run no_split "$alloc" 90
   # The pool's segments come whole from NCCL's allocator under the default configuration.
   for ranks in 2 4; do
     if [ "$gpus" -ge "$ranks" ]; then
