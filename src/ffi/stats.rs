@@ -230,21 +230,28 @@ enum Field {
     Freed,
 }
 
+/// Reads a `StatArray` of the engine's `TorchStats`.
+type ArrayOf = fn(&TorchStats) -> &StatArray;
+/// Reads a single gauge of the engine's `TorchStats`.
+type GaugeOf = fn(&TorchStats) -> &Gauge;
+/// Reads a count of the engine's counters.
+type CountOf = fn(&Stats) -> u64;
+
 /// Where one of PyTorch's statistics comes from.
 #[derive(Clone, Copy)]
 enum Origin {
     /// A gauge of a `StatArray` (index 0: all, 1: small pool, 2: large pool).
-    Array(fn(&TorchStats) -> &StatArray, usize, Field),
+    Array(ArrayOf, usize, Field),
     /// A single gauge.
-    Gauge(fn(&TorchStats) -> &Gauge, Field),
+    Gauge(GaugeOf, Field),
     /// A count accumulated since the last reset.
-    Count(fn(&Stats) -> u64),
+    Count(CountOf),
     /// `max_split_size`, as it is.
     MaxSplitSize,
 }
 
 /// PyTorch's `StatArray` members, in `DeviceStats`' order.
-const ARRAYS: [(&str, fn(&TorchStats) -> &StatArray); 9] = [
+const ARRAYS: [(&str, ArrayOf); 9] = [
     ("allocation", |t| &t.allocation),
     ("segment", |t| &t.segment),
     ("active", |t| &t.active),
@@ -284,7 +291,7 @@ static TORCH_STATS: LazyLock<Vec<(CString, Origin)>> = LazyLock::new(|| {
             }
         }
     }
-    let gauges: [(&str, fn(&TorchStats) -> &Gauge); 2] = [
+    let gauges: [(&str, GaugeOf); 2] = [
         ("oversize_allocations", |t| &t.oversize_allocations),
         ("oversize_segments", |t| &t.oversize_segments),
     ];
@@ -293,7 +300,7 @@ static TORCH_STATS: LazyLock<Vec<(CString, Origin)>> = LazyLock::new(|| {
             push(format!("{gauge}.{field_name}"), Origin::Gauge(get, field));
         }
     }
-    let counts: [(&str, fn(&Stats) -> u64); 5] = [
+    let counts: [(&str, CountOf); 5] = [
         ("num_alloc_retries", |s| s.torch.alloc_retries),
         ("num_ooms", |s| s.ooms),
         ("num_sync_all_streams", |s| s.device_syncs),
