@@ -154,6 +154,14 @@ pub enum AllocError {
     /// A call the default pool does not take (it always exists and is never released).
     #[error("the default pool cannot be {0}")]
     DefaultPool(&'static str),
+    /// A pool's rules (how it grows, whether it splits) are set before it allocates.
+    #[error("{pool} already holds memory; {rule} must be set before the pool allocates")]
+    PoolHoldsMemory {
+        /// The pool.
+        pool: PoolId,
+        /// The rule asked for.
+        rule: &'static str,
+    },
     /// A pool checkpoint cannot be restored (nothing was changed).
     #[error("cannot restore {pool}: {reason}")]
     Checkpoint {

@@ -83,5 +83,5 @@ pub use backend::Backend;
 pub use config::{Config, ReusePolicy};
 pub use error::{AllocError, BackendError, ConfigError, OutOfMemory};
 pub use snapshot::Snapshot;
-pub use stats::Stats;
+pub use stats::{Gauge, StatArray, Stats, TorchStats};
 pub use types::{Allocation, DevicePtr, EventHandle, PoolId, PoolKind, StreamId};

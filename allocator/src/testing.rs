@@ -126,6 +126,18 @@ pub enum Op {
 /// The program's user pool.
 pub const USER_POOL: PoolId = PoolId(0, 1);
 
+/// The rule the program's user pool is given when it is made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PoolRule {
+    /// None: it grows as the allocator does.
+    #[default]
+    Plain,
+    /// It grows by whole segments (a pool whose segments come from another allocator).
+    WholeSegments,
+    /// Its blocks are never split (`MemPool(no_split=True)`).
+    NoSplit,
+}
+
 #[derive(Clone, Debug)]
 struct Live {
     ptr: DevicePtr,
@@ -173,6 +185,7 @@ pub struct Harness {
     /// Every out-of-memory failure under a limit is checked against
     /// [`Harness::pressure_floor`].
     check_pressure_bound: bool,
+    user_pool_rule: PoolRule,
 }
 
 impl Harness {
@@ -193,7 +206,14 @@ impl Harness {
             pool_ranges: BTreeMap::new(),
             check_pool_isolation: true,
             check_pressure_bound: false,
+            user_pool_rule: PoolRule::Plain,
         })
+    }
+
+    /// Gives the user pool `rule` when the program makes it.
+    pub fn with_user_pool_rule(mut self, rule: PoolRule) -> Self {
+        self.user_pool_rule = rule;
+        self
     }
 
     /// Checks every out-of-memory failure of a malloc made outside a capture against the
@@ -303,6 +323,14 @@ impl Harness {
                         self.allocator
                             .create_or_incref_pool(USER_POOL)
                             .map_err(|err| format!("step {step}: create pool: {err}"))?;
+                        let rule = match self.user_pool_rule {
+                            PoolRule::Plain => Ok(()),
+                            PoolRule::WholeSegments => {
+                                self.allocator.set_pool_whole_segments(USER_POOL)
+                            }
+                            PoolRule::NoSplit => self.allocator.set_pool_no_split(USER_POOL),
+                        };
+                        rule.map_err(|err| format!("step {step}: pool rule: {err}"))?;
                         self.pool_ranges.insert(USER_POOL, Vec::new());
                     }
                     self.malloc(step, stream, size, duration, USER_POOL)?;

@@ -245,6 +245,8 @@ def memory_stats(device=None) -> dict:
     out = _lib.torch_stats(index)
     raw = _lib.stats(index)
     for key, value in raw["stats"].items():
+        if key == "torch":  # PyTorch's view of the same counters: the keys above
+            continue
         if isinstance(value, dict):
             for sub, v in value.items():
                 out[f"streamalloc.{key}.{sub}"] = v

@@ -45,8 +45,10 @@ pub mod error;
 pub mod external;
 pub mod fallback;
 pub mod ipc;
+pub mod ipc_handle;
 pub mod layout;
 pub mod p2p;
+pub mod pool_rules;
 pub mod pools;
 pub mod stats;
 /// The C ABI's fuzz harness (feature `testing`): not part of the library's API.

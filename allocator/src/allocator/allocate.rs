@@ -2,6 +2,7 @@
 //! path (completed events, device-side waits, growth, release and retry, out of memory),
 //! in the order of the policy in the parent module's docs.
 
+use super::torch_stats::{counts_split, stat_kind};
 use super::*;
 
 impl State {
@@ -19,7 +20,7 @@ impl State {
         // Expandable segments serve every size from one pool: a small block among large
         // free ones pins only the pages it touches, and it fills slivers no large request
         // could use (measured: 1.189 → 1.036 on the generated trace; see the README).
-        let pool = if self.growth.expandable().is_some() {
+        let pool = if self.growth.expandable().is_some() && !self.pools.grows_whole(pool_id) {
             PoolKind::Large
         } else {
             pool_of(size)
@@ -157,6 +158,7 @@ impl State {
     ) -> Result<Option<Served>, AllocError> {
         // PyTorch's `num_alloc_retries`: a synchronisation to free memory and try again.
         self.stats.retries += 1;
+        self.stats.torch.alloc_retries += 1;
         self.synchronize(backend)?;
         self.coalesce_across_streams();
         if let Some(key) = self.take_ready(need) {
@@ -169,7 +171,7 @@ impl State {
             return Ok(Some(Served::Stitched(key)));
         }
         // Whole segments have nothing to unmap: they grow again only once released.
-        if self.growth.expandable().is_some() {
+        if self.grows_by_mapping(need) {
             if let Some(key) = self.grow_any(backend, need, false, Effort::Synchronised)? {
                 return Ok(Some(Served::Block(key)));
             }
@@ -267,13 +269,20 @@ impl State {
         capturing: bool,
         effort: Effort,
     ) -> Result<Option<BlockKey>, AllocError> {
-        if self.growth.expandable().is_some() {
+        if self.grows_by_mapping(need) {
             self.grow_expandable(backend, need, capturing, effort)
         } else if effort == Effort::Waiting {
             Ok(None)
         } else {
             self.grow(backend, need.size, need.pool, need.slot)
         }
+    }
+
+    /// True if `need`'s memory pool grows by mapping pages into expandable segments, not by
+    /// whole segments (expandable segments off, or a pool whose memory comes from a
+    /// caller's allocator).
+    pub(super) fn grows_by_mapping(&self, need: Need) -> bool {
+        self.growth.expandable().is_some() && !self.pools.grows_whole(self.streams.pool(need.slot))
     }
 
     /// A new segment for a rounded `size`, unlisted and owned by `slot`; `None` if the limit
@@ -285,7 +294,12 @@ impl State {
         pool: PoolKind,
         slot: StreamSlot,
     ) -> Result<Option<BlockKey>, AllocError> {
-        let segment_size = segment_size_for(size);
+        // A block of a pool that never splits is its whole segment: sized to the request.
+        let segment_size = if self.pools.never_splits(self.streams.pool(slot)) {
+            size.div_ceil(SEGMENT_ROUNDING) * SEGMENT_ROUNDING
+        } else {
+            segment_size_for(size)
+        };
         if let Some(limit) = self.limit {
             if self.stats.reserved_bytes.current + segment_size > limit {
                 return Ok(None);
@@ -296,8 +310,7 @@ impl State {
             Err(err) if err.out_of_memory => return Ok(None),
             Err(err) => return Err(err.into()),
         };
-        self.stats.reserved_bytes.add(segment_size);
-        self.stats.segment_allocs += 1;
+        self.stats.reserved(pool, segment_size, true);
         self.note(
             backend,
             TraceAction::SegmentAlloc,
@@ -326,27 +339,27 @@ impl State {
         now: u64,
     ) -> Allocation {
         debug_assert_eq!(self.arena.block(key).owner(), slot);
-        let block = self.arena.hand_out(key, slot, requested);
-        let (addr, size) = (block.addr(), block.size());
+        if counts_split(self.arena.block(key)) {
+            let size = self.arena.block(key).size();
+            self.stats.split_out(self.arena.block(key).pool(), size);
+        }
+        let addr = self.arena.hand_out(key, slot, requested).addr();
         debug_assert_eq!(self.allocated.get(&addr), Some(&key));
-        self.account_alloc(addr, size, slot, requested, now)
+        self.account_alloc(key, slot, requested, now)
     }
 
-    /// Counts and traces a block of `size` bytes at `addr` handed to `slot`.
+    /// Counts and traces the block `key`, just handed to `slot`.
     #[inline]
     pub(super) fn account_alloc(
         &mut self,
-        addr: u64,
-        size: u64,
+        key: BlockKey,
         slot: StreamSlot,
         requested: u64,
         now: u64,
     ) -> Allocation {
-        let stats = &mut self.stats;
-        stats.allocated_bytes.add(size);
-        stats.requested_bytes.add(requested);
-        stats.active_bytes.add(size);
-        stats.allocs += 1;
+        let block = self.arena.block(key);
+        let (addr, size, kind) = (block.addr(), block.size(), stat_kind(block));
+        self.stats.handed_out(kind, size, requested);
         if self.trace.enabled() {
             self.trace.push(TraceAction::Alloc, addr, size, slot, now);
         }
@@ -374,8 +387,9 @@ impl State {
         // In an expandable segment a free sliver costs no more than the same bytes kept
         // inside the allocation, and may serve a later request: split down to the minimum.
         let mut key = key;
-        if should_split(block_size, size, pool)
-            || (expandable && block_size - size >= MIN_BLOCK_SIZE)
+        if (should_split(block_size, size, pool)
+            || (expandable && block_size - size >= MIN_BLOCK_SIZE))
+            && !self.pools.never_splits(self.streams.pool(slot))
         {
             let at_top = expandable && self.packs_at_top(key);
             let right = self
@@ -397,10 +411,9 @@ impl State {
         for event in self.arena.take_pending(key) {
             self.events.release(event, &mut self.stats);
         }
-        let block = self.arena.hand_out(key, slot, requested);
-        let (addr, size) = (block.addr(), block.size());
+        let addr = self.arena.hand_out(key, slot, requested).addr();
         self.allocated.insert(addr, key);
-        self.account_alloc(addr, size, slot, requested, now)
+        self.account_alloc(key, slot, requested, now)
     }
 }
 

@@ -360,7 +360,7 @@ impl State {
             .live_peak_at_growth
             .max(self.stats.allocated_bytes.current + size);
         self.arena.mark_mapped(mapped, slot);
-        self.stats.reserved_bytes.add(map);
+        self.count_mapped(addr, map, size);
         self.note(backend, TraceAction::SegmentMap, addr, map, slot);
         // Join the caller's free blocks on both sides, not only the one the placement packed
         // against: a mapping that fills its stretch borders both, and `hand_out` lists the
@@ -515,7 +515,7 @@ impl State {
             self.list(tail);
         }
         self.arena.mark_unmapped(middle);
-        self.stats.reserved_bytes.sub(len);
+        self.count_unmapped(start, len);
         self.stats.page_unmap_bytes += len;
         self.note(backend, TraceAction::SegmentUnmap, start, len, owner);
         let vmm = table_in(&mut self.growth);

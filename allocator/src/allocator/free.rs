@@ -1,6 +1,7 @@
 //! Freeing: a block no other stream used goes back to its owner at once (the hot list); one
 //! that other streams used gets one event per stream and waits in its owner's pending list.
 
+use super::torch_stats::stat_kind;
 use super::*;
 
 impl State {
@@ -25,16 +26,13 @@ impl State {
             return self.free_stitched(backend, key, now);
         }
         let (size, requested, owner) = (block.size(), block.requested(), block.owner());
+        let kind = stat_kind(block);
         let uses = self.arena.free(key);
         let park = uses.is_empty() && self.streams.get_mut(owner).hot.admit();
         if !park {
             entry.remove();
         }
-        let stats = &mut self.stats;
-        stats.allocated_bytes.sub(size);
-        stats.requested_bytes.sub(requested);
-        stats.active_bytes.sub(size);
-        stats.frees += 1;
+        self.stats.returned(kind, size, requested);
         if uses.is_empty() {
             // No other stream used it, and an allocated block carries no pending events:
             // ready for its owner at once. The request and its completion are one trace
@@ -59,8 +57,7 @@ impl State {
             // capture: the block waits, out of every list and counted as pending, until
             // the captures end (`complete_deferred_frees`) or the device synchronises.
             self.arena.withhold(key);
-            self.stats.pending_free_bytes.add(size);
-            self.stats.active_bytes.add(size);
+            self.stats.pending_in(kind, size);
             self.deferred_frees.push((key, ptr.0, uses));
             return Ok(());
         }
@@ -103,10 +100,9 @@ impl State {
     pub(super) fn undefer(&mut self, key: BlockKey) {
         let block = self.arena.block(key);
         debug_assert!(self.allocated.get(&block.addr()) != Some(&key));
-        let size = block.size();
+        let (size, kind) = (block.size(), stat_kind(block));
         self.arena.free(key);
-        self.stats.pending_free_bytes.sub(size);
-        self.stats.active_bytes.sub(size);
+        self.stats.pending_out(kind, size);
     }
 
     /// The block handed out at `addr`, if any (hot blocks share the map; see `allocated`).

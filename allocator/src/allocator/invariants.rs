@@ -40,7 +40,9 @@ impl State {
         self.check_events(std::mem::take(&mut tally.event_refs))?;
         self.check_expandable(&tally)?;
         self.check_stitches(&tally)?;
-        self.check_stats(&tally)
+        self.check_stats(&tally)?;
+        self.check_torch_stats()?;
+        self.check_pool_rules()
     }
 
     /// Each block against its state: in its segment's memory pool; unmapped stretches

@@ -46,6 +46,7 @@ mod pools;
 mod release;
 mod report;
 mod stitch;
+mod torch_stats;
 
 pub use pools::PoolBlock;
 use release::Release;
@@ -59,10 +60,11 @@ use crate::pool::arena::{Arena, BlockKey, StreamSlot};
 use crate::pool::expandable::ExpandableTable;
 use crate::pool::size::{
     pool_of, round_size, segment_size_for, should_split, MAX_REQUEST, MIN_BLOCK_SIZE,
+    SEGMENT_ROUNDING,
 };
 use crate::pool::stitch::StitchTable;
 use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
-use crate::stats::Stats;
+use crate::stats::{Stats, TorchStats};
 use crate::trace::{CompactRing, TraceAction, NO_STREAM};
 use crate::types::{Allocation, DevicePtr, PoolId, PoolKind, StreamId};
 use crate::util::BuildAddrHasher;
@@ -119,8 +121,8 @@ pub struct AllocationSite {
     /// The memory is mapped through the VMM API: an expandable segment, or a stitched
     /// range.
     pub expandable: bool,
-    /// The allocation is a stitched range (pages of several mappings joined), which CUDA
-    /// IPC cannot share.
+    /// The allocation is a stitched range (pages of several mappings joined): CUDA IPC
+    /// shares its pages ([`Allocator::stitched_pages`]).
     pub stitched: bool,
 }
 
@@ -149,6 +151,9 @@ struct State {
     allocated: HashMap<u64, BlockKey, BuildAddrHasher>,
     /// Counters.
     stats: Stats,
+    /// The pool kind each mapped stretch of the expandable segments counts in, for
+    /// PyTorch's per-kind `reserved_bytes`.
+    mapped_kinds: torch_stats::MappedKinds,
     /// Recent events.
     trace: CompactRing,
     /// Reserved bytes never exceeded (from `memory_limit`, `memory_fraction` or
@@ -263,7 +268,14 @@ impl<B: Backend> Allocator<B> {
             streams: StreamTable::default(),
             events: EventTable::default(),
             allocated: HashMap::default(),
-            stats: Stats::default(),
+            stats: Stats {
+                torch: TorchStats {
+                    max_split_size: config.max_split_size.unwrap_or(u64::MAX),
+                    ..TorchStats::default()
+                },
+                ..Stats::default()
+            },
+            mapped_kinds: torch_stats::MappedKinds::default(),
             trace: CompactRing::new(config.trace_capacity),
             limit,
             growth,
@@ -296,14 +308,26 @@ impl<B: Backend> Allocator<B> {
             return Err(AllocError::InvalidSize(size));
         }
         let now = self.early_now();
-        self.state.lock().malloc(
-            &self.backend,
-            &self.config,
-            size,
-            stream,
-            PoolId::DEFAULT,
-            now,
-        )
+        self.operation(|state| {
+            state.malloc(
+                &self.backend,
+                &self.config,
+                size,
+                stream,
+                PoolId::DEFAULT,
+                now,
+            )
+        })
+    }
+
+    /// Runs `body` on the state under the lock, then applies the net changes it made to
+    /// PyTorch's statistics (one change per operation, as PyTorch counts them).
+    #[inline]
+    fn operation<T>(&self, body: impl FnOnce(&mut State) -> T) -> T {
+        let mut state = self.state.lock();
+        let result = body(&mut state);
+        state.stats.settle();
+        result
     }
 
     /// Allocates at least `size` bytes for use on `stream` from memory pool `pool`, which
@@ -323,11 +347,12 @@ impl<B: Backend> Allocator<B> {
             return Err(AllocError::InvalidSize(size));
         }
         let now = self.early_now();
-        let mut state = self.state.lock();
-        if !state.pools.is_live(pool) {
-            return Err(AllocError::UnknownPool(pool));
-        }
-        state.malloc(&self.backend, &self.config, size, stream, pool, now)
+        self.operation(|state| {
+            if !state.pools.is_live(pool) {
+                return Err(AllocError::UnknownPool(pool));
+            }
+            state.malloc(&self.backend, &self.config, size, stream, pool, now)
+        })
     }
 
     /// The clock's raw ticks, read before taking the lock when tracing (so that the read
@@ -345,7 +370,7 @@ impl<B: Backend> Allocator<B> {
     /// the block is reusable at once by its own stream.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         let now = self.early_now();
-        self.state.lock().free(&self.backend, ptr, now)
+        self.operation(|state| state.free(&self.backend, ptr, now))
     }
 
     /// True if `ptr` is a block this allocator handed out and that is not yet freed.
@@ -362,30 +387,31 @@ impl<B: Backend> Allocator<B> {
     /// Synchronises the device and returns every wholly free segment to it. Idle event
     /// objects are destroyed too. Returns the bytes released.
     pub fn empty_cache(&self) -> Result<u64, AllocError> {
-        Ok(self.state.lock().release_cached(&self.backend)?)
+        Ok(self.operation(|state| state.release_cached(&self.backend))?)
     }
 
     /// Sets (or, with `None`, lifts) the reserved-bytes limit. If more is reserved than the
     /// new limit, cached memory is released; allocated memory is never taken back.
     pub fn set_memory_limit(&self, limit: Option<u64>) -> Result<(), AllocError> {
-        let mut state = self.state.lock();
-        state.limit = limit;
-        if limit.is_some() {
-            // Pages mapped from now on can go back one by one (those mapped before keep
-            // their pieces).
-            if let Some(vmm) = state.growth.expandable_mut() {
-                if !vmm.page_granular {
-                    vmm.page_granular = true;
-                    self.backend.set_page_allocations(true);
+        self.operation(|state| {
+            state.limit = limit;
+            if limit.is_some() {
+                // Pages mapped from now on can go back one by one (those mapped before keep
+                // their pieces).
+                if let Some(vmm) = state.growth.expandable_mut() {
+                    if !vmm.page_granular {
+                        vmm.page_granular = true;
+                        self.backend.set_page_allocations(true);
+                    }
                 }
             }
-        }
-        if let Some(limit) = limit {
-            if state.stats.reserved_bytes.current > limit {
-                state.release_cached(&self.backend)?;
+            if let Some(limit) = limit {
+                if state.stats.reserved_bytes.current > limit {
+                    state.release_cached(&self.backend)?;
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// The limit in force.
@@ -421,14 +447,15 @@ impl<B: Backend> Allocator<B> {
     /// `endAllocateToPool`); the pool keeps its use until released. When no capture is
     /// under way any more, frees deferred during captures get their events.
     pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<(), AllocError> {
-        let mut state = self.state.lock();
-        if !state.pools.end(pool) {
-            return Err(AllocError::UnknownPool(pool));
-        }
-        if !state.pools.capture_underway() {
-            state.complete_deferred_frees(&self.backend)?;
-        }
-        Ok(())
+        self.operation(|state| {
+            if !state.pools.end(pool) {
+                return Err(AllocError::UnknownPool(pool));
+            }
+            if !state.pools.capture_underway() {
+                state.complete_deferred_frees(&self.backend)?;
+            }
+            Ok(())
+        })
     }
 
     /// Drops a use of `pool` (PyTorch's `releasePool`). At zero its memory stops being
@@ -443,6 +470,46 @@ impl<B: Backend> Allocator<B> {
             .pools
             .release(pool)
             .ok_or(AllocError::UnknownPool(pool))
+    }
+
+    /// Makes `pool` grow by whole segments from [`Backend::alloc_segment`] (given back with
+    /// [`Backend::free_segment`]) whatever `expandable_segments` says: what a pool whose
+    /// segments come from another allocator needs (PyTorch's `MemPool(allocator=...)`,
+    /// whose segments its allocator makes whole whatever the default pool does). Set
+    /// before the pool allocates; the pool keeps the rule until it is forgotten.
+    pub fn set_pool_whole_segments(&self, pool: PoolId) -> Result<(), AllocError> {
+        self.set_pool_rule(
+            pool,
+            "growing by whole segments",
+            PoolTable::set_whole_segments,
+        )
+    }
+
+    /// Makes `pool` never split a block (PyTorch's `MemPool(no_split=True)`): each block is
+    /// a whole segment, sized to its request rounded to 2 MiB, handed out whole. Set
+    /// before the pool allocates.
+    pub fn set_pool_no_split(&self, pool: PoolId) -> Result<(), AllocError> {
+        self.set_pool_rule(pool, "no_split", PoolTable::set_no_split)
+    }
+
+    fn set_pool_rule(
+        &self,
+        pool: PoolId,
+        rule: &'static str,
+        set: fn(&mut PoolTable, PoolId),
+    ) -> Result<(), AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("given a rule of its own"));
+        }
+        let mut state = self.state.lock();
+        if !state.pools.is_live(pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        if state.holds_memory(pool) {
+            return Err(AllocError::PoolHoldsMemory { pool, rule });
+        }
+        set(&mut state.pools, pool);
+        Ok(())
     }
 
     /// The use count of `pool`; 0 for a pool that does not exist or was released.
@@ -472,9 +539,7 @@ impl<B: Backend> Allocator<B> {
         checkpoint: &[PoolBlock],
     ) -> Result<Vec<DevicePtr>, AllocError> {
         let now = self.early_now();
-        self.state
-            .lock()
-            .restore_pool(&self.backend, pool, checkpoint, now)
+        self.operation(|state| state.restore_pool(&self.backend, pool, checkpoint, now))
     }
 
     /// Synchronises the device and returns `pool`'s wholly free segments (and free
@@ -487,10 +552,7 @@ impl<B: Backend> Allocator<B> {
         } else {
             Release::Pool(pool)
         };
-        Ok(self
-            .state
-            .lock()
-            .release_cached_where(&self.backend, which)?)
+        Ok(self.operation(|state| state.release_cached_where(&self.backend, which))?)
     }
 
     /// The largest free cached block of the default pool (PyTorch's `cacheInfo`, which
@@ -515,6 +577,24 @@ impl<B: Backend> Allocator<B> {
         })
     }
 
+    /// The pages of the live stitched allocation at `ptr`, in the order they appear in it:
+    /// runs of whole pages of expandable segments, mapped first there. What CUDA IPC shares
+    /// for it: the stitched range is a second mapping, with no physical allocation of its
+    /// own to export, while each page of a run is one (stitching maps one allocation per
+    /// page). `None` if `ptr` is no live stitched allocation.
+    pub fn stitched_pages(&self, ptr: DevicePtr) -> Option<Vec<(DevicePtr, u64)>> {
+        let state = self.state.lock();
+        let key = state.allocated_key(ptr.0)?;
+        let stitch = state.stitches.active(state.arena.block(key).segment())?;
+        Some(
+            stitch
+                .sources
+                .iter()
+                .map(|source| (DevicePtr(source.addr), source.len))
+                .collect(),
+        )
+    }
+
     /// A copy of the counters.
     pub fn stats(&self) -> Stats {
         self.state.lock().stats
@@ -522,13 +602,7 @@ impl<B: Backend> Allocator<B> {
 
     /// Sets every peak to its current value.
     pub fn reset_peak_stats(&self) {
-        let mut state = self.state.lock();
-        let stats = &mut state.stats;
-        stats.allocated_bytes.reset_peak();
-        stats.requested_bytes.reset_peak();
-        stats.reserved_bytes.reset_peak();
-        stats.active_bytes.reset_peak();
-        stats.pending_free_bytes.reset_peak();
+        self.state.lock().stats.reset_peaks();
     }
 
     /// Appends an event to the trace ring on behalf of a component built on the allocator
@@ -541,8 +615,7 @@ impl<B: Backend> Allocator<B> {
 
     /// Segments, blocks, trace, stats and configuration at this instant.
     pub fn snapshot(&self) -> Snapshot {
-        let mut state = self.state.lock();
-        state.snapshot(&self.backend, &self.config)
+        self.operation(|state| state.snapshot(&self.backend, &self.config))
     }
 
     /// Walks every structure and checks the engine's invariants: segments tiled by blocks,

@@ -52,6 +52,32 @@ impl State {
             .unwrap_or(0)
     }
 
+    /// True if some segment belongs to `pool`.
+    pub(super) fn holds_memory(&self, pool: PoolId) -> bool {
+        self.arena
+            .segments()
+            .any(|(_, seg)| self.streams.pool(seg.stream()) == pool)
+    }
+
+    /// Pools' rules hold: a pool that grows by whole segments has no expandable segment,
+    /// and a pool that never splits has one block per segment.
+    pub(super) fn check_pool_rules(&self) -> Result<(), String> {
+        for (segment, seg) in self.arena.segments() {
+            let pool = self.streams.pool(seg.stream());
+            if self.pools.grows_whole(pool) && (seg.is_expandable() || seg.is_stitched()) {
+                return Err(format!(
+                    "{pool} grows by whole segments but holds expandable segment {segment}"
+                ));
+            }
+            if self.pools.never_splits(pool) && self.arena.block(seg.head()).next().is_some() {
+                return Err(format!(
+                    "{pool} never splits but segment {segment} holds several blocks"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Forgets released pools that no segment belongs to any more.
     pub(super) fn forget_empty_pools(&mut self) {
         if self.pools.len() == 0 {
@@ -98,7 +124,7 @@ impl State {
             let key = self.carve(key, block.ptr.0, block.size);
             self.arena.hand_out(key, slot, block.requested);
             self.allocated.insert(block.ptr.0, key);
-            self.account_alloc(block.ptr.0, block.size, slot, block.requested, now);
+            self.account_alloc(key, slot, block.requested, now);
         }
         Ok(freed)
     }

@@ -54,17 +54,16 @@ impl State {
                     && self.releasable(which, seg.stream())
                     && self.arena.segment_is_free(*segment)
             })
-            .map(|(segment, seg)| (segment, seg.head(), seg.stream()))
+            .map(|(segment, seg)| (segment, seg.head(), seg.stream(), seg.pool()))
             .collect();
         let mut released = reserved_before - self.stats.reserved_bytes.current;
-        for (segment, head, stream) in free_segments {
+        for (segment, head, stream, kind) in free_segments {
             let seg = self.arena.segment(segment);
             let (addr, size) = (seg.addr(), seg.size());
             backend.free_segment(DevicePtr(addr), size)?;
             self.unlist(head);
             self.arena.remove_segment(segment);
-            self.stats.reserved_bytes.sub(size);
-            self.stats.segment_frees += 1;
+            self.stats.released(kind, size, true);
             self.note(backend, TraceAction::SegmentFree, addr, size, stream);
             released += size;
         }
@@ -114,10 +113,10 @@ impl State {
             .map(|(key, _)| key)
             .collect();
         for key in quarantined {
-            let size = self.arena.block(key).size();
+            let block = self.arena.block(key);
+            let (size, kind) = (block.size(), super::torch_stats::stat_kind(block));
             self.arena.free(key);
-            self.stats.allocated_bytes.sub(size);
-            self.stats.active_bytes.sub(size);
+            self.stats.withheld_out(kind, size);
             self.settle_freed(key);
         }
     }

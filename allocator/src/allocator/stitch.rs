@@ -439,10 +439,9 @@ impl State {
         requested: u64,
         now: u64,
     ) -> Allocation {
-        let block = self.arena.hand_out(key, slot, requested);
-        let (addr, size) = (block.addr(), block.size());
+        let addr = self.arena.hand_out(key, slot, requested).addr();
         self.allocated.insert(addr, key);
-        self.account_alloc(addr, size, slot, requested, now)
+        self.account_alloc(key, slot, requested, now)
     }
 
     /// Frees the handed-out stitched block `key`: the counters as for any free, then the
@@ -458,20 +457,16 @@ impl State {
         let block = self.arena.block(key);
         let (addr, size, requested, owner) =
             (block.addr(), block.size(), block.requested(), block.owner());
+        let kind = super::torch_stats::stat_kind(block);
         let uses = self.arena.free(key);
         self.allocated.remove(&addr);
-        let stats = &mut self.stats;
-        stats.allocated_bytes.sub(size);
-        stats.requested_bytes.sub(requested);
-        stats.active_bytes.sub(size);
-        stats.frees += 1;
+        self.stats.returned(kind, size, requested);
         if self.pools.capture_underway() {
             // Recording the range's events now would put them into the capture: it stays
             // allocated to nobody until the captures end (`complete_deferred_frees`).
             self.note(backend, TraceAction::FreeRequested, addr, size, owner);
             self.arena.withhold(key);
-            self.stats.pending_free_bytes.add(size);
-            self.stats.active_bytes.add(size);
+            self.stats.pending_in(kind, size);
             self.deferred_frees.push((key, addr, uses));
             return Ok(());
         }

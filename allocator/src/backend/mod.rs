@@ -14,6 +14,7 @@
 //! - Methods take `&self` and may be called from many threads; the allocator serialises
 //!   its own calls under its lock.
 
+pub mod ipc;
 pub mod sim;
 
 #[cfg(feature = "cuda")]

@@ -58,7 +58,9 @@
 //! recording a graph (launches then execute at once), for tests of the rules alone.
 
 mod clock;
+mod ipc;
 mod shadow;
+mod unmap;
 mod vm;
 
 use self::clock::VectorClock;
@@ -235,6 +237,8 @@ struct SimState {
     mapping_cost_ns: u64,
     /// Panic in the next call of this name (panic injection).
     panic_next: Option<&'static str>,
+    /// Descriptors of exported allocations and imports (CUDA IPC).
+    ipc: ipc::SimIpc,
 }
 
 /// How the message of a panic planted by [`SimBackend::panic_on_next`] begins, so that
@@ -909,68 +913,7 @@ impl Backend for SimBackend {
 
     fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         let mut state = self.call("unmap_pages");
-        let (start, end) = (ptr.0, ptr.0.saturating_add(size));
-        if size == 0 || !start.is_multiple_of(PAGE_SIZE) || !size.is_multiple_of(PAGE_SIZE) {
-            return Err(BackendError::new(
-                "cuMemUnmap",
-                format!("[{start:#x}, {end:#x}) is not page-aligned"),
-            ));
-        }
-        if state.vm.translate(start, end).is_none() {
-            return Err(BackendError::new(
-                "cuMemUnmap",
-                format!("[{start:#x}, {end:#x}) is not wholly mapped"),
-            ));
-        }
-        let Some(whole) = state.vm.whole_mappings(start, end) else {
-            return Err(BackendError::new(
-                "cuMemUnmap",
-                format!("[{start:#x}, {end:#x}) does not cover whole mappings"),
-            ));
-        };
-        let unmapped = state.vm.unmap(&whole, PAGE_SIZE);
-        // No implicit synchronisation: every earlier use through these mappings must be
-        // known complete on the host, and so must every use of pages that go back to the
-        // device, through whichever mapping.
-        let label = format!("unmap_pages [{start:#x}, {end:#x}) (host)");
-        let op = OpRef {
-            op: state.log.len(),
-            stream: usize::MAX,
-            epoch: 0,
-        };
-        state.log.push(label);
-        let host_clock = state.host_clock.clone();
-        let mut races = Vec::new();
-        for piece in &unmapped.released {
-            let physical_end = piece.physical + piece.len;
-            let conflicts = state
-                .shadow
-                .access(piece.physical, physical_end, op, true, |prior| {
-                    host_clock.covers(prior.stream, prior.epoch)
-                });
-            for (prior, from, to) in conflicts {
-                let from = piece.virt + (from.max(piece.physical) - piece.physical);
-                let to = piece.virt + (to.min(physical_end) - piece.physical);
-                races.push((prior.op, (from, to)));
-            }
-            state.shadow.forget(piece.physical, physical_end);
-            state.reserved -= piece.len;
-        }
-        for &(user, from, to) in &unmapped.users {
-            let reported = races.iter().any(|&(earlier, _)| earlier == user.op);
-            if !reported && !host_clock.covers(user.stream, user.epoch) {
-                races.push((user.op, (from, to)));
-            }
-        }
-        for (earlier, range) in races {
-            let race = Race {
-                earlier: state.log[earlier].clone(),
-                later: state.log[op.op].clone(),
-                range,
-                kind: RaceKind::Unordered,
-            };
-            state.races.push(race);
-        }
+        state.unmap_checked(ptr.0, ptr.0.saturating_add(size), "unmap_pages")?;
         self.charge_mapping_call(&mut state);
         Ok(())
     }
