@@ -549,3 +549,29 @@ fn out_of_memory_names_stitched_and_stranded_bytes() {
     }
     allocator.check_invariants().unwrap();
 }
+
+/// A block another stream freed is taken after a wait for its owner's work up to the free
+/// (the fence recorded then), not for what the owner queued since: stream A uses a block
+/// for 1 ms, frees it, then queues 10 ms of unrelated work; stream B's take of the block
+/// lets B's next kernel start after the first millisecond.
+#[test]
+fn a_take_from_another_stream_waits_only_for_the_owners_work_up_to_the_free() {
+    let (device, allocator) = allocator(1 << 30, Config::default());
+    let (a, b) = (device.create_stream(), device.create_stream());
+    let block = allocator.malloc(4 * MIB, a).unwrap();
+    device.launch(a, &[Access::write(block.ptr, 4 * MIB)], 1_000_000, "a uses it");
+    allocator.free(block.ptr).unwrap();
+    device.launch(a, &[], 10_000_000, "a's unrelated work");
+    let taken = allocator.malloc(4 * MIB, b).unwrap();
+    assert_eq!(taken.ptr, block.ptr, "b takes a's free block");
+    device.launch(b, &[Access::write(taken.ptr, 4 * MIB)], 1_000, "b uses it");
+    device.synchronize_stream(b);
+    assert!(device.races().is_empty(), "{:?}", device.races());
+    assert!(
+        device.host_time() < 2_000_000,
+        "b waited until {} ns: for a's later work too",
+        device.host_time()
+    );
+    allocator.free(taken.ptr).unwrap();
+    allocator.check_invariants().unwrap();
+}

@@ -4,6 +4,7 @@
 
 use super::torch_stats::{counts_split, stat_kind};
 use super::*;
+use crate::lifetime::fences::OwnerWork;
 
 impl State {
     #[inline]
@@ -80,6 +81,7 @@ impl State {
         let capturing = self.pools.capture_underway() || backend.is_capturing(stream)?;
         let policy = config.reuse_policy;
         if !capturing {
+            self.record_due_fences(backend);
             // 2. Blocks whose events completed, found by one batched pass.
             let due =
                 policy == ReusePolicy::Pytorch || self.events.outstanding() >= config.event_batch;
@@ -122,6 +124,19 @@ impl State {
         Err(AllocError::OutOfMemory(
             self.out_of_memory(backend, requested, slot),
         ))
+    }
+
+    /// Fences for the streams that freed blocks since their newest one, so that another
+    /// stream taking those blocks later waits for little or nothing (`lifetime::fences`).
+    fn record_due_fences<B: Backend>(&mut self, backend: &B) {
+        for index in 0..self.streams.len() as StreamSlot {
+            if self.streams.get(index).fences.wants_fence() {
+                if let Err(err) = self.record_fence(backend, index) {
+                    tracing::debug!(%err, "fence not recorded");
+                    return;
+                }
+            }
+        }
     }
 
     /// Step 3 of the policy: under the `stream_wait` policy, the best-fitting block of the
@@ -237,17 +252,20 @@ impl State {
             }
         }
         if owner != slot {
-            // One-shot event: once the wait is enqueued it has captured what it needs, so
-            // the object goes straight back to the pool.
-            let handle = self.events.acquire_handle(backend, &mut self.stats)?;
-            let recorded = backend
-                .record_event(handle, self.streams.id(owner))
-                .and_then(|()| backend.stream_wait_event(stream, handle));
-            self.events.recycle_handle(handle);
-            recorded?;
-            self.stats.events_recorded += 1;
-            self.stats.cross_stream_waits += 1;
-            waited = true;
+            // The owner's work up to the free: nothing once a fence covering the free is
+            // seen complete; else that fence; else a fence recorded now, which covers every
+            // block the owner freed so far (`lifetime::fences`).
+            let freed = self.arena.block(key).freed_epoch();
+            let fence = match self.streams.get(owner).fences.work_for(freed) {
+                OwnerWork::Done => None,
+                OwnerWork::Fence(event) => Some(event),
+                OwnerWork::Unfenced => Some(self.record_fence(backend, owner)?),
+            };
+            if let Some(event) = fence {
+                backend.stream_wait_event(stream, self.events.handle(event))?;
+                self.stats.cross_stream_waits += 1;
+                waited = true;
+            }
         }
         if waited {
             let block = self.arena.block(key);

@@ -27,12 +27,17 @@ impl State {
         }
         let (size, requested, owner) = (block.size(), block.requested(), block.owner());
         let kind = stat_kind(block);
-        let uses = self.arena.free(key);
-        let park = uses.is_empty() && self.streams.get_mut(owner).hot.admit();
+        let stream = self.streams.get_mut(owner);
+        let uses = self.arena.free(key, stream.fences.epoch());
+        let fence = stream.fences.note_free();
+        let park = uses.is_empty() && stream.hot.admit();
         if !park {
             entry.remove();
         }
         self.stats.returned(kind, size, requested);
+        if fence && !self.pools.capture_underway() {
+            self.fence_after_free(backend, owner);
+        }
         if uses.is_empty() {
             // No other stream used it, and an allocated block carries no pending events:
             // ready for its owner at once. The request and its completion are one trace
@@ -96,12 +101,36 @@ impl State {
         Ok(())
     }
 
+    /// Records a fence on `slot`'s stream after a free (see `lifetime::fences`). A driver
+    /// error only costs the fence: takers then wait for the stream's work so far.
+    #[cold]
+    fn fence_after_free<B: Backend>(&mut self, backend: &B, slot: StreamSlot) {
+        if let Err(err) = self.record_fence(backend, slot) {
+            tracing::debug!(%err, "fence not recorded");
+        }
+    }
+
+    /// Records a fence on `slot`'s stream now: it covers every block the stream freed so
+    /// far. The fence list holds the event's reference.
+    pub(super) fn record_fence<B: Backend>(
+        &mut self,
+        backend: &B,
+        slot: StreamSlot,
+    ) -> Result<EventKey, BackendError> {
+        let event = self
+            .events
+            .record(backend, slot, self.streams.id(slot), &mut self.stats)?;
+        self.streams.get_mut(slot).fences.push(event);
+        Ok(event)
+    }
+
     /// Takes a deferred block out of its waiting state (free, unlisted, uncounted).
     pub(super) fn undefer(&mut self, key: BlockKey) {
         let block = self.arena.block(key);
         debug_assert!(self.allocated.get(&block.addr()) != Some(&key));
-        let (size, kind) = (block.size(), stat_kind(block));
-        self.arena.free(key);
+        let (size, kind, owner) = (block.size(), stat_kind(block), block.owner());
+        let epoch = self.streams.get(owner).fences.epoch();
+        self.arena.free(key, epoch);
         self.stats.pending_out(kind, size);
     }
 

@@ -202,8 +202,8 @@ impl State {
     /// nothing holds an event that is not outstanding.
     fn check_events(&self, mut event_refs: HashMap<EventKey, u32>) -> Result<(), String> {
         for state in &self.streams.states {
-            for event in &state.in_flight {
-                *event_refs.entry(*event).or_default() += 1;
+            for event in state.in_flight.iter().copied().chain(state.fences.events()) {
+                *event_refs.entry(event).or_default() += 1;
             }
         }
         for stitch in self.stitches.dormant() {

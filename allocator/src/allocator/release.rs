@@ -92,6 +92,10 @@ impl State {
             while let Some(event) = self.streams.states[index].in_flight.pop_front() {
                 self.events.release(event, &mut self.stats);
             }
+            let fences: Vec<EventKey> = self.streams.states[index].fences.synchronised().collect();
+            for event in fences {
+                self.events.release(event, &mut self.stats);
+            }
         }
         self.promote_completed(backend);
         self.release_quarantined();
@@ -115,7 +119,7 @@ impl State {
         for key in quarantined {
             let block = self.arena.block(key);
             let (size, kind) = (block.size(), super::torch_stats::stat_kind(block));
-            self.arena.free(key);
+            self.arena.free(key, 0);
             self.stats.withheld_out(kind, size);
             self.settle_freed(key);
         }
@@ -127,6 +131,7 @@ impl State {
         if self.arena.block(key).is_stitched() {
             self.return_stitch_idle(key);
         } else {
+            self.arena.mark_idle(key);
             self.insert_free(key);
         }
     }
@@ -156,6 +161,8 @@ impl State {
                     self.merge_into(key, next);
                 }
                 if unlisted {
+                    // Merged across owners: idle for every stream after the synchronisation.
+                    self.arena.mark_idle(key);
                     self.list(key);
                 }
                 cursor = self.arena.block(key).next();

@@ -56,6 +56,19 @@ const MAX_DORMANT: usize = 64;
 /// request, or a page: more would lend pages the request does not need.
 const REVIVE_SLACK: u64 = 8;
 
+/// Which free pages a stitch may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pages {
+    /// The requesting stream's own ready pages (PyTorch's policy: blocks never change
+    /// streams).
+    Own,
+    /// Those, and other streams' pages that need no wait: ready, their owner's work up to
+    /// their free seen complete (`lifetime::fences`).
+    NoWait,
+    /// Every free page of the pool, the requesting stream waiting on the device.
+    Any,
+}
+
 /// What the free pages of a pool lack to cover a request: `bytes` (0 where stitching is
 /// not the way), and the free blocks whose pages the stitch would take.
 struct Shortfall {
@@ -98,15 +111,23 @@ impl State {
         let memory_pool = self.streams.pool(need.slot);
         // Under PyTorch's policy a block never moves between streams or waits on events:
         // only the stream's own ready pages are stitched.
-        let waits = policy == ReusePolicy::StreamWait && effort != Effort::Light;
-        if let Some(index) = self.revivable(need, memory_pool, page, waits) {
+        let pages = match (policy, effort) {
+            (ReusePolicy::Pytorch, _) => Pages::Own,
+            (ReusePolicy::StreamWait, Effort::Light) => {
+                // Which of other streams' pages need no wait: fences seen complete.
+                self.complete_fences(backend)?;
+                Pages::NoWait
+            }
+            (ReusePolicy::StreamWait, _) => Pages::Any,
+        };
+        if let Some(index) = self.revivable(need, memory_pool, page, pages) {
             return self.revive(backend, index, need).map(Some);
         }
         for _ in 0..SHORTFALL_TRIES {
             let Shortfall {
                 bytes: shortfall,
                 runs,
-            } = match self.pick_free_pages(need, memory_pool, page, waits) {
+            } = match self.pick_free_pages(need, memory_pool, page, pages) {
                 Ok(picks) => return self.make_stitch(backend, need, memory_pool, picks),
                 Err(shortfall) if shortfall.bytes == 0 => return Ok(None),
                 Err(shortfall) => shortfall,
@@ -155,9 +176,8 @@ impl State {
     }
 
     /// The smallest dormant stitch of `memory_pool` that fits `need` within
-    /// [`REVIVE_SLACK`] and whose pages all lie in free blocks now (ready blocks of
-    /// `need.slot` unless `waits` allows any).
-    fn revivable(&self, need: Need, memory_pool: PoolId, page: u64, waits: bool) -> Option<usize> {
+    /// [`REVIVE_SLACK`] and whose pages all lie in free blocks now that `pages` allows.
+    fn revivable(&self, need: Need, memory_pool: PoolId, page: u64, pages: Pages) -> Option<usize> {
         let slack = (need.size / REVIVE_SLACK).max(page);
         let mut best: Option<(u64, usize)> = None;
         for (index, stitch) in self.stitches.dormant().iter().enumerate() {
@@ -169,15 +189,32 @@ impl State {
                 continue;
             }
             if stitch.sources.iter().all(|source| {
-                self.free_block_over(source).is_some_and(|key| {
-                    let block = self.arena.block(key);
-                    waits || (block.owner() == need.slot && block.pending().is_empty())
-                })
+                self.free_block_over(source)
+                    .is_some_and(|key| self.may_take(key, need.slot, pages))
             }) {
                 best = Some((stitch.size, index));
             }
         }
         best.map(|(_, index)| index)
+    }
+
+    /// True if a stitch for `slot` taking `pages` may take the free block `key`.
+    fn may_take(&self, key: BlockKey, slot: StreamSlot, pages: Pages) -> bool {
+        let block = self.arena.block(key);
+        let own_ready = block.owner() == slot && block.pending().is_empty();
+        match pages {
+            Pages::Own => own_ready,
+            Pages::NoWait => {
+                own_ready
+                    || (block.pending().is_empty()
+                        && self
+                            .streams
+                            .get(block.owner())
+                            .fences
+                            .is_idle(block.freed_epoch()))
+            }
+            Pages::Any => true,
+        }
     }
 
     /// The listed free block that holds all of `source`, if one does.
@@ -201,24 +238,23 @@ impl State {
         need: Need,
         memory_pool: PoolId,
         page: u64,
-        waits: bool,
+        pages: Pages,
     ) -> Result<Vec<Pick>, Shortfall> {
         let want = need.size.div_ceil(page) * page;
         let mut runs: Vec<Pick> = Vec::new();
         for &index in self.streams.free_slots() {
             let state = self.streams.get(index);
-            let own = index == need.slot;
-            if state.pool != memory_pool || !(own || waits) {
+            if state.pool != memory_pool || (pages == Pages::Own && index != need.slot) {
                 continue;
             }
             let lists = [
                 Some(&state.ready[need.pool as usize]),
-                waits.then_some(&state.pending[need.pool as usize]),
+                (pages == Pages::Any).then_some(&state.pending[need.pool as usize]),
             ];
             for list in lists.into_iter().flatten() {
                 for key in list.keys_at_least(page) {
                     let block = self.arena.block(key);
-                    if !block.is_expandable() {
+                    if !block.is_expandable() || !self.may_take(key, need.slot, pages) {
                         continue;
                     }
                     let (addr, len) = whole_pages(block.addr(), block.size(), page);
@@ -458,7 +494,8 @@ impl State {
         let (addr, size, requested, owner) =
             (block.addr(), block.size(), block.requested(), block.owner());
         let kind = super::torch_stats::stat_kind(block);
-        let uses = self.arena.free(key);
+        let epoch = self.streams.get(owner).fences.epoch();
+        let uses = self.arena.free(key, epoch);
         self.allocated.remove(&addr);
         self.stats.returned(kind, size, requested);
         if self.pools.capture_underway() {
@@ -488,6 +525,7 @@ impl State {
         uses: &[StreamSlot],
     ) -> Result<(), BackendError> {
         let owner = self.arena.block(key).owner();
+        let epoch = self.streams.get(owner).fences.epoch();
         let mut last_use = ThinVec::new();
         for &slot in std::iter::once(&owner).chain(uses) {
             match self
@@ -511,7 +549,12 @@ impl State {
                 }
             }
         }
-        self.park_stitch(key, last_use);
+        // The owner's event is a fence too: it covers the range's pages, and every block
+        // the owner freed before, for whichever stream takes them next.
+        let fence = last_use[0];
+        self.events.retain(fence);
+        self.streams.get_mut(owner).fences.push(fence);
+        self.park_stitch(key, last_use, epoch);
         self.evict_idle_stitches(backend)
     }
 
@@ -519,15 +562,15 @@ impl State {
     /// need no events.
     pub(super) fn return_stitch_idle(&mut self, key: BlockKey) {
         let addr = self.arena.block(key).addr();
-        self.park_stitch(key, ThinVec::new());
+        self.park_stitch(key, ThinVec::new(), 0);
         tracing::debug!(addr, "stitched range returned after a synchronisation");
     }
 
     /// Takes the lent blocks of the freed stitched block `key` back as free blocks of its
-    /// owner, pending on `last_use` past its first event (the owner's own, which its stream
-    /// order covers), forgets the range's segment and keeps the stitch dormant with
-    /// `last_use`.
-    fn park_stitch(&mut self, key: BlockKey, last_use: ThinVec<EventKey>) {
+    /// owner, freed in the owner's `epoch` and pending on `last_use` past its first event
+    /// (the owner's own, which its stream order and its fences cover), forgets the range's
+    /// segment and keeps the stitch dormant with `last_use`.
+    fn park_stitch(&mut self, key: BlockKey, last_use: ThinVec<EventKey>, epoch: u32) {
         let (owner, segment) = {
             let block = self.arena.block(key);
             (block.owner(), block.segment())
@@ -538,7 +581,7 @@ impl State {
             .expect("a stitched block's segment has an active stitch");
         let others = last_use.get(1..).unwrap_or(&[]);
         for &lent in &stitch.lent {
-            self.arena.take_back(lent, owner);
+            self.arena.take_back(lent, owner, epoch);
             for &event in others {
                 self.events.retain(event);
                 self.arena.add_pending(lent, event);
