@@ -559,7 +559,12 @@ fn a_take_from_another_stream_waits_only_for_the_owners_work_up_to_the_free() {
     let (device, allocator) = allocator(1 << 30, Config::default());
     let (a, b) = (device.create_stream(), device.create_stream());
     let block = allocator.malloc(4 * MIB, a).unwrap();
-    device.launch(a, &[Access::write(block.ptr, 4 * MIB)], 1_000_000, "a uses it");
+    device.launch(
+        a,
+        &[Access::write(block.ptr, 4 * MIB)],
+        1_000_000,
+        "a uses it",
+    );
     allocator.free(block.ptr).unwrap();
     device.launch(a, &[], 10_000_000, "a's unrelated work");
     let taken = allocator.malloc(4 * MIB, b).unwrap();

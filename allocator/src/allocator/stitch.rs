@@ -45,7 +45,10 @@ const MAX_UNSTITCHED_PAGES: u64 = 1;
 /// maps at least a page; a placement may join a free block already counted).
 const SHORTFALL_TRIES: usize = 8;
 
-/// A stitch maps at most this many runs of pages (each at least one `cuMemMap`).
+/// A stitch maps at most this many runs of pages (each at least one `cuMemMap`), while
+/// memory is not short. Under a memory limit, past the growth budget, a stitch takes as
+/// many runs as covering the request needs: growing instead would cost a synchronisation
+/// to unmap the scattered pages first, every time the peak comes round.
 const MAX_SOURCES: usize = 32;
 
 /// Dormant stitches kept before the least recently freed are unmapped (once their events
@@ -120,6 +123,11 @@ impl State {
             }
             (ReusePolicy::StreamWait, _) => Pages::Any,
         };
+        let max_sources = if effort == Effort::Light || self.limit.is_none() {
+            MAX_SOURCES
+        } else {
+            usize::MAX
+        };
         if let Some(index) = self.revivable(need, memory_pool, page, pages) {
             return self.revive(backend, index, need).map(Some);
         }
@@ -127,12 +135,19 @@ impl State {
             let Shortfall {
                 bytes: shortfall,
                 runs,
-            } = match self.pick_free_pages(need, memory_pool, page, pages) {
+            } = match self.pick_free_pages(need, memory_pool, page, pages, max_sources) {
                 Ok(picks) => return self.make_stitch(backend, need, memory_pool, picks),
                 Err(shortfall) if shortfall.bytes == 0 => return Ok(None),
                 Err(shortfall) => shortfall,
             };
             let grown = self.page_rounded(shortfall);
+            if pages == Pages::Any
+                && !self.fits_limit(grown)
+                && self.join_across_streams(backend, need)?
+            {
+                // Pages shared by free blocks of different streams became whole: pick again.
+                continue;
+            }
             match effort {
                 Effort::Light if !self.within_budget(grown) => return Ok(None),
                 Effort::Synchronised if !self.fits_limit(grown) => {
@@ -150,6 +165,93 @@ impl State {
             }
         }
         Ok(None)
+    }
+
+    /// Joins free blocks of `need`'s memory pool that lie side by side, owned by different
+    /// streams, where their boundary cuts a page: each block of such a run is taken over by
+    /// `need.slot` (its stream waits on the device for the block's events and its former
+    /// owner's work, as for any block of another stream) and the run is merged, so the
+    /// pages it shares become whole and stitching can take them. Used under a limit, where
+    /// growing for what those pages lack would not fit. True if any run was joined.
+    fn join_across_streams<B: Backend>(
+        &mut self,
+        backend: &B,
+        need: Need,
+    ) -> Result<bool, AllocError> {
+        let Some(page) = self.growth.expandable().map(|vmm| vmm.page) else {
+            return Ok(false);
+        };
+        let memory_pool = self.streams.pool(need.slot);
+        let cuts_a_page = |arena: &crate::pool::arena::Arena, key: BlockKey| {
+            let block = arena.block(key);
+            let next = block.next().filter(|&next| {
+                let next = arena.block(next);
+                next.is_free() && next.owner() != block.owner()
+            });
+            next.is_some() && !(block.addr() + block.size()).is_multiple_of(page)
+        };
+        let mut starts = Vec::new();
+        for &index in self.streams.free_slots() {
+            let state = self.streams.get(index);
+            if state.pool != memory_pool {
+                continue;
+            }
+            for list in state.ready.iter().chain(&state.pending) {
+                starts.extend(list.keys().filter(|&key| {
+                    let block = self.arena.block(key);
+                    block.is_expandable()
+                        && cuts_a_page(&self.arena, key)
+                        // The first of its run: the block below does not join it.
+                        && !block.prev().is_some_and(|prev| {
+                            self.arena.block(prev).is_free() && cuts_a_page(&self.arena, prev)
+                        })
+                }));
+            }
+        }
+        let epoch = self.streams.get(need.slot).fences.epoch();
+        for &start in &starts {
+            // A run joined before may have absorbed it (no block is made in between, so a
+            // key absorbed is not reused).
+            if self.arena.get_block(start).is_none() {
+                continue;
+            }
+            self.take_over(backend, start, need.slot, epoch)?;
+            loop {
+                let block = self.arena.block(start);
+                let end = block.addr() + block.size();
+                let Some(next) = block.next() else { break };
+                let neighbour = self.arena.block(next);
+                if !neighbour.is_free() || end.is_multiple_of(page) {
+                    break;
+                }
+                if neighbour.owner() == need.slot && neighbour.pending().is_empty() {
+                    self.unlist(next);
+                } else {
+                    self.take_over(backend, next, need.slot, epoch)?;
+                }
+                self.merge_into(start, next);
+            }
+            self.list(start);
+        }
+        Ok(!starts.is_empty())
+    }
+
+    /// Takes the listed free block `key` out of its list for `slot`, which waits on the
+    /// device for its events and former owner's work: it becomes `slot`'s ready block.
+    fn take_over<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        slot: StreamSlot,
+        epoch: u32,
+    ) -> Result<(), AllocError> {
+        self.unlist(key);
+        self.wait_for_block(backend, key, slot)?;
+        for event in self.arena.take_pending(key) {
+            self.events.release(event, &mut self.stats);
+        }
+        self.arena.adopt(key, slot, epoch);
+        Ok(())
     }
 
     /// Maps at least `shortfall` bytes into `need.slot`'s reservation (mapping only, no
@@ -231,7 +333,7 @@ impl State {
     /// first (fewest mappings), and for what remains the smallest run that covers it (so a
     /// large run is not cut for a little). If the pool's free pages fall short, the bytes
     /// they lack (0 if there are none at all, or if covering would take more than
-    /// [`MAX_SOURCES`] runs: growing is then the better choice), with the blocks of the runs
+    /// `max_sources` runs: growing is then the better choice), with the blocks of the runs
     /// a stitch would take once the shortfall is grown.
     fn pick_free_pages(
         &self,
@@ -239,6 +341,7 @@ impl State {
         memory_pool: PoolId,
         page: u64,
         pages: Pages,
+        max_sources: usize,
     ) -> Result<Vec<Pick>, Shortfall> {
         let want = need.size.div_ceil(page) * page;
         let mut runs: Vec<Pick> = Vec::new();
@@ -271,13 +374,13 @@ impl State {
         // Largest first; among equals, lowest address first, so choices are deterministic.
         runs.sort_unstable_by(|a, b| b.len.cmp(&a.len).then(a.addr.cmp(&b.addr)));
         // What the largest runs lack (one source is left for the memory grown for it).
-        let usable: u64 = runs.iter().take(MAX_SOURCES - 1).map(|run| run.len).sum();
+        let usable: u64 = runs.iter().take(max_sources - 1).map(|run| run.len).sum();
         if usable < want {
             return Err(Shortfall {
                 bytes: if usable > 0 { want - usable } else { 0 },
                 runs: runs
                     .iter()
-                    .take(MAX_SOURCES - 1)
+                    .take(max_sources - 1)
                     .map(|run| run.block)
                     .collect(),
             });
@@ -285,7 +388,7 @@ impl State {
         let mut picks = Vec::new();
         let mut got = 0;
         let mut rest = runs.as_slice();
-        while got < want && picks.len() < MAX_SOURCES {
+        while got < want && picks.len() < max_sources {
             let left = want - got;
             // The smallest run that covers what is left ends the search.
             if let Some(last) = rest.iter().rev().find(|run| run.len >= left) {

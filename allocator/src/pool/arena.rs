@@ -481,6 +481,20 @@ impl Arena {
         block.freed_epoch = epoch;
     }
 
+    /// Gives the free, unlisted block `key`, whose events were settled (its new owner's
+    /// stream waited for them and for its former owner's work), to `owner`, as freed in
+    /// `owner`'s epoch `epoch` (Free → Free).
+    pub(crate) fn adopt(&mut self, key: BlockKey, owner: StreamSlot, epoch: u32) {
+        let block = &mut self.blocks[key];
+        debug_assert!(
+            block.is_free() && block.pending.is_empty(),
+            "adopt: block {key} is {:?} or carries events",
+            block.state
+        );
+        block.owner = owner;
+        block.freed_epoch = epoch;
+    }
+
     /// Marks the free block `key` as idle for every stream (after a device-wide
     /// synchronisation, whoever owned it).
     pub(crate) fn mark_idle(&mut self, key: BlockKey) {
