@@ -57,8 +57,10 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        // Whoever read the output has all they wanted (`| head -1`).
+        Err(cli::CliError::StdoutClosed) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("streamalloc: {err}");
+            cli::out::errln!("streamalloc: {err}");
             ExitCode::from(2)
         }
     }
