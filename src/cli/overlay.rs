@@ -47,8 +47,7 @@ impl ReplayOverlayArgs {
     }
 }
 
-/// Replays `device` of `snapshot` (named `name`) under `config`, prints its figures, and
-/// returns the overlay to draw.
+/// Replays `device` of `snapshot` (named `name`) under `config`: the overlay to draw.
 pub(crate) fn replay_device(
     name: &str,
     snapshot: &Snapshot,
@@ -64,10 +63,19 @@ pub(crate) fn replay_device(
     .map_err(|err| CliError::Message(format!("{what}: the replay failed: {err}")))?;
     shown.finish();
     overlay.config = super::every_config_key(config);
+    Ok(overlay)
+}
+
+/// Prints the figures of `overlay`, the replay of device `device` of `name`.
+pub(crate) fn print_figures(
+    name: &str,
+    device: u32,
+    overlay: &ReplayOverlay,
+) -> Result<(), CliError> {
     let legend = &overlay.legend;
     outln!(
-        "{what}, {} events replayed through streamalloc ({}):",
-        events,
+        "{name} cuda:{device}, {} events replayed through streamalloc ({}):",
+        overlay.events,
         overlay.config
     )?;
     for line in [
@@ -81,7 +89,7 @@ pub(crate) fn replay_device(
             outln!("  {line}")?;
         }
     }
-    Ok(overlay)
+    Ok(())
 }
 
 /// Progress of one device's replays on stderr.

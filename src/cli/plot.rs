@@ -3,7 +3,7 @@
 //! streamalloc's replayed reserved memory drawn over it (see [`super::overlay`]).
 
 use super::out::errln;
-use super::overlay::{replay_device, ReplayOverlayArgs};
+use super::overlay::{print_figures, replay_device, ReplayOverlayArgs};
 use super::CliError;
 use clap::Args;
 use std::path::PathBuf;
@@ -47,7 +47,8 @@ pub(crate) fn run(args: PlotArgs) -> Result<ExitCode, CliError> {
     let config = args.replay.config()?;
     let snapshot = files::load(&args.file)?;
     let name = super::view::display_name(&args.file);
-    let overlay = match (&config, plot::shown_device(&snapshot)) {
+    let shown = plot::shown_device(&snapshot);
+    let overlay = match (&config, shown) {
         (Some(config), Some(device)) => Some(replay_device(&name, &snapshot, device, config)?),
         _ => None,
     };
@@ -61,5 +62,9 @@ pub(crate) fn run(args: PlotArgs) -> Result<ExitCode, CliError> {
         args.file.display(),
         args.output.display()
     );
+    // After the picture, which is what was asked for: a closed stdout loses only these.
+    if let (Some(overlay), Some(device)) = (&overlay, shown) {
+        print_figures(&name, device.device, overlay)?;
+    }
     Ok(ExitCode::SUCCESS)
 }

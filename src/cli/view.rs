@@ -4,7 +4,7 @@
 //! [`super::overlay`]).
 
 use super::out::{errln, outln};
-use super::overlay::{replay_device, ReplayOverlayArgs};
+use super::overlay::{print_figures, replay_device, ReplayOverlayArgs};
 use super::CliError;
 use clap::Args;
 use std::path::{Path, PathBuf};
@@ -62,6 +62,7 @@ pub(crate) fn run(args: ViewArgs) -> Result<ExitCode, CliError> {
             for (d, device) in snapshot.devices.iter().enumerate() {
                 if !device.trace.is_empty() {
                     let overlay = replay_device(name, snapshot, device, config)?;
+                    print_figures(name, device.device, &overlay)?;
                     overlays.push((f, d, overlay));
                 }
             }
