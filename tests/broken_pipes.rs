@@ -192,10 +192,7 @@ fn run_passes_its_programs_output_and_status() {
 /// (1 here without PyTorch, 0 where it builds) nor adds a panic.
 #[test]
 fn build_torch_ext_status_does_not_depend_on_stdout() {
-    let open = cli::streamalloc()
-        .arg("build-torch-ext")
-        .output()
-        .unwrap();
+    let open = cli::streamalloc().arg("build-torch-ext").output().unwrap();
     let closed = with_closed_stdout(&["build-torch-ext"], false);
     let stderr = String::from_utf8_lossy(&closed.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
