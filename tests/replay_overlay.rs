@@ -298,7 +298,10 @@ fn start_view(args: &[&std::ffi::OsStr]) -> (std::process::Child, String, String
     let mut printed = String::new();
     loop {
         let mut line = String::new();
-        assert!(stdout.read_line(&mut line).unwrap() > 0, "{printed}");
+        if stdout.read_line(&mut line).unwrap() == 0 {
+            let status = child.wait().unwrap();
+            panic!("view ended ({status}) before printing its URL: {printed}");
+        }
         printed.push_str(&line);
         if let Some(url) = line.split_whitespace().find(|w| w.starts_with("http://")) {
             return (child, url.to_string(), printed);
