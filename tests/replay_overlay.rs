@@ -284,7 +284,7 @@ fn get(url: &str, path: &str) -> (String, String) {
 }
 
 /// Starts `streamalloc view args --port 0`; returns the child, its URL and what it printed
-/// before.
+/// before (the child is stopped if it prints no URL).
 fn start_view(args: &[&std::ffi::OsStr]) -> (std::process::Child, String, String) {
     let mut child = cli::streamalloc()
         .arg("view")
@@ -296,15 +296,24 @@ fn start_view(args: &[&std::ffi::OsStr]) -> (std::process::Child, String, String
         .unwrap();
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
     let mut printed = String::new();
-    loop {
+    let mut url = None;
+    while url.is_none() {
         let mut line = String::new();
-        if stdout.read_line(&mut line).unwrap() == 0 {
-            let status = child.wait().unwrap();
-            panic!("view ended ({status}) before printing its URL: {printed}");
+        if !matches!(stdout.read_line(&mut line), Ok(n) if n > 0) {
+            break;
         }
         printed.push_str(&line);
-        if let Some(url) = line.split_whitespace().find(|w| w.starts_with("http://")) {
-            return (child, url.to_string(), printed);
+        url = line
+            .split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .map(str::to_string);
+    }
+    match url {
+        Some(url) => (child, url, printed),
+        None => {
+            let _ = child.kill();
+            let status = child.wait();
+            panic!("view ended ({status:?}) before printing its URL: {printed}");
         }
     }
 }
