@@ -116,10 +116,8 @@ fn legend() -> String {
         "               reuses a block the send may still read; the host never stops for them",
         "queries        times the host asked whether a send had finished (cuEventQuery), to",
         "               know whether its block could be reused",
-        &format!(
-            "device ms      simulated GPU time until both streams are done ({MATMUL_MS:.0} ms per \
-             matmul, {SEND_MS:.0} ms per send)"
-        ),
+        "device ms      simulated GPU time until both streams are done",
+        &format!("               ({MATMUL_MS:.0} ms per matmul, {SEND_MS:.0} ms per send)"),
         "races          a block written while another stream still read it (the simulator's",
         "               race detector; any is a bug)",
     ]
