@@ -81,6 +81,18 @@ fn demo_writes_the_sample_trace() {
     );
     let replayed = stdout_of(&["replay", path.to_str().unwrap()]);
     assert!(replayed.contains("sample.pickle.gz"), "{replayed}");
+    // Again: the sample is there already, fine. Over another file: refused, file kept.
+    stdout_of(&["demo", "--write-trace", path.to_str().unwrap()]);
+    let mine = dir.join("my_run.pickle");
+    std::fs::write(&mine, b"my own snapshot").unwrap();
+    let out = cli::streamalloc()
+        .args(["demo", "--write-trace", mine.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("already there"), "{stderr}");
+    assert_eq!(std::fs::read(&mine).unwrap(), b"my own snapshot");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -166,8 +166,30 @@ fn wrap(text: &str, width: usize) -> String {
     out
 }
 
-/// `demo --write-trace PATH`: the sample trace, written whole or not at all.
+/// `demo --write-trace PATH`: the sample trace, written whole or not at all. A file
+/// already there is left alone: kept if it is the sample, refused otherwise (it may be a
+/// snapshot of the user's own).
 fn write_trace(path: &Path) -> Result<ExitCode, CliError> {
+    match std::fs::read(path) {
+        Ok(existing) if existing == SAMPLE_TRACE => {}
+        Ok(_) => {
+            return Err(CliError::Message(format!(
+                "{}: a file is already there; write the sample trace under another name",
+                path.display()
+            )))
+        }
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => write_sample(path)?,
+        Err(err) => return Err(CliError::Message(format!("{}: {err}", path.display()))),
+    }
+    outln!("{}: {SAMPLE_TRACE_ABOUT}", path.display())?;
+    outln!(
+        "try: streamalloc view {0} --replay   (or: streamalloc plot {0} --replay -o replay.svg)",
+        path.display()
+    )?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn write_sample(path: &Path) -> Result<(), CliError> {
     streamalloc_viz::output::write_whole(path, |out| {
         out.write_all(SAMPLE_TRACE)
             .map_err(|source| streamalloc_viz::VizError::Io {
@@ -175,10 +197,5 @@ fn write_trace(path: &Path) -> Result<ExitCode, CliError> {
                 source,
             })
     })?;
-    outln!("{}: {SAMPLE_TRACE_ABOUT}", path.display())?;
-    outln!(
-        "try: streamalloc view {0} --replay   (or: streamalloc plot {0} --replay -o replay.svg)",
-        path.display()
-    )?;
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
