@@ -75,11 +75,12 @@ pub fn replay_overlay(
 ) -> Result<ReplayOverlay, ReplayError> {
     let timeline = Timeline::build(device);
     let recorded = Recorded {
-        by: if snapshot.source == "pytorch" {
-            "PyTorch".to_string()
-        } else {
-            "recorded".to_string()
-        },
+        by: match snapshot.source.as_str() {
+            "pytorch" => "PyTorch",
+            "streamalloc" => "streamalloc",
+            _ => "recorded",
+        }
+        .to_string(),
         peak_reserved: timeline.peak(Counter::Reserved).map_or(0, |(_, v)| v),
         peak_live: timeline.peak(Counter::Active).map_or(0, |(_, v)| v),
         segment_events: device.trace.iter().any(|e| {

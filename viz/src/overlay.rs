@@ -35,7 +35,8 @@ pub struct ReplayOverlay {
     pub recorded_peak_reserved: u64,
     /// Peak live bytes, from the timeline (allocated until `free_completed`).
     pub peak_live: u64,
-    /// The recording allocator's name in the legend: "PyTorch" for PyTorch snapshots.
+    /// The recording allocator's name in the legend: "PyTorch" or "streamalloc", else
+    /// "recorded".
     pub recorded_by: String,
     /// Whether the recorded reserved memory comes from the trace's segment events, rather
     /// than only from the snapshot's segment list (a trace recorded after warm-up).
@@ -222,33 +223,34 @@ impl ReplayOverlay {
     }
 
     fn word_legend(&self) -> Legend {
+        // "PyTorch reserved", "PyTorch's peak"; a recording of unknown origin is "recorded".
+        let (who, whose) = match self.recorded_by.as_str() {
+            "recorded" => ("recorded".to_string(), "the recorded".to_string()),
+            name => (name.to_string(), format!("{name}'s")),
+        };
         let recorded = if self.recorded_segment_events {
             format!(
-                "{} reserved (recorded): peak {}",
-                self.recorded_by,
+                "{who} reserved (recorded): peak {}",
                 gib(self.recorded_peak_reserved as i128)
             )
         } else {
             format!(
-                "{} reserved (the snapshot's segments; the trace records none): {}",
-                self.recorded_by,
+                "{who} reserved (the snapshot's segments; the trace records none): {}",
                 gib(self.recorded_peak_reserved as i128)
             )
         };
         let saving = self.saving_bytes();
         let saving = if saving >= 0 {
             format!(
-                "saving {} ({:.1}%) of {}'s peak reserved",
+                "saving {} ({:.1}%) of {whose} peak reserved",
                 gib(saving),
-                self.saving_percent(),
-                self.recorded_by
+                self.saving_percent()
             )
         } else {
             format!(
-                "streamalloc would reserve {} ({:.1}%) more than {}",
+                "streamalloc would reserve {} ({:.1}%) more than {whose} peak",
                 gib(-saving),
-                -self.saving_percent(),
-                self.recorded_by
+                -self.saving_percent()
             )
         };
         let cap = match (self.cap_searched, self.cap) {
@@ -376,7 +378,7 @@ mod tests {
         o.replayed_peak_reserved = 101 << 30;
         assert_eq!(
             o.word_legend().saving,
-            "streamalloc would reserve 1.00 GiB (1.0%) more than PyTorch"
+            "streamalloc would reserve 1.00 GiB (1.0%) more than PyTorch's peak"
         );
     }
 }

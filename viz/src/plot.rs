@@ -239,11 +239,14 @@ impl Figure {
         let title;
         match options.overlay {
             Some(o) => {
+                let whose = match o.recorded_by.as_str() {
+                    "PyTorch" => "PyTorch's",
+                    _ => "the recorded",
+                };
                 title = format!(
-                    "{name}, cuda:{}: {}'s reserved memory against streamalloc's, replayed on \
-                     the same {} events",
+                    "{name}, cuda:{}: {whose} reserved memory against streamalloc's, replayed \
+                     on the same {} events",
                     device.device,
-                    o.recorded_by,
                     count(n)
                 );
                 let line = |id, label, colour, width, dashed| Line {
