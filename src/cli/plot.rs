@@ -49,8 +49,14 @@ pub(crate) fn run(args: PlotArgs) -> Result<ExitCode, CliError> {
     let name = super::view::display_name(&args.file);
     let shown = plot::shown_device(&snapshot);
     let overlay = match (&config, shown) {
-        (Some(config), Some(device)) => Some(replay_device(&name, &snapshot, device, config)?),
-        _ => None,
+        (Some(config), Some(device)) if !device.trace.is_empty() => {
+            Some(replay_device(&name, &snapshot, device, config)?)
+        }
+        (Some(_), _) => {
+            errln!("streamalloc: {name}: no trace events to replay; plotting without --replay");
+            None
+        }
+        (None, _) => None,
     };
     let options = PlotOptions {
         name: Some(&name),

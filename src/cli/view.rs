@@ -68,6 +68,9 @@ pub(crate) fn run(args: ViewArgs) -> Result<ExitCode, CliError> {
             }
         }
     }
+    if config.is_some() && overlays.is_empty() {
+        errln!("streamalloc: no snapshot has trace events to replay; serving without --replay");
+    }
     let mut viewer = server::Viewer::new(files);
     for (f, d, overlay) in &overlays {
         viewer.set_replay(*f, *d, overlay);
