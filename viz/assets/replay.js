@@ -98,8 +98,13 @@
     async load(f, d) {
       overlay = null;
       columns = null;
-      const resp = await fetch(`/api/replay?f=${f}&d=${d}`);
-      if (resp.ok) overlay = await resp.json();
+      // No overlay (404: view without --replay) or none readable: the timeline as it is.
+      try {
+        const resp = await fetch(`/api/replay?f=${f}&d=${d}`);
+        if (resp.ok) overlay = await resp.json();
+      } catch (err) {
+        overlay = null;
+      }
       renderLegend();
       window.__viz.replay = overlay ? {legend: overlay.legend, drawn: null} : null;
     },

@@ -309,7 +309,7 @@ impl Figure {
                 ));
                 legend.push((
                     Swatch::Text,
-                    format!("peak live {}", fmt_bytes(peak_active as f64)),
+                    format!("peak active (live) {}", fmt_bytes(peak_active as f64)),
                 ));
             }
         }

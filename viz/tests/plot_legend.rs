@@ -60,7 +60,7 @@ fn the_svg_has_a_title_legend_axis_titles_and_labelled_lines() {
         "{entries:?}"
     );
     assert!(
-        entries.iter().any(|e| e.starts_with("peak live ")),
+        entries.iter().any(|e| e.starts_with("peak active (live) ")),
         "{entries:?}"
     );
     assert!(
