@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import warnings
 
 from . import _lib
 
 __all__ = [
-    "InstallError", "install", "installed", "door", "memory_stats", "memory_allocated",
+    "InstallError", "TorchNotFound", "install", "installed", "door", "memory_stats", "memory_allocated",
     "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "reset_peak_memory_stats", "reset_accumulated_memory_stats", "empty_cache", "dump_snapshot",
     "last_error", "raw_stats",
@@ -76,6 +77,26 @@ class InstallError(RuntimeError):
     """streamalloc could not become PyTorch's allocator."""
 
 
+class TorchNotFound(InstallError, ImportError):
+    """PyTorch is not installed in this Python. Also an ``ImportError``, so code that
+    guards ``import torch`` with ``except ImportError`` keeps working."""
+
+
+def _import_torch():
+    """``torch``, or :class:`TorchNotFound` saying in one line how to get it. A PyTorch
+    that is installed but fails to import (a missing dependency of its own) keeps its own
+    error."""
+    try:
+        import torch
+    except ModuleNotFoundError as err:
+        if err.name != "torch":
+            raise
+        raise TorchNotFound(
+            f"streamalloc: PyTorch is not installed for {sys.executable}: pip install torch"
+        ) from None
+    return torch
+
+
 def installed() -> bool:
     """True once :func:`install` succeeded in this process."""
     return _allocator is not None
@@ -107,7 +128,7 @@ def install(
         door = os.environ.get("STREAMALLOC_DOOR") or "auto"
     if door not in DOORS:
         raise ValueError(f"door must be one of {', '.join(DOORS)}, not {door!r}")
-    import torch
+    torch = _import_torch()
 
     _lib.load(path)
     native_unavailable = None
@@ -220,7 +241,7 @@ def _patch_torch(torch) -> None:
 
 
 def _device(device=None) -> int:
-    import torch
+    torch = _import_torch()
 
     if device is None:
         return torch.cuda.current_device()

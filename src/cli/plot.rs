@@ -1,10 +1,14 @@
-//! `streamalloc plot FILE -o timeline.svg|png`: renders the active-memory timeline without
-//! a browser.
+//! `streamalloc plot FILE -o timeline.svg|png [--replay]`: renders the active-memory
+//! timeline without a browser, titled, with a legend and axis titles; with `--replay`,
+//! streamalloc's replayed reserved memory drawn over it (see [`super::overlay`]).
 
+use super::out::errln;
+use super::overlay::{print_figures, replay_device, ReplayOverlayArgs};
 use super::CliError;
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use streamalloc_viz::plot::PlotOptions;
 use streamalloc_viz::{files, plot};
 
 /// Arguments of `streamalloc plot`.
@@ -21,6 +25,8 @@ pub(crate) struct PlotArgs {
     /// Height in pixels.
     #[arg(long, default_value_t = 500)]
     height: usize,
+    #[command(flatten)]
+    replay: ReplayOverlayArgs,
 }
 
 pub(crate) fn run(args: PlotArgs) -> Result<ExitCode, CliError> {
@@ -38,12 +44,33 @@ pub(crate) fn run(args: PlotArgs) -> Result<ExitCode, CliError> {
             plot::MAX_PIXELS
         )));
     }
+    let config = args.replay.config()?;
     let snapshot = files::load(&args.file)?;
-    plot::plot(&snapshot, &args.output, args.width, args.height)?;
-    eprintln!(
+    let name = super::view::display_name(&args.file);
+    let shown = plot::shown_device(&snapshot);
+    let overlay = match (&config, shown) {
+        (Some(config), Some(device)) if !device.trace.is_empty() => {
+            Some(replay_device(&name, &snapshot, device, config)?)
+        }
+        (Some(_), _) => {
+            errln!("streamalloc: {name}: no trace events to replay; plotting without --replay");
+            None
+        }
+        (None, _) => None,
+    };
+    let options = PlotOptions {
+        name: Some(&name),
+        overlay: overlay.as_ref(),
+    };
+    plot::plot_with(&snapshot, &args.output, args.width, args.height, &options)?;
+    errln!(
         "{}: timeline written to {}",
         args.file.display(),
         args.output.display()
     );
+    // After the picture, which is what was asked for: a closed stdout loses only these.
+    if let (Some(overlay), Some(device)) = (&overlay, shown) {
+        print_figures(&name, device.device, overlay)?;
+    }
     Ok(ExitCode::SUCCESS)
 }

@@ -339,7 +339,7 @@ impl Pass {
 /// For each event, true if it is a `free_requested` that no `free_completed` of the same
 /// address follows before the address is allocated again or the trace ends: the block is
 /// then freed at the request.
-fn frees_at_request(events: &[TraceEntry]) -> Vec<bool> {
+pub(crate) fn frees_at_request(events: &[TraceEntry]) -> Vec<bool> {
     let mut at_request = vec![false; events.len()];
     let mut requested: HashMap<u64, usize> = HashMap::new();
     for (index, event) in events.iter().enumerate() {

@@ -14,6 +14,10 @@ const PALETTE = ['#4e79a7', '#f28e2c', '#e15759', '#76b7b2', '#59a14f', '#edc949
 const V = window.__viz = {ready: false, openMs: null, drawMs: null, range: null, drawn: 0,
   error: null, hovered: null};
 
+// Drawings over the timeline from other scripts of the page (replay.js registers one):
+// each has load(file, device), yMax(d, bnd) and draw(ctx, geometry).
+const overlays = window.__vizOverlays || (window.__vizOverlays = []);
+
 let files = [];
 let D = null; // current data
 let C = null; // compare data
@@ -211,6 +215,7 @@ function drawTimeline() {
     cmpRes = columnMax(C, C.reserved, C.init.reserved, cb);
     for (let i = 0; i < W; i++) ymax = Math.max(ymax, cmpAct[i], cmpRes[i]);
   }
+  for (const o of overlays) ymax = Math.max(ymax, o.yMax(d, bnd));
   ymax *= 1.05;
   const bpr = ymax / H; // bytes per pixel row
   const img = ctx.createImageData(W, H);
@@ -275,6 +280,7 @@ function drawTimeline() {
     for (let i = 0; i < W; i++) ctx.lineTo(PAD_L + i + 0.5, yOf(cmpRes[i]));
     ctx.stroke(); ctx.setLineDash([]);
   }
+  for (const o of overlays) o.draw(ctx, {d, bnd, W, H, left: PAD_L, yOf, actMax, resMax});
   // Axes.
   ctx.fillStyle = '#333'; ctx.font = '10px sans-serif'; ctx.textAlign = 'right';
   for (let k = 0; k <= 4; k++) {
@@ -397,10 +403,14 @@ function drawLanes() {
   if (canvas.height !== CH) { canvas.style.height = CH + 'px'; canvas.height = CH; }
   ctx.clearRect(0, 0, CW, CH);
   ctx.font = '10px sans-serif'; ctx.textAlign = 'right';
+  V.laneLabels = [];
   lanes.forEach((lane, k) => {
     const y0 = k * LH;
     ctx.fillStyle = '#f3f3f6'; ctx.fillRect(PAD_L, y0 + 1, W, LH - 2);
-    ctx.fillStyle = '#333'; ctx.fillText(lane.label.slice(0, 18), PAD_L - 4, y0 + LH / 2 + 3);
+    ctx.fillStyle = '#333';
+    const lines = fitLabel(ctx, lane.label, PAD_L - 8);
+    lines.forEach((text, i) => ctx.fillText(text, PAD_L - 4, y0 + LH / 2 + 3 + (i - (lines.length - 1) / 2) * 10));
+    V.laneLabels.push({label: lane.label, lines, width: Math.max(...lines.map(t => ctx.measureText(t).width)), right: PAD_L - 4});
     if (lane.ticks) {
       const tick = (i, colr) => {
         const x = (xOfEvent(d, i) - view.x0) / (view.x1 - view.x0) * W;
@@ -427,6 +437,25 @@ function drawLanes() {
     ctx.fillStyle = '#333'; ctx.fillText(label, PAD_L + W - tw - 5, y0 + 12);
     ctx.textAlign = 'right';
   });
+}
+
+// A lane's label within `max` pixels: whole, else on two lines at its first space, each
+// shortened in the middle (where a stream handle's digits matter least) until it fits.
+function fitLabel(ctx, label, max) {
+  const fits = t => ctx.measureText(t).width <= max;
+  if (fits(label)) return [label];
+  const cut = label.indexOf(' ');
+  const lines = cut > 0 ? [label.slice(0, cut), label.slice(cut + 1)] : [label];
+  return lines.map(t => {
+    let keep = t.length;
+    while (keep > 2 && !fits(shorten(t, keep))) keep--;
+    return shorten(t, keep);
+  });
+}
+function shorten(text, keep) {
+  if (keep >= text.length) return text;
+  const head = Math.ceil((keep - 1) / 2);
+  return text.slice(0, head) + '…' + text.slice(text.length - (keep - 1 - head));
 }
 
 // ---- Segment map and summary at the chosen instant ----
@@ -758,6 +787,7 @@ async function loadSelected(keepDevice) {
   $('status').textContent = `loading ${file.name}…`;
   const t0 = performance.now();
   D = await fetchData(f, di);
+  for (const o of overlays) await o.load(f, di, D);
   computeColours(D);
   view = {x0: domain(D)[0], x1: domain(D)[1]};
   instant = D.h.peak.active ? D.h.peak.active[0] : Math.max(0, D.n - 1);

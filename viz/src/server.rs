@@ -17,9 +17,12 @@
 //!
 //! Routes: `/` (the page), `/app.js`, `/style.css`, `/api/files` (JSON list of the loaded
 //! files and their devices), `/api/data?f=F&d=D` (the [`crate::wire`] blob of file `F`,
-//! device `D`, built once and cached).
+//! device `D`, built once and cached), and for `view --replay` `/replay.js` (the overlay's
+//! drawing) and `/api/replay?f=F&d=D` (the [`crate::overlay`] of file `F`, device `D`, as
+//! JSON; 404 without one).
 
 use crate::model::Snapshot;
+use crate::overlay::ReplayOverlay;
 use serde_json::json;
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -31,6 +34,7 @@ use std::time::{Duration, Instant};
 const INDEX_HTML: &str = include_str!("../assets/index.html");
 const APP_JS: &str = include_str!("../assets/app.js");
 const STYLE_CSS: &str = include_str!("../assets/style.css");
+const REPLAY_JS: &str = include_str!("../assets/replay.js");
 
 /// An encoded response body, shared between requests.
 type Blob = Arc<Vec<u8>>;
@@ -42,6 +46,8 @@ pub struct Viewer {
     files: Vec<(String, Snapshot)>,
     /// Encoded blobs by `(file, device position)`.
     cache: Mutex<HashMap<(usize, usize), Blob>>,
+    /// Replay overlays as JSON, by `(file, device position)`.
+    replays: HashMap<(usize, usize), Blob>,
 }
 
 impl Viewer {
@@ -50,7 +56,14 @@ impl Viewer {
         Viewer {
             files,
             cache: Mutex::new(HashMap::new()),
+            replays: HashMap::new(),
         }
+    }
+
+    /// Shows `overlay` over device position `device` of file `file`.
+    pub fn set_replay(&mut self, file: usize, device: usize, overlay: &ReplayOverlay) {
+        let json = serde_json::to_vec(overlay).unwrap_or_default();
+        self.replays.insert((file, device), Arc::new(json));
     }
 
     fn files_json(&self) -> String {
@@ -99,6 +112,15 @@ impl Viewer {
             "/" | "/index.html" => (200, "text/html; charset=utf-8", text(INDEX_HTML)),
             "/app.js" => (200, "text/javascript; charset=utf-8", text(APP_JS)),
             "/style.css" => (200, "text/css; charset=utf-8", text(STYLE_CSS)),
+            "/replay.js" => (200, "text/javascript; charset=utf-8", text(REPLAY_JS)),
+            "/api/replay" => match file_and_device(query).and_then(|k| self.replays.get(&k)) {
+                Some(json) => (200, "application/json", json.clone()),
+                None => (
+                    404,
+                    "text/plain",
+                    text("no replay for this file and device\n"),
+                ),
+            },
             "/api/files" => (200, "application/json", text(&self.files_json())),
             "/api/data" => {
                 let mut f = None;
@@ -118,6 +140,19 @@ impl Viewer {
             _ => (404, "text/plain", text("not found\n")),
         }
     }
+}
+
+/// The `f` and `d` of a query (`f=0&d=1`).
+fn file_and_device(query: &str) -> Option<(usize, usize)> {
+    let (mut f, mut d) = (None, None);
+    for kv in query.split('&') {
+        match kv.split_once('=') {
+            Some(("f", v)) => f = v.parse().ok(),
+            Some(("d", v)) => d = v.parse().ok(),
+            _ => {}
+        }
+    }
+    f.zip(d)
 }
 
 /// Binds `127.0.0.1:port` (0: any free port).
