@@ -14,7 +14,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use streamalloc::replay::{load_traces, replay_steps, LoadedTrace, ReplayReport};
+use streamalloc::replay::{
+    cap_bytes, load_traces, peak_live_bytes, replay_steps, LoadedTrace, ReplayReport,
+};
 use streamalloc_allocator::Config;
 
 /// What `replay --help` says each figure means.
@@ -45,7 +47,8 @@ Under each row:
                             maps there mean the allocator still remaps in a steady state
   frees ... ignored         frees of blocks allocated before recording began
 
-The configuration line lists every key (STREAMALLOC_CONF or --conf over the defaults).";
+The configuration line lists every key (STREAMALLOC_CONF or --conf over the defaults);
+with --limit-ratio R, each trace's memory_limit is R times its own peak live bytes.";
 
 /// Arguments of `streamalloc replay`.
 #[derive(Args, Debug)]
@@ -64,6 +67,23 @@ pub(crate) struct ReplayArgs {
     /// see the steady state (the last step's page maps, unmaps and syncs are printed).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
     steps: u32,
+    /// Replay each trace under a memory limit of R times its peak live bytes (its own
+    /// figure, read before replaying), replacing any `memory_limit` of the configuration:
+    /// a row per trace that completes, or a line naming the event where it ran out of
+    /// memory. Exits 1 if any trace does not complete.
+    #[arg(long, value_name = "R", value_parser = parse_limit_ratio)]
+    limit_ratio: Option<f64>,
+}
+
+/// A `--limit-ratio`: a finite number of at least 1 (below 1 no trace can complete).
+fn parse_limit_ratio(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(ratio) if ratio.is_finite() && ratio >= 1.0 && ratio <= 1e6 => Ok(ratio),
+        Ok(_) => Err(format!(
+            "{text} is not a ratio from 1 to 1000000 (times peak live)"
+        )),
+        Err(_) => Err(format!("{text} is not a number")),
+    }
 }
 
 /// Traces with at least this many events get a progress bar (on a terminal).
@@ -108,6 +128,9 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
     let table = Table::new(traces.iter().map(|t| t.name.as_str()));
     if !args.json && !traces.is_empty() {
         outln!("configuration: {}", super::every_config_key(&config))?;
+        if let Some(ratio) = args.limit_ratio {
+            outln!("memory_limit: {ratio} x each trace's own peak live bytes")?;
+        }
         outln!("{}", table.header())?;
     }
     let mut failed = false;
@@ -118,14 +141,32 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
                 bar.set_position(done as u64);
             }
         };
-        let result = replay_steps(&trace.entries, &config, args.steps as usize, &mut progress);
+        let capped;
+        let config = match args.limit_ratio {
+            Some(ratio) => {
+                let limit = cap_bytes(peak_live_bytes(&trace.entries), ratio).max(1);
+                capped = Config {
+                    memory_limit: Some(limit),
+                    ..config.clone()
+                };
+                &capped
+            }
+            None => &config,
+        };
+        let result = replay_steps(&trace.entries, config, args.steps as usize, &mut progress);
         if let Some(bar) = bar {
             bar.finish_and_clear();
         }
         let report = match result {
             Ok(report) => report,
             Err(err) => {
-                errln!("streamalloc replay: {}: {err}", trace.name);
+                match args.limit_ratio {
+                    Some(ratio) => errln!(
+                        "streamalloc replay: {}: does not complete under {ratio} x peak live: {err}",
+                        trace.name
+                    ),
+                    None => errln!("streamalloc replay: {}: {err}", trace.name),
+                }
                 failed = true;
                 continue;
             }
@@ -136,7 +177,7 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
                 report: &report,
                 ratio: report.ratio(),
                 native_ratio: report.native_ratio(),
-                config: super::every_config_key(&config),
+                config: super::every_config_key(config),
             };
             let line = serde_json::to_string(&row).map_err(|e| CliError::Message(e.to_string()))?;
             outln!("{line}")?;
