@@ -78,7 +78,7 @@ pub(crate) struct ReplayArgs {
 /// A `--limit-ratio`: a finite number of at least 1 (below 1 no trace can complete).
 fn parse_limit_ratio(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
-        Ok(ratio) if ratio.is_finite() && ratio >= 1.0 && ratio <= 1e6 => Ok(ratio),
+        Ok(ratio) if (1.0..=1e6).contains(&ratio) => Ok(ratio),
         Ok(_) => Err(format!(
             "{text} is not a ratio from 1 to 1000000 (times peak live)"
         )),
