@@ -104,4 +104,12 @@ pub struct Stats {
     pub stitch_revivals: u64,
     /// Stitched ranges unmapped.
     pub stitch_evictions: u64,
+    /// Bytes of device memory that sleeping memory pools gave back, their addresses kept
+    /// (not part of `reserved_bytes`; see `Allocator::sleep`).
+    #[serde(default)]
+    pub sleeping_bytes: u64,
+    /// Bytes of page-locked host memory held for sleeping pools' backups (kept between
+    /// sleeps).
+    #[serde(default)]
+    pub host_backup_bytes: u64,
 }

@@ -45,10 +45,13 @@ mod invariants;
 mod pools;
 mod release;
 mod report;
+mod sleep;
 mod stitch;
+mod wake;
 
 pub use pools::PoolBlock;
 use release::Release;
+pub use sleep::{Backup, SleepReport, TagInfo, WakeReport};
 
 use crate::backend::Backend;
 use crate::config::{Config, ReusePolicy};
@@ -60,6 +63,7 @@ use crate::pool::expandable::ExpandableTable;
 use crate::pool::size::{
     pool_of, round_size, segment_size_for, should_split, MAX_REQUEST, MIN_BLOCK_SIZE,
 };
+use crate::pool::sleep::TagTable;
 use crate::pool::stitch::StitchTable;
 use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 use crate::stats::Stats;
@@ -171,6 +175,8 @@ struct State {
     /// events: recording them then would put the events into the capture, so the blocks
     /// stay allocated to nobody, with their address and uses, until the last capture ends.
     deferred_frees: Vec<(BlockKey, u64, thin_vec::ThinVec<StreamSlot>)>,
+    /// Tagged memory pools, and what the sleeping ones gave back (`sleep`).
+    tags: TagTable,
 }
 
 /// How far a step of the policy may go to find memory (see the module docs): each level
@@ -272,6 +278,7 @@ impl<B: Backend> Allocator<B> {
             stitches: StitchTable::default(),
             pools: PoolTable::default(),
             deferred_frees: Vec::new(),
+            tags: TagTable::default(),
         };
         Ok(Self {
             backend,
@@ -326,6 +333,10 @@ impl<B: Backend> Allocator<B> {
         let mut state = self.state.lock();
         if !state.pools.is_live(pool) {
             return Err(AllocError::UnknownPool(pool));
+        }
+        if let Some(tag) = state.tags.asleep(pool) {
+            let tag = tag.name.clone();
+            return Err(AllocError::PoolAsleep { tag, size });
         }
         state.malloc(&self.backend, &self.config, size, stream, pool, now)
     }

@@ -105,6 +105,11 @@ impl State {
                 mempool: self.streams.pool(seg.stream()),
                 expandable: seg.is_expandable(),
                 stream: self.streams.id(seg.stream()),
+                tag: self
+                    .tags
+                    .get(self.streams.pool(seg.stream()))
+                    .map(|tag| tag.name.clone()),
+                asleep: self.tags.asleep(self.streams.pool(seg.stream())).is_some(),
                 blocks: self
                     .arena
                     .segment_blocks(segment)
