@@ -207,12 +207,15 @@ struct Live {
     shared: bool,
 }
 
+/// What a block holds: `(offset, len, version)` runs (`SimBackend::contents`).
+type Held = Vec<(u64, u64, u64)>;
+
 /// What a tag was put to sleep with.
 #[derive(Debug)]
 struct Asleep {
     backup: bool,
     /// What each live block held, by address.
-    contents: Vec<(DevicePtr, u64, Vec<(u64, u64, u64)>)>,
+    contents: Vec<(DevicePtr, u64, Held)>,
     released: u64,
 }
 
