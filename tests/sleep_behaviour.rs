@@ -357,3 +357,46 @@ fn freeing_a_sleeping_block_is_bookkeeping_and_snapshots_show_sleeping_segments(
     assert!(device.races().is_empty(), "{:?}", device.races());
     allocator.check_invariants().unwrap();
 }
+
+#[test]
+fn our_json_and_the_viewer_show_sleeping_ranges_and_pytorchs_format_leaves_them_out() {
+    use streamalloc_viz::model::from_engine;
+    use streamalloc_viz::timeline::{Counter, Timeline};
+    let (device, allocator, stream) = setup(Config::default());
+    let block = written(&device, &allocator, stream, KV, 6 * MIB);
+    let report = allocator.sleep(&["kv_cache"], Backup::None).unwrap();
+    let ours = from_engine(&allocator.snapshot());
+    let json = serde_json::to_value(&ours).unwrap();
+    let segment = &json["devices"][0]["segments"][0];
+    assert_eq!(
+        (&segment["asleep"], &segment["tag"]),
+        (&true.into(), &"kv_cache".into())
+    );
+    let timeline = Timeline::build(&ours.devices[0]);
+    let last = ours.devices[0].trace.len() as u32;
+    let sleeping = timeline.sleeping_at(last);
+    assert_eq!(
+        sleeping.iter().map(|&(_, size)| size).sum::<u64>(),
+        report.released
+    );
+    assert!(sleeping
+        .iter()
+        .any(|&(at, size)| at <= block.ptr.0 && block.ptr.0 < at + size));
+    assert_eq!(
+        timeline.counters[Counter::Reserved as usize]
+            .last()
+            .copied(),
+        Some(allocator.stats().reserved_bytes.current),
+        "the viewer's reserved line falls with the sleep"
+    );
+    let encoded = streamalloc_viz::wire::encode_device(&ours, &ours.devices[0]);
+    let header_len = u32::from_le_bytes(encoded[..4].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&encoded[4..4 + header_len]).unwrap();
+    assert_eq!(header["sleeping"], sleeping.len());
+    assert!(header["columns"]["sl_start"].is_object());
+    let pytorch = streamalloc_viz::pytorch::to_torch(&ours);
+    assert!(
+        pytorch.segments.is_empty(),
+        "PyTorch's segments are reserved memory only"
+    );
+}
