@@ -25,10 +25,10 @@ pub const MAX_TAG_LEN: usize = 256;
 /// (~10 µs at 25 GB/s), so joining them makes fewer, larger copies for no loss.
 pub(crate) const BACKUP_GAP: u64 = 256 << 10;
 
-/// Waking maps contiguous pages in physical allocations of at most this many bytes: one
-/// driver call to make and one to release each, whatever the size (a 2 MiB page costs
-/// ~60 µs to map and ~45 µs to unmap on an H100, a large allocation ~2 µs per 2 MiB), so
-/// 40 GiB take 40 allocations rather than 20,480 pages.
+/// Waking maps contiguous pages in physical allocations of at most this many bytes: the
+/// driver's cost is per allocation far more than per byte (a 2 MiB page ~60 µs to create,
+/// map and grant access to and ~45 µs to unmap and release on an H100; a 512 MiB allocation
+/// ~2 µs per 2 MiB for all of it on an H200), so 40 GiB take 40 allocations, not 20,480.
 pub(crate) const WAKE_PIECE: u64 = 1 << 30;
 
 /// One contiguous stretch of live blocks' bytes and where it waits in the host buffer.
