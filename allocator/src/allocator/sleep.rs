@@ -9,9 +9,9 @@
 //!
 //! - **Sleep.** Refuse first, changing nothing (unknown or sleeping tag, a capture under
 //!   way, whole segments or stitched ranges in the pool). Then record an event on every
-//!   stream that may still touch the pool (its streams, the streams recorded on its live
-//!   blocks, the pending events of its free blocks) and wait for them on the host, once
-//!   each: the rest of the device runs on. With a backup, copy each run of live blocks to
+//!   stream that may still touch the pool (its blocks' owners, the streams recorded on its
+//!   live blocks, the pending events of its free blocks) and wait for them on the host,
+//!   once each: the rest of the device runs on. With a backup, copy each run of live blocks to
 //!   a page-locked host buffer (one copy per run, joined over small free gaps; the buffer
 //!   is kept for the next sleep) and wait for the copies. Then unmap every mapping of the
 //!   pool's segments: their memory goes back to the device, `reserved_bytes` falls and
@@ -308,10 +308,10 @@ impl State {
     }
 
     /// Waits on the host for every stream that may still touch `pools`' memory: one event
-    /// recorded on each stream of the pools and each stream recorded on their live blocks,
-    /// then one host wait per event, and the pending events of their free blocks and of
-    /// their dormant stitched ranges, which are then marked complete (and the stitches
-    /// unmapped). The rest of the device is not waited for.
+    /// recorded on each stream that owns a block of the pools and each stream recorded on
+    /// their live blocks, then one host wait per event, and the pending events of their free
+    /// blocks and of their dormant stitched ranges, which are then marked complete (and the
+    /// stitches unmapped). The rest of the device is not waited for.
     fn wait_for_pools<B: Backend>(
         &mut self,
         backend: &B,
@@ -324,14 +324,14 @@ impl State {
                 streams.push(id);
             }
         };
-        for state in &self.streams.states {
-            if pools.contains(&state.pool) {
-                add(&mut streams, state.id);
-            }
-        }
         for &pool in pools {
             for segment in self.pool_segments(pool) {
                 for (_, block) in self.arena.segment_blocks(segment) {
+                    // Its owner's work on it, and its other users' (a stream that holds no
+                    // block of the pool any more may be gone: it is not asked).
+                    if !block.is_unmapped() {
+                        add(&mut streams, self.streams.id(block.owner()));
+                    }
                     for &slot in block.uses() {
                         add(&mut streams, self.streams.id(slot));
                     }
