@@ -400,3 +400,27 @@ fn our_json_and_the_viewer_show_sleeping_ranges_and_pytorchs_format_leaves_them_
         "PyTorch's segments are reserved memory only"
     );
 }
+
+#[test]
+fn a_pool_released_while_asleep_keeps_its_addresses_until_woken_and_then_goes_back() {
+    let (device, allocator, stream) = setup(Config::default());
+    let block = written(&device, &allocator, stream, KV, 12 * MIB);
+    allocator.sleep(&["kv_cache"], Backup::Host).unwrap();
+    // The program drops its MemPool: the pool has no use left, its block is still live.
+    assert_eq!(allocator.release_pool(KV), Ok(0));
+    allocator.empty_cache().unwrap();
+    assert!(allocator.owns(block.ptr));
+    allocator.check_invariants().unwrap();
+    allocator.wake(&["kv_cache"]).unwrap();
+    assert!(device.contents(block.ptr, block.size).is_some());
+    allocator.free(block.ptr).unwrap();
+    allocator.release_host_backup(&["kv_cache"]).unwrap();
+    allocator.empty_cache().unwrap();
+    assert_eq!(
+        device.mapped(),
+        0,
+        "released, freed and emptied: nothing left"
+    );
+    assert!(device.races().is_empty(), "{:?}", device.races());
+    allocator.check_invariants().unwrap();
+}
