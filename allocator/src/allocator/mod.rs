@@ -34,7 +34,8 @@
 //! (`tests/pressure_properties.rs` states it).
 //!
 //! Every step looks only at blocks of the request's memory pool (`pools`): a slot is a
-//! stream in one pool, and step 3 considers only slots of the same pool.
+//! stream in one pool, and step 3 considers only slots of the same pool. A pool whose tag
+//! is asleep refuses requests before step 1; a tagged pool is never stitched (`sleep`).
 
 mod allocate;
 mod completion;
