@@ -242,6 +242,14 @@ pub struct Stats {
     /// written before it was kept (then zeros).
     #[serde(default)]
     pub torch: TorchStats,
+    /// Bytes of device memory that sleeping memory pools gave back, their addresses kept
+    /// (not part of `reserved_bytes`; see `Allocator::sleep`).
+    #[serde(default)]
+    pub sleeping_bytes: u64,
+    /// Bytes of page-locked host memory held for sleeping pools' backups (kept between
+    /// sleeps).
+    #[serde(default)]
+    pub host_backup_bytes: u64,
 }
 
 /// How the engine tells its counters what happened: each call updates the engine's own

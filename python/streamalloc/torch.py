@@ -5,6 +5,10 @@
     ...
     torch.cuda.memory_stats()         # answered by streamalloc
     streamalloc.torch.dump_snapshot("snap.json")
+    with streamalloc.torch.region("kv_cache"):   # tagged memory, see streamalloc._sleep
+        cache = torch.empty(...)
+    streamalloc.torch.sleep(["kv_cache"], backup="cpu")  # GPU memory back to the driver
+    streamalloc.torch.wake(["kv_cache"])                 # same addresses, contents back
 
 Two doors lead into PyTorch:
 
@@ -39,12 +43,15 @@ import sys
 import warnings
 
 from . import _lib
+from ._sleep import SleepError, region, region_pool, release_host_backup, sleep, tags, wake
 
 __all__ = [
     "InstallError", "TorchNotFound", "install", "installed", "door", "memory_stats", "memory_allocated",
     "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "reset_peak_memory_stats", "reset_accumulated_memory_stats", "empty_cache", "dump_snapshot",
     "last_error", "raw_stats",
+    # sleep and wake of tagged memory (streamalloc._sleep)
+    "SleepError", "region", "region_pool", "sleep", "wake", "release_host_backup", "tags",
 ]
 
 # setter on PyTorch's _CUDAPluggableAllocator -> our symbol

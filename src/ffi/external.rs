@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, RwLock};
 use streamalloc_allocator::backend::ipc::{ExportedMapping, ForeignMapping, IpcBackend, IpcError};
 use streamalloc_allocator::backend::BackendResult;
-use streamalloc_allocator::{Backend, BackendError, DevicePtr, EventHandle, StreamId};
+use streamalloc_allocator::{Backend, BackendError, DevicePtr, EventHandle, HostPtr, StreamId};
 
 /// Allocates `size` bytes on `device` for a pool segment; null if it cannot.
 pub type SegmentAlloc =
@@ -191,6 +191,24 @@ impl<B: Backend> Backend for WithSources<B> {
     }
     fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.inner.unmap_pages(ptr, size)
+    }
+    fn map_pages_whole(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        self.inner.map_pages_whole(ptr, size)
+    }
+    fn alloc_host(&self, size: u64) -> BackendResult<HostPtr> {
+        self.inner.alloc_host(size)
+    }
+    fn free_host(&self, ptr: HostPtr, size: u64) -> BackendResult<()> {
+        self.inner.free_host(ptr, size)
+    }
+    fn copy_to_host(&self, dst: HostPtr, src: DevicePtr, size: u64) -> BackendResult<()> {
+        self.inner.copy_to_host(dst, src, size)
+    }
+    fn copy_to_device(&self, dst: DevicePtr, src: HostPtr, size: u64) -> BackendResult<()> {
+        self.inner.copy_to_device(dst, src, size)
+    }
+    fn synchronize_copies(&self) -> BackendResult<()> {
+        self.inner.synchronize_copies()
     }
 }
 

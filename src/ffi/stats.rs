@@ -77,6 +77,10 @@ pub struct StreamallocStats as "streamalloc_stats_t" {
     pub stitch_revivals: u64,
     /// Stitched ranges unmapped.
     pub stitch_evictions: u64,
+    /// Bytes sleeping memory pools gave back to the device, addresses kept.
+    pub sleeping_bytes: u64,
+    /// Bytes of page-locked host memory held for sleeping pools' backups.
+    pub host_backup_bytes: u64,
 }
 }
 
@@ -115,6 +119,8 @@ impl StreamallocStats {
             stitched_map_bytes: stats.stitched_map_bytes,
             stitch_revivals: stats.stitch_revivals,
             stitch_evictions: stats.stitch_evictions,
+            sleeping_bytes: stats.sleeping_bytes,
+            host_backup_bytes: stats.host_backup_bytes,
         }
     }
 }

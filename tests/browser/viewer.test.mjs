@@ -227,3 +227,49 @@ test('lane labels fit left of the lanes', async t => {
     fs.rmSync(dir, { recursive: true, force: true });
   }
 });
+
+// Sleeping memory (streamalloc's sleep and wake): between a `sleep` and its `wake` the
+// range is drawn hatched in the segment map, its memory leaves the reserved figure and the
+// summary counts it as asleep; after the wake it is an ordinary segment again.
+test('a sleeping range is hatched and counted apart until its wake', async t => {
+  if (!fs.existsSync(BIN)) { t.skip(`streamalloc binary not found at ${BIN}`); return; }
+  if (!fs.existsSync(CHROMIUM)) { t.skip(`chromium not found at ${CHROMIUM}`); return; }
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'sa-sleep-'));
+  const file = path.join(dir, 'sleep.json');
+  const mib = 1 << 20;
+  fs.writeFileSync(file, JSON.stringify({
+    format: 'streamalloc-snapshot', version: 1, source: 'streamalloc', stacks: [],
+    devices: [{
+      device: 0, segments: [], trace: [
+        { action: 'segment_map', addr: 64 * mib, size: 8 * mib, stream: 0, time_ns: 0 },
+        { action: 'alloc', addr: 64 * mib, size: 6 * mib, stream: 0, time_ns: 1 },
+        { action: 'sleep', addr: 64 * mib, size: 8 * mib, stream: 0, time_ns: 2 },
+        { action: 'wake', addr: 64 * mib, size: 8 * mib, stream: 0, time_ns: 3 },
+      ],
+    }],
+  }));
+  const { url, proc } = await startViewer([file]);
+  const browser = await launch();
+  try {
+    const { page } = await openViewer(browser.context, url);
+    const text = () => page.locator('#instant').textContent();
+    assert.match(await text(), /^#1 — 1 segments, 8\.0 MiB reserved \(/, 'the peak: awake');
+    await page.keyboard.press('ArrowRight');
+    assert.match(await text(), /^#2 — 1 segments, 0 B reserved, 8\.0 MiB asleep/);
+    assert.match(await page.locator('#summary').textContent(), /asleep \(given back\)8\.0 MiB/);
+    const hatched = await page.evaluate(() => {
+      const c = document.getElementById('segmap');
+      const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+      let n = 0;
+      for (let i = 0; i < d.length; i += 4) if (d[i] === 0x99 && d[i + 1] === 0x99 && d[i + 2] === 0xbb) n++;
+      return n;
+    });
+    assert.ok(hatched > 0, 'the sleeping range is hatched');
+    await page.keyboard.press('ArrowRight');
+    assert.match(await text(), /^#3 — 1 segments, 8\.0 MiB reserved \(/, 'awake again');
+  } finally {
+    await browser.close();
+    proc.kill();
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+});

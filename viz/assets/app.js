@@ -490,8 +490,14 @@ function drawSegmap() {
       shown.push({addr: c.sg_addr[g], size: c.sg_size[g], stream: c.sg_stream[g]});
     }
   }
-  let total = 0, maxSeg = 1;
-  for (const sg of shown) { total += sg.size; maxSeg = Math.max(maxSeg, sg.size); }
+  // Ranges of sleeping memory pools: no memory, addresses and blocks kept (hatched).
+  for (const z of sleepingAt(d, b)) shown.push(z);
+  shown.sort((x, y) => x.addr - y.addr);
+  let total = 0, asleep = 0, maxSeg = 1;
+  for (const sg of shown) {
+    if (sg.asleep) asleep += sg.size; else total += sg.size;
+    maxSeg = Math.max(maxSeg, sg.size);
+  }
   const rowBytes = Math.max(maxSeg, total / 8);
   let row = 0, used = 0;
   const gap = rowBytes * 0.004;
@@ -505,8 +511,10 @@ function drawSegmap() {
   ctx.clearRect(0, 0, CW, CH);
   for (const sg of shown) {
     sg.x = 4 + sg.off * sx; sg.y = 2 + sg.row * rh;
-    ctx.fillStyle = '#f4f4f4'; ctx.fillRect(sg.x, sg.y, sg.size * sx, rh - 3);
-    ctx.strokeStyle = '#999'; ctx.strokeRect(sg.x + 0.5, sg.y + 0.5, Math.max(1, sg.size * sx - 1), rh - 4);
+    ctx.fillStyle = sg.asleep ? hatch(ctx) : '#f4f4f4';
+    ctx.fillRect(sg.x, sg.y, sg.size * sx, rh - 3);
+    ctx.strokeStyle = sg.asleep ? '#77a' : '#999';
+    ctx.strokeRect(sg.x + 0.5, sg.y + 0.5, Math.max(1, sg.size * sx - 1), rh - 4);
   }
   const live = liveAt(d, b);
   const segOf = addr => {
@@ -526,12 +534,40 @@ function drawSegmap() {
     const x = w.x + (c.al_addr[a] - w.addr) * sx;
     const pending = c.al_fr[a] >= 0 && c.al_fr[a] < b;
     ctx.fillStyle = pending ? '#e15759' : '#' + (d.col[a] & 0xffffff).toString(16).padStart(6, '0').replace(/(..)(..)(..)/, '$3$2$1');
+    ctx.globalAlpha = w.asleep ? 0.35 : 1;
     ctx.fillRect(x, w.y + 1, Math.max(1, c.al_size[a] * sx), rh - 5);
+    ctx.globalAlpha = 1;
     if (pending) { ctx.fillStyle = '#000'; ctx.fillRect(x, w.y + rh - 6, Math.max(1, c.al_size[a] * sx), 2); }
     blocks.push({a, x, y: w.y, w: Math.max(1, c.al_size[a] * sx)});
   }
-  d.segLayout = {rh, sx, blocks, segs: shown.length, total};
-  $('instant').textContent = `#${instant} — ${shown.length} segments, ${fmtBytes(total)} reserved (red: freed, awaiting other streams' events)`;
+  d.segLayout = {rh, sx, blocks, segs: shown.length, total, asleep};
+  const sleeping = asleep ? `, ${fmtBytes(asleep)} asleep (hatched: given back, addresses kept)` : '';
+  $('instant').textContent = `#${instant} — ${shown.length} segments, ${fmtBytes(total)} reserved${sleeping} (red: freed, awaiting other streams' events)`;
+}
+
+// Sleeping ranges at instant b (streamalloc's sleep/wake), as segments flagged asleep.
+function sleepingAt(d, b) {
+  const c = d.c, out = [];
+  for (let z = 0; z < (d.h.sleeping || 0); z++) {
+    const s = c.sl_start[z], e = c.sl_end[z];
+    if ((s < 0 || s < b) && (e < 0 || e >= b)) {
+      out.push({addr: c.sl_addr[z], size: c.sl_size[z], stream: -1, asleep: true});
+    }
+  }
+  return out;
+}
+
+// A diagonal hatch for sleeping ranges.
+function hatch(ctx) {
+  if (!hatch.pattern) {
+    const tile = document.createElement('canvas');
+    tile.width = tile.height = 6;
+    const t = tile.getContext('2d');
+    t.fillStyle = '#eef'; t.fillRect(0, 0, 6, 6);
+    t.strokeStyle = '#99b'; t.beginPath(); t.moveTo(0, 6); t.lineTo(6, 0); t.stroke();
+    hatch.pattern = ctx.createPattern(tile, 'repeat');
+  }
+  return hatch.pattern;
 }
 
 function drawSummary() {
@@ -563,6 +599,8 @@ function drawSummary() {
   let t = table();
   row(t, ['active', fmtBytes(act)], [1]);
   row(t, ['reserved', fmtBytes(res)], [1]);
+  const asleep = sleepingAt(d, b).reduce((sum, z) => sum + z.size, 0);
+  if (asleep) row(t, ['asleep (given back)', fmtBytes(asleep)], [1]);
   row(t, ['pending frees', fmtBytes(pend)], [1]);
   row(t, ['live allocations', String(live.length)], [1]);
   if (d.h.peak.active) row(t, ['peak active', `${fmtBytes(d.h.peak.active[1])} at #${d.h.peak.active[0]}`], [1]);

@@ -12,6 +12,10 @@
 //! they are in the snapshot's segment list with no allocation in the trace) get
 //! `start: None`; those still alive at the end get `end: None`.
 //!
+//! A `sleep` ends the segment spans of its range like an unmap and opens a *sleeping* span
+//! ([`Timeline::sleeping`]); the `wake` that maps the range again closes it and starts a
+//! segment span like a map.
+//!
 //! Counters (bytes, after each event):
 //! - `active`: allocated until `free_completed` (PyTorch's "active"; the peak of this is
 //!   the trace's peak live memory),
@@ -70,6 +74,10 @@ pub struct Timeline {
     pub allocs: Vec<AllocSpan>,
     /// Every segment, in the order of its allocation (those from before the trace first).
     pub segments: Vec<SegmentSpan>,
+    /// Every range a sleeping memory pool gave back, from its `sleep` to the `wake` that
+    /// mapped it again (streamalloc traces; `start: None` for ranges asleep before the
+    /// trace, which the snapshot's sleeping segments give).
+    pub sleeping: Vec<SegmentSpan>,
     /// Counter values after each event (`counters[k][i]`, `k` in [`Counter::ALL`]).
     pub counters: [Vec<u64>; 5],
     /// Counter values before the first event.
@@ -144,7 +152,7 @@ impl Timeline {
         for (i, e) in trace.iter().enumerate() {
             let at = Some(i as u32);
             match e.action {
-                TraceAction::SegmentAlloc | TraceAction::SegmentMap => {
+                TraceAction::SegmentAlloc | TraceAction::SegmentMap | TraceAction::Wake => {
                     let s = stream(e.stream, &mut t.streams);
                     late_segs.push(SegmentSpan {
                         start: at,
@@ -155,7 +163,7 @@ impl Timeline {
                     });
                     live_segs.insert(e.addr, late_segs.len() - 1);
                 }
-                TraceAction::SegmentFree | TraceAction::SegmentUnmap => {
+                TraceAction::SegmentFree | TraceAction::SegmentUnmap | TraceAction::Sleep => {
                     let lo = e.addr;
                     let hi = match (e.size, live_segs.get(&lo)) {
                         (0, Some(&k)) => lo.saturating_add(late_segs[k].size),
@@ -216,8 +224,9 @@ impl Timeline {
             }
         }
         // Segments in the snapshot that no range mapped in the trace overlaps existed
-        // before it.
-        for seg in &device.segments {
+        // before it (a sleeping pool's hold no memory: they are sleeping ranges).
+        t.sleeping = sleeping_spans(device, &mut |s| stream(s, &mut t.streams));
+        for seg in device.segments.iter().filter(|seg| !seg.asleep) {
             let end = seg.addr.saturating_add(seg.size);
             let overlapped = live_segs.range(..end).next_back().is_some_and(|(_, &k)| {
                 late_segs[k].addr.saturating_add(late_segs[k].size) > seg.addr
@@ -335,6 +344,15 @@ impl Timeline {
         t.assign_owners(n);
         t.compute_counters(trace);
         t
+    }
+
+    /// The sleeping ranges at the instant before event `at`, as `(address, bytes)`.
+    pub fn sleeping_at(&self, at: u32) -> Vec<(u64, u64)> {
+        self.sleeping
+            .iter()
+            .filter(|s| s.start.is_none_or(|i| i < at) && s.end.is_none_or(|i| i >= at))
+            .map(|s| (s.addr, s.size))
+            .collect()
     }
 
     /// Sets each allocation's `owner` to the stream of the segment containing it when it
@@ -519,6 +537,59 @@ impl Timeline {
     }
 }
 
+/// The ranges sleeping memory pools gave back over `device`'s trace: each `sleep` opens
+/// one, the `wake` that maps any of it closes it; a sleeping segment of the snapshot that
+/// no `sleep` of the trace explains was asleep before it.
+fn sleeping_spans(device: &DeviceSnapshot, stream: &mut dyn FnMut(u64) -> u32) -> Vec<SegmentSpan> {
+    let mut spans: Vec<SegmentSpan> = Vec::new();
+    let mut open: BTreeMap<u64, usize> = BTreeMap::new();
+    for (i, e) in device.trace.iter().enumerate() {
+        match e.action {
+            TraceAction::Sleep => {
+                spans.push(SegmentSpan {
+                    start: Some(i as u32),
+                    end: None,
+                    addr: e.addr,
+                    size: e.size,
+                    stream: stream(e.stream),
+                });
+                open.insert(e.addr, spans.len() - 1);
+            }
+            TraceAction::Wake => {
+                let hi = e.addr.saturating_add(e.size);
+                let woken: Vec<u64> = open
+                    .range(..hi)
+                    .filter(|(_, &k)| spans[k].addr.saturating_add(spans[k].size) > e.addr)
+                    .map(|(&addr, _)| addr)
+                    .collect();
+                for addr in woken {
+                    let k = open.remove(&addr).expect("listed");
+                    spans[k].end = Some(i as u32);
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut early = Vec::new();
+    for seg in device.segments.iter().filter(|seg| seg.asleep) {
+        let hi = seg.addr.saturating_add(seg.size);
+        let explained = open
+            .range(..hi)
+            .any(|(_, &k)| spans[k].addr.saturating_add(spans[k].size) > seg.addr);
+        if !explained {
+            early.push(SegmentSpan {
+                start: None,
+                end: None,
+                addr: seg.addr,
+                size: seg.size,
+                stream: stream(seg.stream),
+            });
+        }
+    }
+    early.append(&mut spans);
+    early
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -595,6 +666,8 @@ mod tests {
             pool: "large".into(),
             stream: 1,
             expandable: false,
+            tag: None,
+            asleep: false,
             blocks: vec![
                 Block {
                     addr: 0x1000,
@@ -679,5 +752,45 @@ mod tests {
             .map(|s| (s.addr, s.size))
             .collect();
         assert_eq!(live, vec![(0x1300, 0x100)]);
+    }
+
+    #[test]
+    fn a_sleep_gives_reserved_memory_back_until_its_wake_and_is_a_sleeping_span() {
+        use TraceAction::*;
+        let asleep_before = Segment {
+            addr: 0x9000,
+            size: 0x100,
+            pool: "large".into(),
+            stream: 3,
+            expandable: true,
+            tag: Some("weights".into()),
+            asleep: true,
+            blocks: vec![],
+        };
+        let d = device(
+            vec![asleep_before],
+            vec![
+                ev(SegmentMap, 0x1000, 0x400, 3),
+                ev(Alloc, 0x1000, 0x300, 3),
+                ev(Sleep, 0x1000, 0x400, 3),
+                ev(Wake, 0x1000, 0x400, 3),
+                ev(FreeRequested, 0x1000, 0x300, 3),
+            ],
+        );
+        let t = Timeline::build(&d);
+        assert_eq!(
+            t.counters[Counter::Reserved as usize],
+            vec![0x400, 0x400, 0, 0x400, 0x400],
+            "the sleeping segment of the snapshot holds no memory"
+        );
+        assert_eq!(
+            t.counters[Counter::Allocated as usize],
+            vec![0, 0x300, 0x300, 0x300, 0],
+            "a sleeping block stays allocated"
+        );
+        assert_eq!(t.sleeping.len(), 2);
+        assert_eq!(t.sleeping_at(0), vec![(0x9000, 0x100)]);
+        assert_eq!(t.sleeping_at(3), vec![(0x9000, 0x100), (0x1000, 0x400)]);
+        assert_eq!(t.sleeping_at(4), vec![(0x9000, 0x100)]);
     }
 }

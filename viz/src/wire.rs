@@ -11,6 +11,7 @@
 //! multiple of 8, then the columns, each starting at a multiple of 8. The header is
 //! ```text
 //! { "device": int, "source": str, "events": n, "allocs": m, "segments": k,
+//!   "sleeping": z,                      // ranges sleeping memory pools gave back
 //!   "t0_ns": int,                       // time of the first event; columns are relative
 //!   "streams": ["0x0", ...],            // stream handles; columns hold indices into this
 //!   "actions": ["alloc", ...],          // names of the action codes
@@ -23,7 +24,8 @@
 //! Columns: `ev_time` (f64 ns since `t0_ns`), `ev_action` (u8), `ev_stream` (u32),
 //! `ev_addr`, `ev_size` (f64); `al_start`, `al_fr`, `al_end` (i32 event index, -1 for
 //! none), `al_addr`, `al_size` (f64), `al_stream`, `al_owner` (u32), `al_stack` (i32, -1
-//! for none); `sg_start`, `sg_end` (i32), `sg_addr`, `sg_size` (f64), `sg_stream` (u32).
+//! for none); `sg_start`, `sg_end` (i32), `sg_addr`, `sg_size` (f64), `sg_stream` (u32);
+//! `sl_start`, `sl_end` (i32), `sl_addr`, `sl_size` (f64): ranges of sleeping memory pools.
 //! Addresses travel as f64: exact below 2^53, which device addresses are. Stream indices
 //! are u32, so a trace of more than 65,536 streams keeps every event on its own stream.
 
@@ -124,6 +126,11 @@ pub fn encode_device(snapshot: &Snapshot, device: &DeviceSnapshot) -> Vec<u8> {
     c.f64s("sg_addr", s.iter().map(|x| x.addr as f64));
     c.f64s("sg_size", s.iter().map(|x| x.size as f64));
     c.u32s("sg_stream", s.iter().map(|x| x.stream));
+    let z = &t.sleeping;
+    c.i32s("sl_start", z.iter().map(|x| idx(x.start)));
+    c.i32s("sl_end", z.iter().map(|x| idx(x.end)));
+    c.f64s("sl_addr", z.iter().map(|x| x.addr as f64));
+    c.f64s("sl_size", z.iter().map(|x| x.size as f64));
 
     let frames: Vec<serde_json::Value> = snapshot
         .stacks
@@ -141,6 +148,7 @@ pub fn encode_device(snapshot: &Snapshot, device: &DeviceSnapshot) -> Vec<u8> {
         "events": trace.len(),
         "allocs": a.len(),
         "segments": s.len(),
+        "sleeping": z.len(),
         "t0_ns": t0,
         "streams": streams.iter().map(|s| format!("{s:#x}")).collect::<Vec<_>>(),
         "actions": TraceAction::ALL.iter().map(|a| a.name()).collect::<Vec<_>>(),

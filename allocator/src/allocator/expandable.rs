@@ -322,10 +322,21 @@ impl State {
             }
         }
         // One physical allocation per piece; on failure, undo the pieces already mapped
-        // (untouched, so unmapping them needs no synchronisation).
-        let pieces: Vec<_> = self.table().pieces(addr, map).collect();
+        // (untouched, so unmapping them needs no synchronisation). A tagged pool's memory
+        // is mapped whole (`allocator::sleep`).
+        let whole = self.maps_whole(self.streams.pool(slot));
+        let pieces: Vec<_> = if whole {
+            self.table().pieces_as(addr, map, false).collect()
+        } else {
+            self.table().pieces(addr, map).collect()
+        };
         for (index, &(at, len)) in pieces.iter().enumerate() {
-            if let Err(err) = backend.map_pages(DevicePtr(at), len) {
+            let result = if whole {
+                backend.map_pages_whole(DevicePtr(at), len)
+            } else {
+                backend.map_pages(DevicePtr(at), len)
+            };
+            if let Err(err) = result {
                 for &(done, done_len) in &pieces[..index] {
                     backend.unmap_pages(DevicePtr(done), done_len)?;
                 }
@@ -338,7 +349,11 @@ impl State {
         }
         let vmm = table_in(&mut self.growth);
         for &(at, len) in &pieces {
-            vmm.add_mapping(at, len);
+            if whole {
+                vmm.add_mapping_as(at, len, false);
+            } else {
+                vmm.add_mapping(at, len);
+            }
         }
         // Cut the mapped part out of the stretch; what stays unmapped stays indexed.
         let vmm = table_in(&mut self.growth);

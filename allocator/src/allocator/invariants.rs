@@ -40,6 +40,7 @@ impl State {
         self.check_events(std::mem::take(&mut tally.event_refs))?;
         self.check_expandable(&tally)?;
         self.check_stitches(&tally)?;
+        self.check_sleep()?;
         self.check_stats(&tally)?;
         self.check_torch_stats()?;
         self.check_pool_rules()
@@ -242,10 +243,11 @@ impl State {
             .map(|(_, s)| s.size())
             .sum();
         let mapped = self.growth.expandable().map_or(0, |vmm| vmm.mapped);
-        if mapped != expandable_size - tally.unmapped_bytes {
+        // Sleeping pools' pages are not mapped, and their blocks stay (`sleep`).
+        let segments_map = expandable_size - tally.unmapped_bytes - self.sleeping_bytes();
+        if mapped != segments_map {
             return Err(format!(
-                "{mapped} bytes counted mapped, the segments map {}",
-                expandable_size - tally.unmapped_bytes
+                "{mapped} bytes counted mapped, the segments map {segments_map}"
             ));
         }
         Ok(())
@@ -262,7 +264,8 @@ impl State {
             .filter(|(_, s)| !s.is_stitched())
             .map(|(_, s)| s.size())
             .sum::<u64>()
-            - tally.unmapped_bytes;
+            - tally.unmapped_bytes
+            - self.sleeping_bytes();
         let checks = [
             (
                 "allocated_bytes",

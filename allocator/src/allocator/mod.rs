@@ -34,7 +34,8 @@
 //! (`tests/pressure_properties.rs` states it).
 //!
 //! Every step looks only at blocks of the request's memory pool (`pools`): a slot is a
-//! stream in one pool, and step 3 considers only slots of the same pool.
+//! stream in one pool, and step 3 considers only slots of the same pool. A pool whose tag
+//! is asleep refuses requests before step 1; a tagged pool is never stitched (`sleep`).
 
 mod allocate;
 mod completion;
@@ -45,11 +46,14 @@ mod invariants;
 mod pools;
 mod release;
 mod report;
+mod sleep;
 mod stitch;
 mod torch_stats;
+mod wake;
 
 pub use pools::PoolBlock;
 use release::Release;
+pub use sleep::{Backup, SleepReport, TagInfo, WakeReport};
 
 use crate::backend::Backend;
 use crate::config::{Config, ReusePolicy};
@@ -62,6 +66,7 @@ use crate::pool::size::{
     pool_of, round_size, segment_size_for, should_split, MAX_REQUEST, MIN_BLOCK_SIZE,
     SEGMENT_ROUNDING,
 };
+use crate::pool::sleep::TagTable;
 use crate::pool::stitch::StitchTable;
 use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
 use crate::stats::{Stats, TorchStats};
@@ -176,6 +181,8 @@ struct State {
     /// events: recording them then would put the events into the capture, so the blocks
     /// stay allocated to nobody, with their address and uses, until the last capture ends.
     deferred_frees: Vec<(BlockKey, u64, thin_vec::ThinVec<StreamSlot>)>,
+    /// Tagged memory pools, and what the sleeping ones gave back (`sleep`).
+    tags: TagTable,
 }
 
 /// How far a step of the policy may go to find memory (see the module docs): each level
@@ -284,6 +291,7 @@ impl<B: Backend> Allocator<B> {
             stitches: StitchTable::default(),
             pools: PoolTable::default(),
             deferred_frees: Vec::new(),
+            tags: TagTable::default(),
         };
         Ok(Self {
             backend,
@@ -350,6 +358,10 @@ impl<B: Backend> Allocator<B> {
         self.operation(|state| {
             if !state.pools.is_live(pool) {
                 return Err(AllocError::UnknownPool(pool));
+            }
+            if let Some(tag) = state.tags.asleep(pool) {
+                let tag = tag.name.clone();
+                return Err(AllocError::PoolAsleep { tag, size });
             }
             state.malloc(&self.backend, &self.config, size, stream, pool, now)
         })

@@ -105,6 +105,12 @@ impl State {
         if !self.pools.is_live(pool) {
             return Err(AllocError::UnknownPool(pool));
         }
+        if let Some(tag) = self.tags.asleep(pool) {
+            return Err(AllocError::Checkpoint {
+                pool,
+                reason: format!("it is asleep (tag {:?}): wake it first", tag.name),
+            });
+        }
         self.check_checkpoint(pool, checkpoint)?;
         let freed: Vec<DevicePtr> = self.pool_blocks(pool).map(|b| b.ptr).collect();
         for &ptr in &freed {

@@ -112,6 +112,10 @@ impl State {
             return Ok(None);
         }
         let memory_pool = self.streams.pool(need.slot);
+        if self.maps_whole(memory_pool) {
+            // A tagged pool's pages go back whole (`allocator::sleep`): never stitched.
+            return Ok(None);
+        }
         // Under PyTorch's policy a block never moves between streams or waits on events:
         // only the stream's own ready pages are stitched.
         let pages = match (policy, effort) {

@@ -116,6 +116,28 @@ impl EventTable {
         self.idle.len()
     }
 
+    /// Hands an event object straight back to the pool, for a one-shot event whose only
+    /// consumer was a wait already enqueued (re-recording it later is safe).
+    pub(crate) fn recycle_handle(&mut self, handle: EventHandle) {
+        self.idle.push(handle);
+    }
+
+    /// Takes an idle object or creates one.
+    pub(crate) fn acquire_handle<B: Backend>(
+        &mut self,
+        backend: &B,
+        stats: &mut Stats,
+    ) -> Result<EventHandle, BackendError> {
+        match self.idle.pop() {
+            Some(handle) => Ok(handle),
+            None => {
+                let handle = backend.create_event()?;
+                stats.events_created += 1;
+                Ok(handle)
+            }
+        }
+    }
+
     /// Destroys every idle event object.
     pub(crate) fn destroy_idle<B: Backend>(
         &mut self,

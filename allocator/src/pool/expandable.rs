@@ -226,8 +226,19 @@ impl ExpandableTable {
     /// With [`ExpandableTable::page_granular`] the run is one call: the backend backs each
     /// page with its own allocation and grants access to the run at once.
     pub(crate) fn pieces(&self, addr: u64, size: u64) -> impl Iterator<Item = (u64, u64)> {
+        self.pieces_as(addr, size, self.page_granular)
+    }
+
+    /// [`ExpandableTable::pieces`] with `page_granular` given (off for memory mapped whole
+    /// whatever the table's mode: a tagged pool's, see `allocator::sleep`).
+    pub(crate) fn pieces_as(
+        &self,
+        addr: u64,
+        size: u64,
+        page_granular: bool,
+    ) -> impl Iterator<Item = (u64, u64)> {
         debug_assert!(addr.is_multiple_of(self.page) && size.is_multiple_of(self.page));
-        if self.page_granular {
+        if page_granular {
             return Pieces::Whole(Some((addr, size)));
         }
         // A long run needs no more than RUN_PIECES mappings whatever the peak: the block
@@ -253,7 +264,13 @@ impl ExpandableTable {
     /// Records a mapping made by one `map_pages` call: one per page when every page is its
     /// own allocation.
     pub(crate) fn add_mapping(&mut self, addr: u64, size: u64) {
-        if self.page_granular {
+        self.add_mapping_as(addr, size, self.page_granular);
+    }
+
+    /// [`ExpandableTable::add_mapping`] of a call that made one allocation per page or not,
+    /// whatever the table's mode.
+    pub(crate) fn add_mapping_as(&mut self, addr: u64, size: u64, per_page: bool) {
+        if per_page {
             for page in (addr..addr + size).step_by(self.page as usize) {
                 self.mappings.insert(page, self.page);
             }

@@ -60,6 +60,8 @@ typedef struct streamalloc_stats {
   uint64_t stitched_map_bytes; /* Bytes mapped into stitched ranges (no memory reserved by them). */
   uint64_t stitch_revivals; /* Stitched ranges taken again without mapping. */
   uint64_t stitch_evictions; /* Stitched ranges unmapped. */
+  uint64_t sleeping_bytes; /* Bytes sleeping memory pools gave back to the device, addresses kept. */
+  uint64_t host_backup_bytes; /* Bytes of page-locked host memory held for sleeping pools' backups. */
 } streamalloc_stats_t;
 
 /* streamalloc_segment_info_t: one segment of a snapshot; an expandable segment appears as one of these per run of mapped pages. */
@@ -92,6 +94,13 @@ typedef struct streamalloc_pool_block {
   uint64_t requested; /* Bytes asked for. */
   uint64_t stream; /* The cudaStream_t it belongs to. */
 } streamalloc_pool_block_t;
+
+/* streamalloc_sleep_report_t: what one streamalloc_sleep or streamalloc_wake did. */
+typedef struct streamalloc_sleep_report {
+  uint64_t bytes; /* Bytes of device memory given back (sleep) or mapped again (wake). */
+  uint64_t copied; /* Bytes copied to host memory (sleep) or back from it (wake). */
+  uint64_t copies; /* Copies made. */
+} streamalloc_sleep_report_t;
 /* ---- end of generated text ---- */
 
 /* ---- allocation ---------------------------------------------------------------- */
@@ -164,6 +173,37 @@ int64_t streamalloc_pool_checkpoint(int device, uint64_t pool_id0, uint64_t pool
 int64_t streamalloc_pool_restore(int device, uint64_t pool_id0, uint64_t pool_id1,
                                  const streamalloc_pool_block_t* blocks, size_t count,
                                  uint64_t* freed_out, size_t freed_capacity);
+
+/* ---- sleep and wake of tagged pools ----------------------------------------------- */
+
+/* Tags the pool (live, not the default one) with tag, a NUL-terminated UTF-8 name of 1 to
+ * 256 bytes, so that sleep and wake can name it; a tag names one pool, a pool carries one
+ * tag. From then on the pool's memory is mapped in whole allocations and never stitched.
+ * Needs expandable_segments:true and graph_pools:true. 0, or -1. */
+int streamalloc_tag_pool(int device, uint64_t pool_id0, uint64_t pool_id1, const char* tag);
+/* Puts the count tags to sleep: waits on the host for the streams that may still use their
+ * pools (an event per stream, not a device synchronisation), copies their live blocks to
+ * page-locked host memory when backup is 1 (0: no copy), and returns every page to the
+ * device, keeping addresses and blocks: live pointers stay valid for wake, allocations
+ * into a sleeping pool fail, and touching its memory from a kernel is an illegal access.
+ * Fills *report if not null. Refused with nothing changed (-1) for an unknown or sleeping
+ * tag, or while a pool is being allocated to (a graph capture or use_mem_pool context). */
+int streamalloc_sleep(int device, const char* const* tags, size_t count, int backup,
+                      streamalloc_sleep_report_t* report);
+/* Wakes the count sleeping tags: maps fresh memory at the addresses they left and copies
+ * their backups back, then waits for the copies. Refused with nothing changed (-1) for an
+ * unknown or awake tag, or when the limit or the device has no room. */
+int streamalloc_wake(int device, const char* const* tags, size_t count,
+                     streamalloc_sleep_report_t* report);
+/* Frees the page-locked host buffers the awake tags keep for their next backup. Returns
+ * the bytes freed, or -1. */
+int64_t streamalloc_release_host_backup(int device, const char* const* tags, size_t count);
+/* The device's tags as a JSON array: [{"tag", "pool": [id0, id1], "asleep", "bytes",
+ * "allocated", "backed_up", "host_bytes"}]. Valid until the next call on the thread; null
+ * on error. */
+const char* streamalloc_tags_json(int device);
+
+/* ---- IPC of expandable-segment memory ---------------------------------------------- */
 
 /* ---- IPC of mapped memory ---------------------------------------------------------- */
 

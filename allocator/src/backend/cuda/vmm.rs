@@ -173,6 +173,14 @@ impl PageMap {
         Ok(())
     }
 
+    /// Maps one fresh physical allocation over `[ptr, ptr + size)` whatever
+    /// `set_page_allocations` says (`Backend::map_pages_whole`); on failure, leaves nothing
+    /// mapped.
+    pub(super) fn map_whole(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        self.check_range(ptr, size, "cuMemMap")?;
+        self.map_one(ptr, size)
+    }
+
     /// Maps one fresh physical allocation over `[ptr, ptr + size)`; on failure, leaves
     /// nothing mapped.
     fn map_one(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {

@@ -55,6 +55,7 @@ impl SimState {
                 races.push((prior.op, (from, to)));
             }
             self.shadow.forget(piece.physical, physical_end);
+            self.contents.set(piece.physical, physical_end, 0);
             self.reserved -= piece.len;
         }
         for &(user, from, to) in &unmapped.users {
