@@ -65,6 +65,9 @@ pub struct OutOfMemory {
     /// Bytes of free cached memory in partly used pages, which no stitch can take (only
     /// with expandable segments; 0 otherwise).
     pub stranded: u64,
+    /// Bytes growing for the request would have reserved: the request in whole pages (or
+    /// the segment it needs).
+    pub growth: u64,
 }
 
 impl OutOfMemory {
@@ -93,7 +96,7 @@ impl OutOfMemory {
             )
         } else if self
             .limit
-            .is_some_and(|limit| self.reserved + self.requested > limit)
+            .is_some_and(|limit| self.reserved + self.growth.max(self.requested) > limit)
         {
             "the memory limit is reached (raise memory_limit or memory_fraction)".to_string()
         } else {

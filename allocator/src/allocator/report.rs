@@ -44,6 +44,10 @@ impl State {
         let stitched = self.stitches.actives().map(|(_, stitch)| stitch.size).sum();
         self.stats.ooms += 1;
         self.note(backend, TraceAction::Oom, 0, requested, slot);
+        let growth = match self.growth.expandable() {
+            Some(vmm) => requested.div_ceil(vmm.page).max(1) * vmm.page,
+            None => segment_size_for(round_size(requested)),
+        };
         let report = OutOfMemory {
             requested,
             stream: self.streams.id(slot),
@@ -55,6 +59,7 @@ impl State {
             expandable: self.growth.expandable().is_some(),
             stitched,
             stranded,
+            growth,
         };
         tracing::warn!(%report, "allocation failed");
         report
