@@ -133,9 +133,10 @@ impl std::fmt::Display for OutOfMemory {
 /// An error from the allocator's public API.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum AllocError {
-    /// The request cannot be served even after freeing every cached block.
+    /// The request cannot be served even after freeing every cached block (boxed: the
+    /// report is large next to every other variant).
     #[error("{0}")]
-    OutOfMemory(OutOfMemory),
+    OutOfMemory(Box<OutOfMemory>),
     /// `free` or `record_use` named a pointer this allocator did not hand out, or that
     /// was already freed.
     #[error("unknown pointer {0}: not allocated by streamalloc, or already freed")]

@@ -121,9 +121,9 @@ impl State {
             }
         }
         // 9. Out of memory.
-        Err(AllocError::OutOfMemory(
+        Err(AllocError::OutOfMemory(Box::new(
             self.out_of_memory(backend, requested, slot),
-        ))
+        )))
     }
 
     /// Fences for the streams that freed blocks since their newest one, so that another
