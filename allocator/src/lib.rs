@@ -61,6 +61,7 @@
 mod allocator;
 pub mod backend;
 pub mod config;
+mod counters;
 pub mod error;
 pub mod implementation;
 pub(crate) mod lifetime;

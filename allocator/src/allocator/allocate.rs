@@ -46,7 +46,7 @@ impl State {
             max_size,
         };
         if let Some(key) = self.take_ready(need) {
-            return Ok(self.hand_out(key, slot, size, requested, now));
+            return Ok(self.hand_out_as(key, slot, size, requested, now, true));
         }
         self.malloc_slow(backend, config, requested, need, now)
     }
@@ -363,7 +363,7 @@ impl State {
         }
         let addr = self.arena.hand_out(key, slot, requested).addr();
         debug_assert_eq!(self.allocated.get(&addr), Some(&key));
-        self.account_alloc(key, slot, requested, now)
+        self.account(key, slot, requested, now, true)
     }
 
     /// Counts and traces the block `key`, just handed to `slot`.
@@ -375,9 +375,28 @@ impl State {
         requested: u64,
         now: u64,
     ) -> Allocation {
+        self.account(key, slot, requested, now, false)
+    }
+
+    /// [`State::account_alloc`]; `alone` when the operation moved no other active block
+    /// (served from the stream's ready blocks), so that PyTorch's active statistics change
+    /// at once instead of by the operation's net change.
+    #[inline]
+    fn account(
+        &mut self,
+        key: BlockKey,
+        slot: StreamSlot,
+        requested: u64,
+        now: u64,
+        alone: bool,
+    ) -> Allocation {
         let block = self.arena.block(key);
         let (addr, size, kind) = (block.addr(), block.size(), stat_kind(block));
-        self.stats.handed_out(kind, size, requested);
+        if alone {
+            self.stats.handed_out_alone(kind, size, requested);
+        } else {
+            self.stats.handed_out(kind, size, requested);
+        }
         if self.trace.enabled() {
             self.trace.push(TraceAction::Alloc, addr, size, slot, now);
         }
@@ -399,6 +418,20 @@ impl State {
         size: u64,
         requested: u64,
         now: u64,
+    ) -> Allocation {
+        self.hand_out_as(key, slot, size, requested, now, false)
+    }
+
+    /// [`State::hand_out`]; `alone` as for [`State::account`].
+    #[inline]
+    fn hand_out_as(
+        &mut self,
+        key: BlockKey,
+        slot: StreamSlot,
+        size: u64,
+        requested: u64,
+        now: u64,
+        alone: bool,
     ) -> Allocation {
         let block = self.arena.block(key);
         let (pool, expandable, block_size) = (block.pool(), block.is_expandable(), block.size());
@@ -431,7 +464,7 @@ impl State {
         }
         let addr = self.arena.hand_out(key, slot, requested).addr();
         self.allocated.insert(addr, key);
-        self.account_alloc(key, slot, requested, now)
+        self.account(key, slot, requested, now, alone)
     }
 }
 

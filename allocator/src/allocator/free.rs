@@ -5,12 +5,36 @@ use super::torch_stats::stat_kind;
 use super::*;
 
 impl State {
-    #[inline]
+    /// Frees `ptr` within a larger operation (restoring a pool's checkpoint).
     pub(super) fn free<B: Backend>(
         &mut self,
         backend: &B,
         ptr: DevicePtr,
         now: u64,
+    ) -> Result<(), AllocError> {
+        self.free_as(backend, ptr, now, false)
+    }
+
+    /// Frees `ptr` as an operation of its own ([`Allocator::free`]): a block no other
+    /// stream used changes PyTorch's active statistics at once, the operation's only
+    /// change to them.
+    #[inline]
+    pub(super) fn free_alone<B: Backend>(
+        &mut self,
+        backend: &B,
+        ptr: DevicePtr,
+        now: u64,
+    ) -> Result<(), AllocError> {
+        self.free_as(backend, ptr, now, true)
+    }
+
+    #[inline]
+    fn free_as<B: Backend>(
+        &mut self,
+        backend: &B,
+        ptr: DevicePtr,
+        now: u64,
+        alone: bool,
     ) -> Result<(), AllocError> {
         // One map lookup; the entry stays while the block is hot (see `allocated`).
         let entry = match self.allocated.entry(ptr.0) {
@@ -34,7 +58,12 @@ impl State {
         if !park {
             entry.remove();
         }
-        self.stats.returned(kind, size, requested);
+        if alone && uses.is_empty() {
+            // Nothing else this free does changes an active block.
+            self.stats.returned_alone(kind, size, requested);
+        } else {
+            self.stats.returned(kind, size, requested);
+        }
         if fence && !self.pools.capture_underway() {
             self.fence_after_free(backend, owner);
         }

@@ -53,6 +53,7 @@ use release::Release;
 
 use crate::backend::Backend;
 use crate::config::{Config, ReusePolicy};
+use crate::counters::Counters;
 use crate::error::{AllocError, BackendError, OutOfMemory};
 use crate::lifetime::{EventKey, EventTable, PoolTable, StreamTable};
 use crate::lock::EngineLock;
@@ -64,7 +65,7 @@ use crate::pool::size::{
 };
 use crate::pool::stitch::StitchTable;
 use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
-use crate::stats::{Stats, TorchStats};
+use crate::stats::Stats;
 use crate::trace::{CompactRing, TraceAction, NO_STREAM};
 use crate::types::{Allocation, DevicePtr, PoolId, PoolKind, StreamId};
 use crate::util::BuildAddrHasher;
@@ -149,8 +150,8 @@ struct State {
     /// [`State::allocated_key`] tells the two apart by the block's state. A quarantined
     /// block is allocated but absent.
     allocated: HashMap<u64, BlockKey, BuildAddrHasher>,
-    /// Counters.
-    stats: Stats,
+    /// Counters, read as [`Stats`].
+    stats: Counters,
     /// The pool kind each mapped stretch of the expandable segments counts in, for
     /// PyTorch's per-kind `reserved_bytes`.
     mapped_kinds: torch_stats::MappedKinds,
@@ -268,13 +269,7 @@ impl<B: Backend> Allocator<B> {
             streams: StreamTable::default(),
             events: EventTable::default(),
             allocated: HashMap::default(),
-            stats: Stats {
-                torch: TorchStats {
-                    max_split_size: config.max_split_size.unwrap_or(u64::MAX),
-                    ..TorchStats::default()
-                },
-                ..Stats::default()
-            },
+            stats: Counters::new(config.max_split_size),
             mapped_kinds: torch_stats::MappedKinds::default(),
             trace: CompactRing::new(config.trace_capacity),
             limit,
@@ -370,7 +365,7 @@ impl<B: Backend> Allocator<B> {
     /// the block is reusable at once by its own stream.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         let now = self.early_now();
-        self.operation(|state| state.free(&self.backend, ptr, now))
+        self.operation(|state| state.free_alone(&self.backend, ptr, now))
     }
 
     /// True if `ptr` is a block this allocator handed out and that is not yet freed.
@@ -597,7 +592,7 @@ impl<B: Backend> Allocator<B> {
 
     /// A copy of the counters.
     pub fn stats(&self) -> Stats {
-        self.state.lock().stats
+        self.state.lock().stats.read()
     }
 
     /// Sets every peak to its current value.

@@ -136,7 +136,7 @@ impl State {
         segments.sort_by_key(|s| s.addr);
         Snapshot {
             config: config.clone(),
-            stats: self.stats,
+            stats: self.stats.read(),
             segments,
             trace: self.trace.entries(
                 |slot| self.streams.id(slot),
