@@ -5,29 +5,43 @@ use super::torch_stats::stat_kind;
 use super::*;
 
 impl State {
-    /// Frees `ptr` within a larger operation (restoring a pool's checkpoint).
+    /// Frees `ptr` within a larger operation (restoring a pool's checkpoint); a pointer
+    /// this allocator did not hand out is an invalid free.
     pub(super) fn free<B: Backend>(
         &mut self,
         backend: &B,
         ptr: DevicePtr,
         now: u64,
     ) -> Result<(), AllocError> {
-        self.free_as(backend, ptr, now, false)
+        if self.free_as(backend, ptr, now, false)? {
+            Ok(())
+        } else {
+            Err(self.invalid_free(ptr))
+        }
     }
 
-    /// Frees `ptr` as an operation of its own ([`Allocator::free`]): a block no other
-    /// stream used changes PyTorch's active statistics at once, the operation's only
-    /// change to them.
+    /// Counts a free of `ptr`, which this allocator did not hand out (or already freed).
+    #[cold]
+    pub(super) fn invalid_free(&mut self, ptr: DevicePtr) -> AllocError {
+        self.stats.invalid_frees += 1;
+        AllocError::UnknownPointer(ptr)
+    }
+
+    /// Frees `ptr` as an operation of its own ([`Allocator::free`]) if this allocator handed
+    /// it out; false, counting nothing, if not. A block no other stream used changes
+    /// PyTorch's active statistics at once, the operation's only change to them.
     #[inline]
-    pub(super) fn free_alone<B: Backend>(
+    pub(super) fn free_if_owned<B: Backend>(
         &mut self,
         backend: &B,
         ptr: DevicePtr,
         now: u64,
-    ) -> Result<(), AllocError> {
+    ) -> Result<bool, AllocError> {
         self.free_as(backend, ptr, now, true)
     }
 
+    /// Frees `ptr`; false if it is no live block of this allocator. `alone`: the free is
+    /// an operation of its own.
     #[inline]
     fn free_as<B: Backend>(
         &mut self,
@@ -35,19 +49,16 @@ impl State {
         ptr: DevicePtr,
         now: u64,
         alone: bool,
-    ) -> Result<(), AllocError> {
+    ) -> Result<bool, AllocError> {
         // One map lookup; the entry stays while the block is hot (see `allocated`).
         let entry = match self.allocated.entry(ptr.0) {
             MapEntry::Occupied(entry) if self.arena.block(*entry.get()).is_allocated() => entry,
-            _ => {
-                self.stats.invalid_frees += 1;
-                return Err(AllocError::UnknownPointer(ptr));
-            }
+            _ => return Ok(false),
         };
         let key = *entry.get();
         let block = self.arena.block(key);
         if block.is_stitched() {
-            return self.free_stitched(backend, key, now);
+            return self.free_stitched(backend, key, now).map(|()| true);
         }
         let (size, requested, owner) = (block.size(), block.requested(), block.owner());
         let kind = stat_kind(block);
@@ -80,7 +91,7 @@ impl State {
             } else {
                 self.insert_free(key);
             }
-            return Ok(());
+            return Ok(true);
         }
         if self.trace.enabled() {
             self.trace
@@ -93,7 +104,7 @@ impl State {
             self.arena.withhold(key);
             self.stats.pending_in(kind, size);
             self.deferred_frees.push((key, ptr.0, uses));
-            return Ok(());
+            return Ok(true);
         }
         if let Err(err) = self.record_uses(backend, key, &uses) {
             // Without the events the block's reuse cannot be ordered: keep it out of
@@ -105,7 +116,7 @@ impl State {
         // One event per use stream: pending until they complete or are waited on.
         debug_assert!(!self.arena.block(key).pending().is_empty());
         self.insert_free(key);
-        Ok(())
+        Ok(true)
     }
 
     /// Frees the blocks deferred while captures were under way: records their use events

@@ -365,7 +365,22 @@ impl<B: Backend> Allocator<B> {
     /// the block is reusable at once by its own stream.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         let now = self.early_now();
-        self.operation(|state| state.free_alone(&self.backend, ptr, now))
+        self.operation(|state| {
+            if state.free_if_owned(&self.backend, ptr, now)? {
+                Ok(())
+            } else {
+                Err(state.invalid_free(ptr))
+            }
+        })
+    }
+
+    /// [`Allocator::free`] if `ptr` is a live block of this allocator; `Ok(false)`, with
+    /// nothing counted, if it is not: for a caller that looks for the owner of a pointer
+    /// among several allocators (a free that names no device) and counts a pointer nobody
+    /// owns itself.
+    pub fn free_if_owned(&self, ptr: DevicePtr) -> Result<bool, AllocError> {
+        let now = self.early_now();
+        self.operation(|state| state.free_if_owned(&self.backend, ptr, now))
     }
 
     /// True if `ptr` is a block this allocator handed out and that is not yet freed.
