@@ -35,7 +35,11 @@ impl Level {
     #[inline]
     pub(crate) fn add(&mut self, amount: u64) {
         self.current += amount;
-        self.peak = self.peak.max(self.current);
+        // A branch, not a conditional move: once warm, a new peak is rare, and a branch
+        // not taken writes nothing.
+        if self.current > self.peak {
+            self.peak = self.current;
+        }
     }
 
     #[inline]
@@ -382,7 +386,12 @@ impl Counters {
     #[inline]
     pub(crate) fn handed_out_alone(&mut self, kind: PoolKind, size: u64, requested: u64) {
         self.count_handed_out(kind, size, requested);
-        self.active_alone(kind, 1, size);
+        self.before_active_alone();
+        let index = kind_index(kind);
+        self.active[index].add(1);
+        self.active_bytes_by_kind[index].add(size);
+        self.active[0].add(1);
+        self.active_bytes_by_kind[0].add(size);
     }
 
     #[inline]
@@ -391,7 +400,10 @@ impl Counters {
         self.requested_bytes.add(requested);
         self.active_bytes.add(size);
         self.allocs += 1;
-        self.allocation_peak = self.allocation_peak.max(self.allocs - self.frees);
+        let allocations = self.allocs - self.frees;
+        if allocations > self.allocation_peak {
+            self.allocation_peak = allocations;
+        }
         let handed = &mut self.handed[kind as usize];
         handed.blocks.add(1);
         handed.bytes.add(size);
@@ -413,7 +425,12 @@ impl Counters {
     #[inline]
     pub(crate) fn returned_alone(&mut self, kind: PoolKind, size: u64, requested: u64) {
         self.count_returned(kind, size, requested);
-        self.active_alone(kind, -1, size);
+        self.before_active_alone();
+        let index = kind_index(kind);
+        self.active[index].sub(1);
+        self.active_bytes_by_kind[index].sub(size);
+        self.active[0].sub(1);
+        self.active_bytes_by_kind[0].sub(size);
     }
 
     #[inline]
@@ -431,9 +448,10 @@ impl Counters {
         }
     }
 
-    /// The operation's one change of PyTorch's active statistics, applied at once.
+    /// Checks, in debug builds, that the operation's active change about to be applied at
+    /// once is its only one: no net change before it, none allowed after.
     #[inline]
-    fn active_alone(&mut self, kind: PoolKind, blocks: i64, bytes: u64) {
+    fn before_active_alone(&mut self) {
         #[cfg(debug_assertions)]
         {
             assert_eq!(
@@ -443,12 +461,6 @@ impl Counters {
             );
             self.nets.active_changed = true;
         }
-        let bytes = blocks.signum() * bytes as i64;
-        let index = kind_index(kind);
-        self.active[index].apply(blocks);
-        self.active_bytes_by_kind[index].apply(bytes);
-        self.active[0].apply(blocks);
-        self.active_bytes_by_kind[0].apply(bytes);
     }
 
     /// A free block of `size` bytes now awaits other streams' events (listed as pending, or

@@ -93,6 +93,21 @@ impl State {
             }
             return Ok(true);
         }
+        self.free_shared(backend, key, ptr, (size, kind, owner), uses, now)
+    }
+
+    /// The rest of a free of the block `key` at `ptr`, whose (size, kind, owner) are given,
+    /// after the counters: other streams used it (`uses`), so its reuse waits for their work.
+    #[inline(never)]
+    fn free_shared<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        ptr: DevicePtr,
+        (size, kind, owner): (u64, PoolKind, StreamSlot),
+        uses: thin_vec::ThinVec<StreamSlot>,
+        now: u64,
+    ) -> Result<bool, AllocError> {
         if self.trace.enabled() {
             self.trace
                 .push(TraceAction::FreeRequested, ptr.0, size, owner, now);

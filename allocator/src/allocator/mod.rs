@@ -298,6 +298,7 @@ impl<B: Backend> Allocator<B> {
     }
 
     /// Allocates at least `size` bytes for use on `stream`.
+    #[inline]
     pub fn malloc(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
         if size == 0 || size > MAX_REQUEST {
             return Err(AllocError::InvalidSize(size));
@@ -378,6 +379,7 @@ impl<B: Backend> Allocator<B> {
     /// nothing counted, if it is not: for a caller that looks for the owner of a pointer
     /// among several allocators (a free that names no device) and counts a pointer nobody
     /// owns itself.
+    #[inline]
     pub fn free_if_owned(&self, ptr: DevicePtr) -> Result<bool, AllocError> {
         let now = self.early_now();
         self.operation(|state| state.free_if_owned(&self.backend, ptr, now))

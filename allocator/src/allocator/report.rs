@@ -9,7 +9,7 @@ impl State {
         backend: &B,
         requested: u64,
         slot: StreamSlot,
-    ) -> OutOfMemory {
+    ) -> Box<OutOfMemory> {
         let (mut free_cached, mut largest) = (0, 0);
         for state in &self.streams.states {
             for list in state.ready.iter().chain(state.pending.iter()) {
@@ -47,7 +47,7 @@ impl State {
             stranded,
         };
         tracing::warn!(%report, "allocation failed");
-        report
+        Box::new(report)
     }
 
     /// Records an event now. The ring keeps `slot`, turned into the stream's handle only when
