@@ -81,7 +81,7 @@ mod util;
 
 pub use allocator::{AllocationSite, Allocator, PoolBlock};
 pub use backend::Backend;
-pub use config::{Config, ReusePolicy};
+pub use config::{Config, ReusePolicy, TraceClock};
 pub use error::{AllocError, BackendError, ConfigError, OutOfMemory};
 pub use snapshot::Snapshot;
 pub use stats::{Gauge, StatArray, Stats, TorchStats};

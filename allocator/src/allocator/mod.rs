@@ -236,6 +236,7 @@ impl<B: Backend> Allocator<B> {
     /// An allocator over `backend`. `memory_fraction` is resolved against the backend's
     /// total memory here; the stricter of it and `memory_limit` applies.
     pub fn new(backend: B, config: Config) -> Result<Self, AllocError> {
+        backend.set_trace_clock(config.trace_clock);
         let mut limit = config.memory_limit;
         if let Some(fraction) = config.memory_fraction {
             let total = backend.total_memory()?;
