@@ -37,9 +37,13 @@
 //! reported once and not counted. Neither ever crashes or touches memory.
 //!
 //! # Cost
-//! `malloc`/`free` do one registry lookup (an array index and an atomic load, then the
-//! device's poison flag), then the engine's fast path; nothing allocates or formats
-//! unless something fails.
+//! `malloc`/`free` (and the native door's default-pool `streamalloc_malloc_in_pool`) do
+//! one registry lookup (an array index and an atomic load, then the device's poison flag),
+//! then the engine's fast path under the device's one guard (`Device::run`, which no panic
+//! leaves); clearing the last error is one load of a process-wide flag until some thread
+//! has set one. Nothing allocates or formats unless something fails, and every failure,
+//! like every call that must create a device or look for a pointer's owner, goes to an
+//! out-of-line path under the full guard.
 
 pub mod error;
 pub mod external;
