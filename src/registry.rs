@@ -123,27 +123,45 @@ impl<B: Backend> Device<B> {
 
     /// Runs `body` on the allocator, unless the device is poisoned. A panic in `body` is
     /// caught and poisons the device; this call and every later one get
-    /// [`RegistryError::Poisoned`].
+    /// [`RegistryError::Poisoned`]. No panic leaves this function, so a C export may call
+    /// it outside any other guard.
     #[inline]
     pub fn run<T>(&self, body: impl FnOnce(&Allocator<B>) -> T) -> Result<T, RegistryError> {
         if let Some(poisoned) = self.poison.get() {
-            return Err(poisoned.clone());
+            return Err(self.refusal(poisoned));
         }
         catch_unwind(AssertUnwindSafe(|| body(&self.allocator)))
-            .map_err(|payload| self.poison_with(panic_message(payload.as_ref())))
+            .map_err(|payload| self.poison_with(payload))
     }
 
+    /// The error of a call on the poisoned device.
     #[cold]
     #[inline(never)]
-    fn poison_with(&self, message: String) -> RegistryError {
-        let poisoned = self.poison.get_or_init(|| {
-            tracing::error!(ordinal = self.ordinal, %message, "streamalloc: device poisoned by a panic");
-            RegistryError::Poisoned {
-                ordinal: self.ordinal,
-                message,
-            }
-        });
+    fn refusal(&self, poisoned: &RegistryError) -> RegistryError {
         poisoned.clone()
+    }
+
+    /// Poisons the device with the panic `payload` carried; returns the error calls get.
+    #[cold]
+    #[inline(never)]
+    fn poison_with(&self, payload: Box<dyn Any + Send>) -> RegistryError {
+        let poison = || {
+            let message = panic_message(payload.as_ref());
+            self.poison
+                .get_or_init(|| {
+                    tracing::error!(ordinal = self.ordinal, %message, "streamalloc: device poisoned by a panic");
+                    RegistryError::Poisoned {
+                        ordinal: self.ordinal,
+                        message,
+                    }
+                })
+                .clone()
+        };
+        // Even a panic while reporting the first one stays here.
+        catch_unwind(AssertUnwindSafe(poison)).unwrap_or_else(|_| RegistryError::Poisoned {
+            ordinal: self.ordinal,
+            message: "a panic while reporting a panic".to_string(),
+        })
     }
 
     /// The error every call gets once a panic made the device unusable, if one did.
@@ -291,6 +309,25 @@ impl<B: Backend> Registry<B> {
     pub fn get(&self, ordinal: i32) -> Option<&Device<B>> {
         let slot = self.devices.get(usize::try_from(ordinal).ok()?)?;
         slot.get()?.as_ref().ok()
+    }
+
+    /// The device a pointer freed on `ordinal` can only belong to, if there is one: device
+    /// `ordinal` when it is the only device created, or, for a negative `ordinal` (a free
+    /// that names no device), the only device created. `None` when the pointer's owner
+    /// needs looking for ([`Registry::free`]). Never creates a device.
+    #[inline]
+    pub fn sole_device(&self, ordinal: i32) -> Option<&Device<B>> {
+        let live = self.live.load(Ordering::Acquire);
+        let only = if ordinal < 0 {
+            live.count_ones() == 1
+        } else {
+            live == bit(ordinal) && live != 0
+        };
+        if only {
+            self.get(live.trailing_zeros() as i32)
+        } else {
+            None
+        }
     }
 
     /// Every device whose allocator was created, poisoned or not, in ordinal order.

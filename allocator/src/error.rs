@@ -133,8 +133,8 @@ impl std::fmt::Display for OutOfMemory {
 /// An error from the allocator's public API.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum AllocError {
-    /// The request cannot be served even after freeing every cached block (boxed: the
-    /// report is large next to every other variant).
+    /// The request cannot be served even after freeing every cached block. Boxed: the
+    /// report is large, and every successful malloc returns a `Result` of this type.
     #[error("{0}")]
     OutOfMemory(Box<OutOfMemory>),
     /// `free` or `record_use` named a pointer this allocator did not hand out, or that

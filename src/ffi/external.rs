@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, RwLock};
 use streamalloc_allocator::backend::ipc::{ExportedMapping, ForeignMapping, IpcBackend, IpcError};
 use streamalloc_allocator::backend::BackendResult;
+use streamalloc_allocator::config::TraceClock;
 use streamalloc_allocator::{Backend, BackendError, DevicePtr, EventHandle, HostPtr, StreamId};
 
 /// Allocates `size` bytes on `device` for a pool segment; null if it cannot.
@@ -167,6 +168,9 @@ impl<B: Backend> Backend for WithSources<B> {
     }
     fn ticks_to_ns(&self, ticks: u64) -> u64 {
         self.inner.ticks_to_ns(ticks)
+    }
+    fn set_trace_clock(&self, clock: TraceClock) {
+        self.inner.set_trace_clock(clock)
     }
     fn supports_virtual_memory(&self) -> bool {
         self.inner.supports_virtual_memory()

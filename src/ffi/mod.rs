@@ -38,9 +38,13 @@
 //! reported once and not counted. Neither ever crashes or touches memory.
 //!
 //! # Cost
-//! `malloc`/`free` do one registry lookup (an array index and an atomic load, then the
-//! device's poison flag), then the engine's fast path; nothing allocates or formats
-//! unless something fails.
+//! `malloc`/`free` (and the native door's default-pool `streamalloc_malloc_in_pool`) do
+//! one registry lookup (an array index and an atomic load, then the device's poison flag),
+//! then the engine's fast path under the device's one guard (`Device::run`, which no panic
+//! leaves); clearing the last error is one load of a process-wide flag until some thread
+//! has set one. Nothing allocates or formats unless something fails, and every failure,
+//! like every call that must create a device or look for a pointer's owner, goes to an
+//! out-of-line path under the full guard.
 
 pub mod error;
 pub mod external;
@@ -221,6 +225,43 @@ pub fn malloc<B: Backend>(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
+    // The fast path: a device in use and no pool routing. Nothing in it can panic but
+    // the engine, which `Device::run` guards.
+    error::clear();
+    if size != 0 && !pools::routing(registry) {
+        if let Some(on) = registry.get(device) {
+            return match on.run(|allocator| allocator.malloc(size as u64, stream_id(stream))) {
+                Ok(Ok(block)) => block.ptr.0 as usize as *mut c_void,
+                Ok(Err(err)) => guarded(std::ptr::null_mut(), || {
+                    malloc_failed(device, &err);
+                    std::ptr::null_mut()
+                }),
+                Err(err) => guarded(std::ptr::null_mut(), || {
+                    unavailable(device, &err);
+                    std::ptr::null_mut()
+                }),
+            };
+        }
+    }
+    malloc_guarded(registry, size, device, stream)
+}
+
+/// Reports a failure found on a fast path under the guard: its messages are formatted.
+#[cold]
+#[inline(never)]
+pub(crate) fn guarded<T>(on_panic: T, report: impl FnOnce() -> T) -> T {
+    error::call(on_panic, report)
+}
+
+/// [`malloc`] in full: a device to create, a zero size, a routed request.
+#[cold]
+#[inline(never)]
+fn malloc_guarded<B: Backend>(
+    registry: &Registry<B>,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
     error::call(std::ptr::null_mut(), || {
         if size == 0 {
             std::ptr::null_mut()
@@ -302,11 +343,45 @@ pub fn free<B: Backend>(
     device: c_int,
     _stream: *mut c_void,
 ) {
-    error::call((), || {
-        if ptr.is_null() {
-            return;
+    // The fast path: the pointer can only be one device's (the one named, or the only one
+    // when none is named). Nothing in it can panic but the engine, which `Device::run`
+    // guards.
+    error::clear();
+    if ptr.is_null() {
+        return;
+    }
+    let address = DevicePtr(ptr as usize as u64);
+    if let Some(owner) = registry.sole_device(device) {
+        match owner.run(|allocator| allocator.free_if_owned(address)) {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => free_guarded(registry, ptr, device),
+            Ok(Err(err)) => guarded((), || report_free(ptr, device, Err(err.into()))),
+            Err(err) => guarded((), || report_free(ptr, device, Err(err.into()))),
         }
-        match registry.free(DevicePtr(ptr as usize as u64), device) {
+        return;
+    }
+    free_guarded(registry, ptr, device)
+}
+
+/// [`free`] in full: the pointer's owner looked for among the devices, a pointer nobody
+/// owns counted.
+#[cold]
+#[inline(never)]
+fn free_guarded<B: Backend>(registry: &Registry<B>, ptr: *mut c_void, device: c_int) {
+    error::call((), || {
+        report_free(
+            ptr,
+            device,
+            registry.free(DevicePtr(ptr as usize as u64), device),
+        )
+    })
+}
+
+/// Tells the caller where a free went: silently for its device, or once per kind of
+/// misuse, and the last error on failure.
+fn report_free(ptr: *mut c_void, device: c_int, freed: Result<Freed, CallError>) {
+    {
+        match freed {
             Ok(Freed::Here) => {}
             Ok(Freed::OnDevice(_)) if device < 0 => {}
             Ok(Freed::OnDevice(owner)) => warn_once(
@@ -323,7 +398,7 @@ pub fn free<B: Backend>(
                 eprintln!("streamalloc: free of {ptr:p} on device {device}: {err}");
             }
         }
-    })
+    }
 }
 
 /// Notes that `stream` uses `ptr` (PyTorch's `record_stream`): its reuse after the free

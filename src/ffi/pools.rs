@@ -39,10 +39,12 @@
 
 use super::layout::c_struct;
 use super::{device_call, engine_message, error, fail, on_device};
-use crate::registry::{self, Device, Registry, Route};
+use crate::registry::{self, Device, Registry, RegistryError, Route};
 use std::ffi::{c_int, c_void};
 use streamalloc_allocator::snapshot::{BlockState, Snapshot};
-use streamalloc_allocator::{AllocationSite, Backend, DevicePtr, PoolBlock, PoolId, StreamId};
+use streamalloc_allocator::{
+    AllocError, Allocation, AllocationSite, Backend, DevicePtr, PoolBlock, PoolId, StreamId,
+};
 
 c_struct! {
 /// `streamalloc_pool_block_t`: one live allocation of a pool checkpoint.
@@ -119,7 +121,64 @@ pub extern "C" fn streamalloc_malloc_in_pool(
 }
 
 /// [`streamalloc_malloc_in_pool`] on `registry`.
+#[inline]
 pub fn malloc_in_pool<B: Backend>(
+    registry: &Registry<B>,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+    id0: u64,
+    id1: u64,
+) -> *mut c_void {
+    // The fast path (the native door's every allocation outside graphs and `MemPool`s):
+    // the default pool of a device in use. Nothing in it can panic but the engine, which
+    // `Device::run` guards.
+    error::clear();
+    if size != 0 && (id0, id1) == (0, 0) {
+        if let Some(on) = registry.get(device) {
+            let stream = StreamId(stream as usize as u64);
+            return match on.run(|allocator| allocator.malloc(size as u64, stream)) {
+                Ok(Ok(block)) => block.ptr.0 as usize as *mut c_void,
+                failed => default_pool_failed(registry, size, device, stream, failed),
+            };
+        }
+    }
+    malloc_in_pool_guarded(registry, size, device, stream, id0, id1)
+}
+
+/// A request of the default pool the engine refused: served by the pools marked to back it
+/// at out-of-memory, if one can, or the failure reported.
+#[cold]
+#[inline(never)]
+fn default_pool_failed<B: Backend>(
+    registry: &Registry<B>,
+    size: usize,
+    device: c_int,
+    stream: StreamId,
+    failed: Result<Result<Allocation, AllocError>, RegistryError>,
+) -> *mut c_void {
+    error::call(std::ptr::null_mut(), || {
+        let served = failed
+            .map_err(|err| super::unavailable_message(device, &err))
+            .and_then(|result| {
+                on_device(registry, device, |allocator| {
+                    let request = (size as u64, stream, PoolId::DEFAULT);
+                    super::fallback::or_marked_pools(registry, device, allocator, request, result)
+                        .map_err(|err| engine_message(device, err))
+                })
+            });
+        match served {
+            Ok(block) => block.ptr.0 as usize as *mut c_void,
+            Err(message) => fail(std::ptr::null_mut(), message),
+        }
+    })
+}
+
+/// [`malloc_in_pool`] in full: a device to create, a zero size, a pool other than the
+/// default one.
+#[cold]
+#[inline(never)]
+fn malloc_in_pool_guarded<B: Backend>(
     registry: &Registry<B>,
     size: usize,
     device: c_int,

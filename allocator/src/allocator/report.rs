@@ -9,7 +9,7 @@ impl State {
         backend: &B,
         requested: u64,
         slot: StreamSlot,
-    ) -> OutOfMemory {
+    ) -> Box<OutOfMemory> {
         let (mut free_cached, mut largest) = (0, 0);
         // A sleeping pool's free blocks hold no memory.
         for state in self
@@ -62,7 +62,7 @@ impl State {
             growth,
         };
         tracing::warn!(%report, "allocation failed");
-        report
+        Box::new(report)
     }
 
     /// Records an event now. The ring keeps `slot`, turned into the stream's handle only when
@@ -156,7 +156,7 @@ impl State {
         segments.sort_by_key(|s| s.addr);
         Snapshot {
             config: config.clone(),
-            stats: self.stats,
+            stats: self.stats.read(),
             segments,
             trace: self.trace.entries(
                 |slot| self.streams.id(slot),

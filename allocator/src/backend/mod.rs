@@ -20,6 +20,7 @@ pub mod sim;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use crate::config::TraceClock;
 use crate::error::BackendError;
 use crate::types::{DevicePtr, EventHandle, HostPtr, StreamId};
 use std::sync::Arc;
@@ -87,6 +88,11 @@ pub trait Backend: Send + Sync {
     fn ticks_to_ns(&self, ticks: u64) -> u64 {
         ticks
     }
+
+    /// Which clock [`Backend::now_ticks`] and [`Backend::now_ns`] read from now on; set
+    /// once, by the allocator as it is created, before any reading. The simulator's clock
+    /// is its virtual time whatever this says.
+    fn set_trace_clock(&self, _clock: TraceClock) {}
 
     // ---- Virtual memory (expandable segments) -----------------------------------------
     //
@@ -253,6 +259,9 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     }
     fn ticks_to_ns(&self, ticks: u64) -> u64 {
         (**self).ticks_to_ns(ticks)
+    }
+    fn set_trace_clock(&self, clock: TraceClock) {
+        (**self).set_trace_clock(clock)
     }
     fn supports_virtual_memory(&self) -> bool {
         (**self).supports_virtual_memory()

@@ -39,9 +39,11 @@ mod vmm;
 pub use cudarc::driver::sys;
 
 use super::{Backend, BackendResult};
+use crate::config::TraceClock;
 use crate::error::BackendError;
 use crate::types::{DevicePtr, EventHandle, HostPtr, StreamId};
 use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 pub use self::driver::DriverError;
@@ -336,6 +338,10 @@ impl Backend for CudaBackend {
         self.clock.ticks_to_ns(ticks)
     }
 
+    fn set_trace_clock(&self, clock: TraceClock) {
+        self.clock.set(clock);
+    }
+
     fn supports_virtual_memory(&self) -> bool {
         self.pages.is_some()
     }
@@ -448,15 +454,25 @@ impl Drop for RelaxedCapture {
 
 // ---- Clock ------------------------------------------------------------------------------
 
-/// Trace timestamps. A tick is, on x86-64, a raw reading of the time-stamp counter: the
-/// hot path stores it as read and [`Clock::ticks_to_ns`] scales it to nanoseconds since the
-/// backend was created, by a rate measured then, only when the trace is read. `rdtsc` costs
-/// a few ns (~16 on some hosts), against ~20 for `Instant::now`, and a malloc/free pair
-/// takes two timestamps. Elsewhere, or where the counter cannot be calibrated, a tick is a
-/// nanosecond of `Instant`.
+/// Trace timestamps, from the clock the configuration names ([`TraceClock`]):
+/// - coarse (the default): a tick is a nanosecond of `CLOCK_MONOTONIC_COARSE`, which the
+///   kernel updates once a tick (1–4 ms) and the vDSO reads in a few ns without a system
+///   call;
+/// - precise: on x86-64, a raw reading of the time-stamp counter, which the hot path stores
+///   as read and [`Clock::ticks_to_ns`] scales to nanoseconds by a rate measured at
+///   creation, only when the trace is read. `rdtsc` costs 16–20 ns on the GPU hosts (KVM
+///   guests), against ~20 for `Instant::now`, and a malloc/free pair takes two timestamps.
+///   Elsewhere, or where the counter cannot be calibrated, a tick is a nanosecond of
+///   `Instant`.
+///
+/// Both read back as nanoseconds since the backend was created.
 #[derive(Debug)]
 struct Clock {
     start: Instant,
+    /// The coarse clock's reading at creation, in ns.
+    coarse_start: u64,
+    /// The precise clock is in use (set once, before the first reading).
+    precise: AtomicBool,
     #[cfg(target_arch = "x86_64")]
     tsc: TscRate,
 }
@@ -469,9 +485,26 @@ struct TscRate {
     ns_per_tick_q32: u64,
 }
 
+/// `CLOCK_MONOTONIC_COARSE` in nanoseconds.
+#[inline]
+fn coarse_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid, writable timespec for the call.
+    let code = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut now) };
+    if code != 0 {
+        return 0;
+    }
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
 impl Clock {
     fn new() -> Self {
         let start = Instant::now();
+        let coarse_start = coarse_ns();
+        let precise = AtomicBool::new(false);
         #[cfg(target_arch = "x86_64")]
         {
             let tsc_start = rdtsc();
@@ -490,6 +523,8 @@ impl Clock {
             };
             Self {
                 start,
+                coarse_start,
+                precise,
                 tsc: TscRate {
                     start: tsc_start,
                     ns_per_tick_q32,
@@ -497,12 +532,25 @@ impl Clock {
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        Self { start }
+        Self {
+            start,
+            coarse_start,
+            precise,
+        }
     }
 
-    /// The raw reading: the time-stamp counter, or nanoseconds since creation.
+    fn set(&self, clock: TraceClock) {
+        self.precise
+            .store(clock == TraceClock::Precise, Ordering::Relaxed);
+    }
+
+    /// The raw reading: the coarse clock's nanoseconds, or (precise) the time-stamp
+    /// counter or nanoseconds since creation.
     #[inline]
     fn now_ticks(&self) -> u64 {
+        if !self.precise.load(Ordering::Relaxed) {
+            return coarse_ns();
+        }
         #[cfg(target_arch = "x86_64")]
         if self.tsc.ns_per_tick_q32 != 0 {
             return rdtsc();
@@ -512,6 +560,9 @@ impl Clock {
 
     /// Nanoseconds since creation at the reading `ticks`.
     fn ticks_to_ns(&self, ticks: u64) -> u64 {
+        if !self.precise.load(Ordering::Relaxed) {
+            return ticks.saturating_sub(self.coarse_start);
+        }
         #[cfg(target_arch = "x86_64")]
         if self.tsc.ns_per_tick_q32 != 0 {
             // A core whose counter lags the creating core's reads as the start.
@@ -536,20 +587,38 @@ fn rdtsc() -> u64 {
 mod tests {
     use super::*;
 
-    #[test]
-    fn clock_is_monotonic_and_close_to_instant() {
-        let clock = Clock::new();
+    /// What `clock` measures of `ms` milliseconds of spinning.
+    fn measure(clock: &Clock, ms: u128) -> u64 {
         let a = clock.ticks_to_ns(clock.now_ticks());
         let begin = Instant::now();
-        while begin.elapsed().as_millis() < 5 {
+        while begin.elapsed().as_millis() < ms {
             std::hint::spin_loop();
         }
         let b = clock.ticks_to_ns(clock.now_ticks());
-        assert!(b > a);
-        let elapsed = b - a;
+        assert!(b >= a, "the clock went back: {a} then {b}");
+        b - a
+    }
+
+    #[test]
+    fn the_precise_clock_is_monotonic_and_close_to_instant() {
+        let clock = Clock::new();
+        clock.set(TraceClock::Precise);
+        let elapsed = measure(&clock, 5);
         assert!(
             (4_000_000..50_000_000).contains(&elapsed),
             "5 ms measured as {elapsed} ns"
+        );
+    }
+
+    #[test]
+    fn the_coarse_clock_is_monotonic_and_right_to_a_tick() {
+        let clock = Clock::new();
+        clock.set(TraceClock::Coarse);
+        // A kernel tick is at most 10 ms (HZ=100).
+        let elapsed = measure(&clock, 50);
+        assert!(
+            (40_000_000..500_000_000).contains(&elapsed),
+            "50 ms measured as {elapsed} ns"
         );
     }
 
