@@ -46,7 +46,9 @@ pub(crate) fn run(args: ViewArgs) -> Result<ExitCode, CliError> {
         None => {}
     }
     let viewer = Arc::new(server::Viewer::new(files));
-    viewer.warm();
+    // Built now, within each file's memory budget: a file whose data would not fit is one
+    // line and status 2, before anything is served.
+    viewer.warm()?;
     let listener = server::bind(args.port)
         .map_err(|e| CliError::Message(format!("cannot listen on 127.0.0.1:{}: {e}", args.port)))?;
     let addr = listener

@@ -10,7 +10,7 @@
 use crate::error::VizError;
 use crate::input::{self, UNRECOGNISED};
 use crate::model::{parse_json, write_json, Snapshot};
-use crate::sniff::Content;
+use crate::sniff::{sniff, Content};
 use std::io::Write;
 use std::path::Path;
 
@@ -25,6 +25,10 @@ pub fn load(path: &Path) -> Result<Snapshot, VizError> {
 /// [`load`] of a file's content already in memory: `raw` is what the file `path` holds
 /// (`path` only names it in errors).
 pub fn from_bytes(path: &Path, raw: Vec<u8>) -> Result<Snapshot, VizError> {
+    if sniff(&raw) == Content::Gzip && input::peek_content(&raw) == Content::Pickle {
+        // The usual large file: decompressed while it is decoded, never held whole.
+        return crate::pytorch::read_model_gzip(path, &raw);
+    }
     let (content, bytes) = input::open(path, raw)?;
     match content {
         Content::Pickle => crate::pytorch::read_model(path, &bytes),

@@ -45,7 +45,7 @@
 //! its time.
 
 use crate::error::VizError;
-use crate::limits::range_within;
+use crate::limits::{range_within, Budget};
 pub use crate::limits::{MAX_ADDRESS_END, MAX_DEVICE_INDEX};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::collections::HashMap;
@@ -304,7 +304,7 @@ pub struct DeviceSnapshot {
 }
 
 /// A snapshot in our model; serialised, it is our JSON format.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Snapshot {
     /// Always [`FORMAT`].
     pub format: String,
@@ -323,6 +323,24 @@ pub struct Snapshot {
     pub stacks: Stacks,
     /// Per-device segments and traces.
     pub devices: Vec<DeviceSnapshot>,
+    /// The memory budget of the file this was read from, charged with what the snapshot
+    /// holds: what is left of it is what later stages (the timeline, the viewer's data,
+    /// plots, writers) may still build from it ([`crate::limits`]). Unlimited for a
+    /// snapshot built in code; not part of any file, nor of equality.
+    #[serde(skip)]
+    pub budget: Budget,
+}
+
+impl PartialEq for Snapshot {
+    fn eq(&self, other: &Self) -> bool {
+        self.format == other.format
+            && self.version == other.version
+            && self.source == other.source
+            && self.config == other.config
+            && self.stats == other.stats
+            && self.stacks == other.stacks
+            && self.devices == other.devices
+    }
 }
 
 impl Snapshot {
@@ -336,6 +354,7 @@ impl Snapshot {
             stats: None,
             stacks: Stacks::default(),
             devices: Vec::new(),
+            budget: Budget::default(),
         }
     }
 

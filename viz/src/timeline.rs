@@ -22,6 +22,7 @@
 //!
 //! and, per stream, `cached`: bytes of the stream's segments not in active blocks.
 
+use crate::limits::{Budget, OverBudget};
 use crate::model::{BlockState, DeviceSnapshot, TraceAction};
 use std::collections::{BTreeMap, HashMap};
 
@@ -117,9 +118,43 @@ impl Counter {
     }
 }
 
+/// What the budget calls building a timeline.
+const STAGE: &str = "building the timeline";
+/// What one entry of the maps used while pairing costs (key, value, the map's overhead).
+const MAP_ENTRY_BYTES: u64 = 48;
+
 impl Timeline {
     /// Pairs up the events of `device` and computes the counters.
     pub fn build(device: &DeviceSnapshot) -> Timeline {
+        match Timeline::build_within(device, &mut Budget::default()) {
+            Ok(t) => t,
+            Err(_) => unreachable!("an unlimited budget never runs out"),
+        }
+    }
+
+    /// [`Timeline::build`], charging what it holds to `budget` (and what it needs only
+    /// while building, given back at the end): a trace the budget cannot afford is an
+    /// error before its memory is taken.
+    pub fn build_within(
+        device: &DeviceSnapshot,
+        budget: &mut Budget,
+    ) -> Result<Timeline, OverBudget> {
+        let mut transient = 0u64;
+        let built = Timeline::pair(device, budget, &mut transient);
+        budget.release(transient);
+        built
+    }
+
+    fn pair(
+        device: &DeviceSnapshot,
+        budget: &mut Budget,
+        transient: &mut u64,
+    ) -> Result<Timeline, OverBudget> {
+        let mut charge_transient = |budget: &mut Budget, bytes: u64| {
+            budget.charge_for(STAGE, bytes)?;
+            *transient += bytes;
+            Ok::<(), OverBudget>(())
+        };
         let mut t = Timeline::default();
         let mut stream_index: HashMap<u64, u32> = HashMap::new();
         let mut stream = |s: u64, streams: &mut Vec<u64>| -> u32 {
@@ -146,6 +181,8 @@ impl Timeline {
             match e.action {
                 TraceAction::SegmentAlloc | TraceAction::SegmentMap => {
                     let s = stream(e.stream, &mut t.streams);
+                    budget.reserve(STAGE, &mut late_segs, 1)?;
+                    charge_transient(budget, MAP_ENTRY_BYTES)?;
                     late_segs.push(SegmentSpan {
                         start: at,
                         end: None,
@@ -170,6 +207,10 @@ impl Timeline {
                         .collect();
                     hit.reverse();
                     let mut cursor = lo;
+                    // At most two pieces left of each span hit, and one gap before it.
+                    budget.reserve(STAGE, &mut late_segs, 2 * hit.len() + 1)?;
+                    budget.reserve(STAGE, &mut early_segs, hit.len() + 1)?;
+                    charge_transient(budget, MAP_ENTRY_BYTES * 2 * hit.len() as u64)?;
                     for k in hit {
                         let (sa, se, st) = {
                             let sp = &late_segs[k];
@@ -224,6 +265,7 @@ impl Timeline {
             });
             if !overlapped {
                 let s = stream(seg.stream, &mut t.streams);
+                budget.reserve(STAGE, &mut early_segs, 1)?;
                 early_segs.push(SegmentSpan {
                     start: None,
                     end: None,
@@ -246,6 +288,8 @@ impl Timeline {
             let i32_ = i as u32;
             match e.action {
                 TraceAction::Alloc => {
+                    budget.reserve(STAGE, &mut late, 1)?;
+                    charge_transient(budget, MAP_ENTRY_BYTES)?;
                     // streamalloc hands a freed block carrying pending events to another
                     // request at once (after a device-side wait), with no free_completed:
                     // the reuse ends the old lifetime.
@@ -270,6 +314,8 @@ impl Timeline {
                         late[k].free_requested = Some(i32_);
                     } else {
                         let s = stream(e.stream, &mut t.streams);
+                        budget.reserve(STAGE, &mut early, 1)?;
+                        charge_transient(budget, MAP_ENTRY_BYTES)?;
                         early.push(AllocSpan {
                             start: None,
                             free_requested: Some(i32_),
@@ -290,6 +336,7 @@ impl Timeline {
                         early[k].end = Some(i32_);
                     } else {
                         let s = stream(e.stream, &mut t.streams);
+                        budget.reserve(STAGE, &mut early, 1)?;
                         early.push(AllocSpan {
                             start: None,
                             free_requested: None,
@@ -318,6 +365,7 @@ impl Timeline {
                     continue;
                 }
                 let s = stream(b.stream, &mut t.streams);
+                budget.reserve(STAGE, &mut early, 1)?;
                 early.push(AllocSpan {
                     start: None,
                     free_requested: None,
@@ -330,11 +378,19 @@ impl Timeline {
                 });
             }
         }
+        budget.reserve(STAGE, &mut early, late.len())?;
         early.append(&mut late);
         t.allocs = early;
+        // Streams: a few bytes each, in the per-stream tables below.
+        budget.charge_for(STAGE, 64 * t.streams.len() as u64)?;
+        // Sorting the allocations and segments by time.
+        charge_transient(
+            budget,
+            (t.allocs.len() * size_of::<usize>() + t.segments.len() * 24) as u64,
+        )?;
         t.assign_owners(n);
-        t.compute_counters(trace);
-        t
+        t.compute_counters(trace, budget, &mut charge_transient)?;
+        Ok(t)
     }
 
     /// Sets each allocation's `owner` to the stream of the segment containing it when it
@@ -380,79 +436,78 @@ impl Timeline {
         }
     }
 
-    fn compute_counters(&mut self, trace: &[crate::model::Event]) {
+    /// The counters after each event, one at a time from per-event deltas, and each
+    /// stream's cached bytes from its sorted changes.
+    fn compute_counters(
+        &mut self,
+        trace: &[crate::model::Event],
+        budget: &mut Budget,
+        charge_transient: &mut impl FnMut(&mut Budget, u64) -> Result<(), OverBudget>,
+    ) -> Result<(), OverBudget> {
         let n = trace.len();
-        let streams = self.streams.len();
-        // Deltas per event, then prefix sums.
-        let mut delta: [Vec<i128>; 5] = Default::default();
-        for d in delta.iter_mut() {
-            d.resize(n, 0);
-        }
-        let mut initial = [0i128; 5];
-        let mut cached_delta: Vec<BTreeMap<u32, i128>> = vec![BTreeMap::new(); streams];
-        let mut cached_initial = vec![0i128; streams];
-        let mut add = |k: Counter, at: Option<u32>, v: i128, initial: &mut [i128; 5]| match at {
-            Some(i) => delta[k as usize][i as usize] += v,
-            None => initial[k as usize] += v,
-        };
-        for a in &self.allocs {
-            let size = a.size as i128;
-            add(Counter::Active, a.start, size, &mut initial);
-            add(Counter::Allocated, a.start, size, &mut initial);
-            match (a.free_requested, a.end) {
-                (Some(fr), end) => {
-                    add(Counter::Allocated, Some(fr), -size, &mut initial);
-                    add(Counter::Pending, Some(fr), size, &mut initial);
-                    if let Some(e) = end {
-                        add(Counter::Pending, Some(e), -size, &mut initial);
+        let clamp = |v: i128| v.clamp(0, u64::MAX as i128) as u64;
+        budget.charge_for(STAGE, (5 * n * size_of::<u64>()) as u64)?;
+        charge_transient(budget, (n * size_of::<i128>()) as u64)?;
+        let mut delta = vec![0i128; n];
+        for k in Counter::ALL {
+            delta.iter_mut().for_each(|d| *d = 0);
+            let mut initial = 0i128;
+            let mut add = |at: Option<u32>, v: i128| match at {
+                Some(i) => delta[i as usize] += v,
+                None => initial += v,
+            };
+            match k {
+                Counter::Active | Counter::Allocated | Counter::Pending => {
+                    for a in &self.allocs {
+                        let size = a.size as i128;
+                        match k {
+                            Counter::Active => {
+                                add(a.start, size);
+                                if let Some(e) = a.end {
+                                    add(Some(e), -size);
+                                }
+                            }
+                            Counter::Allocated => {
+                                add(a.start, size);
+                                match (a.free_requested, a.end) {
+                                    (Some(fr), _) => add(Some(fr), -size),
+                                    (None, Some(e)) => add(Some(e), -size),
+                                    (None, None) => {}
+                                }
+                            }
+                            _ => {
+                                if let Some(fr) = a.free_requested {
+                                    add(Some(fr), size);
+                                    if let Some(e) = a.end {
+                                        add(Some(e), -size);
+                                    }
+                                }
+                            }
+                        }
                     }
                 }
-                (None, Some(e)) => add(Counter::Allocated, Some(e), -size, &mut initial),
-                (None, None) => {}
-            }
-            if let Some(e) = a.end {
-                add(Counter::Active, Some(e), -size, &mut initial);
-            }
-            let owner = a.owner as usize;
-            match a.start {
-                Some(s) => *cached_delta[owner].entry(s).or_default() -= size,
-                None => cached_initial[owner] -= size,
-            }
-            if let Some(e) = a.end {
-                *cached_delta[owner].entry(e).or_default() += size;
-            }
-        }
-        for s in &self.segments {
-            let size = s.size as i128;
-            add(Counter::Reserved, s.start, size, &mut initial);
-            if let Some(e) = s.end {
-                add(Counter::Reserved, Some(e), -size, &mut initial);
-            }
-            let st = s.stream as usize;
-            match s.start {
-                Some(at) => *cached_delta[st].entry(at).or_default() += size,
-                None => cached_initial[st] += size,
-            }
-            if let Some(e) = s.end {
-                *cached_delta[st].entry(e).or_default() -= size;
-            }
-        }
-        for (i, e) in trace.iter().enumerate() {
-            match e.action {
-                TraceAction::StagingAcquire => {
-                    delta[Counter::Staging as usize][i] += e.size as i128
+                Counter::Reserved => {
+                    for s in &self.segments {
+                        let size = s.size as i128;
+                        add(s.start, size);
+                        if let Some(e) = s.end {
+                            add(Some(e), -size);
+                        }
+                    }
                 }
-                TraceAction::StagingRelease => {
-                    delta[Counter::Staging as usize][i] -= e.size as i128
+                Counter::Staging => {
+                    for (i, e) in trace.iter().enumerate() {
+                        match e.action {
+                            TraceAction::StagingAcquire => add(Some(i as u32), e.size as i128),
+                            TraceAction::StagingRelease => add(Some(i as u32), -(e.size as i128)),
+                            _ => {}
+                        }
+                    }
                 }
-                _ => {}
             }
-        }
-        let clamp = |v: i128| v.clamp(0, u64::MAX as i128) as u64;
-        for k in 0..5 {
-            self.initial[k] = clamp(initial[k]);
-            let mut v = initial[k];
-            self.counters[k] = delta[k]
+            self.initial[k as usize] = clamp(initial);
+            let mut v = initial;
+            self.counters[k as usize] = delta
                 .iter()
                 .map(|d| {
                     v += d;
@@ -460,22 +515,57 @@ impl Timeline {
                 })
                 .collect();
         }
+        drop(delta);
+
+        // Cached bytes per stream: its segments' bytes not in active blocks, changing at
+        // each event that starts or ends one of them.
+        let streams = self.streams.len();
+        let mut cached_initial = vec![0i128; streams];
+        let mut changes: Vec<(u32, u32, i128)> = Vec::new();
+        let count = 2 * (self.allocs.len() + self.segments.len());
+        charge_transient(budget, (count * size_of::<(u32, u32, i128)>()) as u64)?;
+        changes.reserve_exact(count);
+        for a in &self.allocs {
+            let size = a.size as i128;
+            match a.start {
+                Some(s) => changes.push((a.owner, s, -size)),
+                None => cached_initial[a.owner as usize] -= size,
+            }
+            if let Some(e) = a.end {
+                changes.push((a.owner, e, size));
+            }
+        }
+        for s in &self.segments {
+            let size = s.size as i128;
+            match s.start {
+                Some(at) => changes.push((s.stream, at, size)),
+                None => cached_initial[s.stream as usize] += size,
+            }
+            if let Some(e) = s.end {
+                changes.push((s.stream, e, -size));
+            }
+        }
+        changes.sort_unstable_by_key(|&(stream, at, _)| (stream, at));
         self.cached_initial = cached_initial.iter().map(|&v| clamp(v)).collect();
-        self.cached_changes = cached_delta
-            .into_iter()
-            .zip(&cached_initial)
-            .map(|(deltas, &init)| {
-                let mut v = init;
-                deltas
-                    .into_iter()
-                    .filter(|(_, d)| *d != 0)
-                    .map(|(at, d)| {
-                        v += d;
-                        (at, clamp(v))
-                    })
-                    .collect()
-            })
-            .collect();
+        self.cached_changes = vec![Vec::new(); streams];
+        let mut i = 0;
+        while i < changes.len() {
+            let (stream, at) = (changes[i].0, changes[i].1);
+            let mut d = 0i128;
+            while i < changes.len() && (changes[i].0, changes[i].1) == (stream, at) {
+                d += changes[i].2;
+                i += 1;
+            }
+            if d != 0 {
+                let out = &mut self.cached_changes[stream as usize];
+                budget.reserve(STAGE, out, 1)?;
+                // The running value, kept exact beside the clamped one it shows.
+                let exact = &mut cached_initial[stream as usize];
+                *exact += d;
+                out.push((at, clamp(*exact)));
+            }
+        }
+        Ok(())
     }
 
     /// Number of events.
