@@ -38,8 +38,11 @@ pub(crate) fn run(args: PlotArgs) -> Result<ExitCode, CliError> {
             plot::MAX_PIXELS
         )));
     }
+    // Checked before reading: the image must be a regular file (or new) and not the input.
+    files::check_output(&args.file, &args.output)?;
     let snapshot = files::load(&args.file)?;
-    plot::plot(&snapshot, &args.output, args.width, args.height)?;
+    plot::plot(&snapshot, &args.output, args.width, args.height)
+        .map_err(|e| e.naming_input(&args.file))?;
     eprintln!(
         "{}: timeline written to {}",
         args.file.display(),

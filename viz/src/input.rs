@@ -38,7 +38,13 @@ pub fn read_file(path: &Path) -> Result<Vec<u8>, VizError> {
         return Err(too_large());
     }
     let mut reader = file.take(limit.saturating_add(1));
-    let mut out = Vec::with_capacity(known.unwrap_or(0).min(limit) as usize);
+    let mut out = Vec::new();
+    let wanted = known.unwrap_or(0).min(limit) as usize;
+    // A file the system will not give the memory for is an error, not an abort.
+    out.try_reserve_exact(wanted).map_err(|_| VizError::Limit {
+        path: path.into(),
+        what: format!("reading it takes {wanted} bytes of memory, more than the system gives"),
+    })?;
     let mut head = [0u8; SNIFF_BYTES];
     let mut got = 0;
     while got < SNIFF_BYTES {
@@ -81,7 +87,9 @@ pub fn maybe_gunzip(path: &Path, raw: Vec<u8>) -> Result<Vec<u8>, VizError> {
 /// `path` only names the source in errors.
 pub fn gunzip_within(path: &Path, raw: &[u8], limit: u64, how: &str) -> Result<Vec<u8>, VizError> {
     let capacity = (raw.len() as u64).saturating_mul(8).min(limit) as usize;
-    let mut out = Vec::with_capacity(capacity);
+    let mut out = Vec::new();
+    // Only a first guess: reading grows it, and running out there is an error too.
+    let _ = out.try_reserve_exact(capacity);
     // One byte past the limit tells "exactly at the limit" from "over it".
     flate2::read::MultiGzDecoder::new(raw)
         .take(limit.saturating_add(1))

@@ -42,12 +42,13 @@
 
 //! ## Layers
 //! A module uses only modules listed before it here: `error`, `limits`, `sniff`, `input`,
-//! `output`, `pickle`, `model`, `timeline`, `pytorch`, `perfetto`, `plot`, `wire`, `files`,
-//! `server`.
+//! `output`, `pickle`, `json`, `model`, `timeline`, `pytorch`, `perfetto`, `plot`, `wire`,
+//! `files`, `server`.
 
 mod error;
 pub mod files;
 pub mod input;
+mod json;
 pub mod limits;
 pub mod model;
 pub mod output;

@@ -131,6 +131,12 @@ pub struct Budget {
     /// Bytes the limit grows by per input byte received ([`Budget::add_input`]); 0 for a
     /// fixed limit.
     per_input_byte: u64,
+    /// What the process's address-space limit leaves, if it has one: the limit never
+    /// grows past it.
+    ceiling: Option<u64>,
+    /// The last charge refused, so that a caller that sees only an I/O error (a writer
+    /// charging as it writes) can tell what happened.
+    refused: Option<OverBudget>,
     /// How the limit was set, for the error message.
     how: &'static str,
 }
@@ -150,17 +156,51 @@ impl std::fmt::Display for OverBudget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} would build more than {} MiB in memory (limit: {}): the file refers to \
-             shared data too often or expands too much; set {BUDGET_ENV} to raise it",
+            "{} would build more than {} MiB in memory (limit: {})",
             self.stage,
             self.limit >> 20,
             self.how,
-        )
+        )?;
+        if self.how == PER_BYTE {
+            write!(
+                f,
+                ": the file refers to shared data too often or expands too much; set \
+                 {BUDGET_ENV} to raise the limit"
+            )?;
+        }
+        Ok(())
     }
 }
 
 /// How [`Budget::for_input`] sets its limit.
 const PER_BYTE: &str = "8 bytes per input byte + 64 MiB";
+/// How the limit was set when the address-space limit set it.
+const ADDRESS_SPACE: &str = "what the process's address-space limit leaves";
+/// How the limit was met when the system refused memory within it.
+const REFUSED: &str = "the memory the system would give";
+
+/// Bytes of address space the process may still map, if it runs under a limit
+/// (`RLIMIT_AS`), read from `/proc/self`.
+pub fn address_space_headroom() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let soft = limits
+        .lines()
+        .find(|l| l.starts_with("Max address space"))?
+        .split_whitespace()
+        .nth(3)?
+        .parse::<u64>()
+        .ok()?;
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let size_kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(soft.saturating_sub(size_kib << 10))
+}
 
 impl Default for Budget {
     /// No limit: for snapshots built in code, which no file bounds.
@@ -172,21 +212,28 @@ impl Default for Budget {
 impl Budget {
     /// The budget for an input of `input_bytes`: [`BUILT_BYTES_PER_INPUT_BYTE`] per byte
     /// plus [`BUILT_BYTES_BASE`], or what [`BUDGET_ENV`] says.
+    ///
+    /// Under an address-space limit (`ulimit -v`, `prlimit --as`) the budget is at most
+    /// what the process can still map, less a margin for what is not budgeted (the input
+    /// itself, threads), so that running short of memory is this budget's one-line error
+    /// rather than an allocation failure that aborts.
     pub fn for_input(input_bytes: usize) -> Self {
-        if let Some(limit) = std::env::var(BUDGET_ENV)
+        let mut budget = match std::env::var(BUDGET_ENV)
             .ok()
             .and_then(|v| parse_byte_count(&v))
         {
-            return Budget {
+            Some(limit) => Budget {
                 how: "set by STREAMALLOC_MAX_BUILT",
                 ..Budget::new(limit)
-            };
-        }
-        let mut budget = Budget {
-            per_input_byte: BUILT_BYTES_PER_INPUT_BYTE,
-            how: PER_BYTE,
-            ..Budget::new(BUILT_BYTES_BASE)
+            },
+            None => Budget {
+                per_input_byte: BUILT_BYTES_PER_INPUT_BYTE,
+                how: PER_BYTE,
+                ..Budget::new(BUILT_BYTES_BASE)
+            },
         };
+        budget.ceiling =
+            address_space_headroom().map(|room| room - room / 4 - (96 << 20).min(room / 2));
         budget.add_input(input_bytes);
         budget
     }
@@ -198,6 +245,12 @@ impl Budget {
         self.limit = self
             .limit
             .saturating_add((bytes as u64).saturating_mul(self.per_input_byte));
+        if let Some(ceiling) = self.ceiling {
+            if self.limit > ceiling {
+                self.limit = ceiling;
+                self.how = ADDRESS_SPACE;
+            }
+        }
     }
 
     /// A budget of `limit` bytes.
@@ -206,6 +259,8 @@ impl Budget {
             limit,
             used: 0,
             per_input_byte: 0,
+            ceiling: None,
+            refused: None,
             how: "a fixed budget",
         }
     }
@@ -217,12 +272,21 @@ impl Budget {
                 self.used = used;
                 Ok(())
             }
-            _ => Err(OverBudget {
-                limit: self.limit,
-                stage,
-                how: self.how,
-            }),
+            _ => {
+                let over = OverBudget {
+                    limit: self.limit,
+                    stage,
+                    how: self.how,
+                };
+                self.refused = Some(over);
+                Err(over)
+            }
         }
+    }
+
+    /// The last charge this budget refused, if any.
+    pub fn refused(&self) -> Option<OverBudget> {
+        self.refused
     }
 
     /// [`Budget::charge_for`] while decoding.
@@ -249,9 +313,18 @@ impl Budget {
             return Ok(());
         }
         let capacity = needed.max(v.capacity().saturating_mul(2)).max(4);
-        let bytes = (capacity - v.capacity()).saturating_mul(std::mem::size_of::<T>());
-        self.charge_for(stage, bytes as u64)?;
-        v.reserve_exact(capacity - v.len());
+        let bytes = (capacity - v.capacity()).saturating_mul(std::mem::size_of::<T>()) as u64;
+        self.charge_for(stage, bytes)?;
+        // Even within the budget the system may refuse the memory: that is this error too,
+        // never an abort.
+        if v.try_reserve_exact(capacity - v.len()).is_err() {
+            self.release(bytes);
+            return Err(OverBudget {
+                limit: self.used.saturating_add(bytes),
+                stage,
+                how: REFUSED,
+            });
+        }
         Ok(())
     }
 

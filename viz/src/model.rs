@@ -45,7 +45,7 @@
 //! its time.
 
 use crate::error::VizError;
-use crate::limits::{range_within, Budget};
+use crate::limits::{range_within, Budget, OverBudget};
 pub use crate::limits::{MAX_ADDRESS_END, MAX_DEVICE_INDEX};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::collections::HashMap;
@@ -196,10 +196,18 @@ impl<'de> Deserialize<'de> for Stacks {
                 f.write_str("a list of frames")
             }
             fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+                // What is kept is charged to the read's budget ([`crate::json`]): the
+                // stack's frame indices, and each frame (with its strings) the first time.
                 let mut ids = Vec::new();
                 while let Some(frame) = seq.next_element::<Frame>()? {
+                    let before = self.0.frames.len();
+                    let text = frame.name.len() + frame.filename.len();
                     ids.push(self.0.frame(frame));
+                    if self.0.frames.len() > before {
+                        crate::json::charge::<A::Error>(size_of::<Frame>() + 64 + text)?;
+                    }
                 }
+                crate::json::charge::<A::Error>(4 * ids.len() + 32)?;
                 self.0.push_ids(ids.into());
                 Ok(())
             }
@@ -255,6 +263,7 @@ pub struct Segment {
     /// Bytes.
     pub size: u64,
     /// `"small"` or `"large"`.
+    #[serde(deserialize_with = "crate::json::string")]
     pub pool: String,
     /// The stream whose request created it.
     pub stream: u64,
@@ -262,6 +271,7 @@ pub struct Segment {
     #[serde(default)]
     pub expandable: bool,
     /// Its blocks in address order.
+    #[serde(deserialize_with = "crate::json::vec")]
     pub blocks: Vec<Block>,
 }
 
@@ -298,8 +308,10 @@ pub struct DeviceSnapshot {
     #[serde(default)]
     pub trace_dropped: u64,
     /// Segments at the instant of the snapshot, in address order.
+    #[serde(deserialize_with = "crate::json::vec")]
     pub segments: Vec<Segment>,
     /// The event trace, oldest first.
+    #[serde(deserialize_with = "crate::json::vec")]
     pub trace: Vec<Event>,
 }
 
@@ -313,15 +325,16 @@ pub struct Snapshot {
     /// `"streamalloc"` or `"pytorch"`: who recorded it.
     pub source: String,
     /// Allocator configuration.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::json::value")]
     pub config: Option<serde_json::Value>,
     /// Counters at the instant of the snapshot.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::json::value")]
     pub stats: Option<serde_json::Value>,
     /// Shared call stacks, innermost frame first.
     #[serde(default)]
     pub stacks: Stacks,
     /// Per-device segments and traces.
+    #[serde(deserialize_with = "crate::json::vec")]
     pub devices: Vec<DeviceSnapshot>,
     /// The memory budget of the file this was read from, charged with what the snapshot
     /// holds: what is left of it is what later stages (the timeline, the viewer's data,
@@ -361,6 +374,23 @@ impl Snapshot {
     /// Number of trace events over all devices.
     pub fn event_count(&self) -> usize {
         self.devices.iter().map(|d| d.trace.len()).sum()
+    }
+
+    /// Bytes of memory the snapshot's records take (events, segments, blocks, stacks).
+    pub fn held_bytes(&self) -> u64 {
+        let frames: usize = (0..self.stacks.len() as u32)
+            .map(|i| self.stacks.frame_ids(i).len())
+            .sum();
+        let per_device: usize = self
+            .devices
+            .iter()
+            .map(|d| {
+                d.trace.len() * size_of::<Event>()
+                    + d.segments.len() * size_of::<Segment>()
+                    + d.segments.iter().map(|s| s.blocks.len()).sum::<usize>() * size_of::<Block>()
+            })
+            .sum();
+        (per_device + 4 * frames + 32 * self.stacks.len() + 100 * self.stacks.frames.len()) as u64
     }
 
     /// Checks what serde cannot: stack indices in range, device indices within
@@ -467,9 +497,19 @@ pub fn parse_json(path: &Path, bytes: &[u8]) -> Result<Snapshot, VizError> {
         source,
     };
     let probe: Probe = serde_json::from_slice(bytes).map_err(json_err)?;
+    let over = |o: OverBudget| VizError::Limit {
+        path: path.into(),
+        what: o.to_string(),
+    };
     match (probe.format.as_deref(), probe.version) {
         (Some(FORMAT), Some(v)) if v <= SCHEMA_VERSION => {
-            let snap: Snapshot = serde_json::from_slice(bytes).map_err(json_err)?;
+            let (mut snap, budget) =
+                crate::json::parse_within::<Snapshot>(bytes, Budget::for_input(bytes.len()))
+                    .map_err(|e| match e {
+                        crate::json::ParseError::Json(e) => json_err(e),
+                        crate::json::ParseError::Over(o) => over(o),
+                    })?;
+            snap.budget = budget;
             snap.validate(path)?;
             Ok(snap)
         }
@@ -493,7 +533,16 @@ pub fn parse_json(path: &Path, bytes: &[u8]) -> Result<Snapshot, VizError> {
                          snapshot",
                     )
                 })?;
-            let snap = from_engine(&engine);
+            // The engine's records are of fixed size and at least 40 bytes of JSON each,
+            // so reading them builds less than the budget allows; the model made from
+            // them is what the budget keeps.
+            let mut snap = from_engine(&engine);
+            drop(engine);
+            let mut budget = Budget::for_input(bytes.len());
+            budget
+                .charge_for("reading the JSON", snap.held_bytes())
+                .map_err(over)?;
+            snap.budget = budget;
             snap.validate(path)?;
             Ok(snap)
         }

@@ -7,6 +7,7 @@
 //! reserved bytes as a dark line. The x axis is the event index.
 
 use crate::error::VizError;
+use crate::limits::{Budget, OverBudget};
 use crate::model::{DeviceSnapshot, Snapshot};
 use crate::timeline::{Counter, Timeline};
 use std::collections::BTreeSet;
@@ -164,6 +165,16 @@ const MARGIN_T: usize = 24;
 
 /// The timeline as an SVG document, `width` × `height` pixels.
 pub fn render_svg(snapshot: &Snapshot, width: usize, height: usize) -> String {
+    render_svg_within(snapshot, width, height, &mut Budget::default()).unwrap_or_default()
+}
+
+/// [`render_svg`], what it builds per event charged to `budget`.
+pub fn render_svg_within(
+    snapshot: &Snapshot,
+    width: usize,
+    height: usize,
+    budget: &mut Budget,
+) -> Result<String, OverBudget> {
     let mut s = String::new();
     let _ = write!(
         s,
@@ -171,9 +182,9 @@ pub fn render_svg(snapshot: &Snapshot, width: usize, height: usize) -> String {
     );
     let Some(device) = pick(snapshot) else {
         s.push_str("<text x=\"10\" y=\"20\">empty snapshot</text></svg>");
-        return s;
+        return Ok(s);
     };
-    let t = Timeline::build(device);
+    let t = timeline_within(device, budget)?;
     let (w, h) = (
         width.saturating_sub(MARGIN_L + 8).max(10),
         height.saturating_sub(MARGIN_T + MARGIN_B).max(10),
@@ -256,7 +267,7 @@ pub fn render_svg(snapshot: &Snapshot, width: usize, height: usize) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    s
+    Ok(s)
 }
 
 /// A 5×7 bitmap font for the axis labels of PNGs: rows top to bottom, bit 4 leftmost.
@@ -301,11 +312,21 @@ fn draw_text(put: &mut impl FnMut(usize, usize, [u8; 3]), x: usize, y: usize, te
 /// The timeline as RGB pixels (`width` × `height`, row-major, top row first), with byte
 /// and event-index labels on the axes.
 pub fn render_rgb(snapshot: &Snapshot, width: usize, height: usize) -> Vec<u8> {
+    render_rgb_within(snapshot, width, height, &mut Budget::default()).unwrap_or_default()
+}
+
+/// [`render_rgb`], what it builds per event charged to `budget`.
+pub fn render_rgb_within(
+    snapshot: &Snapshot,
+    width: usize,
+    height: usize,
+    budget: &mut Budget,
+) -> Result<Vec<u8>, OverBudget> {
     let mut px = vec![255u8; width * height * 3];
     let Some(device) = pick(snapshot) else {
-        return px;
+        return Ok(px);
     };
-    let t = Timeline::build(device);
+    let t = timeline_within(device, budget)?;
     let (ml, mr, mt, mb) = (66, 24, 8, 16);
     let (w, h) = (
         width.saturating_sub(ml + mr).max(1),
@@ -361,7 +382,15 @@ pub fn render_rgb(snapshot: &Snapshot, width: usize, height: usize) -> Vec<u8> {
             put(cx, mt + g.h + dy, [0, 0, 0]);
         }
     }
-    px
+    Ok(px)
+}
+
+/// The timeline of `device` and the plot's per-event tables, charged to `budget` (the
+/// pixels are bounded by [`MAX_PIXELS`], not by the file).
+fn timeline_within(device: &DeviceSnapshot, budget: &mut Budget) -> Result<Timeline, OverBudget> {
+    let t = Timeline::build_within(device, budget)?;
+    budget.charge_for("drawing the plot", 8 * t.len() as u64)?;
+    Ok(t)
 }
 
 /// The most pixels an image may have (`width * height`): rendering holds about 16 bytes
@@ -384,16 +413,22 @@ pub fn plot(snapshot: &Snapshot, path: &Path, width: usize, height: usize) -> Re
         .extension()
         .and_then(|e| e.to_str())
         .map(str::to_ascii_lowercase);
+    // What a plot builds per event is charged to what is left of the file's budget.
+    let mut budget = snapshot.budget.clone();
+    let over = |over: OverBudget| VizError::Limit {
+        path: path.into(),
+        what: over.to_string(),
+    };
     match ext.as_deref() {
         Some("svg") => {
-            let svg = render_svg(snapshot, width, height);
+            let svg = render_svg_within(snapshot, width, height, &mut budget).map_err(over)?;
             crate::output::write_whole(path, |out| {
                 out.write_all(svg.as_bytes())
                     .map_err(|e| VizError::io(path, e))
             })
         }
         Some("png") => {
-            let rgb = render_rgb(snapshot, width, height);
+            let rgb = render_rgb_within(snapshot, width, height, &mut budget).map_err(over)?;
             crate::output::write_whole(path, |out| {
                 let mut enc = png::Encoder::new(out, width as u32, height as u32);
                 enc.set_color(png::ColorType::Rgb);

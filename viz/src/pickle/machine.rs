@@ -265,6 +265,7 @@ fn with_article(name: &str) -> String {
 /// The error for a read of `n` bytes for `what` that fell short.
 fn short(op_at: usize, what: &str, n: usize, shortfall: Shortfall) -> PickleError {
     PickleError {
+        over_budget: false,
         offset: op_at,
         message: match shortfall {
             Shortfall::Ended { left } => {
@@ -278,13 +279,17 @@ fn short(op_at: usize, what: &str, n: usize, shortfall: Shortfall) -> PickleErro
 impl<S: Source> Machine<'_, S> {
     fn err(&self, message: impl Into<String>) -> PickleError {
         PickleError {
+            over_budget: false,
             offset: self.op_at,
             message: message.into(),
         }
     }
 
     fn over(&self, over: OverBudget) -> PickleError {
-        self.err(over.to_string())
+        PickleError {
+            over_budget: true,
+            ..self.err(over.to_string())
+        }
     }
 
     fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], PickleError> {
@@ -318,6 +323,7 @@ impl<S: Source> Machine<'_, S> {
         let op_at = self.op_at;
         let bytes = self.src.take_line().map_err(|e| match e {
             Shortfall::Ended { .. } => PickleError {
+                over_budget: false,
                 offset: op_at,
                 message: format!("truncated: {what} argument has no newline"),
             },
@@ -411,10 +417,14 @@ impl<S: Source> Machine<'_, S> {
         }
         let op_at = self.op_at;
         let fail = |message: String| PickleError {
+            over_budget: false,
             offset: op_at,
             message,
         };
-        let over = |o: OverBudget| fail(o.to_string());
+        let over = |o: OverBudget| PickleError {
+            over_budget: true,
+            ..fail(o.to_string())
+        };
         let too_many = || fail(format!("a container of more than {} items", u32::MAX));
         let items = &self.stack[from..];
         let arena = &mut self.arena;
@@ -562,6 +572,7 @@ impl<S: Source> Machine<'_, S> {
         }
         let op_at = self.op_at;
         let over = |o: OverBudget| PickleError {
+            over_budget: true,
             offset: op_at,
             message: o.to_string(),
         };
@@ -606,6 +617,7 @@ impl<S: Source> Machine<'_, S> {
     fn string(&mut self, n: usize, what: &str) -> Result<(), PickleError> {
         let op_at = self.op_at;
         let over = |o: OverBudget| PickleError {
+            over_budget: true,
             offset: op_at,
             message: o.to_string(),
         };
@@ -613,6 +625,7 @@ impl<S: Source> Machine<'_, S> {
         // string too large for the budget.
         let bytes = self.src.take(n).map_err(|e| short(op_at, what, n, e))?;
         let s = std::str::from_utf8(bytes).map_err(|e| PickleError {
+            over_budget: false,
             offset: op_at,
             message: format!("{what}: invalid UTF-8 ({e})"),
         })?;
@@ -635,6 +648,7 @@ impl<S: Source> Machine<'_, S> {
     fn bytes(&mut self, n: usize, what: &str) -> Result<(), PickleError> {
         let op_at = self.op_at;
         let over = |o: OverBudget| PickleError {
+            over_budget: true,
             offset: op_at,
             message: o.to_string(),
         };

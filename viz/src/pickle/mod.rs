@@ -64,6 +64,16 @@ pub struct PickleError {
     pub offset: usize,
     /// What is wrong, in one line.
     pub message: String,
+    /// The input is readable but would build more than its budget.
+    pub(crate) over_budget: bool,
+}
+
+impl PickleError {
+    /// Whether decoding stopped because the input would build more than its memory budget
+    /// ([`crate::limits::Budget`]), rather than because it is not a readable pickle.
+    pub fn is_over_budget(&self) -> bool {
+        self.over_budget
+    }
 }
 
 impl fmt::Display for PickleError {

@@ -66,6 +66,7 @@ impl Builder<'_> {
         self.budget
             .charge(bytes)
             .map_err(|over: OverBudget| PickleError {
+                over_budget: true,
                 offset,
                 message: over.to_string(),
             })?;
@@ -119,6 +120,7 @@ impl Builder<'_> {
         let offset = node.offset();
         match self.state[id as usize] {
             State::Open => Err(PickleError {
+                over_budget: false,
                 offset,
                 message: format!(
                     "recursive structure: the {} created here contains itself",
@@ -130,6 +132,7 @@ impl Builder<'_> {
                     // Only containers referenced once are left uncached, and a second
                     // visit of one is impossible; refuse rather than panic all the same.
                     return Err(PickleError {
+                        over_budget: false,
                         offset,
                         message: "internal error: container visited twice".into(),
                     });
@@ -141,6 +144,7 @@ impl Builder<'_> {
             State::New => {
                 if path.len() >= MAX_DEPTH {
                     return Err(PickleError {
+                        over_budget: false,
                         offset,
                         message: format!(
                             "containers nested more than {MAX_DEPTH} deep (the nesting limit)"
@@ -185,6 +189,7 @@ impl Builder<'_> {
         let hashable = |v: Value| {
             let kind = value_type(&v);
             let err = |what: &str| PickleError {
+                over_budget: false,
                 offset,
                 message: format!(
                     "{what} used as a key or set item in the {} created here",
@@ -235,6 +240,7 @@ impl Builder<'_> {
         loop {
             let Some(top) = path.last_mut() else {
                 return Err(PickleError {
+                    over_budget: false,
                     offset: 0,
                     message: "internal error: empty build path".into(),
                 });

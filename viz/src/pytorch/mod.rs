@@ -440,6 +440,28 @@ pub fn from_torch(t: &TorchSnapshot) -> Snapshot {
     out
 }
 
+/// [`to_torch`], what it builds charged to `budget` first: an entry per event, each
+/// distinct stack's frames once, the segments and their blocks.
+pub fn to_torch_within(s: &Snapshot, budget: &mut Budget) -> Result<TorchSnapshot, OverBudget> {
+    let frames: usize = (0..s.stacks.len() as u32)
+        .map(|i| s.stacks.frame_ids(i).len())
+        .sum();
+    let segments: usize = s.devices.iter().map(|d| d.segments.len()).sum();
+    let blocks: usize = s
+        .devices
+        .iter()
+        .flat_map(|d| &d.segments)
+        .map(|seg| seg.blocks.len())
+        .sum();
+    let bytes = s.event_count() * size_of::<TorchTraceEntry>()
+        + frames * size_of::<Frame>()
+        + s.stacks.len() * 32
+        + segments * size_of::<TorchSegment>()
+        + blocks * size_of::<TorchBlock>();
+    budget.charge_for("converting to PyTorch's shape", bytes as u64)?;
+    Ok(to_torch(s))
+}
+
 /// PyTorch's model of our snapshot. streamalloc's own actions (cross-stream waits,
 /// staging, empty_cache) have no PyTorch name and are left out. Each stack becomes one
 /// shared [`Stack`].

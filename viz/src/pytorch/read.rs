@@ -87,9 +87,16 @@ pub(super) fn read_records<S: Source>(
     sink: &mut dyn Sink,
 ) -> Result<Records, VizError> {
     let mut arena = crate::pickle::decode_arena(source, Budget::for_input(0)).map_err(|e| {
-        VizError::Pickle {
-            path: path.into(),
-            message: e.to_string(),
+        if e.is_over_budget() {
+            VizError::Limit {
+                path: path.into(),
+                what: e.to_string(),
+            }
+        } else {
+            VizError::Pickle {
+                path: path.into(),
+                message: e.to_string(),
+            }
         }
     })?;
     let budget = std::mem::take(&mut arena.budget);
