@@ -187,8 +187,9 @@ function cachedSeries(n, ns, nch, chEv, chSt, chD, init) {
       const i = order[r];
       v += chD[i];
       if (w > first && at[w - 1] === chEv[i]) { val[w - 1] = v; } else { at[w] = chEv[i]; val[w] = v; w++; }
-      if (v > peak[s]) peak[s] = v;
     }
+    // The peak of the values after each event (not of the sums within one event).
+    for (let p = first; p < w; p++) if (val[p] > peak[s]) peak[s] = val[p];
     off[s] = first;
     end[s] = w;
   }
