@@ -8,7 +8,8 @@
 //! helpers here, which charge what they allocate to the [`Budget`] of the read being
 //! done ([`parse_within`]) before they allocate it. The budget lives in a thread-local
 //! for the duration of one parse, because serde's derived readers cannot carry it; read
-//! outside [`parse_within`], the helpers charge nothing.
+//! outside [`parse_within`], the helpers charge nothing. Other JSON readers of the project
+//! (the trace loader of `streamalloc replay`) use the same helpers.
 
 use crate::limits::{Budget, OverBudget};
 use serde::de::{self, DeserializeOwned, Deserializer, MapAccess, SeqAccess, Visitor};
@@ -26,16 +27,61 @@ const STAGE: &str = "reading the JSON";
 
 /// Why [`parse_within`] failed.
 #[derive(Debug)]
-pub(crate) enum ParseError {
+pub enum ParseError {
     /// The JSON is invalid or not of the expected shape.
     Json(serde_json::Error),
     /// What it would build does not fit the budget.
     Over(OverBudget),
 }
 
+/// What a JSON object's top level holds, read without building it: whether it has the
+/// keys the readers look for, its first few keys (for a message) and how many there are.
+/// Its memory is bounded whatever the object.
+#[derive(Debug, Default)]
+pub struct ObjectKeys {
+    /// The object has a `format` key.
+    pub format: bool,
+    /// The object has a `trace` key.
+    pub trace: bool,
+    /// Its first keys, at most [`ObjectKeys::SHOWN`].
+    pub first: Vec<String>,
+    /// How many keys it has.
+    pub count: usize,
+}
+
+impl ObjectKeys {
+    /// Keys kept in [`ObjectKeys::first`].
+    pub const SHOWN: usize = 8;
+
+    /// The top-level keys of the JSON object `bytes` (an error if it is not one).
+    pub fn of(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        struct Keys;
+        impl<'de> Visitor<'de> for Keys {
+            type Value = ObjectKeys;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ObjectKeys, A::Error> {
+                let mut keys = ObjectKeys::default();
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    map.next_value::<de::IgnoredAny>()?;
+                    keys.format |= key == "format";
+                    keys.trace |= key == "trace";
+                    if keys.first.len() < ObjectKeys::SHOWN {
+                        keys.first.push(key.into_owned());
+                    }
+                    keys.count += 1;
+                }
+                Ok(keys)
+            }
+        }
+        serde_json::Deserializer::from_slice(bytes).deserialize_map(Keys)
+    }
+}
+
 /// Parses `bytes` as `T`, charging what the helpers of this module build to `budget`;
 /// returns the value and the budget charged with it.
-pub(crate) fn parse_within<T: DeserializeOwned>(
+pub fn parse_within<T: DeserializeOwned>(
     bytes: &[u8],
     budget: Budget,
 ) -> Result<(T, Budget), ParseError> {
@@ -53,7 +99,7 @@ pub(crate) fn parse_within<T: DeserializeOwned>(
 
 /// Charges `bytes` to the current parse's budget (nothing outside a parse). The error is
 /// a deserialisation error that ends the parse; [`parse_within`] reports the budget's.
-pub(crate) fn charge<E: de::Error>(bytes: usize) -> Result<(), E> {
+pub fn charge<E: de::Error>(bytes: usize) -> Result<(), E> {
     CURRENT.with(|c| match &mut *c.borrow_mut() {
         Some((budget, over)) => budget.charge_for(STAGE, bytes as u64).map_err(|o| {
             *over = Some(o);
@@ -74,9 +120,7 @@ fn grow<T, E: de::Error>(v: &mut Vec<T>) -> Result<(), E> {
 }
 
 /// A list of `T` read with its growth charged: for `#[serde(deserialize_with)]`.
-pub(crate) fn vec<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
-    d: D,
-) -> Result<Vec<T>, D::Error> {
+pub fn vec<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
     struct Items<T>(std::marker::PhantomData<T>);
     impl<'de, T: Deserialize<'de>> Visitor<'de> for Items<T> {
         type Value = Vec<T>;
@@ -98,7 +142,7 @@ pub(crate) fn vec<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
 }
 
 /// A string read with its bytes charged.
-pub(crate) fn string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+pub fn string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
     let s = String::deserialize(d)?;
     charge::<D::Error>(s.len())?;
     Ok(s)
@@ -106,9 +150,7 @@ pub(crate) fn string<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error
 
 /// An optional free-form value (`config`, `stats`) read with every value, string and list
 /// charged as it is built.
-pub(crate) fn value<'de, D: Deserializer<'de>>(
-    d: D,
-) -> Result<Option<serde_json::Value>, D::Error> {
+pub fn value<'de, D: Deserializer<'de>>(d: D) -> Result<Option<serde_json::Value>, D::Error> {
     Option::<Charged>::deserialize(d).map(|v| v.map(|c| c.0))
 }
 

@@ -15,6 +15,7 @@
 //!   shared by all readers, the replayer's included.
 //! - [`sniff`]: which of those formats a file holds, told from its content.
 //! - [`input`]: reading a file within the size limits, gunzipping it within its own.
+//! - [`json`]: reading JSON within the memory budget.
 //! - [`output`]: writing a file whole or not at all.
 //! - [`model`]: the one model every format converts through, which is also our versioned
 //!   JSON format (schema in the module docs).
@@ -48,7 +49,7 @@
 mod error;
 pub mod files;
 pub mod input;
-mod json;
+pub mod json;
 pub mod limits;
 pub mod model;
 pub mod output;
