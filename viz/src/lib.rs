@@ -17,6 +17,7 @@
 //! - [`input`]: reading a file within the size limits, gunzipping it within its own.
 //! - [`json`]: reading JSON within the memory budget.
 //! - [`output`]: writing a file whole or not at all.
+//! - [`stacks`]: call stacks held once, frames and stacks by index.
 //! - [`model`]: the one model every format converts through, which is also our versioned
 //!   JSON format (schema in the module docs).
 //! - [`files`]: [`files::load`] opens any supported file, [`files::save`] writes one
@@ -43,7 +44,7 @@
 
 //! ## Layers
 //! A module uses only modules listed before it here: `error`, `limits`, `sniff`, `input`,
-//! `output`, `pickle`, `json`, `model`, `timeline`, `pytorch`, `perfetto`, `plot`, `wire`,
+//! `output`, `pickle`, `json`, `stacks`, `model`, `timeline`, `pytorch`, `perfetto`, `plot`, `wire`,
 //! `files`, `server`.
 
 mod error;
@@ -59,6 +60,7 @@ pub mod plot;
 pub mod pytorch;
 pub mod server;
 pub mod sniff;
+pub mod stacks;
 pub mod timeline;
 pub mod wire;
 
