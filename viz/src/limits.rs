@@ -218,18 +218,22 @@ impl Budget {
     /// itself, threads), so that running short of memory is this budget's one-line error
     /// rather than an allocation failure that aborts.
     pub fn for_input(input_bytes: usize) -> Self {
-        let mut budget = match std::env::var(BUDGET_ENV)
-            .ok()
-            .and_then(|v| parse_byte_count(&v))
-        {
-            Some(limit) => Budget {
-                how: "set by STREAMALLOC_MAX_BUILT",
-                ..Budget::new(limit)
-            },
+        let mut budget = match std::env::var_os(BUDGET_ENV) {
             None => Budget {
                 per_input_byte: BUILT_BYTES_PER_INPUT_BYTE,
                 how: PER_BYTE,
                 ..Budget::new(BUILT_BYTES_BASE)
+            },
+            Some(text) => match text.to_str().and_then(parse_byte_count) {
+                Some(limit) => Budget {
+                    how: "set by STREAMALLOC_MAX_BUILT",
+                    ..Budget::new(limit)
+                },
+                // Said, not ignored: every read fails, naming the variable.
+                None => Budget {
+                    how: "STREAMALLOC_MAX_BUILT, which is not a byte count such as 8G",
+                    ..Budget::new(0)
+                },
             },
         };
         budget.ceiling =
@@ -369,6 +373,25 @@ mod tests {
         assert!(Budget::new(5).charge(u64::MAX).is_err());
         b.release(4);
         assert!(b.charge(4).is_ok());
+    }
+
+    /// The only test of this binary that sets the variable, and none other reads it.
+    #[test]
+    fn the_budget_variable_replaces_the_limit_or_is_said_to_be_wrong() {
+        std::env::set_var(BUDGET_ENV, "1M");
+        assert_eq!(Budget::for_input(10 << 20).limit(), 1 << 20);
+        std::env::set_var(BUDGET_ENV, "lots");
+        let over = Budget::for_input(10).charge(1).unwrap_err();
+        assert!(
+            over.to_string()
+                .contains("STREAMALLOC_MAX_BUILT, which is not a byte count"),
+            "{over}"
+        );
+        std::env::remove_var(BUDGET_ENV);
+        assert_eq!(
+            Budget::for_input(1).limit(),
+            BUILT_BYTES_BASE + BUILT_BYTES_PER_INPUT_BYTE
+        );
     }
 
     #[test]

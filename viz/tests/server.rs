@@ -180,6 +180,23 @@ fn a_trickling_client_is_cut_off_at_the_whole_request_deadline() {
     );
 }
 
+/// HEAD gets the head GET would get, its Content-Length included, and no body.
+#[test]
+fn head_answers_with_the_length_of_the_body_it_leaves_out() {
+    let addr = start(server::Limits::default());
+    let (_, body) = get(addr, "/api/data?f=0&d=0");
+    let (head, rest) = request(
+        addr,
+        &format!("HEAD /api/data?f=0&d=0 HTTP/1.1\r\nHost: {addr}\r\n\r\n"),
+    );
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.contains(&format!("\r\nContent-Length: {}\r\n", body.len())),
+        "{head}"
+    );
+    assert!(rest.is_empty());
+}
+
 /// A connection that sends nothing holds no slot against a client with a request: with
 /// both slots taken by idle connections, a third is served, in one of their slots.
 #[test]

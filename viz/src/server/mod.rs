@@ -286,8 +286,9 @@ fn handle(
     match parsed {
         Ok(request) => {
             let (status, ctype, body) = viewer.route(&request.path);
-            let body: &[u8] = if request.head_only { &[] } else { &body };
+            // HEAD: the head GET would get, Content-Length included, without the body.
             let head = http::response_head(status, ctype, body.len());
+            let body: &[u8] = if request.head_only { &[] } else { &body };
             send(&mut stream, conn, until, &[head.as_bytes(), body])
         }
         Err(refusal) => {
