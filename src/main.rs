@@ -16,7 +16,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Run a simulated workload (no GPU needed) and print what the allocator did.
+    /// Run a simulated workload (no GPU needed) and print what the allocator did, or
+    /// write a sample snapshot (--write-trace).
     Demo(cli::demo::DemoArgs),
     /// Plan a staged many-tensor exchange on simulated ranks and check the plan.
     P2pSim(cli::p2p_sim::P2pSimArgs),
@@ -27,9 +28,11 @@ enum Command {
     Run(cli::run::RunArgs),
     /// Convert memory snapshots between our JSON, PyTorch pickles and Perfetto traces.
     Snapshot(cli::snapshot::SnapshotArgs),
-    /// Open snapshots in the bundled memory-timeline viewer (served on 127.0.0.1).
+    /// Open snapshots in the bundled memory-timeline viewer (served on 127.0.0.1); with
+    /// --replay, with the memory streamalloc would reserve on the same run drawn over them.
     View(cli::view::ViewArgs),
-    /// Render the active-memory timeline of a snapshot to SVG or PNG, without a browser.
+    /// Render the active-memory timeline of a snapshot to SVG or PNG, without a browser;
+    /// with --replay, with the memory streamalloc would reserve on the same run.
     Plot(cli::plot::PlotArgs),
     /// Check this machine: the library, GPUs and driver, NCCL, PyTorch, the native door and
     /// the configuration, one verdict per line.
@@ -57,8 +60,10 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        // Whoever read the output has all they wanted (`| head -1`).
+        Err(cli::CliError::StdoutClosed) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("streamalloc: {err}");
+            cli::out::errln!("streamalloc: {err}");
             ExitCode::from(2)
         }
     }

@@ -1,7 +1,9 @@
 //! Property tests of the engine, state-machine style: random programs of malloc / free /
 //! record_use / stream work / host progress / stream syncs / empty_cache, CUDA-graph
 //! capture / replay / destruction and user-pool allocations on four streams, run on the
-//! simulated device under both reuse policies, with and without reclaims. After every step:
+//! simulated device under both reuse policies, with and without reclaims, with expandable
+//! or whole segments, the user pool plain, growing by whole segments or never splitting.
+//! After every step:
 //! - the race detector finds no race (no byte reused before its earlier uses
 //!   happen-before the new owner's work, and no graph replay over memory eager code took);
 //! - no two live blocks overlap, by address or by physical page (stitching maps a page at
@@ -17,7 +19,7 @@
 use common::{allocation_op, block_op};
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
-use streamalloc_allocator::testing::{proptest_cases, Harness, Op, STREAMS};
+use streamalloc_allocator::testing::{proptest_cases, Harness, Op, PoolRule, STREAMS};
 
 mod common;
 use streamalloc_allocator::{Config, ReusePolicy};
@@ -30,6 +32,10 @@ struct Model {
     reclaim: bool,
     /// `stitch`: free pages are mapped into one range for requests no free block fits.
     stitch: bool,
+    /// `expandable_segments`: pages mapped on demand, or whole segments (PyTorch's rules).
+    expandable: bool,
+    /// The user pool's rule: none, whole segments (another allocator's), or no splitting.
+    user_pool: PoolRule,
     event_batch: usize,
     capacity: u64,
     live: usize,
@@ -59,17 +65,27 @@ impl ReferenceStateMachine for EngineMachine {
             prop_oneof![Just(96u64 << 20), Just(1u64 << 30)],
             prop_oneof![3 => Just(true), 1 => Just(false)],
             prop_oneof![3 => Just(true), 1 => Just(false)],
+            prop_oneof![3 => Just(true), 1 => Just(false)],
+            prop_oneof![
+                2 => Just(PoolRule::Plain),
+                1 => Just(PoolRule::WholeSegments),
+                1 => Just(PoolRule::NoSplit)
+            ],
         )
-            .prop_map(|(policy, event_batch, capacity, reclaim, stitch)| Model {
-                policy,
-                reclaim,
-                stitch,
-                event_batch,
-                capacity,
-                live: 0,
-                capturing: false,
-                graphs: 0,
-            })
+            .prop_map(
+                |(policy, event_batch, capacity, reclaim, stitch, expandable, user_pool)| Model {
+                    policy,
+                    reclaim,
+                    stitch,
+                    expandable,
+                    user_pool,
+                    event_batch,
+                    capacity,
+                    live: 0,
+                    capturing: false,
+                    graphs: 0,
+                },
+            )
             .boxed()
     }
 
@@ -147,9 +163,12 @@ impl StateMachineTest for EngineMachine {
             event_batch: model.event_batch,
             reclaim: model.reclaim,
             stitch: model.stitch,
+            expandable_segments: model.expandable,
             ..Config::default()
         };
-        Harness::new(config, model.capacity).expect("harness")
+        Harness::new(config, model.capacity)
+            .expect("harness")
+            .with_user_pool_rule(model.user_pool)
     }
 
     fn apply(mut harness: Harness, _model: &Model, op: Op) -> Harness {

@@ -1,7 +1,8 @@
 //! Pools whose segments come from a caller's allocator (`torch.cuda.MemPool(allocator=...)`),
 //! on simulated devices: the engine takes whole segments from the pool's source, splits and
-//! caches them for that pool only, and gives each back to the source when it releases it;
-//! other pools never touch the source; a source is refused where it cannot be honoured.
+//! caches them for that pool only, and gives each back to the source when it releases it,
+//! with expandable segments in effect for the other pools or not; other pools never touch
+//! the source; a source is refused where it cannot be honoured.
 
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::Mutex;
@@ -167,18 +168,57 @@ fn a_source_that_has_no_memory_makes_the_request_fail_as_out_of_memory() {
 }
 
 #[test]
-fn a_source_is_refused_under_expandable_segments_after_the_pool_allocated_and_for_the_default_pool()
-{
+fn under_expandable_segments_a_pools_segments_still_come_whole_from_its_source() {
+    let registry = registry(true);
     let source = Source::default();
-    let expandable = registry(true);
-    assert_eq!(pools::pool_incref(&expandable, 0, POOL.0, POOL.1), 1);
-    assert_eq!(give_source(&expandable, &source), -1);
-    assert!(
-        last_error().contains("expandable_segments:false"),
-        "{}",
-        last_error()
-    );
+    assert_eq!(pools::pool_incref(&registry, 0, POOL.0, POOL.1), 1);
+    assert_eq!(give_source(&registry, &source), 0, "{}", last_error());
+    // The default pool maps pages as expandable segments do: nothing from the source.
+    let default = malloc(&registry, 64 * MIB, (0, 0));
+    assert_ne!(default, 0);
+    assert!(source.made.lock().unwrap().is_empty());
 
+    // The pool's requests: segments made by the source, split and cached for the pool.
+    let small = malloc(&registry, 4096, POOL);
+    let large: Vec<u64> = (0..3).map(|_| malloc(&registry, 3 * MIB, POOL)).collect();
+    let made = source.made.lock().unwrap().clone();
+    assert_eq!(
+        made.iter().map(|&(_, size, _)| size).collect::<Vec<_>>(),
+        [2 * MIB, 20 * MIB],
+        "PyTorch's segment sizes: one small, one shared by the three 3 MiB blocks"
+    );
+    let inside = |addr: u64| {
+        made.iter()
+            .any(|&(base, size, _)| base <= addr && addr < base + size as u64)
+    };
+    assert!(inside(small) && large.iter().all(|&b| inside(b)));
+    assert!(!inside(default));
+    let device = registry.device(0).unwrap();
+    device.run(|a| a.check_invariants()).unwrap().unwrap();
+
+    for block in large.into_iter().chain([small, default]) {
+        ffi::free(
+            &registry,
+            block as usize as *mut c_void,
+            0,
+            0,
+            std::ptr::null_mut(),
+        );
+    }
+    assert_eq!(pools::pool_release(&registry, 0, POOL.0, POOL.1), 0);
+    ffi::empty_cache(&registry);
+    assert_eq!(
+        *source.freed.lock().unwrap(),
+        made,
+        "each segment back to its source"
+    );
+    assert!(device.allocator().backend().external_segments().is_empty());
+    assert_eq!(device.allocator().stats().reserved_bytes.current, 0);
+}
+
+#[test]
+fn a_source_is_refused_after_the_pool_allocated_and_for_the_default_pool() {
+    let source = Source::default();
     let registry = registry(false);
     assert_eq!(pools::pool_incref(&registry, 0, POOL.0, POOL.1), 1);
     assert_ne!(malloc(&registry, MIB, POOL), 0);

@@ -1,7 +1,8 @@
 //! One memory budget for every input and everything built from it: bytes built per input
 //! byte, counted through reading (JSON included), the timeline, the viewer's data, plots
 //! and written files. A command over budget stops with one line and status 2, never an
-//! abort, also when the process's address space is limited below the budget.
+//! abort, also when the process's address space is limited below the budget. `--replay`'s
+//! replay is such a stage too.
 
 mod cli;
 
@@ -209,4 +210,83 @@ fn under_an_address_space_limit_running_short_is_one_line_not_an_abort() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// `--replay` replays the snapshot's allocations through the engine, whose records grow
+/// with the blocks live at once and the pages reserved: a stage like the others, charged
+/// to the file's budget. 200 allocations of 1 GiB are a file of a few kilobytes whose
+/// replay maps 100,000 pages: under a budget the plot alone fits, `plot --replay` and
+/// `view --replay` stop in one line naming the replay, before printing any figure or
+/// writing the image; under a larger one the replay runs.
+#[test]
+fn the_replay_of_view_and_plot_is_held_to_the_files_budget() {
+    let big = tmp("big-blocks.json");
+    let trace: Vec<String> = (0..200u64)
+        .map(|i| {
+            format!(
+                r#"{{"action":"alloc","addr":{},"size":{},"stream":0,"time_ns":{i}}}"#,
+                (i + 1) << 31,
+                1u64 << 30
+            )
+        })
+        .collect();
+    std::fs::write(
+        &big,
+        format!(
+            r#"{{"format":"streamalloc-snapshot","version":1,"source":"x","devices":[{{"device":0,"segments":[],"trace":[{}]}}]}}"#,
+            trace.join(",")
+        ),
+    )
+    .unwrap();
+    let image = tmp("big-blocks.svg");
+    let with_budget = |budget: &str, args: &[&std::ffi::OsStr]| {
+        cli::streamalloc()
+            .args(args)
+            .env("STREAMALLOC_MAX_BUILT", budget)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let plot: [&std::ffi::OsStr; 4] = [
+        "plot".as_ref(),
+        big.as_os_str(),
+        "-o".as_ref(),
+        image.as_os_str(),
+    ];
+    let alone = with_budget("16M", &plot);
+    assert!(
+        alone.status.success(),
+        "{}",
+        String::from_utf8_lossy(&alone.stderr)
+    );
+    std::fs::remove_file(&image).unwrap();
+    let replay = [&plot[..], &["--replay".as_ref()]].concat();
+    let out = with_budget("16M", &replay);
+    let err = refused(&out, "big-blocks.json");
+    assert!(
+        err.contains("replaying the trace would build more than 16 MiB"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "figures printed before the refusal");
+    assert!(!image.exists(), "the image was written");
+    let view = with_budget(
+        "16M",
+        &[
+            "view".as_ref(),
+            big.as_os_str(),
+            "--port".as_ref(),
+            "0".as_ref(),
+            "--replay".as_ref(),
+        ],
+    );
+    let err = refused(&view, "big-blocks.json");
+    assert!(err.contains("replaying the trace"), "{err}");
+    assert!(view.stdout.is_empty(), "{:?}", view.stdout);
+    let fits = with_budget("64M", &replay);
+    assert!(
+        fits.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fits.stderr)
+    );
+    assert!(image.exists());
 }

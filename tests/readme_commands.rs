@@ -2,11 +2,15 @@
 //!
 //! Every fenced block of `README.md` says what it needs in its info string: `sh` runs
 //! without a GPU, `sh gpu` needs one, `sh build` builds or installs from a checkout (what
-//! `.ci/run` does itself). This test runs every line of every `sh` block with `bash`, in a
-//! fresh folder that sees the checkout's folders (`benches/`, `examples/`, ...) but none of
-//! the files an earlier run may have left, with this build's `streamalloc` first on `PATH`.
-//! Each command must exit 0. A command whose comment says it serves `until Ctrl-C` must
-//! print its URL and answer a request there; it is then stopped.
+//! `.ci/run` does itself). This test runs every line of every `sh` block with `bash`, in an
+//! empty folder outside the checkout (so no example may lean on the checkout's files), with
+//! this build's `streamalloc` first on `PATH`. Each command must exit 0. A command whose
+//! comment says it serves `until Ctrl-C` must print its URL and answer a request there; it
+//! is then stopped.
+//!
+//! With `STREAMALLOC_README_INSTALLED=DIR` (a folder holding an installed `streamalloc`,
+//! such as a virtual environment's `bin`), the commands run with that `streamalloc` first
+//! on `PATH` and nothing of this build: `.ci/run` checks the wheel this way.
 //!
 //! A shell block with any other info string fails the test, so a new block must say which
 //! kind it is.
@@ -84,43 +88,48 @@ fn commands(body: &[String]) -> Vec<String> {
     out
 }
 
-/// A fresh folder that sees the checkout's folders (not its files, nor `target/` or
-/// hidden folders, where earlier outputs could hide a command that writes nothing).
-fn fresh_checkout_view(root: &Path) -> PathBuf {
+/// An empty folder of this test's own, outside the checkout.
+fn empty_folder() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("sa-readme-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    for entry in std::fs::read_dir(root).unwrap() {
-        let entry = entry.unwrap();
-        let name = entry.file_name();
-        let name_text = name.to_string_lossy();
-        if entry.path().is_dir() && !name_text.starts_with('.') && name_text != "target" {
-            std::os::unix::fs::symlink(entry.path(), dir.join(&name)).unwrap();
-        }
-    }
     dir
 }
 
+/// The folder of an installed `streamalloc` to run the commands with, if one was named.
+fn installed() -> Option<PathBuf> {
+    std::env::var_os("STREAMALLOC_README_INSTALLED").map(PathBuf::from)
+}
+
 fn shell(command: &str, dir: &Path) -> Command {
-    let bin_dir = Path::new(env!("CARGO_BIN_EXE_streamalloc"))
-        .parent()
-        .unwrap();
+    let bin_dir = match installed() {
+        Some(dir) => dir,
+        None => Path::new(env!("CARGO_BIN_EXE_streamalloc"))
+            .parent()
+            .unwrap()
+            .to_path_buf(),
+    };
     let path = std::env::var_os("PATH").unwrap_or_default();
-    let mut paths = vec![bin_dir.to_path_buf()];
+    let mut paths = vec![bin_dir];
     paths.extend(std::env::split_paths(&path));
     let mut shell = Command::new("bash");
     shell
         .args(["-euo", "pipefail", "-c", command])
         .current_dir(dir)
-        .env("PATH", std::env::join_paths(paths).unwrap())
-        .env("STREAMALLOC_LIB", cli::built_library());
+        .env("PATH", std::env::join_paths(paths).unwrap());
     for name in [
         "STREAMALLOC_CONF",
         "STREAMALLOC_SNAPSHOT",
         "STREAMALLOC_STATS_AT_EXIT",
+        "STREAMALLOC_LIB",
+        "STREAMALLOC_PRELOAD_LIB",
+        "STREAMALLOC_PYTHON",
         "PYTHONPATH",
     ] {
         shell.env_remove(name);
+    }
+    if installed().is_none() {
+        shell.env("STREAMALLOC_LIB", cli::built_library());
     }
     shell
 }
@@ -198,7 +207,7 @@ fn get_root(url: &str) -> String {
 fn every_readme_command_that_needs_no_gpu_runs_as_written() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let dir = fresh_checkout_view(root);
+    let dir = empty_folder();
     let mut ran = 0;
     for (info, body) in blocks(&readme) {
         if needs(&info).unwrap_or_else(|err| panic!("{err}")) != Needs::Nothing {
@@ -215,7 +224,7 @@ fn every_readme_command_that_needs_no_gpu_runs_as_written() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(
-        ran >= 7,
+        ran >= 10,
         "only {ran} README commands ran: are the blocks marked `sh`?"
     );
 }

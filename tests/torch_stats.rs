@@ -1,8 +1,10 @@
 //! PyTorch's `memory_stats()` as the library answers it (`streamalloc_torch_stat_name`,
 //! `streamalloc_torch_stats`, `streamalloc_reset_accumulated_stats`), on simulated
-//! devices: every name is one of PyTorch's keys, the values follow PyTorch's meaning
-//! (`allocated`/`freed` accumulate until reset, `current` and `peak` never reset), and
-//! what the profiler is told of an allocation is its block's size and the device's totals.
+//! devices: every key of PyTorch's is named, once; the values follow PyTorch's meaning
+//! (small and large pools, active blocks awaiting other streams, inactive split blocks of
+//! whole segments, mappings counted as device calls, oversize blocks, retries;
+//! `allocated`/`freed` accumulate until reset, `current` and `peak` never reset), and what
+//! the profiler is told of an allocation is its block's size and the device's totals.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{c_int, c_void, CStr};
@@ -18,6 +20,28 @@ fn registry(config: Config) -> Registry<SimBackend> {
         expandable_segments: false,
         ..config
     })
+}
+
+fn expandable_registry() -> Registry<SimBackend> {
+    Registry::simulated(Config {
+        expandable_segments: true,
+        ..Config::default()
+    })
+}
+
+fn malloc(registry: &Registry<SimBackend>, size: usize) -> *mut c_void {
+    let ptr = ffi::malloc(registry, size, 0, std::ptr::null_mut());
+    assert!(!ptr.is_null(), "malloc({size}) failed");
+    ptr
+}
+
+fn free(registry: &Registry<SimBackend>, ptr: *mut c_void) {
+    ffi::free(registry, ptr, 0, 0, std::ptr::null_mut());
+}
+
+/// The `all`, `small_pool` and `large_pool` values of `array.*.field`.
+fn pools(stats: &BTreeMap<String, i64>, array: &str, field: &str) -> [i64; 3] {
+    ["all", "small_pool", "large_pool"].map(|pool| stats[&format!("{array}.{pool}.{field}")])
 }
 
 /// PyTorch 2.11's `torch.cuda.memory_stats()` keys (c10's `DeviceStats`, flattened by
@@ -86,25 +110,187 @@ fn torch_stats(registry: &Registry<SimBackend>, device: c_int) -> BTreeMap<Strin
 }
 
 #[test]
-fn every_statistic_is_named_as_pytorch_names_it_once() {
+fn every_key_of_pytorchs_memory_stats_is_named_once() {
     let names = names();
     let unique: BTreeSet<String> = names.iter().cloned().collect();
     assert_eq!(unique.len(), names.len(), "a name listed twice: {names:?}");
     let pytorchs = pytorchs_keys();
     let unknown: Vec<&String> = unique.difference(&pytorchs).collect();
     assert!(unknown.is_empty(), "not PyTorch's keys: {unknown:?}");
-    for key in [
-        "allocated_bytes.all.current",
-        "allocated_bytes.all.allocated",
-        "reserved_bytes.all.peak",
-        "requested_bytes.all.freed",
-        "allocation.all.current",
-        "num_sync_all_streams",
-        "max_split_size",
-    ] {
-        assert!(unique.contains(key), "{key} is missing");
-    }
+    let missing: Vec<&String> = pytorchs.difference(&unique).collect();
+    assert!(missing.is_empty(), "PyTorch's keys not named: {missing:?}");
     assert!(stats::streamalloc_torch_stat_name(names.len()).is_null());
+}
+
+#[test]
+fn small_and_large_blocks_count_in_their_own_pools_as_in_pytorch() {
+    let registry = registry(Config::default());
+    let large = malloc(&registry, 3 * MIB);
+    let small = malloc(&registry, 1000);
+    let stats = torch_stats(&registry, 0);
+    assert_eq!(pools(&stats, "allocation", "current"), [2, 1, 1]);
+    assert_eq!(
+        pools(&stats, "allocated_bytes", "current"),
+        [3 * MIB as i64 + 1024, 1024, 3 * MIB as i64]
+    );
+    assert_eq!(
+        pools(&stats, "requested_bytes", "current"),
+        [3 * MIB as i64 + 1000, 1000, 3 * MIB as i64]
+    );
+    assert_eq!(pools(&stats, "active", "current"), [2, 1, 1]);
+    // A 2 MiB segment for the small pool, a 20 MiB one for requests of 1 to 10 MiB.
+    assert_eq!(pools(&stats, "segment", "current"), [2, 1, 1]);
+    assert_eq!(
+        pools(&stats, "reserved_bytes", "current"),
+        [22 * MIB as i64, 2 * MIB as i64, 20 * MIB as i64]
+    );
+    assert_eq!(stats["num_device_alloc"], 2);
+    // What is left of each segment is free and shares it: inactive split.
+    assert_eq!(pools(&stats, "inactive_split", "current"), [2, 1, 1]);
+    assert_eq!(
+        pools(&stats, "inactive_split_bytes", "current"),
+        [
+            (22 * MIB - 3 * MIB - 1024) as i64,
+            (2 * MIB - 1024) as i64,
+            17 * MIB as i64
+        ]
+    );
+    free(&registry, small);
+    free(&registry, large);
+    ffi::empty_cache(&registry);
+    let after = torch_stats(&registry, 0);
+    for array in [
+        "allocation",
+        "active",
+        "segment",
+        "inactive_split",
+        "reserved_bytes",
+    ] {
+        assert_eq!(pools(&after, array, "current"), [0, 0, 0], "{array}");
+        assert_eq!(
+            pools(&after, array, "allocated"),
+            pools(&after, array, "freed"),
+            "{array}: everything counted in went out again"
+        );
+    }
+    assert_eq!(after["num_device_free"], 2);
+    assert!(after["num_sync_all_streams"] >= 1);
+}
+
+#[test]
+fn with_expandable_segments_mappings_are_reserved_bytes_and_device_calls_not_segments() {
+    let registry = expandable_registry();
+    let small = malloc(&registry, 4096);
+    let stats = torch_stats(&registry, 0);
+    // Mapped for a small request: the small pool's, as PyTorch maps its small segments.
+    let [all, small_pool, large_pool] = pools(&stats, "reserved_bytes", "current");
+    assert!(
+        small_pool > 0 && large_pool == 0 && all == small_pool,
+        "{stats:?}"
+    );
+    let large = malloc(&registry, 64 * MIB);
+    let stats = torch_stats(&registry, 0);
+    let [all, small_pool, large_pool] = pools(&stats, "reserved_bytes", "current");
+    assert!(large_pool >= 64 * MIB as i64 && all == small_pool + large_pool);
+    assert!(
+        stats["num_device_alloc"] >= 2,
+        "one call per mapping operation"
+    );
+    // PyTorch counts no segment and no inactive split block in expandable segments.
+    assert_eq!(pools(&stats, "segment", "allocated"), [0, 0, 0]);
+    assert_eq!(pools(&stats, "inactive_split", "current"), [0, 0, 0]);
+    assert_eq!(pools(&stats, "allocation", "current"), [2, 1, 1]);
+    free(&registry, large);
+    free(&registry, small);
+    ffi::empty_cache(&registry);
+    let after = torch_stats(&registry, 0);
+    assert_eq!(pools(&after, "reserved_bytes", "current"), [0, 0, 0]);
+    assert_eq!(
+        pools(&after, "reserved_bytes", "freed"),
+        pools(&after, "reserved_bytes", "allocated")
+    );
+    assert!(after["num_device_free"] >= 1);
+    assert_eq!(pools(&after, "inactive_split", "allocated"), [0, 0, 0]);
+}
+
+#[test]
+fn a_block_freed_while_another_stream_uses_it_stays_active_until_its_uses_complete() {
+    let registry = registry(Config::default());
+    let side_stream = 0x77usize as *mut c_void;
+    let block = malloc(&registry, 3 * MIB);
+    ffi::record_stream(&registry, block, side_stream);
+    free(&registry, block);
+    let stats = torch_stats(&registry, 0);
+    assert_eq!(pools(&stats, "allocation", "current"), [0, 0, 0]);
+    assert_eq!(
+        pools(&stats, "active", "current"),
+        [1, 0, 1],
+        "awaiting the side stream"
+    );
+    assert_eq!(stats["active_bytes.all.current"], 3 * MIB as i64);
+    // PyTorch's identity: a block becomes active only by being allocated.
+    assert_eq!(
+        pools(&stats, "active", "allocated"),
+        pools(&stats, "allocation", "allocated")
+    );
+    ffi::empty_cache(&registry);
+    let after = torch_stats(&registry, 0);
+    assert_eq!(pools(&after, "active", "current"), [0, 0, 0]);
+    assert_eq!(
+        pools(&after, "active", "freed"),
+        pools(&after, "active", "allocated")
+    );
+    assert_eq!(
+        pools(&after, "active_bytes", "freed"),
+        pools(&after, "active_bytes", "allocated")
+    );
+}
+
+#[test]
+fn oversize_blocks_and_segments_are_counted_against_max_split_size() {
+    let registry = registry(Config {
+        max_split_size: Some(32 * MIB as u64),
+        ..Config::default()
+    });
+    let big = malloc(&registry, 40 * MIB);
+    let small = malloc(&registry, 3 * MIB);
+    let stats = torch_stats(&registry, 0);
+    assert_eq!(stats["oversize_allocations.current"], 1);
+    assert_eq!(stats["oversize_segments.current"], 1);
+    free(&registry, big);
+    let stats = torch_stats(&registry, 0);
+    assert_eq!(stats["oversize_allocations.current"], 0);
+    assert_eq!(stats["oversize_allocations.freed"], 1);
+    assert_eq!(
+        stats["oversize_segments.current"], 1,
+        "cached, not released"
+    );
+    free(&registry, small);
+    ffi::empty_cache(&registry);
+    assert_eq!(torch_stats(&registry, 0)["oversize_segments.current"], 0);
+}
+
+#[test]
+fn every_attempt_to_grow_again_after_releasing_the_cache_is_a_retry() {
+    let registry = registry(Config {
+        memory_limit: Some(24 * MIB as u64),
+        ..Config::default()
+    });
+    let first = malloc(&registry, 12 * MIB);
+    free(&registry, first);
+    // 12 MiB cached + 14 MiB new would pass the limit: release, then grow again.
+    let second = malloc(&registry, 14 * MIB);
+    assert_eq!(torch_stats(&registry, 0)["num_alloc_retries"], 1);
+    let third = malloc(&registry, 10 * MIB);
+    free(&registry, third);
+    // 14 MiB live + 12 MiB new passes the limit even once the 10 MiB cached are released:
+    // a retry that fails, then an out-of-memory error.
+    let fourth = ffi::malloc(&registry, 12 * MIB, 0, std::ptr::null_mut());
+    assert!(fourth.is_null());
+    let stats = torch_stats(&registry, 0);
+    assert_eq!(stats["num_alloc_retries"], 2);
+    assert_eq!(stats["num_ooms"], 1);
+    free(&registry, second);
 }
 
 #[test]
@@ -125,6 +311,9 @@ fn accumulated_statistics_count_from_the_last_reset_while_current_and_peak_do_no
     assert_eq!(before["requested_bytes.all.allocated"], 4 * MIB as i64);
     assert!(before["reserved_bytes.all.allocated"] >= 4 * MIB as i64);
     assert_eq!(before["segment.all.allocated"], before["num_device_alloc"]);
+    assert_eq!(before["allocation.large_pool.allocated"], 1);
+    assert_eq!(before["allocated_bytes.large_pool.peak"], 3 * MIB as i64);
+    assert_eq!(before["allocated_bytes.small_pool.current"], MIB as i64);
     assert!(before["num_device_alloc"] >= 1);
 
     assert_eq!(stats::reset_accumulated_stats(&registry, 0), 0);

@@ -65,6 +65,9 @@ pub struct OutOfMemory {
     /// Bytes of free cached memory in partly used pages, which no stitch can take (only
     /// with expandable segments; 0 otherwise).
     pub stranded: u64,
+    /// Bytes growing for the request would have reserved: the request in whole pages (or
+    /// the segment it needs).
+    pub growth: u64,
 }
 
 impl OutOfMemory {
@@ -93,7 +96,7 @@ impl OutOfMemory {
             )
         } else if self
             .limit
-            .is_some_and(|limit| self.reserved + self.requested > limit)
+            .is_some_and(|limit| self.reserved + self.growth.max(self.requested) > limit)
         {
             "the memory limit is reached (raise memory_limit or memory_fraction)".to_string()
         } else {
@@ -130,9 +133,10 @@ impl std::fmt::Display for OutOfMemory {
 /// An error from the allocator's public API.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum AllocError {
-    /// The request cannot be served even after freeing every cached block.
+    /// The request cannot be served even after freeing every cached block (boxed: the
+    /// report is large next to every other variant).
     #[error("{0}")]
-    OutOfMemory(OutOfMemory),
+    OutOfMemory(Box<OutOfMemory>),
     /// `free` or `record_use` named a pointer this allocator did not hand out, or that
     /// was already freed.
     #[error("unknown pointer {0}: not allocated by streamalloc, or already freed")]
@@ -154,6 +158,14 @@ pub enum AllocError {
     /// A call the default pool does not take (it always exists and is never released).
     #[error("the default pool cannot be {0}")]
     DefaultPool(&'static str),
+    /// A pool's rules (how it grows, whether it splits) are set before it allocates.
+    #[error("{pool} already holds memory; {rule} must be set before the pool allocates")]
+    PoolHoldsMemory {
+        /// The pool.
+        pool: PoolId,
+        /// The rule asked for.
+        rule: &'static str,
+    },
     /// A pool checkpoint cannot be restored (nothing was changed).
     #[error("cannot restore {pool}: {reason}")]
     Checkpoint {
@@ -162,9 +174,149 @@ pub enum AllocError {
         /// Why.
         reason: String,
     },
+    /// An allocation named a memory pool whose tag is asleep.
+    #[error(
+        "cannot allocate {} in memory pool {tag:?}: it is asleep (wake it first)",
+        crate::config::format_bytes(*.size)
+    )]
+    PoolAsleep {
+        /// The pool's tag.
+        tag: String,
+        /// Bytes asked for.
+        size: u64,
+    },
+    /// A tag, sleep or wake call was refused (nothing changed), or failed part way
+    /// (boxed: the other variants stay small).
+    #[error(transparent)]
+    Sleep(Box<SleepError>),
     /// The backend failed.
     #[error(transparent)]
     Backend(#[from] BackendError),
+}
+
+impl From<SleepError> for AllocError {
+    fn from(err: SleepError) -> Self {
+        AllocError::Sleep(Box::new(err))
+    }
+}
+
+/// Why tagging a memory pool, putting it to sleep or waking it failed. Refusals change
+/// nothing; [`SleepError::PartWay`] says what was done.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SleepError {
+    /// No memory pool carries this tag.
+    #[error("no memory pool is tagged {tag:?} (tags: {})", list(.known))]
+    UnknownTag {
+        /// The tag asked for.
+        tag: String,
+        /// Every tag there is.
+        known: Vec<String>,
+    },
+    /// Sleep of a tag that is asleep.
+    #[error("memory pool {0:?} is already asleep")]
+    AlreadyAsleep(String),
+    /// Wake of a tag that is awake.
+    #[error("memory pool {0:?} is not asleep: nothing to wake")]
+    NotAsleep(String),
+    /// Releasing the backup of a sleeping tag, which holds its contents.
+    #[error("memory pool {0:?} is asleep and its host backup holds its contents: wake it first")]
+    BackupInUse(String),
+    /// A name that cannot be a tag.
+    #[error(
+        "invalid tag {0:?}: a tag is 1 to {max} bytes with no control characters",
+        max = crate::pool::sleep::MAX_TAG_LEN
+    )]
+    BadTag(String),
+    /// The tag already names another pool.
+    #[error("tag {tag:?} already names {pool}")]
+    TagTaken {
+        /// The tag.
+        tag: String,
+        /// The pool it names.
+        pool: PoolId,
+    },
+    /// The pool already carries another tag.
+    #[error("{pool} is already tagged {tag:?}")]
+    PoolTagged {
+        /// The pool.
+        pool: PoolId,
+        /// Its tag.
+        tag: String,
+    },
+    /// The allocator uses whole segments.
+    #[error(
+        "sleeping memory needs expandable_segments:true: whole segments cannot give their \
+         memory back and keep their addresses"
+    )]
+    NeedsExpandableSegments,
+    /// Memory pools are switched off.
+    #[error("tags need graph_pools:true: with memory pools off every allocation shares the default pool")]
+    NeedsGraphPools,
+    /// A pool is being allocated to.
+    #[error(
+        "cannot sleep or wake while memory is being allocated to a pool (a CUDA graph \
+         capture, or a use_mem_pool or region block, is open)"
+    )]
+    CaptureUnderway,
+    /// The pool holds stitched ranges, made before it was tagged.
+    #[error(
+        "memory pool {tag:?} holds {count} stitched ranges made before it was tagged: free \
+         them first, or run with stitch:false"
+    )]
+    Stitched {
+        /// The pool's tag.
+        tag: String,
+        /// Its live stitched ranges.
+        count: usize,
+    },
+    /// The pool holds whole segments (`MemPool(allocator=...)`).
+    #[error(
+        "memory pool {tag:?} holds whole segments (from its own allocator), which cannot \
+         give their memory back and keep their addresses"
+    )]
+    WholeSegments {
+        /// The pool's tag.
+        tag: String,
+    },
+    /// Waking found no room: nothing was mapped, the tags stay asleep.
+    #[error("cannot wake {tags}: {} do not fit ({why})", crate::config::format_bytes(*.bytes))]
+    NoRoom {
+        /// The tags, quoted and joined.
+        tags: String,
+        /// Bytes to map.
+        bytes: u64,
+        /// What refused.
+        why: String,
+    },
+    /// The driver failed after part of the work was done: `done` bytes of `tag` were
+    /// unmapped (sleeping: the tag is asleep with them, wake maps them again) or its
+    /// contents could not all be restored (waking: the tag is awake).
+    #[error("{what} memory pool {tag:?} failed part way ({} done): {source}", crate::config::format_bytes(*.done))]
+    PartWay {
+        /// `"sleeping"` or `"restoring"`.
+        what: &'static str,
+        /// The tag.
+        tag: String,
+        /// Bytes done.
+        done: u64,
+        /// The driver's failure.
+        source: BackendError,
+    },
+    /// A sleep or wake with no tag.
+    #[error("no tags given")]
+    NoTags,
+}
+
+/// `"a", "b"`, or `none`.
+fn list(names: &[String]) -> String {
+    if names.is_empty() {
+        return "none".into();
+    }
+    names
+        .iter()
+        .map(|n| format!("{n:?}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Configuration errors belong to the configuration (`crate::config`); re-exported here

@@ -78,10 +78,12 @@ pub mod trace;
 pub mod types;
 mod util;
 
-pub use allocator::{AllocationSite, Allocator, PoolBlock};
+pub use allocator::{
+    AllocationSite, Allocator, Backup, PoolBlock, SleepReport, TagInfo, WakeReport,
+};
 pub use backend::Backend;
 pub use config::{Config, ReusePolicy};
-pub use error::{AllocError, BackendError, ConfigError, OutOfMemory};
+pub use error::{AllocError, BackendError, ConfigError, OutOfMemory, SleepError};
 pub use snapshot::Snapshot;
-pub use stats::Stats;
-pub use types::{Allocation, DevicePtr, EventHandle, PoolId, PoolKind, StreamId};
+pub use stats::{Gauge, StatArray, Stats, TorchStats};
+pub use types::{Allocation, DevicePtr, EventHandle, HostPtr, PoolId, PoolKind, StreamId};

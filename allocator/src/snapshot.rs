@@ -50,6 +50,13 @@ pub struct SegmentInfo {
     pub expandable: bool,
     /// The stream whose request created it.
     pub stream: StreamId,
+    /// The tag of its memory pool (`Allocator::tag_pool`), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// Its memory pool is asleep: `size` bytes went back to the device, their addresses
+    /// and blocks kept, and `reserved_bytes` leaves them out.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub asleep: bool,
     /// Its blocks in address order; their sizes add up to `size`.
     pub blocks: Vec<BlockInfo>,
 }

@@ -126,6 +126,18 @@ pub enum Op {
 /// The program's user pool.
 pub const USER_POOL: PoolId = PoolId(0, 1);
 
+/// The rule the program's user pool is given when it is made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PoolRule {
+    /// None: it grows as the allocator does.
+    #[default]
+    Plain,
+    /// It grows by whole segments (a pool whose segments come from another allocator).
+    WholeSegments,
+    /// Its blocks are never split (`MemPool(no_split=True)`).
+    NoSplit,
+}
+
 #[derive(Clone, Debug)]
 struct Live {
     ptr: DevicePtr,
@@ -170,6 +182,10 @@ pub struct Harness {
     /// Every range handed out in each pool that has uses, by pool.
     pool_ranges: BTreeMap<PoolId, Vec<(u64, u64)>>,
     check_pool_isolation: bool,
+    /// Every out-of-memory failure under a limit is checked against
+    /// [`Harness::pressure_floor`].
+    check_pressure_bound: bool,
+    user_pool_rule: PoolRule,
 }
 
 impl Harness {
@@ -189,7 +205,61 @@ impl Harness {
             next_graph: 1,
             pool_ranges: BTreeMap::new(),
             check_pool_isolation: true,
+            check_pressure_bound: false,
+            user_pool_rule: PoolRule::Plain,
         })
+    }
+
+    /// Gives the user pool `rule` when the program makes it.
+    pub fn with_user_pool_rule(mut self, rule: PoolRule) -> Self {
+        self.user_pool_rule = rule;
+        self
+    }
+
+    /// Checks every out-of-memory failure of a malloc made outside a capture against the
+    /// pressure bound: under a memory limit, a request may fail only if the memory the
+    /// engine cannot give back ([`Harness::pressure_floor`]) and the request in whole pages
+    /// exceed the limit.
+    pub fn check_pressure_bound(&mut self) {
+        self.check_pressure_bound = true;
+    }
+
+    /// The least memory the engine could have reserved for a request of `pool`: everything
+    /// reserved but the whole free pages the request may use. Those are the whole pages of
+    /// runs of free blocks in expandable segments of pools that hold no uses (the engine
+    /// may unmap them), and, while stitching under the `stream_wait` policy, of the
+    /// request's own pool (stitching may join them). What is left is live memory, free
+    /// bytes stranded in partly used pages, and other pools' pinned memory.
+    pub fn pressure_floor(&self, pool: PoolId) -> u64 {
+        let snapshot = self.allocator.snapshot();
+        let page = self.device.page_size();
+        let config = self.allocator.config();
+        let joins_own = config.stitch && config.reuse_policy == ReusePolicy::StreamWait;
+        let mut usable = 0;
+        for segment in snapshot.segments.iter().filter(|s| s.expandable) {
+            let pinned = self.pool_ranges.contains_key(&segment.mempool);
+            if pinned && !(joins_own && segment.mempool == pool) {
+                continue;
+            }
+            // Runs of adjacent free blocks (after a synchronisation, free neighbours of any
+            // streams merge).
+            let mut runs: Vec<(u64, u64)> = Vec::new();
+            for block in &segment.blocks {
+                if block.state == crate::snapshot::BlockState::ActiveAllocated {
+                    continue;
+                }
+                let (start, end) = (block.addr.0, block.addr.0 + block.size);
+                match runs.last_mut() {
+                    Some((_, to)) if *to == start => *to = end,
+                    _ => runs.push((start, end)),
+                }
+            }
+            usable += runs
+                .iter()
+                .map(|&(start, end)| crate::pool::stitch::whole_pages(start, end - start, page).1)
+                .sum::<u64>();
+        }
+        snapshot.stats.reserved_bytes.current - usable
     }
 
     /// Stops checking pool isolation, so that a test can show what the race detector
@@ -253,6 +323,14 @@ impl Harness {
                         self.allocator
                             .create_or_incref_pool(USER_POOL)
                             .map_err(|err| format!("step {step}: create pool: {err}"))?;
+                        let rule = match self.user_pool_rule {
+                            PoolRule::Plain => Ok(()),
+                            PoolRule::WholeSegments => {
+                                self.allocator.set_pool_whole_segments(USER_POOL)
+                            }
+                            PoolRule::NoSplit => self.allocator.set_pool_no_split(USER_POOL),
+                        };
+                        rule.map_err(|err| format!("step {step}: pool rule: {err}"))?;
                         self.pool_ranges.insert(USER_POOL, Vec::new());
                     }
                     self.malloc(step, stream, size, duration, USER_POOL)?;
@@ -422,9 +500,26 @@ impl Harness {
     ) -> Result<(), String> {
         let block = match self.allocator.malloc_in(size, self.streams[stream], pool) {
             Ok(block) => block,
-            Err(AllocError::OutOfMemory(_))
-            | Err(AllocError::InvalidSize(_))
-            | Err(AllocError::CaptureForbidsGrowth(_)) => return Ok(()),
+            Err(AllocError::OutOfMemory(report)) => {
+                if self.check_pressure_bound && self.capture.is_none() {
+                    if let Some(limit) = self.allocator.memory_limit() {
+                        let page = self.device.page_size();
+                        let floor = self.pressure_floor(pool);
+                        let request = size.div_ceil(page).max(1) * page;
+                        if floor + request <= limit {
+                            return Err(format!(
+                                "step {step}: a request of {size} bytes on stream {stream} failed \
+                                 under a limit of {limit} with {floor} bytes that cannot be given \
+                                 back: {request} more fit ({report})"
+                            ));
+                        }
+                    }
+                }
+                return Ok(());
+            }
+            Err(AllocError::InvalidSize(_)) | Err(AllocError::CaptureForbidsGrowth(_)) => {
+                return Ok(())
+            }
             Err(err) => return Err(format!("step {step}: malloc failed: {err}")),
         };
         let (start, end) = (block.ptr.0, block.ptr.0 + block.size);

@@ -1,5 +1,5 @@
-//! The vocabulary shared by every module: opaque handles for streams, device pointers and
-//! events, the two block pools and memory pool ids.
+//! The vocabulary shared by every module: opaque handles for streams, device pointers, host
+//! buffers and events, the two block pools and memory pool ids.
 //!
 //! Handles are plain integers so the engine stays free of FFI types: a `CUstream` or
 //! `CUevent` is carried as its address, a simulated one as a counter. Only a backend ever
@@ -19,6 +19,17 @@ pub struct EventHandle(pub u64);
 impl fmt::Debug for EventHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "event:{:#x}", self.0)
+    }
+}
+
+/// Page-locked host memory owned by a backend ([`crate::Backend::alloc_host`]): the
+/// address, carried as an integer like every handle (the simulator's is a counter).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct HostPtr(pub u64);
+
+impl fmt::Debug for HostPtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "host:{:#x}", self.0)
     }
 }
 

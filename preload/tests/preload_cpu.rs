@@ -247,6 +247,7 @@ OK(cuStreamWaitEvent) OK(cuStreamCreate) OK(cuStreamDestroy_v2) OK(cuStreamSynch
 OK(cuMemsetD8Async) OK(cuMemcpyDtoDAsync_v2) OK(cuMemcpyDtoH_v2) OK(cuMemcpyHtoD_v2)
 OK(cuStreamBeginCapture_v2) OK(cuStreamEndCapture) OK(cuGraphDestroy)
 OK(cuMemExportToShareableHandle) OK(cuMemImportFromShareableHandle)
+OK(cuMemHostAlloc) OK(cuMemFreeHost) OK(cuMemcpyDtoHAsync_v2) OK(cuMemcpyHtoDAsync_v2)
 "#;
 
 const CAPTURE_PROGRAM: &str = r#"

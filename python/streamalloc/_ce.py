@@ -256,6 +256,11 @@ class Driver:
         # The v2 stream memory operations are available by default on every platform.
         self._write32 = self._sym(["cuStreamWriteValue32_v2"], [ptr, u64, c.c_uint32, uint])
         self._wait32 = self._sym(["cuStreamWaitValue32_v2"], [ptr, u64, c.c_uint32, uint])
+        # The p2p copy kernel (streamalloc._p2p_copy): loaded from a cubin, launched per message.
+        self._module_load = self._sym(["cuModuleLoadData"], [P(ptr), c.c_char_p])
+        self._module_function = self._sym(["cuModuleGetFunction"], [P(ptr), ptr, c.c_char_p])
+        self._launch_kernel = self._sym(["cuLaunchKernel"], [ptr, uint, uint, uint, uint, uint, uint,
+                                                            uint, ptr, P(ptr), P(ptr)])
 
     def _sym(self, names, argtypes):
         for name in names:

@@ -60,6 +60,8 @@ class StreamallocStats(ctypes.Structure):
         ("stitched_map_bytes", ctypes.c_uint64),
         ("stitch_revivals", ctypes.c_uint64),
         ("stitch_evictions", ctypes.c_uint64),
+        ("sleeping_bytes", ctypes.c_uint64),
+        ("host_backup_bytes", ctypes.c_uint64),
     ]
 
 
@@ -100,6 +102,16 @@ class StreamallocPoolBlock(ctypes.Structure):
         ("size", ctypes.c_uint64),
         ("requested", ctypes.c_uint64),
         ("stream", ctypes.c_uint64),
+    ]
+
+
+class StreamallocSleepReport(ctypes.Structure):
+    """streamalloc_sleep_report_t: what one streamalloc_sleep or streamalloc_wake did."""
+
+    _fields_ = [
+        ("bytes", ctypes.c_uint64),
+        ("copied", ctypes.c_uint64),
+        ("copies", ctypes.c_uint64),
     ]
 # ---- end of generated text ----
 

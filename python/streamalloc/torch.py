@@ -5,6 +5,10 @@
     ...
     torch.cuda.memory_stats()         # answered by streamalloc
     streamalloc.torch.dump_snapshot("snap.json")
+    with streamalloc.torch.region("kv_cache"):   # tagged memory, see streamalloc._sleep
+        cache = torch.empty(...)
+    streamalloc.torch.sleep(["kv_cache"], backup="cpu")  # GPU memory back to the driver
+    streamalloc.torch.wake(["kv_cache"])                 # same addresses, contents back
 
 Two doors lead into PyTorch:
 
@@ -35,15 +39,19 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import warnings
 
 from . import _lib
+from ._sleep import SleepError, region, region_pool, release_host_backup, sleep, tags, wake
 
 __all__ = [
-    "InstallError", "install", "installed", "door", "memory_stats", "memory_allocated",
+    "InstallError", "TorchNotFound", "install", "installed", "door", "memory_stats", "memory_allocated",
     "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "reset_peak_memory_stats", "reset_accumulated_memory_stats", "empty_cache", "dump_snapshot",
     "last_error", "raw_stats",
+    # sleep and wake of tagged memory (streamalloc._sleep)
+    "SleepError", "region", "region_pool", "sleep", "wake", "release_host_backup", "tags",
 ]
 
 # setter on PyTorch's _CUDAPluggableAllocator -> our symbol
@@ -74,6 +82,26 @@ _door_in_use = None  # "native" or "pluggable" once installed
 
 class InstallError(RuntimeError):
     """streamalloc could not become PyTorch's allocator."""
+
+
+class TorchNotFound(InstallError, ImportError):
+    """PyTorch is not installed in this Python. Also an ``ImportError``, so code that
+    guards ``import torch`` with ``except ImportError`` keeps working."""
+
+
+def _import_torch():
+    """``torch``, or :class:`TorchNotFound` saying in one line how to get it. A PyTorch
+    that is installed but fails to import (a missing dependency of its own) keeps its own
+    error."""
+    try:
+        import torch
+    except ModuleNotFoundError as err:
+        if err.name != "torch":
+            raise
+        raise TorchNotFound(
+            f"streamalloc: PyTorch is not installed for {sys.executable}: pip install torch"
+        ) from None
+    return torch
 
 
 def installed() -> bool:
@@ -107,7 +135,7 @@ def install(
         door = os.environ.get("STREAMALLOC_DOOR") or "auto"
     if door not in DOORS:
         raise ValueError(f"door must be one of {', '.join(DOORS)}, not {door!r}")
-    import torch
+    torch = _import_torch()
 
     _lib.load(path)
     native_unavailable = None
@@ -220,7 +248,7 @@ def _patch_torch(torch) -> None:
 
 
 def _device(device=None) -> int:
-    import torch
+    torch = _import_torch()
 
     if device is None:
         return torch.cuda.current_device()
@@ -245,6 +273,8 @@ def memory_stats(device=None) -> dict:
     out = _lib.torch_stats(index)
     raw = _lib.stats(index)
     for key, value in raw["stats"].items():
+        if key == "torch":  # PyTorch's view of the same counters: the keys above
+            continue
         if isinstance(value, dict):
             for sub, v in value.items():
                 out[f"streamalloc.{key}.{sub}"] = v

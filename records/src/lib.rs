@@ -103,11 +103,17 @@ pub enum TraceAction {
     /// streamalloc: a stitched range kept after its free was unmapped (its pages stay where
     /// they were first mapped).
     Unstitch,
+    /// streamalloc: a memory pool went to sleep: the pages at `addr`/`size` went back to the
+    /// device with their addresses kept, and the blocks on them stay allocated.
+    Sleep,
+    /// streamalloc: a sleeping memory pool woke: fresh pages were mapped at `addr`/`size`,
+    /// the addresses an earlier `sleep` left.
+    Wake,
 }
 
 impl TraceAction {
     /// Every action, in the order of the viewer's numeric codes ([`TraceAction::code`]).
-    pub const ALL: [TraceAction; 16] = [
+    pub const ALL: [TraceAction; 18] = [
         TraceAction::Alloc,
         TraceAction::FreeRequested,
         TraceAction::FreeCompleted,
@@ -124,6 +130,8 @@ impl TraceAction {
         TraceAction::EmptyCache,
         TraceAction::Stitch,
         TraceAction::Unstitch,
+        TraceAction::Sleep,
+        TraceAction::Wake,
     ];
 
     /// The actions PyTorch has, in the order of its enum.
@@ -159,6 +167,8 @@ impl TraceAction {
             TraceAction::EmptyCache => "empty_cache",
             TraceAction::Stitch => "stitch",
             TraceAction::Unstitch => "unstitch",
+            TraceAction::Sleep => "sleep",
+            TraceAction::Wake => "wake",
         }
     }
 

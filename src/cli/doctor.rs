@@ -8,6 +8,7 @@
 //! everything: no GPU, no PyTorch) or `FAIL` (streamalloc cannot work). The exit status is
 //! 1 when a line says `FAIL`, else 0: a machine without a GPU is not an error.
 
+use super::out::outln;
 use super::run::{exe_dir, find_file, find_python, LIB_ENV, LIB_NAME, PRELOAD_ENV, PRELOAD_NAME};
 use super::CliError;
 use std::ffi::{c_char, CStr, OsString};
@@ -32,7 +33,7 @@ pub(crate) fn run(args: DoctorArgs) -> Result<ExitCode, CliError> {
     let exe = std::env::current_exe()
         .map(|p| p.display().to_string())
         .unwrap_or_else(|_| "?".into());
-    println!("streamalloc {} ({exe})", env!("CARGO_PKG_VERSION"));
+    outln!("streamalloc {} ({exe})", env!("CARGO_PKG_VERSION"))?;
     let exe_dir = exe_dir()?;
 
     let lib = match find_file(LIB_ENV, LIB_NAME, &exe_dir, "cargo build --release") {
@@ -86,9 +87,13 @@ pub(crate) fn run(args: DoctorArgs) -> Result<ExitCode, CliError> {
             None
         }
     };
+    report.written()?;
     configuration(&mut report);
+    report.written()?;
     gpus(&mut report);
+    report.written()?;
     pytorch(&mut report, &args, python_dir.as_deref(), lib.as_deref());
+    report.written()?;
 
     Ok(if report.failed {
         ExitCode::from(1)
@@ -108,6 +113,9 @@ enum Verdict {
 #[derive(Default)]
 struct Report {
     failed: bool,
+    /// The first failed write to stdout: later lines are skipped, and [`Report::written`]
+    /// hands it back between checks, so that `doctor | head -3` stops early and quietly.
+    write_error: Option<CliError>,
 }
 
 impl Report {
@@ -119,12 +127,23 @@ impl Report {
             Verdict::Fail => "FAIL",
         };
         self.failed |= verdict == Verdict::Fail;
-        println!("{word:<5} {item:<15} {}", detail.as_ref());
+        self.print(format_args!("{word:<5} {item:<15} {}", detail.as_ref()));
     }
 
     /// A detail line under the previous item (a GPU of the list).
-    fn detail(&self, text: impl AsRef<str>) {
-        println!("{:<21} {}", "", text.as_ref());
+    fn detail(&mut self, text: impl AsRef<str>) {
+        self.print(format_args!("{:<21} {}", "", text.as_ref()));
+    }
+
+    fn print(&mut self, line: std::fmt::Arguments<'_>) {
+        if self.write_error.is_none() {
+            self.write_error = outln!("{line}").err();
+        }
+    }
+
+    /// Whether every line so far reached stdout.
+    fn written(&mut self) -> Result<(), CliError> {
+        self.write_error.take().map_or(Ok(()), Err)
     }
 }
 
@@ -167,7 +186,10 @@ fn configuration(report: &mut Report) {
     match Config::from_env() {
         Ok(config) => {
             report.line(Verdict::Ok, "configuration", &source);
-            report.detail(format!("PyTorch doors: {}", every_key(&config)));
+            report.detail(format!(
+                "PyTorch doors: {}",
+                super::every_config_key(&config)
+            ));
             // The interposer starts from whole segments: its programs may export our
             // pointers with cudaIpcGetMemHandle, which expandable segments cannot serve.
             let preload = Config {
@@ -175,28 +197,14 @@ fn configuration(report: &mut Report) {
                 ..Config::default()
             };
             if let Ok(config) = Config::from_env_over(preload) {
-                report.detail(format!("LD_PRELOAD:    {}", every_key(&config)));
+                report.detail(format!(
+                    "LD_PRELOAD:    {}",
+                    super::every_config_key(&config)
+                ));
             }
         }
         Err(err) => report.line(Verdict::Fail, "configuration", config_error(&err)),
     }
-}
-
-/// Every key of `config` as `key:value`, defaults included (an unset limit reads `none`).
-/// Read off the `Config`'s own fields, so a key added there is shown here without a change.
-fn every_key(config: &Config) -> String {
-    let Ok(serde_json::Value::Object(fields)) = serde_json::to_value(config) else {
-        return config.to_conf_string();
-    };
-    let pairs: Vec<String> = fields
-        .into_iter()
-        .map(|(key, value)| match value {
-            serde_json::Value::Null => format!("{key}:none"),
-            serde_json::Value::String(text) => format!("{key}:{text}"),
-            other => format!("{key}:{other}"),
-        })
-        .collect();
-    pairs.join(",")
 }
 
 fn config_error(err: &ConfigError) -> String {

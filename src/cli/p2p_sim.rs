@@ -10,6 +10,7 @@
 //! themselves move in Python (`benches/gpu/p2p/` runs them on GPUs, and
 //! `dropin_cpu_check.py` on CPU over gloo).
 
+use super::out::outln;
 use super::CliError;
 use clap::Args;
 use std::process::ExitCode;
@@ -179,14 +180,14 @@ pub(crate) fn run(args: P2pSimArgs) -> Result<ExitCode, CliError> {
         outcomes.push(outcome);
     }
     let seconds = start.elapsed().as_secs_f64();
-    Ok(report(
+    report(
         &outcomes,
         args.workload.tensors,
         total_bytes,
         config,
         seconds,
         args.json,
-    ))
+    )
 }
 
 /// Prints the run's summary from every rank's outcome (text, or one JSON object with
@@ -200,7 +201,7 @@ fn report(
     config: StagingConfig,
     seconds: f64,
     json: bool,
-) -> ExitCode {
+) -> Result<ExitCode, CliError> {
     let world = outcomes.len() as u32;
     let rounds = outcomes.first().map_or(0, |o| o.rounds_total);
     let max_ops = outcomes
@@ -230,30 +231,30 @@ fn report(
             "covered": covered,
             "seconds": seconds,
         });
-        println!("{value}");
+        outln!("{value}")?;
     } else {
-        println!(
+        outln!(
             "{world} ranks, {tensors} tensors ({}), staging budget {} per rank",
             format_bytes(total_bytes),
             format_bytes(config.budget_bytes)
-        );
-        println!("rounds              {rounds}");
-        println!("max ops per group   {max_ops}");
-        println!(
+        )?;
+        outln!("rounds              {rounds}")?;
+        outln!("max ops per group   {max_ops}")?;
+        outln!(
             "peak staging        {} ({:.1}% of budget)",
             format_bytes(peak),
             100.0 * peak as f64 / config.budget_bytes as f64
-        );
-        println!("bytes moved         {}", format_bytes(bytes_moved));
-        println!("same plan on all    {}", if agreed { "yes" } else { "NO" });
-        println!("every byte planned  {}", if covered { "yes" } else { "NO" });
-        println!("wall time           {seconds:.2} s");
+        )?;
+        outln!("bytes moved         {}", format_bytes(bytes_moved))?;
+        outln!("same plan on all    {}", if agreed { "yes" } else { "NO" })?;
+        outln!("every byte planned  {}", if covered { "yes" } else { "NO" })?;
+        outln!("wall time           {seconds:.2} s")?;
     }
-    if agreed && covered {
+    Ok(if agreed && covered {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
-    }
+    })
 }
 
 /// One rank: decode every rank's description, plan, take this rank's staging from the

@@ -2,21 +2,57 @@
 //! the simulated device and prints, per trace, our peak reserved memory beside the
 //! recording allocator's, both against peak live bytes. Needs no GPU.
 //!
-//! A file that cannot be read gets one line on stderr naming it and the problem; the other
-//! traces still run, and the exit status is non-zero at the end.
+//! Every file is read before anything is printed: a file that cannot be read gets one line
+//! on stderr naming it and the problem, the other traces still run, and the exit status is
+//! non-zero at the end. The table's columns are as wide as the longest trace name, so rows
+//! stay aligned.
 
+use super::out::{errln, outln};
 use super::CliError;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use streamalloc::replay::load_traces;
-use streamalloc::replay::{replay_steps, ReplayReport};
+use streamalloc::replay::{
+    cap_bytes, load_traces, peak_live_bytes, replay_steps, LoadedTrace, ReplayReport,
+};
 use streamalloc_allocator::Config;
+
+/// What `replay --help` says each figure means.
+const COUNTERS_HELP: &str = "\
+Columns of the table:
+  trace        the file's name, with [device N] when it holds several devices
+  allocs       allocations replayed (over all --steps)
+  peak live    the most bytes in live blocks at once: what the program needed
+  ours         streamalloc's peak reserved memory, replayed on the simulated device
+  native       the recording allocator's peak reserved memory, rebuilt from the trace's
+               segment events (n/a: the trace has none, e.g. recording began after warm-up)
+  ours/live    ours over peak live (1.000: no memory held beyond what was live)
+  native/live  native over peak live
+  ns/op        host nanoseconds per replayed malloc or free, engine calls only
+
+Under each row:
+  page maps, page unmaps    ranges of physical pages mapped into, or unmapped from,
+                            expandable segments (expandable_segments:true)
+  device syncs              device-wide synchronisations the allocator made (each stalls
+                            the host on a real GPU)
+  segment allocs/frees      whole segments obtained and returned (expandable_segments:false)
+  stitched ranges made      requests no free block fitted, served by mapping free pages
+                            of several holes a second time into one range (stitch:true;
+                            no memory added)
+  reused                    stitched ranges kept after their free and taken again by a
+                            later request without mapping anything
+  last of N steps           the same counters for the final pass alone (--steps N): page
+                            maps there mean the allocator still remaps in a steady state
+  frees ... ignored         frees of blocks allocated before recording began
+
+The configuration line lists every key (STREAMALLOC_CONF or --conf over the defaults);
+with --limit-ratio R, each trace's memory_limit is R times its own peak live bytes.";
 
 /// Arguments of `streamalloc replay`.
 #[derive(Args, Debug)]
+#[command(after_long_help = COUNTERS_HELP)]
 pub(crate) struct ReplayArgs {
     /// Trace files: PyTorch snapshots (.pickle, .pickle.gz) or streamalloc JSON.
     #[arg(required = true)]
@@ -31,6 +67,23 @@ pub(crate) struct ReplayArgs {
     /// see the steady state (the last step's page maps, unmaps and syncs are printed).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
     steps: u32,
+    /// Replay each trace under a memory limit of R times its peak live bytes (its own
+    /// figure, read before replaying), replacing any `memory_limit` of the configuration:
+    /// a row per trace that completes, or a line naming the event where it ran out of
+    /// memory. Exits 1 if any trace does not complete.
+    #[arg(long, value_name = "R", value_parser = parse_limit_ratio)]
+    limit_ratio: Option<f64>,
+}
+
+/// A `--limit-ratio`: a finite number of at least 1 (below 1 no trace can complete).
+fn parse_limit_ratio(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(ratio) if (1.0..=1e6).contains(&ratio) => Ok(ratio),
+        Ok(_) => Err(format!(
+            "{text} is not a ratio from 1 to 1000000 (times peak live)"
+        )),
+        Err(_) => Err(format!("{text} is not a number")),
+    }
 }
 
 /// Traces with at least this many events get a progress bar (on a terminal).
@@ -47,121 +100,89 @@ struct JsonRow<'a> {
     config: String,
 }
 
-pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
-    let config = match &args.conf {
-        // Blamed on the flag: the environment variable was not read.
-        Some(text) => {
-            Config::parse(text).map_err(|err| CliError::Message(err.describe("--conf")))?
-        }
-        None => Config::from_env()?,
-    };
-    if !args.json {
-        println!("config: {}", config.to_conf_string());
-        println!(
-            "{:<28} {:>8} {:>13} {:>13} {:>13} {:>7} {:>7} {:>8}",
-            "trace", "allocs", "peak live", "ours", "native", "ours/", "native/", "ns/op"
-        );
+/// The configuration of a replay: `--conf` over the defaults, else `STREAMALLOC_CONF`.
+/// Errors in `--conf` are blamed on the flag (the environment variable was not read).
+pub(crate) fn config_from(conf: Option<&str>) -> Result<Config, CliError> {
+    match conf {
+        Some(text) => Config::parse(text).map_err(|err| CliError::Message(err.describe("--conf"))),
+        None => Ok(Config::from_env()?),
     }
-    // Unreadable input exits 2 like every other command's input errors; a trace that
-    // loads but fails in the engine exits 1.
-    let (mut unreadable, mut failed) = (false, false);
-    let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+}
+
+pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
+    let config = config_from(args.conf.as_deref())?;
+    // Every file first, so that a bad one is reported before the table starts. Unreadable
+    // input exits 2 like every other command's input errors; a trace that loads but fails
+    // in the engine exits 1.
+    let mut unreadable = false;
+    let mut traces: Vec<LoadedTrace> = Vec::new();
     for path in &args.traces {
-        let traces = match load_traces(path) {
-            Ok(traces) => traces,
+        match load_traces(path) {
+            Ok(loaded) => traces.extend(loaded),
             Err(err) => {
-                eprintln!("streamalloc replay: {err}");
+                errln!("streamalloc replay: {err}");
                 unreadable = true;
+            }
+        }
+    }
+    let table = Table::new(traces.iter().map(|t| t.name.as_str()));
+    if !args.json && !traces.is_empty() {
+        outln!("configuration: {}", super::every_config_key(&config))?;
+        if let Some(ratio) = args.limit_ratio {
+            outln!("memory_limit: {ratio} x each trace's own peak live bytes")?;
+        }
+        outln!("{}", table.header())?;
+    }
+    let mut failed = false;
+    for trace in traces {
+        let bar = progress_bar(trace.entries.len() * args.steps as usize);
+        let mut progress = |done: usize| {
+            if let Some(bar) = &bar {
+                bar.set_position(done as u64);
+            }
+        };
+        let capped;
+        let config = match args.limit_ratio {
+            Some(ratio) => {
+                let limit = cap_bytes(peak_live_bytes(&trace.entries), ratio).max(1);
+                capped = Config {
+                    memory_limit: Some(limit),
+                    ..config.clone()
+                };
+                &capped
+            }
+            None => &config,
+        };
+        let result = replay_steps(&trace.entries, config, args.steps as usize, &mut progress);
+        if let Some(bar) = bar {
+            bar.finish_and_clear();
+        }
+        let report = match result {
+            Ok(report) => report,
+            Err(err) => {
+                match args.limit_ratio {
+                    Some(ratio) => errln!(
+                        "streamalloc replay: {}: does not complete under {ratio} x peak live: {err}",
+                        trace.name
+                    ),
+                    None => errln!("streamalloc replay: {}: {err}", trace.name),
+                }
+                failed = true;
                 continue;
             }
         };
-        for trace in traces {
-            let bar = progress_bar(trace.entries.len() * args.steps as usize);
-            let mut progress = |done: usize| {
-                if let Some(bar) = &bar {
-                    bar.set_position(done as u64);
-                }
+        if args.json {
+            let row = JsonRow {
+                trace: &trace.name,
+                report: &report,
+                ratio: report.ratio(),
+                native_ratio: report.native_ratio(),
+                config: super::every_config_key(config),
             };
-            let result = replay_steps(&trace.entries, &config, args.steps as usize, &mut progress);
-            if let Some(bar) = bar {
-                bar.finish_and_clear();
-            }
-            let report = match result {
-                Ok(report) => report,
-                Err(err) => {
-                    eprintln!("streamalloc replay: {}: {err}", trace.name);
-                    failed = true;
-                    continue;
-                }
-            };
-            if args.json {
-                let row = JsonRow {
-                    trace: &trace.name,
-                    report: &report,
-                    ratio: report.ratio(),
-                    native_ratio: report.native_ratio(),
-                    config: config.to_conf_string(),
-                };
-                println!(
-                    "{}",
-                    serde_json::to_string(&row).map_err(|e| CliError::Message(e.to_string()))?
-                );
-            } else {
-                // A trace without segment events says nothing of what its allocator
-                // reserved: no figure rather than a zero.
-                let recorded_segments = report.native_peak_reserved_bytes > 0;
-                let (native, native_ratio) = if recorded_segments {
-                    (
-                        mib(report.native_peak_reserved_bytes),
-                        format!("{:.3}", report.native_ratio()),
-                    )
-                } else {
-                    ("n/a".to_string(), "n/a".to_string())
-                };
-                println!(
-                    "{:<28} {:>8} {:>13} {:>13} {:>13} {:>7.3} {:>7} {:>8.0}",
-                    trace.name,
-                    report.allocs,
-                    mib(report.peak_live_bytes),
-                    mib(report.peak_reserved_bytes),
-                    native,
-                    report.ratio(),
-                    native_ratio,
-                    report.ns_per_op
-                );
-                if !recorded_segments {
-                    println!(
-                        "  native: n/a (the trace has no segment events of the recording allocator)"
-                    );
-                }
-                println!(
-                    "  {} page maps, {} page unmaps, {} device syncs, {} segment allocs/frees, {} stitches ({} taken again)",
-                    report.page_maps,
-                    report.page_unmaps,
-                    report.device_syncs,
-                    report.segment_events,
-                    report.stitches,
-                    report.stitch_revivals
-                );
-                if report.steps > 1 {
-                    println!(
-                        "  last of {} steps: {} page maps ({}), {} page unmaps ({}), {} device syncs, {} stitch maps",
-                        report.steps,
-                        report.last_step_page_maps,
-                        mib(report.last_step_page_map_bytes),
-                        report.last_step_page_unmaps,
-                        mib(report.last_step_page_unmap_bytes),
-                        report.last_step_device_syncs,
-                        report.last_step_stitch_maps
-                    );
-                }
-                if report.unknown_frees > 0 {
-                    println!(
-                        "  {} frees of blocks allocated before recording began were ignored",
-                        report.unknown_frees
-                    );
-                }
-            }
+            let line = serde_json::to_string(&row).map_err(|e| CliError::Message(e.to_string()))?;
+            outln!("{line}")?;
+        } else {
+            table.print_row(&trace.name, &report)?;
         }
     }
     Ok(if unreadable {
@@ -171,6 +192,96 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The table's layout: the name column fits the longest name.
+struct Table {
+    name_width: usize,
+}
+
+impl Table {
+    fn new<'a>(names: impl Iterator<Item = &'a str>) -> Table {
+        let longest = names.map(|n| n.chars().count()).max().unwrap_or(0);
+        Table {
+            name_width: longest.max("trace".len()),
+        }
+    }
+
+    fn header(&self) -> String {
+        format!(
+            "{:<w$}  {:>8} {:>13} {:>13} {:>13} {:>9} {:>11} {:>8}",
+            "trace",
+            "allocs",
+            "peak live",
+            "ours",
+            "native",
+            "ours/live",
+            "native/live",
+            "ns/op",
+            w = self.name_width
+        )
+    }
+
+    fn print_row(&self, name: &str, report: &ReplayReport) -> Result<(), CliError> {
+        let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
+        // A trace without segment events says nothing of what its allocator reserved: no
+        // figure rather than a zero.
+        let recorded_segments = report.native_peak_reserved_bytes > 0;
+        let (native, native_ratio) = if recorded_segments {
+            (
+                mib(report.native_peak_reserved_bytes),
+                format!("{:.3}", report.native_ratio()),
+            )
+        } else {
+            ("n/a".to_string(), "n/a".to_string())
+        };
+        // Padded by characters, as the header was measured.
+        let pad = self.name_width.saturating_sub(name.chars().count());
+        outln!(
+            "{name}{:pad$}  {:>8} {:>13} {:>13} {:>13} {:>9.3} {:>11} {:>8.0}",
+            "",
+            report.allocs,
+            mib(report.peak_live_bytes),
+            mib(report.peak_reserved_bytes),
+            native,
+            report.ratio(),
+            native_ratio,
+            report.ns_per_op
+        )?;
+        if !recorded_segments {
+            outln!("  native: n/a (the trace has no segment events of the recording allocator)")?;
+        }
+        outln!(
+            "  {} page maps, {} page unmaps, {} device syncs, {} segment allocs/frees, \
+             {} stitched ranges made, {} reused",
+            report.page_maps,
+            report.page_unmaps,
+            report.device_syncs,
+            report.segment_events,
+            report.stitches,
+            report.stitch_revivals
+        )?;
+        if report.steps > 1 {
+            outln!(
+                "  last of {} steps: {} page maps ({}), {} page unmaps ({}), {} device syncs, \
+                 {} stitch maps",
+                report.steps,
+                report.last_step_page_maps,
+                mib(report.last_step_page_map_bytes),
+                report.last_step_page_unmaps,
+                mib(report.last_step_page_unmap_bytes),
+                report.last_step_device_syncs,
+                report.last_step_stitch_maps
+            )?;
+        }
+        if report.unknown_frees > 0 {
+            outln!(
+                "  {} frees of blocks allocated before recording began were ignored",
+                report.unknown_frees
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// A progress bar on stderr for long traces, only when stderr is a terminal.

@@ -1,7 +1,8 @@
 //! `streamalloc run`: puts streamalloc into a program the user did not write.
 //!
 //! ```text
-//! streamalloc run [--conf KEY:VAL,...] [--snapshot PATH] [--stats] [--preload] -- COMMAND...
+//! streamalloc run [--conf KEY:VAL,...] [--snapshot PATH] [--stats] [--preload]
+//!                 [--sleep-signals none|cpu] -- COMMAND...
 //! ```
 //!
 //! The launcher checks everything it can before the program starts (the configuration
@@ -16,6 +17,7 @@
 //! | `STREAMALLOC_CONF` | `--conf`, when given |
 //! | `STREAMALLOC_SNAPSHOT` | `--snapshot`, made absolute |
 //! | `STREAMALLOC_STATS_AT_EXIT` | `1` with `--stats` |
+//! | `STREAMALLOC_SLEEP_SIGNALS` | `--sleep-signals`: SIGUSR1 sleeps the program's tags, SIGUSR2 wakes them |
 //! | `LD_PRELOAD` | `libstreamalloc_preload.so` first, with `--preload` |
 //!
 //! Every Python process started below it (torchrun's workers included: they inherit the
@@ -77,6 +79,12 @@ pub(crate) struct RunArgs {
     /// pool). Do not use it for PyTorch with its caching allocator.
     #[arg(long)]
     preload: bool,
+    /// SIGUSR1 puts every memory pool the program tagged (`streamalloc.torch.region`) to
+    /// sleep, its GPU memory back to the driver (`cpu`: live tensors copied to host memory
+    /// first; `none`: not); SIGUSR2 wakes them. Each Python process handles them in its main
+    /// thread; signal the process while it is idle.
+    #[arg(long, value_name = "BACKUP", value_parser = ["none", "cpu"])]
+    sleep_signals: Option<String>,
     /// The program and its arguments (after `--`).
     #[arg(
         required = true,
@@ -191,6 +199,9 @@ impl Plan {
                 "STREAMALLOC_SNAPSHOT",
                 absolute_snapshot(snapshot)?.into_os_string(),
             ));
+        }
+        if let Some(backup) = &args.sleep_signals {
+            env.push(("STREAMALLOC_SLEEP_SIGNALS", OsString::from(backup)));
         }
         if args.stats {
             env.push(("STREAMALLOC_STATS_AT_EXIT", OsString::from("1")));

@@ -2,6 +2,7 @@
 //! JSON snapshots, PyTorch's memory-snapshot pickles and Perfetto traces. The output is
 //! written whole or not at all, and never over the input.
 
+use super::out::errln;
 use super::CliError;
 use clap::{Args, Subcommand, ValueEnum};
 use std::path::PathBuf;
@@ -55,7 +56,7 @@ pub(crate) fn run(args: SnapshotArgs) -> Result<ExitCode, CliError> {
                 Target::Perfetto => OutputFormat::Perfetto,
             };
             files::save(&snapshot, &c.output, format).map_err(|e| e.naming_input(&c.input))?;
-            eprintln!(
+            errln!(
                 "{}: {} events on {} device(s) written to {}",
                 c.input.display(),
                 snapshot.event_count(),

@@ -12,7 +12,8 @@
 //! goes to the wrapped backend.
 //!
 //! Expandable segments map pages through the VMM API instead of asking for segments, so a
-//! source is refused on a device where they are in effect.
+//! pool with a source grows by whole segments whatever the device's growth
+//! (`Allocator::set_pool_whole_segments`), as PyTorch's allocator does for such pools.
 
 use super::{device_call, error, fail};
 use crate::registry::{self, Registry};
@@ -22,8 +23,9 @@ use std::ffi::{c_int, c_void};
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, RwLock};
+use streamalloc_allocator::backend::ipc::{ExportedMapping, ForeignMapping, IpcBackend, IpcError};
 use streamalloc_allocator::backend::BackendResult;
-use streamalloc_allocator::{Backend, BackendError, DevicePtr, EventHandle, StreamId};
+use streamalloc_allocator::{Backend, BackendError, DevicePtr, EventHandle, HostPtr, StreamId};
 
 /// Allocates `size` bytes on `device` for a pool segment; null if it cannot.
 pub type SegmentAlloc =
@@ -190,6 +192,41 @@ impl<B: Backend> Backend for WithSources<B> {
     fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.inner.unmap_pages(ptr, size)
     }
+    fn map_pages_whole(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        self.inner.map_pages_whole(ptr, size)
+    }
+    fn alloc_host(&self, size: u64) -> BackendResult<HostPtr> {
+        self.inner.alloc_host(size)
+    }
+    fn free_host(&self, ptr: HostPtr, size: u64) -> BackendResult<()> {
+        self.inner.free_host(ptr, size)
+    }
+    fn copy_to_host(&self, dst: HostPtr, src: DevicePtr, size: u64) -> BackendResult<()> {
+        self.inner.copy_to_host(dst, src, size)
+    }
+    fn copy_to_device(&self, dst: DevicePtr, src: HostPtr, size: u64) -> BackendResult<()> {
+        self.inner.copy_to_device(dst, src, size)
+    }
+    fn synchronize_copies(&self) -> BackendResult<()> {
+        self.inner.synchronize_copies()
+    }
+}
+
+/// IPC of the wrapped device's memory: a source's segments are whole segments, shared
+/// with `cudaIpcGetMemHandle` by the door, never through these.
+impl<B: IpcBackend> IpcBackend for WithSources<B> {
+    fn ipc_export(&self, ptr: DevicePtr, size: u64) -> Result<Vec<ExportedMapping>, IpcError> {
+        self.inner.ipc_export(ptr, size)
+    }
+    fn ipc_import(&self, pid: i32, mappings: &[ForeignMapping]) -> Result<DevicePtr, IpcError> {
+        self.inner.ipc_import(pid, mappings)
+    }
+    fn ipc_import_size(&self, ptr: DevicePtr) -> Option<u64> {
+        self.inner.ipc_import_size(ptr)
+    }
+    fn ipc_close(&self, ptr: DevicePtr) -> Result<(), IpcError> {
+        self.inner.ipc_close(ptr)
+    }
 }
 
 // ---- Which pools have a source ----------------------------------------------------------
@@ -245,11 +282,10 @@ pub fn with_pool_source<B: Backend, T>(
 }
 
 /// Makes pool `(id0, id1)` of `device` take its segments from `alloc` / `free` (called
-/// with `ctx`) from now on; it must not have allocated yet. The engine splits and caches
-/// them like its own and hands each back to `free` when it releases it. Returns 0, or -1:
-/// the pool already allocated, the device uses expandable segments (which map pages
-/// instead of asking for segments: set `expandable_segments:false`), or the device is
-/// unavailable.
+/// with `ctx`) from now on, whole, whatever `expandable_segments` says for the other pools;
+/// it must not have allocated yet. The engine splits and caches them like its own and
+/// hands each back to `free` when it releases it. Returns 0, or -1: the pool already
+/// allocated, it does not exist, or the device is unavailable.
 ///
 /// # Safety
 /// `alloc` and `free` must be safe to call from any thread with `ctx` until every segment
@@ -302,25 +338,10 @@ pub unsafe fn pool_set_segment_source<B: Backend>(
         ctx: ctx as usize,
     };
     device_call(registry, device, -1, |allocator| {
-        if allocator.config().expandable_segments && allocator.backend().supports_virtual_memory() {
-            return Err(format!(
-                "streamalloc: pool ({id0}, {id1}) on device {device} cannot take segments from \
-                 another allocator while expandable segments are in effect (they map pages \
-                 instead of asking for segments); set STREAMALLOC_CONF=expandable_segments:false"
-            ));
-        }
         let pool = streamalloc_allocator::PoolId(id0, id1);
-        let holds_memory = allocator
-            .snapshot()
-            .segments
-            .iter()
-            .any(|segment| segment.mempool == pool);
-        if holds_memory {
-            return Err(format!(
-                "streamalloc: pool ({id0}, {id1}) on device {device} already holds memory of \
-                 its own; a source can only be given to a pool before it allocates"
-            ));
-        }
+        allocator
+            .set_pool_whole_segments(pool)
+            .map_err(|err| format!("streamalloc: a segment source for device {device}: {err}"))?;
         let sources = &registry.sources;
         let mut map = sources.map.write().unwrap_or_else(|p| p.into_inner());
         map.insert((device, id0, id1), source);

@@ -1,261 +1,131 @@
-//! CUDA IPC of expandable-segment memory across the C ABI.
+//! CUDA IPC of mapped memory across the C ABI: any allocation in an expandable segment or
+//! a stitched range is shared as the physical allocations behind it.
 //!
 //! ```c
 //! int64_t streamalloc_ipc_export(void* ptr, uint8_t* out, size_t capacity, uint64_t* offset);
+//! int64_t streamalloc_ipc_failure_handle(const char* message, uint8_t* out, size_t capacity);
 //! void*   streamalloc_ipc_open(const uint8_t* handle, size_t len, int device);
 //! int     streamalloc_ipc_close(void* base);
 //! ```
 //!
 //! Whole segments need nothing from here: the door shares them with `cudaIpcGetMemHandle`.
 //! An allocation in an expandable segment lies over one or more mappings (physical
-//! allocations of 2 MiB to 128 MiB); the export names each of them by its POSIX file
-//! descriptor in the sending process (see `backend::cuda::ipc`), and the receiver copies
-//! the descriptors out of the sender (`pidfd_getfd`) and maps them back to back.
+//! allocations); the export names each of them by its descriptor in the sending process
+//! (see `backend::ipc`), and the receiver maps them back to back. A stitched range is a
+//! second mapping of pages of several mappings (`pool::stitch`): it has no physical
+//! allocation of its own, so it is shared as its pages, in the order they appear in it
+//! (`Allocator::stitched_pages`), each page one allocation while stitching is on; the
+//! receiver maps them back to back into one range of the same layout.
 //!
-//! # Handle formats
-//! Both start like every handle of PyTorch's `CUDACachingAllocator`: a version byte (2)
-//! and a type byte, so that a receiver recognises or refuses them by those two bytes.
+//! A sender that cannot export writes a failed-export handle (`ipc_handle`) with its reason
+//! (`streamalloc_ipc_failure_handle`), which the receiver's open raises: a failure shows in
+//! both processes, and neither waits for the other.
 //!
-//! - **PyTorch's `'e'`** (`SHAREABLE_CUDA_EXPANDABLE_SEGMENT`), written whenever every
-//!   mapping under the allocation has the same size, which is what it can express: its
-//!   `ShareHeader` (`pid_t pid`, 4 zero bytes of padding, `size_t segment_size`, `size_t
-//!   num_handles`, in the host's byte order, 24 bytes), then `num_handles` descriptors as
-//!   `int`. A receiver running PyTorch's own allocator opens it (`ExpandableSegment::
-//!   fromShared`), and so does streamalloc. The padding stays zero, as PyTorch writes it,
-//!   so one allocation's handle is byte-identical on every export (receivers cache opened
-//!   handles by their bytes).
-//! - **Ours, `'s'`**, for mappings of different sizes (PyTorch's format assumes one size):
-//!   `u32 pid`, `u32 0`, `u64 count`, then per mapping `u64 size`, `i32 fd`, `u32 0`, all
-//!   little-endian. Only streamalloc opens it; PyTorch's allocator refuses the unknown
-//!   type with its own error.
-//!
-//! Both give the mappings' sizes and descriptors in address order; the receiver maps them
-//! back to back, and the export's `offset` locates the allocation from the first byte.
-//! PyTorch's fabric-handle variant of `'e'` (64-byte `CUmemFabricHandle`s, on systems with
-//! an IMEX channel) is recognised by its length and refused with a clear error.
-//!
-//! Decoding never trusts the handle: lengths, counts and sizes are checked (against the
-//! bytes actually present) before anything is allocated or imported.
+//! The logic is generic over [`IpcBackend`], so that the simulator runs it with the race
+//! detector watching both sides ([`export_allocation`], [`open_handle`], [`close_import`]).
 
+use super::ipc_handle::{decode, encode, encode_failure, SharedMappings};
 use super::{error, fail, on_device};
-use crate::registry::{self, CudaAllocator};
-use std::ffi::{c_int, c_void};
-use streamalloc_allocator::backend::cuda::ipc::{ExportedMapping, ForeignMapping, IpcError};
-use streamalloc_allocator::DevicePtr;
+use crate::registry::{self, Registry};
+use std::ffi::{c_char, c_int, c_void, CStr};
+use streamalloc_allocator::backend::ipc::{ExportedMapping, IpcBackend, IpcError};
+use streamalloc_allocator::{Allocator, Backend, DevicePtr};
 
-/// The version byte PyTorch 2.x writes and accepts.
-pub const HANDLE_VERSION: u8 = 2;
-/// PyTorch's `SHAREABLE_CUDA_EXPANDABLE_SEGMENT`.
-pub const TYPE_TORCH_EXPANDABLE: u8 = b'e';
-/// Ours: mappings of any sizes.
-pub const TYPE_STREAMALLOC_EXPANDABLE: u8 = b's';
-
-/// PyTorch's `ShareHeader`: `pid_t`, padding, two `size_t`s.
-const TORCH_HEADER: usize = 24;
-/// A `CUmemFabricHandle`.
-const FABRIC_HANDLE: usize = 64;
-/// Our header: pid, reserved, count.
-const OURS_HEADER: usize = 16;
-/// Our per-mapping record: size, fd, reserved.
-const OURS_RECORD: usize = 16;
-/// Most mappings a handle may name.
-const MAX_MAPPINGS: u64 = streamalloc_allocator::backend::cuda::ipc::MAX_IMPORT_MAPPINGS as u64;
-
-/// A decoded handle: the sender and its mappings, in address order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SharedMappings {
-    /// The sending process.
-    pub pid: i32,
-    /// Sizes and the sender's descriptors.
-    pub mappings: Vec<ForeignMapping>,
-}
-
-/// Why a handle could not be decoded.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum HandleError {
-    /// Too short for its header.
-    #[error("IPC handle of {0} bytes is truncated")]
-    Truncated(usize),
-    /// A version this library does not know.
-    #[error("IPC handle version {0} is not supported (version {HANDLE_VERSION} expected)")]
-    Version(u8),
-    /// Not an expandable-segment handle.
-    #[error("IPC handle type {0:#04x} is not an expandable-segment handle ('e' or 's')")]
-    Type(u8),
-    /// PyTorch's fabric-handle variant.
-    #[error("the IPC handle carries fabric handles (PyTorch with an IMEX channel); streamalloc imports POSIX file descriptors only")]
-    Fabric,
-    /// The header's counts disagree with the bytes present, or are absurd.
-    #[error("ill-formed IPC handle: {0}")]
-    Malformed(String),
-}
-
-/// Encodes `mappings` (in address order) of process `pid`: PyTorch's `'e'` when every
-/// mapping has one size, ours otherwise. See the module docs.
-pub fn encode(pid: i32, mappings: &[ExportedMapping]) -> Vec<u8> {
-    let uniform = mappings
-        .first()
-        .is_some_and(|first| mappings.iter().all(|m| m.size == first.size));
-    if uniform {
-        let mut out = Vec::with_capacity(2 + TORCH_HEADER + 4 * mappings.len());
-        out.extend_from_slice(&[HANDLE_VERSION, TYPE_TORCH_EXPANDABLE]);
-        out.extend_from_slice(&pid.to_ne_bytes());
-        out.extend_from_slice(&[0; 4]);
-        out.extend_from_slice(&mappings[0].size.to_ne_bytes());
-        out.extend_from_slice(&(mappings.len() as u64).to_ne_bytes());
-        for m in mappings {
-            out.extend_from_slice(&m.fd.to_ne_bytes());
-        }
-        out
-    } else {
-        let mut out = Vec::with_capacity(2 + OURS_HEADER + OURS_RECORD * mappings.len());
-        out.extend_from_slice(&[HANDLE_VERSION, TYPE_STREAMALLOC_EXPANDABLE]);
-        out.extend_from_slice(&(pid as u32).to_le_bytes());
-        out.extend_from_slice(&0u32.to_le_bytes());
-        out.extend_from_slice(&(mappings.len() as u64).to_le_bytes());
-        for m in mappings {
-            out.extend_from_slice(&m.size.to_le_bytes());
-            out.extend_from_slice(&m.fd.to_le_bytes());
-            out.extend_from_slice(&0u32.to_le_bytes());
-        }
-        out
-    }
-}
-
-/// Decodes a handle of either format. See the module docs.
-pub fn decode(handle: &[u8]) -> Result<SharedMappings, HandleError> {
-    let [version, kind, body @ ..] = handle else {
-        return Err(HandleError::Truncated(handle.len()));
-    };
-    if *version != HANDLE_VERSION {
-        return Err(HandleError::Version(*version));
-    }
-    match *kind {
-        TYPE_TORCH_EXPANDABLE => decode_torch(body),
-        TYPE_STREAMALLOC_EXPANDABLE => decode_ours(body),
-        other => Err(HandleError::Type(other)),
-    }
-}
-
-fn decode_torch(body: &[u8]) -> Result<SharedMappings, HandleError> {
-    if body.len() < TORCH_HEADER {
-        return Err(HandleError::Truncated(body.len() + 2));
-    }
-    let pid = i32::from_ne_bytes(array(&body[0..4]));
-    let segment_size = u64::from_ne_bytes(array(&body[8..16]));
-    let count = u64::from_ne_bytes(array(&body[16..24]));
-    let rest = body.len() - TORCH_HEADER;
-    check_count(count)?;
-    if segment_size == 0 {
-        return Err(HandleError::Malformed("segment size 0".to_string()));
-    }
-    // `count` is at most MAX_MAPPINGS, so these products cannot overflow.
-    if rest as u64 == count * FABRIC_HANDLE as u64 {
-        return Err(HandleError::Fabric);
-    }
-    if rest as u64 != count * 4 {
-        return Err(HandleError::Malformed(format!(
-            "{count} descriptors announced, {rest} bytes follow the header"
-        )));
-    }
-    segment_size
-        .checked_mul(count)
-        .ok_or_else(|| HandleError::Malformed("the mappings' sizes overflow".to_string()))?;
-    let mappings = body[TORCH_HEADER..]
-        .chunks_exact(4)
-        .map(|fd| ForeignMapping {
-            size: segment_size,
-            fd: i32::from_ne_bytes(array(fd)),
-        })
-        .collect();
-    Ok(SharedMappings { pid, mappings })
-}
-
-fn decode_ours(body: &[u8]) -> Result<SharedMappings, HandleError> {
-    if body.len() < OURS_HEADER {
-        return Err(HandleError::Truncated(body.len() + 2));
-    }
-    let pid = u32::from_le_bytes(array(&body[0..4])) as i32;
-    let count = u64::from_le_bytes(array(&body[8..16]));
-    check_count(count)?;
-    let rest = body.len() - OURS_HEADER;
-    if rest as u64 != count * OURS_RECORD as u64 {
-        return Err(HandleError::Malformed(format!(
-            "{count} mappings announced, {rest} bytes follow the header"
-        )));
-    }
-    let mut total: u64 = 0;
-    let mut mappings = Vec::with_capacity(count as usize);
-    for record in body[OURS_HEADER..].chunks_exact(OURS_RECORD) {
-        let size = u64::from_le_bytes(array(&record[0..8]));
-        total = total
-            .checked_add(size)
-            .ok_or_else(|| HandleError::Malformed("the mappings' sizes overflow".to_string()))?;
-        mappings.push(ForeignMapping {
-            size,
-            fd: i32::from_le_bytes(array(&record[8..12])),
-        });
-    }
-    Ok(SharedMappings { pid, mappings })
-}
-
-fn check_count(count: u64) -> Result<(), HandleError> {
-    if count == 0 || count > MAX_MAPPINGS {
-        return Err(HandleError::Malformed(format!(
-            "{count} mappings (1..={MAX_MAPPINGS} expected)"
-        )));
-    }
-    Ok(())
-}
-
-fn array<const N: usize>(bytes: &[u8]) -> [u8; N] {
-    bytes.try_into().expect("caller sliced exactly N bytes")
-}
-
-// ---- the C ABI ------------------------------------------------------------------------
-
-/// Runs `body` on the allocator owning the live allocation at `ptr`, which must lie in an
-/// expandable segment, with the device, the allocation's first byte and its size.
-fn on_expandable_block<T>(
+/// The IPC handle of `allocator`'s live allocation at `ptr` (in an expandable segment or a
+/// stitched range), and the allocation's offset from the first byte the handle opens.
+pub fn export_allocation<B: Backend + IpcBackend>(
+    allocator: &Allocator<B>,
     ptr: u64,
-    body: impl FnOnce(i32, &CudaAllocator, u64, u64) -> Result<T, String>,
-) -> Result<T, String> {
-    let registry = registry::global();
-    let Some((device, site)) = super::pools::allocation_owner(registry, ptr) else {
-        return Err(format!("{ptr:#x} is not a live allocation of streamalloc"));
-    };
-    if site.stitched {
-        return Err(format!(
-            "{ptr:#x} is a stitched range (free pages of several mappings joined), which CUDA IPC cannot share: allocate tensors to share with STREAMALLOC_CONF=stitch:false"
-        ));
-    }
+) -> Result<(Vec<u8>, u64), String> {
+    let site = allocator
+        .allocation_at(DevicePtr(ptr))
+        .ok_or_else(|| format!("{ptr:#x} is not a live allocation of streamalloc"))?;
     if !site.expandable {
         return Err(format!(
             "{ptr:#x} lies in a whole segment, which is shared with cudaIpcGetMemHandle"
         ));
     }
-    let ordinal = device.ordinal();
-    on_device(registry, ordinal, |allocator| {
-        body(ordinal, allocator, ptr, site.size)
-    })
+    let backend = allocator.backend();
+    let pid = std::process::id() as i32;
+    if !site.stitched {
+        let mappings = backend
+            .ipc_export(DevicePtr(ptr), site.size)
+            .map_err(|err| err.to_string())?;
+        let first = mappings.first().map_or(ptr, |m| m.address);
+        return Ok((encode(pid, &mappings), ptr - first));
+    }
+    let pages = allocator
+        .stitched_pages(DevicePtr(ptr))
+        .ok_or_else(|| format!("{ptr:#x} is no longer a live stitched range"))?;
+    let mut mappings: Vec<ExportedMapping> = Vec::new();
+    for (run, len) in pages {
+        let part = backend
+            .ipc_export(run, len)
+            .map_err(|err| format!("pages of the stitched range at {ptr:#x}: {err}"))?;
+        // Each run is whole pages, each page its own allocation: exactly the run.
+        let covered: u64 = part.iter().map(|m| m.size).sum();
+        if part.first().map(|m| m.address) != Some(run.0) || covered != len {
+            return Err(format!(
+                "the pages at {run} (+{len} bytes) of the stitched range at {ptr:#x} are not \
+                 whole allocations, which CUDA IPC needs"
+            ));
+        }
+        mappings.extend(part);
+    }
+    Ok((encode(pid, &mappings), 0))
 }
 
-fn export(ptr: u64) -> Result<(Vec<u8>, u64), String> {
-    on_expandable_block(ptr, |ordinal, allocator, start, size| {
-        let mappings = allocator
-            .backend()
-            .ipc_export(DevicePtr(start), size)
-            .map_err(|err| format!("device {ordinal}: {err}"))?;
-        let first = mappings.first().map_or(start, |m| m.address);
-        Ok((encode(std::process::id() as i32, &mappings), ptr - first))
-    })
+/// Opens `handle` (PyTorch's `'e'` or ours; a failed export's raises its reason) on
+/// `allocator`'s device; returns the first byte of the mapped range.
+pub fn open_handle<B: Backend + IpcBackend>(
+    allocator: &Allocator<B>,
+    handle: &[u8],
+) -> Result<u64, String> {
+    let shared = decode(handle).map_err(|err| err.to_string())?;
+    import(allocator, &shared)
+}
+
+/// Maps the allocations `shared` names on `allocator`'s device.
+fn import<B: Backend + IpcBackend>(
+    allocator: &Allocator<B>,
+    shared: &SharedMappings,
+) -> Result<u64, String> {
+    allocator
+        .backend()
+        .ipc_import(shared.pid, &shared.mappings)
+        .map(|ptr| ptr.0)
+        .map_err(|err: IpcError| err.to_string())
+}
+
+/// Closes what [`open_handle`] returned: waits for the device, unmaps and releases it.
+pub fn close_import<B: Backend + IpcBackend>(
+    allocator: &Allocator<B>,
+    base: u64,
+) -> Result<(), String> {
+    allocator
+        .backend()
+        .ipc_close(DevicePtr(base))
+        .map_err(|err| err.to_string())
+}
+
+/// Writes `handle` into `out` if it fits in `capacity` bytes; returns its length.
+///
+/// # Safety
+/// `out` must be null or writable for `capacity` bytes.
+unsafe fn write_handle(handle: &[u8], out: *mut u8, capacity: usize) -> i64 {
+    if handle.len() <= capacity && !out.is_null() {
+        // SAFETY: `out` is writable for `capacity` >= `handle.len()` bytes (see # Safety)
+        // and cannot overlap a fresh Vec.
+        unsafe { std::ptr::copy_nonoverlapping(handle.as_ptr(), out, handle.len()) };
+    }
+    handle.len() as i64
 }
 
 /// Writes the IPC handle of the live allocation at `ptr`, which lies in an expandable
-/// segment, into `out` and the allocation's offset from the first byte the handle opens
-/// into `*offset`. Returns the handle's length; if that exceeds `capacity`, nothing is
-/// written (call again with room for it). -1 on error (a whole-segment allocation, a
-/// device that cannot export; see `streamalloc_last_error`).
+/// segment or a stitched range, into `out` and the allocation's offset from the first byte
+/// the handle opens into `*offset`. Returns the handle's length; if that exceeds
+/// `capacity`, nothing is written (call again with room for it). -1 on error (a
+/// whole-segment allocation, a device that cannot export; see `streamalloc_last_error`).
 ///
 /// # Safety
 /// `out` must be null (with `capacity` 0) or writable for `capacity` bytes; `offset` must
@@ -267,42 +137,96 @@ pub unsafe extern "C" fn streamalloc_ipc_export(
     capacity: usize,
     offset: *mut u64,
 ) -> i64 {
-    error::call(-1, || match export(ptr as usize as u64) {
-        Ok((handle, off)) => {
-            if handle.len() <= capacity && !out.is_null() {
-                // SAFETY: `out` is writable for `capacity` >= `handle.len()` bytes (see
-                // # Safety) and cannot overlap a fresh Vec.
-                unsafe { std::ptr::copy_nonoverlapping(handle.as_ptr(), out, handle.len()) };
-                if !offset.is_null() {
+    // SAFETY: forwarded from this function's # Safety.
+    unsafe { ipc_export(registry::global(), ptr, out, capacity, offset) }
+}
+
+/// [`streamalloc_ipc_export`] on `registry`.
+///
+/// # Safety
+/// As [`streamalloc_ipc_export`].
+pub unsafe fn ipc_export<B: Backend + IpcBackend>(
+    registry: &Registry<B>,
+    ptr: *mut c_void,
+    out: *mut u8,
+    capacity: usize,
+    offset: *mut u64,
+) -> i64 {
+    let address = ptr as usize as u64;
+    error::call(-1, || {
+        let exported = match super::pools::allocation_owner(registry, address) {
+            Some((device, _)) => device
+                .run(|allocator| export_allocation(allocator, address))
+                .map_err(|err| super::unavailable_message(device.ordinal(), &err))
+                .and_then(|result| {
+                    result.map_err(|err| format!("device {}: {err}", device.ordinal()))
+                }),
+            None => Err(format!(
+                "{address:#x} is not a live allocation of streamalloc"
+            )),
+        };
+        match exported {
+            Ok((handle, off)) => {
+                if handle.len() <= capacity && !offset.is_null() {
                     // SAFETY: writable (see # Safety).
                     unsafe { offset.write(off) };
                 }
+                // SAFETY: `out` is null or writable for `capacity` bytes (see # Safety).
+                unsafe { write_handle(&handle, out, capacity) }
             }
-            handle.len() as i64
+            Err(message) => fail(-1, format_args!("streamalloc_ipc_export: {message}")),
         }
-        Err(message) => fail(-1, format_args!("streamalloc_ipc_export: {message}")),
     })
 }
 
-fn open(handle: &[u8], device: c_int) -> Result<u64, String> {
-    let shared = decode(handle).map_err(|err| err.to_string())?;
-    on_device(registry::global(), device, |allocator| {
-        allocator
-            .backend()
-            .ipc_import(shared.pid, &shared.mappings)
-            .map(|ptr| ptr.0)
-            .map_err(|err: IpcError| format!("device {device}: {err}"))
+/// Writes a failed export's handle carrying `message` (the sender's reason; cut to 1024
+/// bytes) into `out`, for a sender that could not export memory by any means: the receiver
+/// that opens it raises the reason instead of waiting. Returns the handle's length; if that
+/// exceeds `capacity`, nothing is written. -1 if `message` is null.
+///
+/// # Safety
+/// `message` must be null or a NUL-terminated string; `out` must be null or writable for
+/// `capacity` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn streamalloc_ipc_failure_handle(
+    message: *const c_char,
+    out: *mut u8,
+    capacity: usize,
+) -> i64 {
+    error::call(-1, || {
+        if message.is_null() {
+            return fail(-1, "streamalloc_ipc_failure_handle: message is null");
+        }
+        // SAFETY: a NUL-terminated string (see # Safety).
+        let message = unsafe { CStr::from_ptr(message) }.to_string_lossy();
+        // SAFETY: `out` is null or writable for `capacity` bytes (see # Safety).
+        unsafe { write_handle(&encode_failure(&message), out, capacity) }
     })
 }
 
-/// Opens an expandable-segment IPC handle (PyTorch's `'e'` or ours) of another process
-/// on `device` and returns the first byte of the mapped range (add the sender's offset).
-/// Null on error (see `streamalloc_last_error`). Close it with `streamalloc_ipc_close`.
+/// Opens an IPC handle of mapped memory (PyTorch's `'e'` or ours) of another process on
+/// `device` and returns the first byte of the mapped range (add the sender's offset).
+/// Null on error, with the reason in `streamalloc_last_error` (for a failed export's
+/// handle, the sender's reason). Close it with `streamalloc_ipc_close`.
 ///
 /// # Safety
 /// `handle` must be readable for `len` bytes (or null).
 #[no_mangle]
 pub unsafe extern "C" fn streamalloc_ipc_open(
+    handle: *const u8,
+    len: usize,
+    device: c_int,
+) -> *mut c_void {
+    // SAFETY: forwarded from this function's # Safety.
+    unsafe { ipc_open(registry::global(), handle, len, device) }
+}
+
+/// [`streamalloc_ipc_open`] on `registry`.
+///
+/// # Safety
+/// As [`streamalloc_ipc_open`].
+pub unsafe fn ipc_open<B: Backend + IpcBackend>(
+    registry: &Registry<B>,
     handle: *const u8,
     len: usize,
     device: c_int,
@@ -313,7 +237,15 @@ pub unsafe extern "C" fn streamalloc_ipc_open(
         }
         // SAFETY: readable for `len` bytes (see # Safety).
         let bytes = unsafe { std::slice::from_raw_parts(handle, len) };
-        match open(bytes, device) {
+        // The handle is read first: a refused or failed export's reason needs no device.
+        let opened = decode(bytes)
+            .map_err(|err| err.to_string())
+            .and_then(|shared| {
+                on_device(registry, device, |allocator| {
+                    import(allocator, &shared).map_err(|err| format!("device {device}: {err}"))
+                })
+            });
+        match opened {
             Ok(ptr) => ptr as usize as *mut c_void,
             Err(message) => fail(
                 std::ptr::null_mut(),
@@ -327,18 +259,21 @@ pub unsafe extern "C" fn streamalloc_ipc_open(
 /// releases the memory. 0, or -1 (not an open handle, or a driver error).
 #[no_mangle]
 pub extern "C" fn streamalloc_ipc_close(base: *mut c_void) -> c_int {
+    ipc_close(registry::global(), base)
+}
+
+/// [`streamalloc_ipc_close`] on `registry`.
+pub fn ipc_close<B: Backend + IpcBackend>(registry: &Registry<B>, base: *mut c_void) -> c_int {
     let ptr = DevicePtr(base as usize as u64);
     error::call(-1, || {
-        let owner = registry::global().initialized().find(|device| {
+        let owner = registry.initialized().find(|device| {
             device
                 .run(|allocator| allocator.backend().ipc_import_size(ptr).is_some())
                 .unwrap_or(false)
         });
         let closed = match owner {
-            Some(device) => on_device(registry::global(), device.ordinal(), |allocator| {
-                allocator
-                    .backend()
-                    .ipc_close(ptr)
+            Some(device) => on_device(registry, device.ordinal(), |allocator| {
+                close_import(allocator, ptr.0)
                     .map_err(|err| format!("device {}: {err}", device.ordinal()))
             }),
             None => Err(format!("{base:p} is not an open IPC handle")),
@@ -353,171 +288,6 @@ pub extern "C" fn streamalloc_ipc_close(base: *mut c_void) -> c_int {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const MIB2: u64 = 2 << 20;
-
-    fn exported(sizes: &[u64]) -> Vec<ExportedMapping> {
-        let mut address = 0x7f00_0000_0000;
-        sizes
-            .iter()
-            .enumerate()
-            .map(|(i, &size)| {
-                let m = ExportedMapping {
-                    address,
-                    size,
-                    fd: 40 + i as i32,
-                };
-                address += size;
-                m
-            })
-            .collect()
-    }
-
-    fn foreign(mappings: &[ExportedMapping]) -> Vec<ForeignMapping> {
-        mappings
-            .iter()
-            .map(|m| ForeignMapping {
-                size: m.size,
-                fd: m.fd,
-            })
-            .collect()
-    }
-
-    #[test]
-    fn equal_sizes_use_pytorchs_format_byte_for_byte() {
-        let mappings = exported(&[64 * MIB2, 64 * MIB2, 64 * MIB2]);
-        let handle = encode(4242, &mappings);
-        // What PyTorch's ExpandableSegment::share writes after its version and type bytes.
-        let mut expected = vec![2u8, b'e'];
-        expected.extend_from_slice(&4242i32.to_ne_bytes());
-        expected.extend_from_slice(&[0, 0, 0, 0]);
-        expected.extend_from_slice(&(64 * MIB2).to_ne_bytes());
-        expected.extend_from_slice(&3u64.to_ne_bytes());
-        for fd in [40i32, 41, 42] {
-            expected.extend_from_slice(&fd.to_ne_bytes());
-        }
-        assert_eq!(handle, expected);
-        let decoded = decode(&handle).unwrap();
-        assert_eq!(decoded.pid, 4242);
-        assert_eq!(decoded.mappings, foreign(&mappings));
-    }
-
-    #[test]
-    fn mixed_sizes_use_ours_and_round_trip() {
-        let mappings = exported(&[MIB2, 64 * MIB2, 3 * MIB2]);
-        let handle = encode(77, &mappings);
-        assert_eq!(&handle[..2], &[2, b's']);
-        assert_eq!(handle.len(), 2 + OURS_HEADER + 3 * OURS_RECORD);
-        let decoded = decode(&handle).unwrap();
-        assert_eq!(decoded.pid, 77);
-        assert_eq!(decoded.mappings, foreign(&mappings));
-    }
-
-    #[test]
-    fn a_single_mapping_is_pytorchs_format() {
-        let mappings = exported(&[MIB2]);
-        let handle = encode(1, &mappings);
-        assert_eq!(handle[1], b'e');
-        assert_eq!(decode(&handle).unwrap().mappings, foreign(&mappings));
-    }
-
-    #[test]
-    fn truncated_handles_are_refused_at_every_length() {
-        for handle in [
-            encode(5, &exported(&[MIB2, MIB2])),
-            encode(5, &exported(&[MIB2, 2 * MIB2])),
-        ] {
-            for len in 0..handle.len() {
-                assert!(
-                    decode(&handle[..len]).is_err(),
-                    "{len} of {} bytes decoded",
-                    handle.len()
-                );
-            }
-            let mut longer = handle.clone();
-            longer.push(0);
-            assert!(matches!(decode(&longer), Err(HandleError::Malformed(_))));
-        }
-    }
-
-    #[test]
-    fn wrong_version_and_type_are_refused() {
-        let mut handle = encode(5, &exported(&[MIB2]));
-        handle[0] = 3;
-        assert_eq!(decode(&handle), Err(HandleError::Version(3)));
-        handle[0] = 2;
-        handle[1] = b'c';
-        assert_eq!(decode(&handle), Err(HandleError::Type(b'c')));
-        assert_eq!(decode(&[]), Err(HandleError::Truncated(0)));
-        assert_eq!(decode(&[2]), Err(HandleError::Truncated(1)));
-    }
-
-    #[test]
-    fn absurd_counts_and_sizes_are_refused_before_allocating() {
-        // PyTorch's format announcing 2^63 descriptors with four bytes present.
-        let mut handle = vec![2u8, b'e'];
-        handle.extend_from_slice(&1i32.to_ne_bytes());
-        handle.extend_from_slice(&[0; 4]);
-        handle.extend_from_slice(&MIB2.to_ne_bytes());
-        handle.extend_from_slice(&(1u64 << 63).to_ne_bytes());
-        handle.extend_from_slice(&3i32.to_ne_bytes());
-        assert!(matches!(decode(&handle), Err(HandleError::Malformed(_))));
-        // Zero mappings.
-        let mut zero = handle.clone();
-        zero[18..26].copy_from_slice(&0u64.to_ne_bytes());
-        zero.truncate(26);
-        assert!(matches!(decode(&zero), Err(HandleError::Malformed(_))));
-        // A segment size whose total overflows.
-        let mut overflow = handle.clone();
-        overflow[10..18].copy_from_slice(&u64::MAX.to_ne_bytes());
-        overflow[18..26].copy_from_slice(&2u64.to_ne_bytes());
-        overflow.extend_from_slice(&4i32.to_ne_bytes());
-        assert!(matches!(decode(&overflow), Err(HandleError::Malformed(_))));
-        // A segment size of zero.
-        let mut empty = handle.clone();
-        empty[10..18].copy_from_slice(&0u64.to_ne_bytes());
-        empty[18..26].copy_from_slice(&1u64.to_ne_bytes());
-        assert!(matches!(decode(&empty), Err(HandleError::Malformed(_))));
-        // Ours announcing u64::MAX mappings.
-        let mut ours = encode(5, &exported(&[MIB2, 2 * MIB2]));
-        ours[10..18].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert!(matches!(decode(&ours), Err(HandleError::Malformed(_))));
-        // Ours whose sizes overflow.
-        let mut sizes = encode(5, &exported(&[MIB2, 2 * MIB2]));
-        sizes[18..26].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert!(matches!(decode(&sizes), Err(HandleError::Malformed(_))));
-    }
-
-    #[test]
-    fn pytorchs_fabric_variant_is_named() {
-        let mut handle = vec![2u8, b'e'];
-        handle.extend_from_slice(&1i32.to_ne_bytes());
-        handle.extend_from_slice(&2i32.to_ne_bytes());
-        handle.extend_from_slice(&MIB2.to_ne_bytes());
-        handle.extend_from_slice(&2u64.to_ne_bytes());
-        handle.extend_from_slice(&[7u8; 2 * FABRIC_HANDLE]);
-        assert_eq!(decode(&handle), Err(HandleError::Fabric));
-    }
-
-    #[test]
-    fn hostile_bytes_never_panic() {
-        // A cheap deterministic fuzz: every prefix of varied garbage decodes or errs.
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        for _ in 0..2000 {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let len = (state % 96) as usize;
-            let mut bytes: Vec<u8> = (0..len)
-                .map(|i| (state.rotate_left(i as u32 % 64) & 0xff) as u8)
-                .collect();
-            if len >= 2 {
-                bytes[0] = 2;
-                bytes[1] = if state & 1 == 0 { b'e' } else { b's' };
-            }
-            let _ = decode(&bytes);
-        }
-    }
 
     #[test]
     fn the_c_abi_reports_errors_without_a_gpu() {
@@ -538,5 +308,34 @@ mod tests {
         assert!(unsafe { streamalloc_ipc_open(std::ptr::null(), 0, 0) }.is_null());
         assert_eq!(streamalloc_ipc_close(0x2000 as *mut c_void), -1);
         assert!(error::last_string().contains("not an open IPC handle"));
+    }
+
+    #[test]
+    fn a_failure_handle_carries_the_senders_reason_to_the_receivers_open() {
+        let reason = c"device 0: cudaIpcGetMemHandle failed: invalid argument";
+        let mut out = [0u8; 128];
+        // SAFETY: a NUL-terminated message and a buffer of 128 bytes.
+        let n = unsafe { streamalloc_ipc_failure_handle(reason.as_ptr(), out.as_mut_ptr(), 128) };
+        assert!(n > 2 && n <= 128);
+        // SAFETY: readable for n bytes.
+        let p = unsafe { streamalloc_ipc_open(out.as_ptr(), n as usize, 0) };
+        assert!(p.is_null());
+        let message = error::last_string();
+        assert!(
+            message.contains("the sending process could not share this memory")
+                && message.contains("cudaIpcGetMemHandle failed"),
+            "{message}"
+        );
+        // Too little room: the length, nothing written.
+        let mut small = [0u8; 4];
+        // SAFETY: as above.
+        let needed =
+            unsafe { streamalloc_ipc_failure_handle(reason.as_ptr(), small.as_mut_ptr(), 4) };
+        assert_eq!(needed, n);
+        assert_eq!(small, [0; 4]);
+        // SAFETY: a null message is refused; `out` is writable for 128 bytes.
+        let null =
+            unsafe { streamalloc_ipc_failure_handle(std::ptr::null(), out.as_mut_ptr(), 128) };
+        assert_eq!(null, -1);
     }
 }

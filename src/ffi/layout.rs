@@ -11,6 +11,7 @@
 //! generated, and rewrites both with `STREAMALLOC_BLESS=1`.
 
 use super::pools::{StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo};
+use super::sleep::StreamallocSleepReport;
 use super::stats::StreamallocStats;
 
 /// One field of a struct shared with C.
@@ -81,11 +82,12 @@ macro_rules! c_struct {
 pub(crate) use c_struct;
 
 /// Every struct the C ABI shares with C.
-pub const SHARED: [CLayout; 4] = [
+pub const SHARED: [CLayout; 5] = [
     StreamallocStats::C_LAYOUT,
     StreamallocSegmentInfo::C_LAYOUT,
     StreamallocBlockState::C_LAYOUT,
     StreamallocPoolBlock::C_LAYOUT,
+    StreamallocSleepReport::C_LAYOUT,
 ];
 
 // ---- Generated text -------------------------------------------------------------------

@@ -23,7 +23,8 @@
 //! const char* streamalloc_last_error(void);
 //! ```
 //!
-//! Memory pools and introspection are in [`pools`], counters in [`stats`], CUDA IPC of
+//! Memory pools and introspection are in [`pools`], sleep and wake of tagged pools in
+//! [`sleep`], counters in [`stats`], CUDA IPC of
 //! expandable-segment memory (`streamalloc_ipc_*`, CUDA only) in [`ipc`], the p2p planner
 //! in [`p2p`], the structs shared with C in [`layout`].
 //!
@@ -45,9 +46,12 @@ pub mod error;
 pub mod external;
 pub mod fallback;
 pub mod ipc;
+pub mod ipc_handle;
 pub mod layout;
 pub mod p2p;
+pub mod pool_rules;
 pub mod pools;
+pub mod sleep;
 pub mod stats;
 /// The C ABI's fuzz harness (feature `testing`): not part of the library's API.
 #[cfg(any(test, feature = "testing"))]

@@ -633,12 +633,14 @@ pub unsafe fn snapshot_segments<B: Backend>(
 }
 
 /// The snapshot's rows: an expandable segment becomes one row per run of mapped blocks
-/// (the engine's snapshot lists only mapped blocks, so a gap in addresses ends a run).
+/// (the engine's snapshot lists only mapped blocks, so a gap in addresses ends a run); a
+/// sleeping pool's segments are left out.
 pub fn snapshot_rows(
     snapshot: &Snapshot,
 ) -> (Vec<StreamallocSegmentInfo>, Vec<StreamallocBlockState>) {
     let (mut segment_rows, mut block_rows) = (Vec::new(), Vec::<StreamallocBlockState>::new());
-    for segment in &snapshot.segments {
+    // A sleeping pool's segments hold no memory (PyTorch's snapshot lists reserved memory).
+    for segment in snapshot.segments.iter().filter(|s| !s.asleep) {
         let expandable = segment.expandable;
         let row = |first: usize, address: u64| StreamallocSegmentInfo {
             address,

@@ -7,8 +7,8 @@ use crate::registry::{self, Registry};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::sync::Mutex;
-use streamalloc_allocator::{Backend, Stats};
+use std::sync::{LazyLock, Mutex};
+use streamalloc_allocator::{Backend, Gauge, StatArray, Stats, TorchStats};
 
 c_struct! {
 /// `streamalloc_stats_t`: the engine's [`Stats`], flattened. Byte gauges come as
@@ -77,6 +77,10 @@ pub struct StreamallocStats as "streamalloc_stats_t" {
     pub stitch_revivals: u64,
     /// Stitched ranges unmapped.
     pub stitch_evictions: u64,
+    /// Bytes sleeping memory pools gave back to the device, addresses kept.
+    pub sleeping_bytes: u64,
+    /// Bytes of page-locked host memory held for sleeping pools' backups.
+    pub host_backup_bytes: u64,
 }
 }
 
@@ -115,6 +119,8 @@ impl StreamallocStats {
             stitched_map_bytes: stats.stitched_map_bytes,
             stitch_revivals: stats.stitch_revivals,
             stitch_evictions: stats.stitch_evictions,
+            sleeping_bytes: stats.sleeping_bytes,
+            host_backup_bytes: stats.host_backup_bytes,
         }
     }
 }
@@ -205,9 +211,10 @@ pub fn stats_json_text<B: Backend>(
 // ---- PyTorch's names ------------------------------------------------------------------
 //
 // `torch.cuda.memory_stats()` flattens PyTorch's `DeviceStats` into keys such as
-// `allocated_bytes.all.peak`. Both doors answer it from the one table below: the native
+// `allocated_bytes.all.peak`. Both doors answer it from the one table below, generated
+// from the engine's `TorchStats` (PyTorch's `DeviceStats`, kept by the engine): the native
 // door (C++) parses each name into the `DeviceStats` member it fills, the pluggable door
-// (Python) zips the names with the values. A key of PyTorch's missing here reads 0 there.
+// (Python) zips the names with the values. Every key PyTorch 2.11 has is listed.
 
 /// The counters a PyTorch statistic is computed from: the engine's now, and the
 /// engine's at the last `reset_accumulated_memory_stats()` (PyTorch's `allocated` and
@@ -218,87 +225,137 @@ pub struct TorchSource<'a> {
     pub now: &'a Stats,
     /// The engine's counters when the accumulated ones were last reset.
     pub since: &'a Stats,
-    /// The engine's `max_split_size`, if configured.
-    pub max_split_size: Option<u64>,
 }
 
-type TorchValue = fn(&TorchSource<'_>) -> u64;
+/// Which value of a gauge a key reads.
+#[derive(Clone, Copy, Debug)]
+enum Field {
+    Current,
+    Peak,
+    Allocated,
+    Freed,
+}
 
-/// PyTorch's key of each statistic streamalloc keeps, with how it is computed, in the
-/// order `streamalloc_torch_stat_name` lists them.
-pub const TORCH_STATS: &[(&CStr, TorchValue)] = &[
-    (c"allocation.all.current", |s| s.now.allocs - s.now.frees),
-    (c"allocation.all.allocated", |s| {
-        s.now.allocs - s.since.allocs
-    }),
-    (c"allocation.all.freed", |s| s.now.frees - s.since.frees),
-    (c"segment.all.current", |s| {
-        s.now.segment_allocs - s.now.segment_frees
-    }),
-    (c"segment.all.allocated", |s| {
-        s.now.segment_allocs - s.since.segment_allocs
-    }),
-    (c"segment.all.freed", |s| {
-        s.now.segment_frees - s.since.segment_frees
-    }),
-    (c"allocated_bytes.all.current", |s| {
-        s.now.allocated_bytes.current
-    }),
-    (c"allocated_bytes.all.peak", |s| s.now.allocated_bytes.peak),
-    (c"allocated_bytes.all.allocated", |s| {
-        s.now.allocated_bytes.allocated - s.since.allocated_bytes.allocated
-    }),
-    (c"allocated_bytes.all.freed", |s| {
-        s.now.allocated_bytes.freed - s.since.allocated_bytes.freed
-    }),
-    (c"reserved_bytes.all.current", |s| {
-        s.now.reserved_bytes.current
-    }),
-    (c"reserved_bytes.all.peak", |s| s.now.reserved_bytes.peak),
-    (c"reserved_bytes.all.allocated", |s| {
-        s.now.reserved_bytes.allocated - s.since.reserved_bytes.allocated
-    }),
-    (c"reserved_bytes.all.freed", |s| {
-        s.now.reserved_bytes.freed - s.since.reserved_bytes.freed
-    }),
-    (c"active_bytes.all.current", |s| s.now.active_bytes.current),
-    (c"active_bytes.all.peak", |s| s.now.active_bytes.peak),
-    (c"active_bytes.all.allocated", |s| {
-        s.now.active_bytes.allocated - s.since.active_bytes.allocated
-    }),
-    (c"active_bytes.all.freed", |s| {
-        s.now.active_bytes.freed - s.since.active_bytes.freed
-    }),
-    (c"requested_bytes.all.current", |s| {
-        s.now.requested_bytes.current
-    }),
-    (c"requested_bytes.all.peak", |s| s.now.requested_bytes.peak),
-    (c"requested_bytes.all.allocated", |s| {
-        s.now.requested_bytes.allocated - s.since.requested_bytes.allocated
-    }),
-    (c"requested_bytes.all.freed", |s| {
-        s.now.requested_bytes.freed - s.since.requested_bytes.freed
-    }),
-    (c"num_alloc_retries", |s| s.now.retries - s.since.retries),
-    (c"num_ooms", |s| s.now.ooms - s.since.ooms),
-    (c"num_sync_all_streams", |s| {
-        s.now.device_syncs - s.since.device_syncs
-    }),
-    (c"num_device_alloc", |s| {
-        s.now.segment_allocs - s.since.segment_allocs
-    }),
-    (c"num_device_free", |s| {
-        s.now.segment_frees - s.since.segment_frees
-    }),
-    // PyTorch's unset max_split_size is SIZE_MAX, which reads -1 as an int64.
-    (c"max_split_size", |s| s.max_split_size.unwrap_or(u64::MAX)),
+/// Reads a `StatArray` of the engine's `TorchStats`.
+type ArrayOf = fn(&TorchStats) -> &StatArray;
+/// Reads a single gauge of the engine's `TorchStats`.
+type GaugeOf = fn(&TorchStats) -> &Gauge;
+/// Reads a count of the engine's counters.
+type CountOf = fn(&Stats) -> u64;
+
+/// Where one of PyTorch's statistics comes from.
+#[derive(Clone, Copy)]
+enum Origin {
+    /// A gauge of a `StatArray` (index 0: all, 1: small pool, 2: large pool).
+    Array(ArrayOf, usize, Field),
+    /// A single gauge.
+    Gauge(GaugeOf, Field),
+    /// A count accumulated since the last reset.
+    Count(CountOf),
+    /// `max_split_size`, as it is.
+    MaxSplitSize,
+}
+
+/// PyTorch's `StatArray` members, in `DeviceStats`' order.
+const ARRAYS: [(&str, ArrayOf); 9] = [
+    ("allocation", |t| &t.allocation),
+    ("segment", |t| &t.segment),
+    ("active", |t| &t.active),
+    ("inactive_split", |t| &t.inactive_split),
+    ("allocated_bytes", |t| &t.allocated_bytes),
+    ("reserved_bytes", |t| &t.reserved_bytes),
+    ("active_bytes", |t| &t.active_bytes),
+    ("inactive_split_bytes", |t| &t.inactive_split_bytes),
+    ("requested_bytes", |t| &t.requested_bytes),
 ];
 
-/// The values of [`TORCH_STATS`] for `source`, in order, as PyTorch's `int64_t`s.
+/// PyTorch's names of a `StatArray`'s entries.
+const POOL_TYPES: [&str; 3] = ["all", "small_pool", "large_pool"];
+
+/// PyTorch's names of a gauge's values.
+const FIELDS: [(&str, Field); 4] = [
+    ("current", Field::Current),
+    ("peak", Field::Peak),
+    ("allocated", Field::Allocated),
+    ("freed", Field::Freed),
+];
+
+/// The table: each key of PyTorch's `memory_stats()` with where its value comes from, in
+/// the order `streamalloc_torch_stat_name` lists them.
+static TORCH_STATS: LazyLock<Vec<(CString, Origin)>> = LazyLock::new(|| {
+    let mut table = Vec::new();
+    let mut push = |name: String, origin| {
+        table.push((CString::new(name).expect("names have no NUL"), origin));
+    };
+    for (array, get) in ARRAYS {
+        for (index, pool) in POOL_TYPES.iter().enumerate() {
+            for (field_name, field) in FIELDS {
+                push(
+                    format!("{array}.{pool}.{field_name}"),
+                    Origin::Array(get, index, field),
+                );
+            }
+        }
+    }
+    let gauges: [(&str, GaugeOf); 2] = [
+        ("oversize_allocations", |t| &t.oversize_allocations),
+        ("oversize_segments", |t| &t.oversize_segments),
+    ];
+    for (gauge, get) in gauges {
+        for (field_name, field) in FIELDS {
+            push(format!("{gauge}.{field_name}"), Origin::Gauge(get, field));
+        }
+    }
+    let counts: [(&str, CountOf); 5] = [
+        ("num_alloc_retries", |s| s.torch.alloc_retries),
+        ("num_ooms", |s| s.ooms),
+        ("num_sync_all_streams", |s| s.device_syncs),
+        ("num_device_alloc", |s| s.torch.device_allocs),
+        ("num_device_free", |s| s.torch.device_frees),
+    ];
+    for (count, get) in counts {
+        push(count.to_string(), Origin::Count(get));
+    }
+    push("max_split_size".to_string(), Origin::MaxSplitSize);
+    table
+});
+
+/// A gauge's `field`, with `allocated` and `freed` counted from `since`.
+fn gauge_value(now: &Gauge, since: &Gauge, field: Field) -> u64 {
+    match field {
+        Field::Current => now.current,
+        Field::Peak => now.peak,
+        Field::Allocated => now.allocated.saturating_sub(since.allocated),
+        Field::Freed => now.freed.saturating_sub(since.freed),
+    }
+}
+
+impl Origin {
+    fn value(&self, source: &TorchSource<'_>) -> u64 {
+        let (now, since) = (&source.now.torch, &source.since.torch);
+        match *self {
+            Origin::Array(get, index, field) => {
+                gauge_value(&get(now)[index], &get(since)[index], field)
+            }
+            Origin::Gauge(get, field) => gauge_value(get(now), get(since), field),
+            Origin::Count(get) => get(source.now).saturating_sub(get(source.since)),
+            // PyTorch's unset max_split_size is SIZE_MAX, which reads -1 as an int64.
+            Origin::MaxSplitSize => now.max_split_size,
+        }
+    }
+}
+
+/// PyTorch's keys, in the order of [`torch_stat_values`].
+pub fn torch_stat_names() -> impl Iterator<Item = &'static CStr> {
+    TORCH_STATS.iter().map(|(name, _)| name.as_c_str())
+}
+
+/// The values of PyTorch's statistics for `source`, in the order of [`torch_stat_names`],
+/// as PyTorch's `int64_t`s.
 pub fn torch_stat_values(source: &TorchSource<'_>) -> Vec<i64> {
     TORCH_STATS
         .iter()
-        .map(|(_, value)| value(source) as i64)
+        .map(|(_, origin)| origin.value(source) as i64)
         .collect()
 }
 
@@ -375,7 +432,6 @@ pub unsafe fn torch_stats<B: Backend>(
         let source = TorchSource {
             now: &allocator.stats(),
             since: &since,
-            max_split_size: allocator.config().max_split_size,
         };
         let values = torch_stat_values(&source);
         for (i, value) in values.iter().take(capacity).enumerate() {

@@ -339,7 +339,7 @@ impl Pass {
 /// For each event, true if it is a `free_requested` that no `free_completed` of the same
 /// address follows before the address is allocated again or the trace ends: the block is
 /// then freed at the request.
-fn frees_at_request(events: &[TraceEntry]) -> Vec<bool> {
+pub(crate) fn frees_at_request(events: &[TraceEntry]) -> Vec<bool> {
     let mut at_request = vec![false; events.len()];
     let mut requested: HashMap<u64, usize> = HashMap::new();
     for (index, event) in events.iter().enumerate() {
@@ -364,6 +364,36 @@ fn frees_at_request(events: &[TraceEntry]) -> Vec<bool> {
         at_request[open] = true;
     }
     at_request
+}
+
+/// The peak of the recorded sizes of live blocks over one pass of `events`, with the
+/// replay's free semantics (a free at `free_completed`, or at `free_requested` when none
+/// follows): the figure [`ReplayReport::peak_live_bytes`] reports, without replaying, so
+/// that a memory limit can be set relative to it before the replay.
+pub fn peak_live_bytes(events: &[TraceEntry]) -> u64 {
+    let free_at_request = frees_at_request(events);
+    let mut live: HashMap<u64, u64> = HashMap::with_capacity(1024);
+    let (mut now, mut peak) = (0u64, 0u64);
+    for (index, event) in events.iter().enumerate() {
+        match event.action {
+            TraceAction::Alloc => {
+                if let Some(size) = live.insert(event.addr.0, event.size) {
+                    now = now.saturating_sub(size);
+                }
+                now = now.saturating_add(event.size);
+                peak = peak.max(now);
+            }
+            TraceAction::FreeRequested | TraceAction::FreeCompleted
+                if event.action == TraceAction::FreeCompleted || free_at_request[index] =>
+            {
+                if let Some(size) = live.remove(&event.addr.0) {
+                    now = now.saturating_sub(size);
+                }
+            }
+            _ => {}
+        }
+    }
+    peak
 }
 
 /// A trace entry for tests and generators: `action` of `size` bytes at `addr` on `stream`.
@@ -430,6 +460,13 @@ pub fn training_trace(events: usize) -> Vec<TraceEntry> {
 mod tests {
     use super::*;
     use TraceAction::*;
+
+    #[test]
+    fn the_peak_live_figure_is_known_before_replaying() {
+        let events = training_trace(20_000);
+        let report = replay(&events, &Config::default(), &mut |_| {}).unwrap();
+        assert_eq!(peak_live_bytes(&events), report.peak_live_bytes);
+    }
 
     #[test]
     fn frees_fall_back_to_the_request_and_unknown_frees_are_counted() {

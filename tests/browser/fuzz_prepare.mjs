@@ -32,14 +32,14 @@ function rng(seed) {
 
 const ACTIONS = ['alloc', 'free_requested', 'free_completed', 'segment_alloc', 'segment_free', 'segment_map',
   'segment_unmap', 'oom', 'snapshot', 'user_defined', 'cross_stream_wait', 'staging_acquire', 'staging_release',
-  'empty_cache', 'stitch', 'unstitch'];
+  'empty_cache', 'stitch', 'unstitch', 'sleep', 'wake'];
 
 /** A random valid trace as the server encodes it. */
 function randomData(r) {
-  const ns = 1 + r.int(14), n = r.int(300), m = r.int(60), k = r.int(12);
+  const ns = 1 + r.int(14), n = r.int(300), m = r.int(60), k = r.int(12), z = r.int(4);
   const idx = () => (n && r.chance(0.8) ? r.int(n) : -1);
   const h = {
-    device: 0, source: 'fuzz', events: n, allocs: m, segments: k, t0_ns: 0,
+    device: 0, source: 'fuzz', events: n, allocs: m, segments: k, sleeping: z, t0_ns: 0,
     streams: Array.from({ length: ns }, (_, s) => `0x${(0x5000 + s).toString(16)}`),
     actions: ACTIONS, frames: [['f', 'a.py', 1], ['g', 'torch/nn/x.py', 2]], stacks: [[0, 1], [1]],
     peak: { active: null, reserved: null }, trace_dropped: 0, config: null, stats: null,
@@ -64,6 +64,10 @@ function randomData(r) {
     sg_addr: ['f64', Array.from({ length: k }, () => r.int(1 << 20) * (1 << 21))],
     sg_size: ['f64', Array.from({ length: k }, () => (1 + r.int(64)) * (1 << 21))],
     sg_stream: ['u32', Array.from({ length: k }, () => r.int(ns))],
+    sl_start: ['i32', Array.from({ length: z }, idx)],
+    sl_end: ['i32', Array.from({ length: z }, idx)],
+    sl_addr: ['f64', Array.from({ length: z }, () => r.int(1 << 20) * (1 << 21))],
+    sl_size: ['f64', Array.from({ length: z }, () => (1 + r.int(64)) * (1 << 21))],
   };
   return { h, cols };
 }
@@ -165,6 +169,12 @@ function drawable(d) {
     if (c.al_stack[a] >= 0 && typeof d.site[c.al_stack[a]] !== 'string') throw new Error('call site');
   }
   for (let s = 0; s < ns; s++) if (!Number.isFinite(P.cachedAt(d.cached, s, n))) throw new Error(`cached ${s}`);
+  // Sleeping ranges, as the segment map reads them.
+  if (!Number.isSafeInteger(h.sleeping) || h.sleeping < 0) throw new Error(`sleeping ${h.sleeping}`);
+  for (let z = 0; z < h.sleeping; z++) {
+    for (const i of [c.sl_start[z], c.sl_end[z]]) if (!(i >= -1 && i < n)) throw new Error(`sleeping event ${i} of ${n}`);
+    if (!Number.isFinite(c.sl_size[z]) || !Number.isFinite(c.sl_addr[z])) throw new Error(`sleeping range ${z}`);
+  }
 }
 
 /** A hostile variant of a valid blob. */
@@ -177,18 +187,19 @@ function mutate(r, buf, h, cols) {
     case 1: // truncate
       return bytes.buffer.slice(0, r.int(bytes.length + 1));
     case 2: { // a counter or a column's length that does not match
-      const key = ['events', 'allocs', 'segments'][r.int(3)];
+      const key = ['events', 'allocs', 'segments', 'sleeping'][r.int(4)];
       h[key] = [-1, 1e12, h[key] + 1, 'x', null, 2.5][r.int(6)];
       return encode(h, cols);
     }
     case 3: { // an index out of range
-      const name = ['al_start', 'al_end', 'al_fr', 'sg_start', 'al_owner', 'al_stream', 'al_stack', 'sg_stream', 'ev_stream'][r.int(9)];
+      const name = ['al_start', 'al_end', 'al_fr', 'sg_start', 'al_owner', 'al_stream', 'al_stack', 'sg_stream', 'ev_stream',
+        'sl_start', 'sl_end'][r.int(11)];
       const [, values] = cols[name];
       if (values.length) values[r.int(values.length)] = [1e6, -7, 0x7fffffff][r.int(3)];
       return encode(h, cols);
     }
     case 4: { // a size that is no size
-      const name = ['al_size', 'sg_size', 'ev_size', 'ev_time'][r.int(4)];
+      const name = ['al_size', 'sg_size', 'ev_size', 'ev_time', 'sl_size'][r.int(5)];
       const [, values] = cols[name];
       if (values.length) values[r.int(values.length)] = [NaN, -1, Infinity][r.int(3)];
       return encode(h, cols);

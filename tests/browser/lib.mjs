@@ -18,16 +18,17 @@ export function sharedTrace(name) {
   return fs.existsSync(p) ? p : null;
 }
 
-// Starts the viewer on a free port; resolves with its URL once it prints it.
-export function startViewer(files) {
+// Starts the viewer on a free port (with `extra` arguments); resolves with its URL and
+// what it printed before, once it prints the URL.
+export function startViewer(files, extra = []) {
   return new Promise((resolve, reject) => {
-    const proc = spawn(BIN, ['view', ...files, '--port', '0'], { stdio: ['ignore', 'pipe', 'pipe'] });
+    const proc = spawn(BIN, ['view', ...files, '--port', '0', ...extra], { stdio: ['ignore', 'pipe', 'pipe'] });
     let out = '', err = '';
     const timer = setTimeout(() => { proc.kill(); reject(new Error(`viewer did not start: ${err}`)); }, 120000);
     proc.stdout.on('data', d => {
       out += d;
       const m = out.match(/http:\/\/127\.0\.0\.1:\d+\//);
-      if (m) { clearTimeout(timer); resolve({ url: m[0], proc }); }
+      if (m) { clearTimeout(timer); resolve({ url: m[0], proc, printed: out }); }
     });
     proc.stderr.on('data', d => { err += d; });
     proc.on('exit', code => { clearTimeout(timer); reject(new Error(`viewer exited with ${code}: ${err}`)); });

@@ -162,3 +162,146 @@ test('twenty thousand streams open within bounded memory', async t => {
     fs.rmSync(dir, { recursive: true, force: true });
   }
 });
+
+// `view --replay`, the question a PyTorch user arrives with: on their own snapshot, the
+// recorded reserved memory, streamalloc's replayed reserved memory and the live memory
+// are drawn as three lines, and the legend gives both peaks, the saving in GiB and
+// percent, and the lowest cap under which the replay completes. The screenshot is kept.
+test('view --replay draws three lines and a legend with both peaks and the saving', async t => {
+  const why = missing() || (sharedTrace('bert_varlen.pickle.gz') ? null : 'bert_varlen.pickle.gz not found');
+  if (why) { t.skip(why); return; }
+  const { url, proc, printed } = await startViewer([sharedTrace('bert_varlen.pickle.gz')], ['--replay']);
+  assert.match(printed, /saving \d+\.\d+ GiB \(\d+\.\d%\)/, 'the figures are printed too');
+  const browser = await launch();
+  try {
+    const { page } = await openViewer(browser.context, url);
+    const legend = await page.locator('#replay-legend').textContent();
+    assert.match(legend, /PyTorch reserved \(recorded\): peak \d+\.\d\d GiB/);
+    assert.match(legend, /streamalloc reserved \(replayed\): peak \d+\.\d\d GiB/);
+    assert.match(legend, /live: peak \d+\.\d\d GiB/);
+    assert.match(legend, /saving \d+\.\d\d GiB \(\d+\.\d%\) of PyTorch's peak reserved/);
+    assert.match(legend, /lowest cap that completes: 1\.\d{3} x peak live \(\d+\.\d\d GiB\)/);
+    // The page's figures are the printed ones.
+    const figures = printed.split('\n').filter(l => l.startsWith('  ')).map(l => l.trim());
+    assert.equal(figures.length, 5, printed);
+    for (const line of figures) {
+      assert.ok(legend.includes(line), `legend lacks "${line}"`);
+    }
+
+    // Each line is on the canvas: a pixel near its colour in most columns of the plot
+    // (the recorded line is dashed: in fewer).
+    const replay = await page.evaluate(() => window.__viz.replay);
+    assert.ok(replay && replay.drawn, 'the overlay drew');
+    const share = await page.evaluate(colours => {
+      const c = document.getElementById('timeline');
+      const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+      const rgb = h => [1, 3, 5].map(i => parseInt(h.slice(i, i + 2), 16));
+      const out = {};
+      const left = 90;
+      for (const [name, hex] of Object.entries(colours)) {
+        const [r, g, b] = rgb(hex);
+        let hit = 0;
+        for (let x = left; x < c.width; x++) {
+          for (let y = 0; y < c.height - 16; y++) {
+            const i = (y * c.width + x) * 4;
+            if (Math.abs(d[i] - r) + Math.abs(d[i + 1] - g) + Math.abs(d[i + 2] - b) < 40) { hit++; break; }
+          }
+        }
+        out[name] = hit / (c.width - left);
+      }
+      return out;
+    }, replay.drawn.colours);
+    assert.ok(share.replayed > 0.9, `streamalloc's line in ${(share.replayed * 100).toFixed(0)}% of the columns`);
+    assert.ok(share.live > 0.8, `the live line in ${(share.live * 100).toFixed(0)}% of the columns`);
+    assert.ok(share.recorded > 0.4, `PyTorch's dashed line in ${(share.recorded * 100).toFixed(0)}% of the columns`);
+
+    fs.mkdirSync(ARTIFACTS, { recursive: true });
+    const shot = path.join(ARTIFACTS, 'viewer-replay.png');
+    await page.screenshot({ path: shot });
+    console.log(`screenshot: ${shot}`);
+  } finally {
+    await browser.close();
+    proc.kill();
+  }
+});
+
+// Lane labels name streams by handle (`cached 0x16006310`): a long handle must still fit
+// left of the lanes, whole or shortened, never cut at the page's edge.
+test('lane labels fit left of the lanes', async t => {
+  if (!fs.existsSync(BIN)) { t.skip(`streamalloc binary not found at ${BIN}`); return; }
+  if (!fs.existsSync(CHROMIUM)) { t.skip(`chromium not found at ${CHROMIUM}`); return; }
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'sa-lanes-'));
+  const file = path.join(dir, 'streams.json');
+  const streams = [0x16006310, 0x7f3a2b1c0d00, 0];
+  const trace = [];
+  streams.forEach((s, k) => {
+    const base = 0x100000000 * (k + 1);
+    trace.push({ action: 'segment_alloc', addr: base, size: 4 << 20, stream: s, time_ns: 3 * k });
+    trace.push({ action: 'alloc', addr: base, size: 1 << 20, stream: s, time_ns: 3 * k + 1 });
+    trace.push({ action: 'free_completed', addr: base, size: 1 << 20, stream: s, time_ns: 3 * k + 2 });
+  });
+  fs.writeFileSync(file, JSON.stringify({ format: 'streamalloc-snapshot', version: 1, source: 'streamalloc', stacks: [], devices: [{ device: 0, segments: [], trace }] }));
+  const { url, proc } = await startViewer([file]);
+  const browser = await launch();
+  try {
+    const { page } = await openViewer(browser.context, url);
+    const labels = await page.evaluate(() => window.__viz.laneLabels);
+    const cached = labels.filter(l => l.label.startsWith('cached'));
+    assert.equal(cached.length, streams.length, JSON.stringify(labels));
+    for (const l of labels) {
+      assert.ok(l.right - l.width >= 0, `"${l.label}" drawn as ${JSON.stringify(l.lines)} is ${l.width.toFixed(1)} px wide, right edge at ${l.right}`);
+    }
+    const long = cached.find(l => l.label.includes('0x7f3a2b1c0d00'));
+    assert.ok(long.lines.join(' ').includes('cached'), JSON.stringify(long));
+  } finally {
+    await browser.close();
+    proc.kill();
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+});
+
+// Sleeping memory (streamalloc's sleep and wake): between a `sleep` and its `wake` the
+// range is drawn hatched in the segment map, its memory leaves the reserved figure and the
+// summary counts it as asleep; after the wake it is an ordinary segment again.
+test('a sleeping range is hatched and counted apart until its wake', async t => {
+  if (!fs.existsSync(BIN)) { t.skip(`streamalloc binary not found at ${BIN}`); return; }
+  if (!fs.existsSync(CHROMIUM)) { t.skip(`chromium not found at ${CHROMIUM}`); return; }
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'sa-sleep-'));
+  const file = path.join(dir, 'sleep.json');
+  const mib = 1 << 20;
+  fs.writeFileSync(file, JSON.stringify({
+    format: 'streamalloc-snapshot', version: 1, source: 'streamalloc', stacks: [],
+    devices: [{
+      device: 0, segments: [], trace: [
+        { action: 'segment_map', addr: 64 * mib, size: 8 * mib, stream: 0, time_ns: 0 },
+        { action: 'alloc', addr: 64 * mib, size: 6 * mib, stream: 0, time_ns: 1 },
+        { action: 'sleep', addr: 64 * mib, size: 8 * mib, stream: 0, time_ns: 2 },
+        { action: 'wake', addr: 64 * mib, size: 8 * mib, stream: 0, time_ns: 3 },
+      ],
+    }],
+  }));
+  const { url, proc } = await startViewer([file]);
+  const browser = await launch();
+  try {
+    const { page } = await openViewer(browser.context, url);
+    const text = () => page.locator('#instant').textContent();
+    assert.match(await text(), /^#1 — 1 segments, 8\.0 MiB reserved \(/, 'the peak: awake');
+    await page.keyboard.press('ArrowRight');
+    assert.match(await text(), /^#2 — 1 segments, 0 B reserved, 8\.0 MiB asleep/);
+    assert.match(await page.locator('#summary').textContent(), /asleep \(given back\)8\.0 MiB/);
+    const hatched = await page.evaluate(() => {
+      const c = document.getElementById('segmap');
+      const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+      let n = 0;
+      for (let i = 0; i < d.length; i += 4) if (d[i] === 0x99 && d[i + 1] === 0x99 && d[i + 2] === 0xbb) n++;
+      return n;
+    });
+    assert.ok(hatched > 0, 'the sleeping range is hatched');
+    await page.keyboard.press('ArrowRight');
+    assert.match(await text(), /^#3 — 1 segments, 8\.0 MiB reserved \(/, 'awake again');
+  } finally {
+    await browser.close();
+    proc.kill();
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+});

@@ -17,6 +17,10 @@ const PALETTE = ['#4e79a7', '#f28e2c', '#e15759', '#76b7b2', '#59a14f', '#edc949
 const V = window.__viz = {ready: false, openMs: null, drawMs: null, range: null, drawn: 0,
   error: null, hovered: null};
 
+// Drawings over the timeline from other scripts of the page (replay.js registers one):
+// each has load(file, device), yMax(d, bnd) and draw(ctx, geometry).
+const overlays = window.__vizOverlays || (window.__vizOverlays = []);
+
 let files = [];
 let D = null; // current data
 let C = null; // compare data
@@ -140,6 +144,7 @@ function drawTimeline() {
     cmpRes = columnMax(C, C.reserved, C.init.reserved, cb);
     for (let i = 0; i < W; i++) ymax = Math.max(ymax, cmpAct[i], cmpRes[i]);
   }
+  for (const o of overlays) ymax = Math.max(ymax, o.yMax(d, bnd));
   ymax *= 1.05;
   const bpr = ymax / H; // bytes per pixel row
   const img = ctx.createImageData(W, H);
@@ -204,6 +209,7 @@ function drawTimeline() {
     for (let i = 0; i < W; i++) ctx.lineTo(PAD_L + i + 0.5, yOf(cmpRes[i]));
     ctx.stroke(); ctx.setLineDash([]);
   }
+  for (const o of overlays) o.draw(ctx, {d, bnd, W, H, left: PAD_L, yOf, actMax, resMax});
   // Axes.
   ctx.fillStyle = '#333'; ctx.font = '10px sans-serif'; ctx.textAlign = 'right';
   for (let k = 0; k <= 4; k++) {
@@ -329,10 +335,14 @@ function drawLanes() {
   if (canvas.height !== CH) { canvas.style.height = CH + 'px'; canvas.height = CH; }
   ctx.clearRect(0, 0, CW, CH);
   ctx.font = '10px sans-serif'; ctx.textAlign = 'right';
+  V.laneLabels = [];
   lanes.forEach((lane, k) => {
     const y0 = k * LH;
     ctx.fillStyle = '#f3f3f6'; ctx.fillRect(PAD_L, y0 + 1, W, LH - 2);
-    ctx.fillStyle = '#333'; ctx.fillText(lane.label.slice(0, 18), PAD_L - 4, y0 + LH / 2 + 3);
+    ctx.fillStyle = '#333';
+    const lines = fitLabel(ctx, lane.label, PAD_L - 8);
+    lines.forEach((text, i) => ctx.fillText(text, PAD_L - 4, y0 + LH / 2 + 3 + (i - (lines.length - 1) / 2) * 10));
+    V.laneLabels.push({label: lane.label, lines, width: Math.max(...lines.map(t => ctx.measureText(t).width)), right: PAD_L - 4});
     if (lane.ticks) {
       const tick = (i, colr) => {
         const x = (xOfEvent(d, i) - view.x0) / (view.x1 - view.x0) * W;
@@ -359,6 +369,25 @@ function drawLanes() {
     ctx.fillStyle = '#333'; ctx.fillText(label, PAD_L + W - tw - 5, y0 + 12);
     ctx.textAlign = 'right';
   });
+}
+
+// A lane's label within `max` pixels: whole, else on two lines at its first space, each
+// shortened in the middle (where a stream handle's digits matter least) until it fits.
+function fitLabel(ctx, label, max) {
+  const fits = t => ctx.measureText(t).width <= max;
+  if (fits(label)) return [label];
+  const cut = label.indexOf(' ');
+  const lines = cut > 0 ? [label.slice(0, cut), label.slice(cut + 1)] : [label];
+  return lines.map(t => {
+    let keep = t.length;
+    while (keep > 2 && !fits(shorten(t, keep))) keep--;
+    return shorten(t, keep);
+  });
+}
+function shorten(text, keep) {
+  if (keep >= text.length) return text;
+  const head = Math.ceil((keep - 1) / 2);
+  return text.slice(0, head) + '…' + text.slice(text.length - (keep - 1 - head));
 }
 
 // ---- Segment map and summary at the chosen instant ----
@@ -393,8 +422,14 @@ function drawSegmap() {
       shown.push({addr: c.sg_addr[g], size: c.sg_size[g], stream: c.sg_stream[g]});
     }
   }
-  let total = 0, maxSeg = 1;
-  for (const sg of shown) { total += sg.size; maxSeg = Math.max(maxSeg, sg.size); }
+  // Ranges of sleeping memory pools: no memory, addresses and blocks kept (hatched).
+  for (const z of sleepingAt(d, b)) shown.push(z);
+  shown.sort((x, y) => x.addr - y.addr);
+  let total = 0, asleep = 0, maxSeg = 1;
+  for (const sg of shown) {
+    if (sg.asleep) asleep += sg.size; else total += sg.size;
+    maxSeg = Math.max(maxSeg, sg.size);
+  }
   const rowBytes = Math.max(maxSeg, total / 8);
   let row = 0, used = 0;
   const gap = rowBytes * 0.004;
@@ -408,8 +443,10 @@ function drawSegmap() {
   ctx.clearRect(0, 0, CW, CH);
   for (const sg of shown) {
     sg.x = 4 + sg.off * sx; sg.y = 2 + sg.row * rh;
-    ctx.fillStyle = '#f4f4f4'; ctx.fillRect(sg.x, sg.y, sg.size * sx, rh - 3);
-    ctx.strokeStyle = '#999'; ctx.strokeRect(sg.x + 0.5, sg.y + 0.5, Math.max(1, sg.size * sx - 1), rh - 4);
+    ctx.fillStyle = sg.asleep ? hatch(ctx) : '#f4f4f4';
+    ctx.fillRect(sg.x, sg.y, sg.size * sx, rh - 3);
+    ctx.strokeStyle = sg.asleep ? '#77a' : '#999';
+    ctx.strokeRect(sg.x + 0.5, sg.y + 0.5, Math.max(1, sg.size * sx - 1), rh - 4);
   }
   const live = liveAt(d, b);
   const segOf = addr => {
@@ -429,12 +466,40 @@ function drawSegmap() {
     const x = w.x + (c.al_addr[a] - w.addr) * sx;
     const pending = c.al_fr[a] >= 0 && c.al_fr[a] < b;
     ctx.fillStyle = pending ? '#e15759' : '#' + (d.col[a] & 0xffffff).toString(16).padStart(6, '0').replace(/(..)(..)(..)/, '$3$2$1');
+    ctx.globalAlpha = w.asleep ? 0.35 : 1;
     ctx.fillRect(x, w.y + 1, Math.max(1, c.al_size[a] * sx), rh - 5);
+    ctx.globalAlpha = 1;
     if (pending) { ctx.fillStyle = '#000'; ctx.fillRect(x, w.y + rh - 6, Math.max(1, c.al_size[a] * sx), 2); }
     blocks.push({a, x, y: w.y, w: Math.max(1, c.al_size[a] * sx)});
   }
-  d.segLayout = {rh, sx, blocks, segs: shown.length, total};
-  $('instant').textContent = `#${instant} — ${shown.length} segments, ${fmtBytes(total)} reserved (red: freed, awaiting other streams' events)`;
+  d.segLayout = {rh, sx, blocks, segs: shown.length, total, asleep};
+  const sleeping = asleep ? `, ${fmtBytes(asleep)} asleep (hatched: given back, addresses kept)` : '';
+  $('instant').textContent = `#${instant} — ${shown.length} segments, ${fmtBytes(total)} reserved${sleeping} (red: freed, awaiting other streams' events)`;
+}
+
+// Sleeping ranges at instant b (streamalloc's sleep/wake), as segments flagged asleep.
+function sleepingAt(d, b) {
+  const c = d.c, out = [];
+  for (let z = 0; z < (d.h.sleeping || 0); z++) {
+    const s = c.sl_start[z], e = c.sl_end[z];
+    if ((s < 0 || s < b) && (e < 0 || e >= b)) {
+      out.push({addr: c.sl_addr[z], size: c.sl_size[z], stream: -1, asleep: true});
+    }
+  }
+  return out;
+}
+
+// A diagonal hatch for sleeping ranges.
+function hatch(ctx) {
+  if (!hatch.pattern) {
+    const tile = document.createElement('canvas');
+    tile.width = tile.height = 6;
+    const t = tile.getContext('2d');
+    t.fillStyle = '#eef'; t.fillRect(0, 0, 6, 6);
+    t.strokeStyle = '#99b'; t.beginPath(); t.moveTo(0, 6); t.lineTo(6, 0); t.stroke();
+    hatch.pattern = ctx.createPattern(tile, 'repeat');
+  }
+  return hatch.pattern;
 }
 
 function drawSummary() {
@@ -466,6 +531,8 @@ function drawSummary() {
   let t = table();
   row(t, ['active', fmtBytes(act)], [1]);
   row(t, ['reserved', fmtBytes(res)], [1]);
+  const asleep = sleepingAt(d, b).reduce((sum, z) => sum + z.size, 0);
+  if (asleep) row(t, ['asleep (given back)', fmtBytes(asleep)], [1]);
   row(t, ['pending frees', fmtBytes(pend)], [1]);
   row(t, ['live allocations', String(live.length)], [1]);
   if (d.h.peak.active) row(t, ['peak active', `${fmtBytes(d.h.peak.active[1])} at #${d.h.peak.active[0]}`], [1]);
@@ -693,6 +760,7 @@ async function loadSelected(keepDevice) {
   $('status').textContent = `loading ${file.name}…`;
   const t0 = performance.now();
   D = await fetchData(f, di);
+  for (const o of overlays) await o.load(f, di, D);
   computeColours(D);
   view = {x0: domain(D)[0], x1: domain(D)[1]};
   instant = D.h.peak.active ? D.h.peak.active[0] : Math.max(0, D.n - 1);

@@ -53,6 +53,10 @@ function validate(h, c) {
     return h[k];
   };
   const n = count('events'), m = count('allocs'), k = count('segments');
+  // Ranges of sleeping memory pools (streamalloc's sleep and wake): a blob without them
+  // has none.
+  if (h.sleeping === undefined) h.sleeping = 0;
+  const z = count('sleeping');
   if (!Array.isArray(h.streams) || !Array.isArray(h.actions) || !Array.isArray(h.frames) || !Array.isArray(h.stacks)) {
     throw new MalformedData('streams, actions, frames or stacks missing');
   }
@@ -62,6 +66,7 @@ function validate(h, c) {
     al_start: m, al_fr: m, al_end: m, al_addr: m, al_size: m, al_stream: m, al_owner: m, al_stack: m,
     sg_start: k, sg_end: k, sg_addr: k, sg_size: k, sg_stream: k,
   };
+  if (z > 0) Object.assign(want, {sl_start: z, sl_end: z, sl_addr: z, sl_size: z});
   for (const [name, len] of Object.entries(want)) {
     if (!c[name] || c[name].length !== len) throw new MalformedData(`column ${name} missing or of the wrong length`);
   }
@@ -74,11 +79,14 @@ function validate(h, c) {
   };
   inRange(c.al_start, n, 'al_start'); inRange(c.al_fr, n, 'al_fr'); inRange(c.al_end, n, 'al_end');
   inRange(c.sg_start, n, 'sg_start'); inRange(c.sg_end, n, 'sg_end');
+  if (z > 0) { inRange(c.sl_start, n, 'sl_start'); inRange(c.sl_end, n, 'sl_end'); }
   inRange(c.al_stack, h.stacks.length, 'al_stack');
   for (const [col, what] of [[c.al_stream, 'al_stream'], [c.al_owner, 'al_owner'], [c.sg_stream, 'sg_stream'], [c.ev_stream, 'ev_stream']]) {
     for (let i = 0; i < col.length; i++) if (col[i] >= ns) throw new MalformedData(`${what}[${i}] = ${col[i]} out of range`);
   }
-  for (const [name, col] of [['al_size', c.al_size], ['sg_size', c.sg_size], ['ev_size', c.ev_size], ['ev_time', c.ev_time]]) {
+  const sizes = [['al_size', c.al_size], ['sg_size', c.sg_size], ['ev_size', c.ev_size], ['ev_time', c.ev_time]];
+  if (z > 0) sizes.push(['sl_size', c.sl_size], ['sl_addr', c.sl_addr]);
+  for (const [name, col] of sizes) {
     for (let i = 0; i < col.length; i++) if (!(col[i] >= 0 && col[i] <= Number.MAX_SAFE_INTEGER * 2048)) throw new MalformedData(`${name}[${i}] is not a size`);
   }
   for (let s = 0; s < h.stacks.length; s++) {

@@ -24,7 +24,11 @@
 //!   without ever leaving a partial file.
 //! - [`timeline`]: allocation and segment lifetimes and memory counters over time.
 //! - [`perfetto`]: Chrome JSON counter tracks for Perfetto.
-//! - [`plot`]: the timeline as SVG or PNG, without a browser.
+//! - [`overlay`]: a replayed allocator's reserved memory over a recorded timeline, with
+//!   its legend (`view --replay`, `plot --replay`).
+//! - [`plot`]: the timeline as SVG or PNG, without a browser ([`plot_svg`] writes the SVG,
+//!   [`plot_png`] draws the PNG's pixels with [`font`]'s bitmap font; `plot_axes` their
+//!   ticks and units).
 //! - [`server`]: the viewer, a page compiled into the binary served on 127.0.0.1, fed by
 //!   [`wire`]'s typed-array columns.
 //!
@@ -44,19 +48,24 @@
 
 //! ## Layers
 //! A module uses only modules listed before it here: `error`, `limits`, `sniff`, `input`,
-//! `output`, `pickle`, `json`, `stacks`, `model`, `timeline`, `pytorch`, `perfetto`, `plot`, `wire`,
-//! `files`, `server`.
+//! `output`, `pickle`, `json`, `stacks`, `model`, `timeline`, `pytorch`, `perfetto`,
+//! `overlay`, `font`, `plot_axes`, `plot`, `plot_svg`, `plot_png`, `wire`, `files`, `server`.
 
 mod error;
 pub mod files;
+pub mod font;
 pub mod input;
 pub mod json;
 pub mod limits;
 pub mod model;
 pub mod output;
+pub mod overlay;
 pub mod perfetto;
 pub mod pickle;
 pub mod plot;
+mod plot_axes;
+pub mod plot_png;
+pub mod plot_svg;
 pub mod pytorch;
 pub mod server;
 pub mod sniff;

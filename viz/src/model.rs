@@ -21,6 +21,8 @@
 //!     "segments": [{                    // in address order
 //!       "addr": int, "size": int, "pool": "small" | "large", "stream": int,
 //!       "expandable": bool,
+//!       "tag": str?, "asleep": bool?,     // streamalloc: its memory pool's tag; asleep:
+//!                                       // the memory went back, addresses and blocks kept
 //!       "blocks": [{                    // in address order; sizes add up to the segment's
 //!         "addr": int, "size": int, "requested": int,
 //!         "state": "active_allocated" | "active_pending_free" | "inactive",
@@ -31,7 +33,8 @@
 //!       "action": "alloc" | "free_requested" | "free_completed" | "segment_alloc"
 //!               | "segment_free" | "segment_map" | "segment_unmap" | "oom" | "snapshot"
 //!               | "user_defined" | "cross_stream_wait" | "staging_acquire"
-//!               | "staging_release" | "empty_cache",
+//!               | "staging_release" | "empty_cache" | "stitch" | "unstitch"
+//!               | "sleep" | "wake",
 //!       "addr": int, "size": int, "stream": int,
 //!       "time_ns": int,                 // nanoseconds, one clock per file
 //!       "stack": int?,                  // index into "stacks"
@@ -100,6 +103,13 @@ pub struct Segment {
     /// Expandable (mapped piecewise) or not.
     #[serde(default)]
     pub expandable: bool,
+    /// The tag of its memory pool (streamalloc's engine), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// Its memory pool is asleep (streamalloc's engine): the memory went back to the
+    /// device, addresses and blocks kept; it counts as no reserved memory.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub asleep: bool,
     /// Its blocks in address order.
     #[serde(deserialize_with = "crate::json::vec")]
     pub blocks: Vec<Block>,
@@ -405,9 +415,12 @@ pub fn from_engine(s: &streamalloc_allocator::Snapshot) -> Snapshot {
                 PoolKind::Large => "large".into(),
             },
             stream: seg.stream.0,
-            expandable: mapped
-                .iter()
-                .any(|&a| a.checked_sub(seg.addr.0).is_some_and(|off| off < seg.size)),
+            expandable: seg.expandable
+                || mapped
+                    .iter()
+                    .any(|&a| a.checked_sub(seg.addr.0).is_some_and(|off| off < seg.size)),
+            tag: seg.tag.clone(),
+            asleep: seg.asleep,
             blocks: seg
                 .blocks
                 .iter()

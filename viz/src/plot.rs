@@ -4,19 +4,33 @@
 //! viewer's main plot, drawn the same way: per pixel column, the allocations live at the
 //! column's right edge stacked in allocation order and coloured by stream, a grey
 //! envelope up to the column's maximum (allocations born and dead within the column), and
-//! reserved bytes as a dark line. The x axis is the event index.
+//! reserved bytes as a dark dashed line. A picture read on its own must explain itself, so
+//! it carries a title, a legend (what each colour and line is, with the peaks), axis
+//! titles with units, and a label at the end of each line. With a replay overlay
+//! ([`crate::overlay`]) it also draws the reserved memory streamalloc reaches on the same
+//! requests and the live memory, with the saving in the legend.
+//!
+//! Both renderers draw one [`Figure`]: its texts, then a layout for the image's size (the
+//! legend wraps), then the grid of the plot area: [`crate::plot_svg`] and
+//! [`crate::plot_png`] draw it.
+//!
+//! A plot is a stage built from the file like the viewer's data: its timeline and its
+//! per-event tables are charged to what is left of the file's memory budget
+//! ([`crate::limits::Budget`]); the pixels are bounded by [`MAX_PIXELS`], not by the file.
 
 use crate::error::VizError;
 use crate::limits::{Budget, OverBudget};
 use crate::model::{DeviceSnapshot, Snapshot};
+use crate::overlay::ReplayOverlay;
 use crate::timeline::{Counter, Timeline};
 use std::collections::BTreeSet;
-use std::fmt::Write as _;
 use std::io::Write;
 use std::path::Path;
 
+pub(crate) use crate::plot_axes::{byte_unit, count, event_ticks, spread, ticks};
+
 /// The viewer's palette (Tableau 10), by stream index.
-const PALETTE: [[u8; 3]; 10] = [
+pub(crate) const PALETTE: [[u8; 3]; 10] = [
     [0x4e, 0x79, 0xa7],
     [0xf2, 0x8e, 0x2c],
     [0xe1, 0x57, 0x59],
@@ -28,12 +42,13 @@ const PALETTE: [[u8; 3]; 10] = [
     [0x9c, 0x75, 0x5f],
     [0xba, 0xb0, 0xab],
 ];
-const WHITE: [u8; 3] = [255, 255, 255];
-const ENVELOPE: [u8; 3] = [220, 220, 225];
+pub(crate) const WHITE: [u8; 3] = [255, 255, 255];
+pub(crate) const ENVELOPE: [u8; 3] = [220, 220, 225];
+pub(crate) const INK: [u8; 3] = [30, 30, 30];
 
 /// What a pixel of the plot area holds.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Cell {
+pub(crate) enum Cell {
     Empty,
     Envelope,
     /// An allocation: its stream and its index (for the shade).
@@ -41,17 +56,46 @@ enum Cell {
 }
 
 /// The plot area, column-major, row 0 at the bottom.
-struct Grid {
-    w: usize,
-    h: usize,
-    cells: Vec<Cell>,
+pub(crate) struct Grid {
+    pub(crate) w: usize,
+    pub(crate) h: usize,
+    pub(crate) cells: Vec<Cell>,
     /// Per column: the largest reserved value of the column.
-    reserved: Vec<u64>,
+    pub(crate) reserved: Vec<u64>,
+    /// Per column: the largest active (live) value of the column.
+    pub(crate) active: Vec<u64>,
+    /// Per column: the largest replayed reserved value, with an overlay.
+    pub(crate) replayed: Option<Vec<u64>>,
     /// Bytes at the top row.
-    ymax: u64,
+    pub(crate) ymax: u64,
 }
 
-fn build_grid(device: &DeviceSnapshot, t: &Timeline, w: usize, h: usize) -> Grid {
+/// What the budget calls drawing a plot.
+const STAGE: &str = "drawing the plot";
+/// What one allocation live in a pixel column costs in the set that stacks them (a B-tree
+/// of `u32`, its nodes at least half full).
+const LIVE_SET_ENTRY_BYTES: u64 = 16;
+
+/// The grid of a plot area `w` × `h` of `t`, its per-event tables charged to `budget` while
+/// it is drawn (and given back once it is).
+fn build_grid(
+    t: &Timeline,
+    w: usize,
+    h: usize,
+    overlay: Option<&ReplayOverlay>,
+    budget: &mut Budget,
+) -> Result<Grid, OverBudget> {
+    let n = t.len();
+    // Which allocation starts and ends at each event, and the set of those live.
+    let tables =
+        2 * size_of::<u32>() as u64 * n as u64 + LIVE_SET_ENTRY_BYTES * t.allocs.len() as u64;
+    budget.charge_for(STAGE, tables)?;
+    let grid = draw_grid(t, w, h, overlay);
+    budget.release(tables);
+    Ok(grid)
+}
+
+fn draw_grid(t: &Timeline, w: usize, h: usize, overlay: Option<&ReplayOverlay>) -> Grid {
     let n = t.len();
     let bnd: Vec<usize> = (0..=w).map(|c| (n * c).div_ceil(w)).collect();
     let counter_max = |k: Counter, initial: u64| -> Vec<u64> {
@@ -70,9 +114,12 @@ fn build_grid(device: &DeviceSnapshot, t: &Timeline, w: usize, h: usize) -> Grid
     };
     let act = counter_max(Counter::Active, t.initial[Counter::Active as usize]);
     let reserved = counter_max(Counter::Reserved, t.initial[Counter::Reserved as usize]);
+    let replayed: Option<Vec<u64>> =
+        overlay.map(|o| (0..w).map(|c| o.column_max(bnd[c], bnd[c + 1])).collect());
     let ymax = act
         .iter()
         .chain(&reserved)
+        .chain(replayed.iter().flatten())
         .copied()
         .max()
         .unwrap_or(0)
@@ -95,7 +142,6 @@ fn build_grid(device: &DeviceSnapshot, t: &Timeline, w: usize, h: usize) -> Grid
             end_at[e as usize] = k as u32;
         }
     }
-    let _ = device;
     let mut cells = vec![Cell::Empty; w * h];
     for c in 0..w {
         for i in bnd[c]..bnd[c + 1] {
@@ -131,16 +177,18 @@ fn build_grid(device: &DeviceSnapshot, t: &Timeline, w: usize, h: usize) -> Grid
         h,
         cells,
         reserved,
+        active: act,
+        replayed,
         ymax,
     }
 }
 
-fn shade(stream: u32, k: u32) -> [u8; 3] {
+pub(crate) fn shade(stream: u32, k: u32) -> [u8; 3] {
     let f = 0.82 + (k.wrapping_mul(2_654_435_761) % 1000) as f64 / 1000.0 * 0.3;
     PALETTE[stream as usize % PALETTE.len()].map(|x| (x as f64 * f).min(255.0) as u8)
 }
 
-fn fmt_bytes(b: f64) -> String {
+pub(crate) fn fmt_bytes(b: f64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
     let (mut v, mut i) = (b, 0);
     while v >= 1024.0 && i < units.len() - 1 {
@@ -150,8 +198,9 @@ fn fmt_bytes(b: f64) -> String {
     format!("{v:.1} {}", units[i])
 }
 
-/// The device a plot shows: the first one with events, else the first.
-fn pick(snapshot: &Snapshot) -> Option<&DeviceSnapshot> {
+/// The device a plot shows: the first one with events, else the first. `plot --replay`
+/// replays this one.
+pub fn shown_device(snapshot: &Snapshot) -> Option<&DeviceSnapshot> {
     snapshot
         .devices
         .iter()
@@ -159,238 +208,279 @@ fn pick(snapshot: &Snapshot) -> Option<&DeviceSnapshot> {
         .or(snapshot.devices.first())
 }
 
-const MARGIN_L: usize = 80;
-const MARGIN_B: usize = 24;
-const MARGIN_T: usize = 24;
+/// What a plot shows besides the snapshot.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PlotOptions<'a> {
+    /// The snapshot's name (its file name), for the title.
+    pub name: Option<&'a str>,
+    /// A replayed allocator to draw over the recording, for [`shown_device`].
+    pub overlay: Option<&'a ReplayOverlay>,
+}
+
+/// How a line of the plot is drawn.
+#[derive(Clone, Debug)]
+pub(crate) struct Line {
+    /// Its SVG element's id.
+    pub(crate) id: &'static str,
+    /// The label at its right end.
+    pub(crate) label: &'static str,
+    pub(crate) colour: [u8; 3],
+    pub(crate) width: f64,
+    pub(crate) dashed: bool,
+    /// Per column of the plot area, bytes.
+    pub(crate) values: Vec<u64>,
+}
+
+/// The sample drawn before a legend entry's text.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Swatch {
+    /// A filled square of this colour.
+    Fill([u8; 3]),
+    /// A short stretch of [`Figure::lines`]' line of this index.
+    Line(usize),
+    /// None: the entry is a remark.
+    Text,
+}
+
+/// Everything a plot says, before it is laid out and drawn.
+pub(crate) struct Figure {
+    pub(crate) title: String,
+    pub(crate) legend: Vec<(Swatch, String)>,
+    pub(crate) y_title: String,
+    pub(crate) x_title: &'static str,
+    pub(crate) lines: Vec<Line>,
+    /// Events of the trace (the x axis runs from 0 to this).
+    pub(crate) events: usize,
+}
+
+const RECORDED_COLOUR: [u8; 3] = [20, 20, 20];
+const REPLAYED_COLOUR: [u8; 3] = [200, 0, 140];
+const LIVE_COLOUR: [u8; 3] = [20, 50, 140];
+/// Streams named one by one in the legend; the rest are counted.
+const LEGEND_STREAMS: usize = 6;
+
+impl Figure {
+    /// The texts and line styles of a plot of `device` (timeline `t`).
+    fn new(device: &DeviceSnapshot, t: &Timeline, options: &PlotOptions<'_>) -> Figure {
+        let name = options.name.unwrap_or("snapshot");
+        let n = t.len();
+        let peak_active = t.peak(Counter::Active).map_or(0, |p| p.1);
+        let peak_reserved = t.peak(Counter::Reserved).map_or(0, |p| p.1);
+        let mut legend = Vec::new();
+        let mut lines = Vec::new();
+        let title;
+        match options.overlay {
+            Some(o) => {
+                let whose = match o.recorded_by.as_str() {
+                    "PyTorch" => "PyTorch's",
+                    _ => "the recorded",
+                };
+                title = format!(
+                    "{name}, cuda:{}: {whose} reserved memory against streamalloc's, replayed \
+                     on the same {} events",
+                    device.device,
+                    count(n)
+                );
+                let line = |id, label, colour, width, dashed| Line {
+                    id,
+                    label,
+                    colour,
+                    width,
+                    dashed,
+                    values: Vec::new(),
+                };
+                lines.push(line(
+                    "line-recorded-reserved",
+                    if o.recorded_by == "PyTorch" {
+                        "PyTorch reserved"
+                    } else {
+                        "recorded reserved"
+                    },
+                    RECORDED_COLOUR,
+                    2.0,
+                    true,
+                ));
+                lines.push(line(
+                    "line-replayed-reserved",
+                    "streamalloc reserved",
+                    REPLAYED_COLOUR,
+                    2.0,
+                    false,
+                ));
+                lines.push(line("line-live", "live", LIVE_COLOUR, 1.5, false));
+                legend.push((Swatch::Line(0), o.legend.recorded.clone()));
+                legend.push((Swatch::Line(1), o.legend.replayed.clone()));
+                legend.push((Swatch::Line(2), o.legend.live.clone()));
+                let verdict = if o.legend.cap.is_empty() {
+                    o.legend.saving.clone()
+                } else {
+                    format!("{}; {}", o.legend.saving, o.legend.cap)
+                };
+                legend.push((Swatch::Text, verdict));
+            }
+            None => {
+                title = format!(
+                    "{name}, cuda:{}: memory over {} events",
+                    device.device,
+                    count(n)
+                );
+                lines.push(Line {
+                    id: "line-reserved",
+                    label: "reserved",
+                    colour: RECORDED_COLOUR,
+                    width: 1.5,
+                    dashed: true,
+                    values: Vec::new(),
+                });
+                legend.push((
+                    Swatch::Line(0),
+                    format!(
+                        "reserved (in segments): peak {}",
+                        fmt_bytes(peak_reserved as f64)
+                    ),
+                ));
+                legend.push((
+                    Swatch::Text,
+                    format!("peak active (live) {}", fmt_bytes(peak_active as f64)),
+                ));
+            }
+        }
+        for (i, s) in t.streams.iter().take(LEGEND_STREAMS).enumerate() {
+            legend.push((
+                Swatch::Fill(PALETTE[i % PALETTE.len()]),
+                format!("allocations on stream {s:#x}"),
+            ));
+        }
+        if t.streams.len() > LEGEND_STREAMS {
+            legend.push((
+                Swatch::Text,
+                format!("and {} more streams", t.streams.len() - LEGEND_STREAMS),
+            ));
+        }
+        legend.push((
+            Swatch::Fill(ENVELOPE),
+            "allocations shorter than a pixel column".to_string(),
+        ));
+        Figure {
+            title,
+            legend,
+            y_title: String::new(),
+            x_title: "trace events in recorded order (allocations, frees, segment changes)",
+            lines,
+            events: n,
+        }
+    }
+
+    /// Fills the lines' values from `grid`, in the order [`Figure::new`] made them.
+    fn fill_lines(&mut self, grid: &Grid) {
+        let overlay = grid.replayed.is_some();
+        for (i, line) in self.lines.iter_mut().enumerate() {
+            line.values = match (overlay, i) {
+                (true, 1) => grid.replayed.clone().unwrap_or_default(),
+                (true, 2) => grid.active.clone(),
+                _ => grid.reserved.clone(),
+            };
+        }
+    }
+}
+
+/// Where things go in an image of a given size.
+pub(crate) struct Layout {
+    /// Legend entries' top-left corners.
+    pub(crate) legend_at: Vec<(usize, usize)>,
+    /// The plot area.
+    pub(crate) x: usize,
+    pub(crate) y: usize,
+    pub(crate) w: usize,
+    pub(crate) h: usize,
+}
+
+/// Sizes of text, per renderer.
+pub(crate) struct TextMetrics {
+    /// Width of a character of legend and label text, pixels.
+    pub(crate) char_w: f64,
+    /// Height of a line of such text.
+    pub(crate) line_h: usize,
+    /// Height of the title's line.
+    pub(crate) title_h: usize,
+    /// Width of a legend swatch and the gap after it.
+    pub(crate) swatch_w: usize,
+}
+
+impl Layout {
+    pub(crate) fn new(fig: &Figure, width: usize, height: usize, m: &TextMetrics) -> Layout {
+        let text_w = |s: &str| (s.chars().count() as f64 * m.char_w).ceil() as usize;
+        let (pad, gap) = (8, 14);
+        let mut legend_at = Vec::with_capacity(fig.legend.len());
+        let (mut x, mut y) = (pad, pad + m.title_h);
+        for (swatch, text) in &fig.legend {
+            let w = text_w(text)
+                + if matches!(swatch, Swatch::Text) {
+                    0
+                } else {
+                    m.swatch_w
+                };
+            if x > pad && x + w > width.saturating_sub(pad) {
+                x = pad;
+                y += m.line_h;
+            }
+            legend_at.push((x, y));
+            x += w + gap;
+        }
+        // The y axis' title goes on its own line above the plot area.
+        let top = y + m.line_h + m.line_h + 4;
+        let left = 62;
+        let right = fig
+            .lines
+            .iter()
+            .map(|l| text_w(l.label) + 10)
+            .max()
+            .unwrap_or(0)
+            .min(width / 3);
+        let bottom = 2 * m.line_h + 10;
+        Layout {
+            legend_at,
+            x: left,
+            y: top,
+            w: width.saturating_sub(left + right + 4).max(10),
+            h: height.saturating_sub(top + bottom).max(10),
+        }
+    }
+}
+
+/// A figure of `snapshot`'s shown device, laid out for `width` × `height` with `metrics`,
+/// and its grid; `None` for a snapshot with no device. The timeline and the grid's tables
+/// are charged to `budget`.
+pub(crate) fn compose(
+    snapshot: &Snapshot,
+    width: usize,
+    height: usize,
+    options: &PlotOptions<'_>,
+    metrics: &TextMetrics,
+    budget: &mut Budget,
+) -> Result<Option<(Figure, Layout, Grid, Timeline)>, OverBudget> {
+    let Some(device) = shown_device(snapshot) else {
+        return Ok(None);
+    };
+    let t = Timeline::build_within(device, budget)?;
+    let mut fig = Figure::new(device, &t, options);
+    let layout = Layout::new(&fig, width, height, metrics);
+    let grid = build_grid(&t, layout.w, layout.h, options.overlay, budget)?;
+    fig.fill_lines(&grid);
+    let (unit, _) = byte_unit(grid.ymax);
+    fig.y_title = format!("memory ({unit})");
+    Ok(Some((fig, layout, grid, t)))
+}
 
 /// The timeline as an SVG document, `width` × `height` pixels.
 pub fn render_svg(snapshot: &Snapshot, width: usize, height: usize) -> String {
-    render_svg_within(snapshot, width, height, &mut Budget::default()).unwrap_or_default()
+    render_svg_with(snapshot, width, height, &PlotOptions::default())
 }
 
-/// [`render_svg`], what it builds per event charged to `budget`.
-pub fn render_svg_within(
-    snapshot: &Snapshot,
-    width: usize,
-    height: usize,
-    budget: &mut Budget,
-) -> Result<String, OverBudget> {
-    let mut s = String::new();
-    let _ = write!(
-        s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11"><rect width="100%" height="100%" fill="white"/>"#
-    );
-    let Some(device) = pick(snapshot) else {
-        s.push_str("<text x=\"10\" y=\"20\">empty snapshot</text></svg>");
-        return Ok(s);
-    };
-    let t = timeline_within(device, budget)?;
-    let (w, h) = (
-        width.saturating_sub(MARGIN_L + 8).max(10),
-        height.saturating_sub(MARGIN_T + MARGIN_B).max(10),
-    );
-    let g = build_grid(device, &t, w, h);
-    let y_of = |row: usize| MARGIN_T + h - row;
-    // One rect per run of same-stream cells in a column (shades are for the PNG).
-    for c in 0..g.w {
-        let col = &g.cells[c * g.h..(c + 1) * g.h];
-        let mut row = 0;
-        while row < g.h {
-            let key = match col[row] {
-                Cell::Empty => {
-                    row += 1;
-                    continue;
-                }
-                Cell::Envelope => None,
-                Cell::Alloc(st, _) => Some(st),
-            };
-            let start = row;
-            while row < g.h
-                && match col[row] {
-                    Cell::Alloc(st, _) => Some(st) == key,
-                    Cell::Envelope => key.is_none(),
-                    Cell::Empty => false,
-                }
-            {
-                row += 1;
-            }
-            let [r, gg, b] = key.map_or(ENVELOPE, |st| PALETTE[st as usize % PALETTE.len()]);
-            let _ = write!(
-                s,
-                r#"<rect x="{}" y="{}" width="1" height="{}" fill="rgb({r},{gg},{b})"/>"#,
-                MARGIN_L + c,
-                y_of(row),
-                row - start
-            );
-        }
-    }
-    let yv = |v: u64| MARGIN_T as f64 + h as f64 - v as f64 / g.ymax as f64 * h as f64;
-    s.push_str(r##"<polyline fill="none" stroke="#333" stroke-dasharray="4 3" points=""##);
-    for (c, &v) in g.reserved.iter().enumerate() {
-        let _ = write!(s, "{},{:.1} ", MARGIN_L + c, yv(v));
-    }
-    s.push_str("\"/>");
-    for k in 0..=4 {
-        let v = g.ymax as f64 / 1.05 * k as f64 / 4.0;
-        let y = yv(v as u64);
-        let _ = write!(
-            s,
-            r#"<text x="{}" y="{:.1}" text-anchor="end">{}</text>"#,
-            MARGIN_L - 4,
-            y + 4.0,
-            fmt_bytes(v)
-        );
-    }
-    let n = t.len();
-    for k in 0..=5 {
-        let _ = write!(
-            s,
-            r#"<text x="{}" y="{}" text-anchor="{}">#{}</text>"#,
-            MARGIN_L + w * k / 5,
-            height - 6,
-            if k == 5 { "end" } else { "middle" },
-            n * k / 5
-        );
-    }
-    let peak = t.peak(Counter::Active).map_or(0, |p| p.1);
-    let res = t.peak(Counter::Reserved).map_or(0, |p| p.1);
-    let _ = write!(
-        s,
-        r#"<text x="{MARGIN_L}" y="16">cuda:{} — {} events, peak active {}, peak reserved {} (dashed); colours: streams {}</text></svg>"#,
-        device.device,
-        n,
-        fmt_bytes(peak as f64),
-        fmt_bytes(res as f64),
-        t.streams
-            .iter()
-            .map(|s| format!("{s:#x}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    Ok(s)
-}
-
-/// A 5×7 bitmap font for the axis labels of PNGs: rows top to bottom, bit 4 leftmost.
-fn glyph(c: char) -> Option<[u8; 7]> {
-    Some(match c {
-        '0' => [0x0E, 0x11, 0x13, 0x15, 0x19, 0x11, 0x0E],
-        '1' => [0x04, 0x0C, 0x04, 0x04, 0x04, 0x04, 0x0E],
-        '2' => [0x0E, 0x11, 0x01, 0x02, 0x04, 0x08, 0x1F],
-        '3' => [0x1F, 0x02, 0x04, 0x02, 0x01, 0x11, 0x0E],
-        '4' => [0x02, 0x06, 0x0A, 0x12, 0x1F, 0x02, 0x02],
-        '5' => [0x1F, 0x10, 0x1E, 0x01, 0x01, 0x11, 0x0E],
-        '6' => [0x06, 0x08, 0x10, 0x1E, 0x11, 0x11, 0x0E],
-        '7' => [0x1F, 0x01, 0x02, 0x04, 0x08, 0x08, 0x08],
-        '8' => [0x0E, 0x11, 0x11, 0x0E, 0x11, 0x11, 0x0E],
-        '9' => [0x0E, 0x11, 0x11, 0x0F, 0x01, 0x02, 0x0C],
-        '.' => [0, 0, 0, 0, 0, 0x0C, 0x0C],
-        '#' => [0x0A, 0x0A, 0x1F, 0x0A, 0x1F, 0x0A, 0x0A],
-        'K' => [0x11, 0x12, 0x14, 0x18, 0x14, 0x12, 0x11],
-        'M' => [0x11, 0x1B, 0x15, 0x15, 0x11, 0x11, 0x11],
-        'G' => [0x0E, 0x11, 0x10, 0x17, 0x11, 0x11, 0x0F],
-        'T' => [0x1F, 0x04, 0x04, 0x04, 0x04, 0x04, 0x04],
-        'i' => [0x04, 0x00, 0x0C, 0x04, 0x04, 0x04, 0x0E],
-        'B' => [0x1E, 0x11, 0x11, 0x1E, 0x11, 0x11, 0x1E],
-        _ => return None, // drawn as a space
-    })
-}
-
-/// Draws `text` with its top-left corner at `(x, y)`, 6 pixels per character.
-fn draw_text(put: &mut impl FnMut(usize, usize, [u8; 3]), x: usize, y: usize, text: &str) {
-    for (k, c) in text.chars().enumerate() {
-        let Some(rows) = glyph(c) else { continue };
-        for (r, bits) in rows.iter().enumerate() {
-            for b in 0..5 {
-                if bits & (0x10 >> b) != 0 {
-                    put(x + k * 6 + b, y + r, [30, 30, 30]);
-                }
-            }
-        }
-    }
-}
-
-/// The timeline as RGB pixels (`width` × `height`, row-major, top row first), with byte
-/// and event-index labels on the axes.
+/// The timeline as RGB pixels (`width` × `height`, row-major, top row first), with its
+/// title, legend, axes and labels.
 pub fn render_rgb(snapshot: &Snapshot, width: usize, height: usize) -> Vec<u8> {
-    render_rgb_within(snapshot, width, height, &mut Budget::default()).unwrap_or_default()
-}
-
-/// [`render_rgb`], what it builds per event charged to `budget`.
-pub fn render_rgb_within(
-    snapshot: &Snapshot,
-    width: usize,
-    height: usize,
-    budget: &mut Budget,
-) -> Result<Vec<u8>, OverBudget> {
-    let mut px = vec![255u8; width * height * 3];
-    let Some(device) = pick(snapshot) else {
-        return Ok(px);
-    };
-    let t = timeline_within(device, budget)?;
-    let (ml, mr, mt, mb) = (66, 24, 8, 16);
-    let (w, h) = (
-        width.saturating_sub(ml + mr).max(1),
-        height.saturating_sub(mt + mb).max(1),
-    );
-    let g = build_grid(device, &t, w, h);
-    let mut put = |x: usize, y: usize, c: [u8; 3]| {
-        if x < width && y < height {
-            let i = (y * width + x) * 3;
-            px[i..i + 3].copy_from_slice(&c);
-        }
-    };
-    for c in 0..g.w {
-        for row in 0..g.h {
-            let colour = match g.cells[c * g.h + row] {
-                Cell::Empty => WHITE,
-                Cell::Envelope => ENVELOPE,
-                Cell::Alloc(st, k) => shade(st, k),
-            };
-            put(ml + c, mt + g.h - 1 - row, colour);
-        }
-        let r = (g.reserved[c] as f64 / g.ymax as f64 * g.h as f64) as usize;
-        if (c / 4) % 2 == 0 {
-            put(ml + c, mt + g.h - r.min(g.h), [40, 40, 40]);
-        }
-    }
-    // Axes.
-    for y in mt..mt + g.h {
-        put(ml - 1, y, [0, 0, 0]);
-    }
-    for x in ml - 1..ml + g.w {
-        put(x, mt + g.h, [0, 0, 0]);
-    }
-    for k in 0..=4 {
-        let v = g.ymax as f64 / 1.05 * k as f64 / 4.0;
-        let y = mt + g.h - ((v / g.ymax as f64) * g.h as f64) as usize;
-        let label = fmt_bytes(v);
-        let x = (ml - 4).saturating_sub(label.len() * 6);
-        draw_text(&mut put, x, y.saturating_sub(3), &label);
-        for dx in 1..4 {
-            put(ml - 1 - dx, y, [0, 0, 0]);
-        }
-    }
-    let n = t.len();
-    for k in 0..=5 {
-        let label = format!("#{}", n * k / 5);
-        let cx = ml + g.w * k / 5;
-        let x = cx
-            .saturating_sub(label.len() * 3)
-            .min(width.saturating_sub(label.len() * 6));
-        draw_text(&mut put, x, mt + g.h + 5, &label);
-        for dy in 1..4 {
-            put(cx, mt + g.h + dy, [0, 0, 0]);
-        }
-    }
-    Ok(px)
-}
-
-/// The timeline of `device` and the plot's per-event tables, charged to `budget` (the
-/// pixels are bounded by [`MAX_PIXELS`], not by the file).
-fn timeline_within(device: &DeviceSnapshot, budget: &mut Budget) -> Result<Timeline, OverBudget> {
-    let t = Timeline::build_within(device, budget)?;
-    budget.charge_for("drawing the plot", 8 * t.len() as u64)?;
-    Ok(t)
+    render_rgb_with(snapshot, width, height, &PlotOptions::default())
 }
 
 /// The most pixels an image may have (`width * height`): rendering holds about 16 bytes
@@ -400,6 +490,17 @@ pub const MAX_PIXELS: usize = 16_000_000;
 /// Writes the timeline of `snapshot` to `path`: SVG or PNG by the name's extension. An
 /// image of more than [`MAX_PIXELS`] is refused before anything is drawn.
 pub fn plot(snapshot: &Snapshot, path: &Path, width: usize, height: usize) -> Result<(), VizError> {
+    plot_with(snapshot, path, width, height, &PlotOptions::default())
+}
+
+/// [`plot`] with `options` (a title's name, a replay overlay).
+pub fn plot_with(
+    snapshot: &Snapshot,
+    path: &Path,
+    width: usize,
+    height: usize,
+    options: &PlotOptions<'_>,
+) -> Result<(), VizError> {
     if width.checked_mul(height).is_none_or(|n| n > MAX_PIXELS) {
         return Err(VizError::Write {
             path: path.into(),
@@ -421,14 +522,16 @@ pub fn plot(snapshot: &Snapshot, path: &Path, width: usize, height: usize) -> Re
     };
     match ext.as_deref() {
         Some("svg") => {
-            let svg = render_svg_within(snapshot, width, height, &mut budget).map_err(over)?;
+            let svg =
+                render_svg_within(snapshot, width, height, options, &mut budget).map_err(over)?;
             crate::output::write_whole(path, |out| {
                 out.write_all(svg.as_bytes())
                     .map_err(|e| VizError::io(path, e))
             })
         }
         Some("png") => {
-            let rgb = render_rgb_within(snapshot, width, height, &mut budget).map_err(over)?;
+            let rgb =
+                render_rgb_within(snapshot, width, height, options, &mut budget).map_err(over)?;
             crate::output::write_whole(path, |out| {
                 let mut enc = png::Encoder::new(out, width as u32, height as u32);
                 enc.set_color(png::ColorType::Rgb);
@@ -448,3 +551,6 @@ pub fn plot(snapshot: &Snapshot, path: &Path, width: usize, height: usize) -> Re
         }),
     }
 }
+
+pub use crate::plot_png::{render_rgb_with, render_rgb_within};
+pub use crate::plot_svg::{render_svg_with, render_svg_within};

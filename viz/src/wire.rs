@@ -11,6 +11,7 @@
 //! multiple of 8, then the columns, each starting at a multiple of 8. The header is
 //! ```text
 //! { "device": int, "source": str, "events": n, "allocs": m, "segments": k,
+//!   "sleeping": z,                      // ranges sleeping memory pools gave back
 //!   "t0_ns": int,                       // time of the first event; columns are relative
 //!   "streams": ["0x0", ...],            // stream handles; columns hold indices into this
 //!   "actions": ["alloc", ...],          // names of the action codes
@@ -23,7 +24,8 @@
 //! Columns: `ev_time` (f64 ns since `t0_ns`), `ev_action` (u8), `ev_stream` (u32),
 //! `ev_addr`, `ev_size` (f64); `al_start`, `al_fr`, `al_end` (i32 event index, -1 for
 //! none), `al_addr`, `al_size` (f64), `al_stream`, `al_owner` (u32), `al_stack` (i32, -1
-//! for none); `sg_start`, `sg_end` (i32), `sg_addr`, `sg_size` (f64), `sg_stream` (u32).
+//! for none); `sg_start`, `sg_end` (i32), `sg_addr`, `sg_size` (f64), `sg_stream` (u32);
+//! `sl_start`, `sl_end` (i32), `sl_addr`, `sl_size` (f64): ranges of sleeping memory pools.
 //! Addresses travel as f64: exact below 2^53, which device addresses are. Stream indices
 //! are u32, so a trace of more than 65,536 streams keeps every event on its own stream.
 
@@ -77,9 +79,9 @@ impl Columns {
     }
 }
 
-/// Bytes of the columns of `events` events, `allocs` allocations and `segments` segments,
-/// each column padded to 8 bytes.
-fn columns_bytes(events: usize, allocs: usize, segments: usize) -> usize {
+/// Bytes of the columns of `events` events, `allocs` allocations, `segments` segments and
+/// `sleeping` sleeping ranges, each column padded to 8 bytes.
+fn columns_bytes(events: usize, allocs: usize, segments: usize, sleeping: usize) -> usize {
     let col = |n: usize, width: usize| (n * width).next_multiple_of(8);
     col(events, 8) * 3
         + col(events, 1)
@@ -88,6 +90,8 @@ fn columns_bytes(events: usize, allocs: usize, segments: usize) -> usize {
         + col(allocs, 8) * 2
         + col(segments, 4) * 3
         + col(segments, 8) * 2
+        + col(sleeping, 4) * 2
+        + col(sleeping, 8) * 2
 }
 
 fn idx(v: Option<u32>) -> i32 {
@@ -103,6 +107,7 @@ struct Header<'a> {
     events: usize,
     allocs: usize,
     segments: usize,
+    sleeping: usize,
     t0_ns: u64,
     streams: Vec<String>,
     actions: Vec<&'static str>,
@@ -178,6 +183,10 @@ pub fn encode_device_within(
         ("sg_addr", "f64", s.len()),
         ("sg_size", "f64", s.len()),
         ("sg_stream", "u32", s.len()),
+        ("sl_start", "i32", t.sleeping.len()),
+        ("sl_end", "i32", t.sleeping.len()),
+        ("sl_addr", "f64", t.sleeping.len()),
+        ("sl_size", "f64", t.sleeping.len()),
     ];
     let mut at = 0usize;
     for (name, ty, len) in lengths {
@@ -193,7 +202,7 @@ pub fn encode_device_within(
             .insert(name.into(), json!({"type": ty, "offset": at, "len": len}));
         at = (at + len * width).next_multiple_of(8);
     }
-    let body_bytes = columns_bytes(trace.len(), a.len(), s.len());
+    let body_bytes = columns_bytes(trace.len(), a.len(), s.len(), t.sleeping.len());
     debug_assert_eq!(at, body_bytes);
     let stacks = &snapshot.stacks;
     let peak = |k: Counter| t.peak(k).map(|(i, v)| json!([i, v]));
@@ -203,6 +212,7 @@ pub fn encode_device_within(
         events: trace.len(),
         allocs: a.len(),
         segments: s.len(),
+        sleeping: t.sleeping.len(),
         t0_ns: t0,
         streams: streams.iter().map(|s| format!("{s:#x}")).collect(),
         actions: TraceAction::ALL.iter().map(|a| a.name()).collect(),
@@ -276,6 +286,11 @@ pub fn encode_device_within(
     c.f64s("sg_addr", s.iter().map(|x| x.addr as f64));
     c.f64s("sg_size", s.iter().map(|x| x.size as f64));
     c.u32s("sg_stream", s.iter().map(|x| x.stream));
+    let z = &t.sleeping;
+    c.i32s("sl_start", z.iter().map(|x| idx(x.start)));
+    c.i32s("sl_end", z.iter().map(|x| idx(x.end)));
+    c.f64s("sl_addr", z.iter().map(|x| x.addr as f64));
+    c.f64s("sl_size", z.iter().map(|x| x.size as f64));
     let mut out = std::mem::take(&mut columns.body);
     out.resize(
         (out.len() - columns.base).next_multiple_of(8) + columns.base,

@@ -1,5 +1,5 @@
-//! The viewer's server over real sockets on 127.0.0.1: the bundled page and the data blob,
-//! and its limits against hostile clients (Host check, whole-request deadline, request size
+//! The viewer's server over real sockets on 127.0.0.1: the bundled page, the data blob and
+//! the replay overlay, and its limits against hostile clients (Host check, whole-request deadline, request size
 //! cap, idle connections giving up their slots). Sharing slots among many slow clients is
 //! specified in `server_fairness.rs`.
 
@@ -9,6 +9,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use streamalloc_viz::limits::Budget;
 use streamalloc_viz::{model, server};
 
 fn get(addr: std::net::SocketAddr, path: &str) -> (String, Vec<u8>) {
@@ -89,6 +90,65 @@ fn serves_page_files_and_data() {
     assert!(head.starts_with("HTTP/1.1 404"), "{head}");
     let (head, _) = get(addr, "/../../etc/passwd");
     assert!(head.starts_with("HTTP/1.1 404"), "{head}");
+}
+
+/// An overlay of `points` replayed values, for the viewer's replay route.
+fn overlay(points: usize) -> streamalloc_viz::overlay::ReplayOverlay {
+    use streamalloc_viz::overlay::{CapOutcome, Recorded, ReplayOverlay, SeriesBuilder};
+    let mut series = SeriesBuilder::new(points as u64, 0);
+    for i in 0..points as u64 {
+        series.push(i << 20);
+    }
+    ReplayOverlay::new(
+        Recorded {
+            by: "PyTorch".into(),
+            peak_reserved: 1 << 30,
+            peak_live: 1 << 29,
+            segment_events: true,
+        },
+        series,
+        CapOutcome::NotSearched,
+        "reuse_policy:stream_wait".into(),
+    )
+}
+
+/// `view --replay`: the overlay's drawing and its data are served beside the timeline's,
+/// the data only for the file and device it was set for; its JSON is charged to the file's
+/// budget, and a budget that cannot afford it is an error naming the file and the stage.
+#[test]
+fn the_replay_overlay_is_served_for_its_device_within_the_files_budget() {
+    let snap = model::from_engine(&common::engine::engine_snapshot());
+    let devices = snap.devices.len();
+    let mut viewer = server::Viewer::new(vec![("engine.json".into(), snap.clone())]);
+    let shown = overlay(1000);
+    viewer.set_replay(0, 0, &shown).unwrap();
+    let viewer = Arc::new(viewer);
+    let listener = server::bind(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || server::serve(listener, viewer));
+
+    let (head, js) = get(addr, "/replay.js");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/javascript"), "{head}");
+    assert!(String::from_utf8(js).unwrap().contains("/api/replay"));
+    let (head, body) = get(addr, "/api/replay?f=0&d=0");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let served: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(served, serde_json::to_value(&shown).unwrap());
+    for other in ["/api/replay?f=0&d=7", "/api/replay?f=1&d=0", "/api/replay"] {
+        let (head, _) = get(addr, other);
+        assert!(head.starts_with("HTTP/1.1 404"), "{other}: {head}");
+    }
+    assert_eq!(devices, 1, "the engine snapshot has one device");
+
+    let mut poor = snap;
+    poor.budget = Budget::new(4 << 10);
+    let mut viewer = server::Viewer::new(vec![("poor.json".into(), poor)]);
+    let err = viewer.set_replay(0, 0, &shown).unwrap_err().to_string();
+    assert!(
+        err.starts_with("poor.json: the replay overlay would build more than"),
+        "{err}"
+    );
 }
 
 /// A viewer of the engine snapshot on a free port, within `limits`.

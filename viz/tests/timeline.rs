@@ -76,6 +76,8 @@ fn before_the_trace_and_reuse_without_free_completed() {
         pool: "large".into(),
         stream: 1,
         expandable: false,
+        tag: None,
+        asleep: false,
         blocks: vec![
             Block {
                 addr: 0x1000,
@@ -187,4 +189,44 @@ fn a_timeline_is_built_within_its_budget() {
     let over = Timeline::build_within(&d, &mut Budget::new(counters)).unwrap_err();
     assert_eq!(over.stage, "building the timeline");
     assert_eq!(Timeline::build(&d).allocs, t.allocs);
+}
+
+#[test]
+fn a_sleep_gives_reserved_memory_back_until_its_wake_and_is_a_sleeping_span() {
+    use TraceAction::*;
+    let asleep_before = Segment {
+        addr: 0x9000,
+        size: 0x100,
+        pool: "large".into(),
+        stream: 3,
+        expandable: true,
+        tag: Some("weights".into()),
+        asleep: true,
+        blocks: vec![],
+    };
+    let d = device(
+        vec![asleep_before],
+        vec![
+            ev(SegmentMap, 0x1000, 0x400, 3),
+            ev(Alloc, 0x1000, 0x300, 3),
+            ev(Sleep, 0x1000, 0x400, 3),
+            ev(Wake, 0x1000, 0x400, 3),
+            ev(FreeRequested, 0x1000, 0x300, 3),
+        ],
+    );
+    let t = Timeline::build(&d);
+    assert_eq!(
+        t.counters[Counter::Reserved as usize],
+        vec![0x400, 0x400, 0, 0x400, 0x400],
+        "the sleeping segment of the snapshot holds no memory"
+    );
+    assert_eq!(
+        t.counters[Counter::Allocated as usize],
+        vec![0, 0x300, 0x300, 0x300, 0],
+        "a sleeping block stays allocated"
+    );
+    assert_eq!(t.sleeping.len(), 2);
+    assert_eq!(t.sleeping_at(0), vec![(0x9000, 0x100)]);
+    assert_eq!(t.sleeping_at(3), vec![(0x9000, 0x100), (0x1000, 0x400)]);
+    assert_eq!(t.sleeping_at(4), vec![(0x9000, 0x100)]);
 }

@@ -2,7 +2,9 @@
 //! path (completed events, device-side waits, growth, release and retry, out of memory),
 //! in the order of the policy in the parent module's docs.
 
+use super::torch_stats::{counts_split, stat_kind};
 use super::*;
+use crate::lifetime::fences::OwnerWork;
 
 impl State {
     #[inline]
@@ -19,7 +21,7 @@ impl State {
         // Expandable segments serve every size from one pool: a small block among large
         // free ones pins only the pages it touches, and it fills slivers no large request
         // could use (measured: 1.189 → 1.036 on the generated trace; see the README).
-        let pool = if self.growth.expandable().is_some() {
+        let pool = if self.growth.expandable().is_some() && !self.pools.grows_whole(pool_id) {
             PoolKind::Large
         } else {
             pool_of(size)
@@ -49,10 +51,10 @@ impl State {
         self.malloc_slow(backend, config, requested, need, now)
     }
 
-    /// Every way of serving `need` after the stream's ready blocks. The block's `alloc`
-    /// record carries `now`, the clock read when the request came in: the ring lifts it
-    /// past the records noted on the way (a `segment_alloc`, say), which read the clock
-    /// themselves.
+    /// Every way of serving `need` after the stream's ready blocks, in the order of the
+    /// policy (the parent module's docs). The block's `alloc` record carries `now`, the
+    /// clock read when the request came in: the ring lifts it past the records noted on the
+    /// way (a `segment_alloc`, say), which read the clock themselves.
     #[cold]
     #[inline(never)]
     pub(super) fn malloc_slow<B: Backend>(
@@ -77,47 +79,125 @@ impl State {
         // While any capture is under way (global capture mode), no stream may: a query or a
         // synchronisation anywhere, or a wait on a capturing stream's event, breaks it.
         let capturing = self.pools.capture_underway() || backend.is_capturing(stream)?;
+        let policy = config.reuse_policy;
         if !capturing {
+            self.record_due_fences(backend);
             // 2. Blocks whose events completed, found by one batched pass.
-            let due = config.reuse_policy == ReusePolicy::Pytorch
-                || self.events.outstanding() >= config.event_batch;
+            let due =
+                policy == ReusePolicy::Pytorch || self.events.outstanding() >= config.event_batch;
             if due && self.collect_completed(backend)? {
                 if let Some(key) = self.take_ready(need) {
                     return Ok(self.hand_out(key, slot, size, requested, now));
                 }
             }
             // 3. Any other free block, reused after a device-side wait.
-            if config.reuse_policy == ReusePolicy::StreamWait {
-                if let Some(key) = self.best_waitable(need) {
-                    self.unlist(key);
-                    self.wait_for_block(backend, key, slot)?;
-                    return Ok(self.hand_out(key, slot, size, requested, now));
-                }
+            if let Some(key) = self.take_waitable(backend, need, policy)? {
+                return Ok(self.hand_out(key, slot, size, requested, now));
             }
-        }
-        // 4. Stitch free pages of the pool into one range, or revive a stitch kept from an
-        //    earlier free (expandable segments; see `stitch`).
-        if !capturing {
-            if let Some(key) = self.stitch(backend, need, config.reuse_policy)? {
+            // 4. Revive a kept stitch, or stitch pages that need no wait.
+            if let Some(key) = self.stitch(backend, need, policy, Effort::Light)? {
                 return Ok(self.hand_out_whole(key, slot, requested, now));
             }
         }
-        // 5. Grow.
-        if let Some(key) = self.grow_any(backend, need, capturing)? {
+        // 5. Grow within the growth budget.
+        if let Some(key) = self.grow_any(backend, need, capturing, Effort::Light)? {
             return Ok(self.hand_out(key, slot, size, requested, now));
         }
-        // 6. Return cached memory to the device and grow again.
-        if !capturing && self.stats.reserved_bytes.current > self.stats.allocated_bytes.current {
-            self.release_cached(backend)?;
-            if let Some(key) = self.grow_any(backend, need, capturing)? {
-                self.stats.retries += 1;
+        if !capturing {
+            // 6. Stitch free pages of every stream of the pool, waiting on the device.
+            if let Some(key) = self.stitch(backend, need, policy, Effort::Waiting)? {
+                return Ok(self.hand_out_whole(key, slot, requested, now));
+            }
+            // 7. Grow past the budget, within the limit.
+            if let Some(key) = self.grow_any(backend, need, false, Effort::Waiting)? {
                 return Ok(self.hand_out(key, slot, size, requested, now));
             }
+            // 8. Under pressure: every free byte, after one synchronisation.
+            if let Some(served) = self.serve_under_pressure(backend, need, policy)? {
+                return Ok(match served {
+                    Served::Block(key) => self.hand_out(key, slot, size, requested, now),
+                    Served::Stitched(key) => self.hand_out_whole(key, slot, requested, now),
+                });
+            }
         }
-        // 7. Out of memory.
-        Err(AllocError::OutOfMemory(
+        // 9. Out of memory.
+        Err(AllocError::OutOfMemory(Box::new(
             self.out_of_memory(backend, requested, slot),
-        ))
+        )))
+    }
+
+    /// Fences for the streams that freed blocks since their newest one, so that another
+    /// stream taking those blocks later waits for little or nothing (`lifetime::fences`).
+    fn record_due_fences<B: Backend>(&mut self, backend: &B) {
+        for index in 0..self.streams.len() as StreamSlot {
+            if self.streams.get(index).fences.wants_fence() {
+                if let Err(err) = self.record_fence(backend, index) {
+                    tracing::debug!(%err, "fence not recorded");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Step 3 of the policy: under the `stream_wait` policy, the best-fitting block of the
+    /// caller's pending list or of another stream of its pool, unlisted, the caller's
+    /// stream waiting on the device for its last uses.
+    fn take_waitable<B: Backend>(
+        &mut self,
+        backend: &B,
+        need: Need,
+        policy: ReusePolicy,
+    ) -> Result<Option<BlockKey>, AllocError> {
+        if policy != ReusePolicy::StreamWait {
+            return Ok(None);
+        }
+        let Some(key) = self.best_waitable(need) else {
+            return Ok(None);
+        };
+        self.unlist(key);
+        self.wait_for_block(backend, key, need.slot)?;
+        Ok(Some(key))
+    }
+
+    /// Step 8 of the policy, when neither the budget nor the limit (or the device) left
+    /// room: one device synchronisation makes every free byte idle for every stream and
+    /// every event complete; then, in order, the caller's blocks and any stream's; free
+    /// pages of the pool stitched (growing only the shortfall); free whole pages unmapped
+    /// until the request fits, and mapped for it; and last, every cached byte returned and
+    /// growth tried again. `None` if none of it finds room.
+    fn serve_under_pressure<B: Backend>(
+        &mut self,
+        backend: &B,
+        need: Need,
+        policy: ReusePolicy,
+    ) -> Result<Option<Served>, AllocError> {
+        // PyTorch's `num_alloc_retries`: a synchronisation to free memory and try again.
+        self.stats.retries += 1;
+        self.stats.torch.alloc_retries += 1;
+        self.synchronize(backend)?;
+        self.coalesce_across_streams();
+        if let Some(key) = self.take_ready(need) {
+            return Ok(Some(Served::Block(key)));
+        }
+        if let Some(key) = self.take_waitable(backend, need, policy)? {
+            return Ok(Some(Served::Block(key)));
+        }
+        if let Some(key) = self.stitch(backend, need, policy, Effort::Synchronised)? {
+            return Ok(Some(Served::Stitched(key)));
+        }
+        // Whole segments have nothing to unmap: they grow again only once released.
+        if self.grows_by_mapping(need) {
+            if let Some(key) = self.grow_any(backend, need, false, Effort::Synchronised)? {
+                return Ok(Some(Served::Block(key)));
+            }
+        }
+        if self.stats.reserved_bytes.current > self.stats.allocated_bytes.current {
+            self.release_cached(backend)?;
+            if let Some(key) = self.grow_any(backend, need, false, Effort::Synchronised)? {
+                return Ok(Some(Served::Block(key)));
+            }
+        }
+        Ok(None)
     }
 
     /// The best-fitting block that `need.slot` can take after device-side waits: its own
@@ -172,17 +252,20 @@ impl State {
             }
         }
         if owner != slot {
-            // One-shot event: once the wait is enqueued it has captured what it needs, so
-            // the object goes straight back to the pool.
-            let handle = self.events.acquire_handle(backend, &mut self.stats)?;
-            let recorded = backend
-                .record_event(handle, self.streams.id(owner))
-                .and_then(|()| backend.stream_wait_event(stream, handle));
-            self.events.recycle_handle(handle);
-            recorded?;
-            self.stats.events_recorded += 1;
-            self.stats.cross_stream_waits += 1;
-            waited = true;
+            // The owner's work up to the free: nothing once a fence covering the free is
+            // seen complete; else that fence; else a fence recorded now, which covers every
+            // block the owner freed so far (`lifetime::fences`).
+            let freed = self.arena.block(key).freed_epoch();
+            let fence = match self.streams.get(owner).fences.work_for(freed) {
+                OwnerWork::Done => None,
+                OwnerWork::Fence(event) => Some(event),
+                OwnerWork::Unfenced => Some(self.record_fence(backend, owner)?),
+            };
+            if let Some(event) = fence {
+                backend.stream_wait_event(stream, self.events.handle(event))?;
+                self.stats.cross_stream_waits += 1;
+                waited = true;
+            }
         }
         if waited {
             let block = self.arena.block(key);
@@ -193,18 +276,31 @@ impl State {
     }
 
     /// Room for `need`, unlisted and owned by its slot, from a new segment or from pages
-    /// mapped into an expandable one; `None` if the limit or the device refuses.
+    /// mapped into an expandable one, as far as `effort` allows (see
+    /// [`State::grow_expandable`]); `None` if the budget, the limit or the device refuses.
+    /// Whole segments know no budget: they grow at the first effort and not again before a
+    /// synchronisation has released memory.
     pub(super) fn grow_any<B: Backend>(
         &mut self,
         backend: &B,
         need: Need,
         capturing: bool,
+        effort: Effort,
     ) -> Result<Option<BlockKey>, AllocError> {
-        if self.growth.expandable().is_some() {
-            self.grow_expandable(backend, need, capturing)
+        if self.grows_by_mapping(need) {
+            self.grow_expandable(backend, need, capturing, effort)
+        } else if effort == Effort::Waiting {
+            Ok(None)
         } else {
             self.grow(backend, need.size, need.pool, need.slot)
         }
+    }
+
+    /// True if `need`'s memory pool grows by mapping pages into expandable segments, not by
+    /// whole segments (expandable segments off, or a pool whose memory comes from a
+    /// caller's allocator).
+    pub(super) fn grows_by_mapping(&self, need: Need) -> bool {
+        self.growth.expandable().is_some() && !self.pools.grows_whole(self.streams.pool(need.slot))
     }
 
     /// A new segment for a rounded `size`, unlisted and owned by `slot`; `None` if the limit
@@ -216,7 +312,12 @@ impl State {
         pool: PoolKind,
         slot: StreamSlot,
     ) -> Result<Option<BlockKey>, AllocError> {
-        let segment_size = segment_size_for(size);
+        // A block of a pool that never splits is its whole segment: sized to the request.
+        let segment_size = if self.pools.never_splits(self.streams.pool(slot)) {
+            size.div_ceil(SEGMENT_ROUNDING) * SEGMENT_ROUNDING
+        } else {
+            segment_size_for(size)
+        };
         if let Some(limit) = self.limit {
             if self.stats.reserved_bytes.current + segment_size > limit {
                 return Ok(None);
@@ -227,8 +328,7 @@ impl State {
             Err(err) if err.out_of_memory => return Ok(None),
             Err(err) => return Err(err.into()),
         };
-        self.stats.reserved_bytes.add(segment_size);
-        self.stats.segment_allocs += 1;
+        self.stats.reserved(pool, segment_size, true);
         self.note(
             backend,
             TraceAction::SegmentAlloc,
@@ -257,27 +357,27 @@ impl State {
         now: u64,
     ) -> Allocation {
         debug_assert_eq!(self.arena.block(key).owner(), slot);
-        let block = self.arena.hand_out(key, slot, requested);
-        let (addr, size) = (block.addr(), block.size());
+        if counts_split(self.arena.block(key)) {
+            let size = self.arena.block(key).size();
+            self.stats.split_out(self.arena.block(key).pool(), size);
+        }
+        let addr = self.arena.hand_out(key, slot, requested).addr();
         debug_assert_eq!(self.allocated.get(&addr), Some(&key));
-        self.account_alloc(addr, size, slot, requested, now)
+        self.account_alloc(key, slot, requested, now)
     }
 
-    /// Counts and traces a block of `size` bytes at `addr` handed to `slot`.
+    /// Counts and traces the block `key`, just handed to `slot`.
     #[inline]
     pub(super) fn account_alloc(
         &mut self,
-        addr: u64,
-        size: u64,
+        key: BlockKey,
         slot: StreamSlot,
         requested: u64,
         now: u64,
     ) -> Allocation {
-        let stats = &mut self.stats;
-        stats.allocated_bytes.add(size);
-        stats.requested_bytes.add(requested);
-        stats.active_bytes.add(size);
-        stats.allocs += 1;
+        let block = self.arena.block(key);
+        let (addr, size, kind) = (block.addr(), block.size(), stat_kind(block));
+        self.stats.handed_out(kind, size, requested);
         if self.trace.enabled() {
             self.trace.push(TraceAction::Alloc, addr, size, slot, now);
         }
@@ -305,8 +405,9 @@ impl State {
         // In an expandable segment a free sliver costs no more than the same bytes kept
         // inside the allocation, and may serve a later request: split down to the minimum.
         let mut key = key;
-        if should_split(block_size, size, pool)
-            || (expandable && block_size - size >= MIN_BLOCK_SIZE)
+        if (should_split(block_size, size, pool)
+            || (expandable && block_size - size >= MIN_BLOCK_SIZE))
+            && !self.pools.never_splits(self.streams.pool(slot))
         {
             let at_top = expandable && self.packs_at_top(key);
             let right = self
@@ -328,11 +429,17 @@ impl State {
         for event in self.arena.take_pending(key) {
             self.events.release(event, &mut self.stats);
         }
-        let block = self.arena.hand_out(key, slot, requested);
-        let (addr, size) = (block.addr(), block.size());
+        let addr = self.arena.hand_out(key, slot, requested).addr();
         self.allocated.insert(addr, key);
-        self.account_alloc(addr, size, slot, requested, now)
+        self.account_alloc(key, slot, requested, now)
     }
+}
+
+/// What step 8 of the policy found: a block to split as usual, or a stitched range to hand
+/// out whole.
+enum Served {
+    Block(BlockKey),
+    Stitched(BlockKey),
 }
 
 impl State {

@@ -26,11 +26,31 @@ impl State {
                 self.events.release(event, &mut self.stats);
             }
         }
+        self.complete_fences(backend)?;
         if completed_any {
             Ok(self.promote_completed(backend) > 0)
         } else {
             Ok(false)
         }
+    }
+
+    /// On each stream, queries fences oldest first up to the first incomplete one: the
+    /// blocks a completed fence covers are idle for every stream (`lifetime::fences`).
+    pub(super) fn complete_fences<B: Backend>(&mut self, backend: &B) -> Result<(), BackendError> {
+        for index in 0..self.streams.len() {
+            while let Some(event) = self.streams.states[index].fences.oldest() {
+                if !self.events.is_complete(event) {
+                    self.stats.event_queries += 1;
+                    if !backend.query_event(self.events.handle(event))? {
+                        break;
+                    }
+                    self.events.mark_complete(event);
+                }
+                self.streams.states[index].fences.complete_oldest();
+                self.events.release(event, &mut self.stats);
+            }
+        }
+        Ok(())
     }
 
     /// Moves pending blocks whose events are all complete to the ready lists.

@@ -21,22 +21,31 @@ impl State {
         table_in(&mut self.growth)
     }
 
-    /// Room for a rounded `size` in `slot`'s expandable segment of `pool`, unlisted and
-    /// owned by `slot`; `None` if the limit, the device or the address space refuses.
+    /// Room for a rounded `size` in one of `slot`'s expandable segments of `pool`, unlisted
+    /// and owned by `slot`; `None` if the budget, the limit, the device or the address
+    /// space refuses. How far it goes first depends on `effort`:
+    /// - [`Effort::Light`]: only within the growth budget (the live peak plus the slack) and
+    ///   the limit; nothing is unmapped;
+    /// - [`Effort::Waiting`]: within the limit. If mapping would take reserved memory past
+    ///   the budget (`reclaim` on, reclaims affordable) and a ready free block covers a
+    ///   whole mapping, synchronise the device (unmapping does not synchronise, and the
+    ///   memory's last users may be any stream), settle every event, retry the caller's
+    ///   free list, then unmap free mappings until the excess is gone;
+    /// - [`Effort::Synchronised`] (the device was just synchronised): unmap free whole
+    ///   pages until the request fits the limit (or, where the device refused, as much as
+    ///   it takes), then map.
     ///
-    /// First, unless the stream is capturing a graph: if mapping would take reserved memory
-    /// past the live peak plus the slack (1% at first, see below; only with `reclaim` on)
-    /// or past the limit, and a ready free block covers a whole mapping, synchronise the
-    /// device (unmapping does not synchronise, and the memory's last users may be any
-    /// stream), settle every event, retry the caller's free list, then unmap free mappings
-    /// until the excess is gone.
-    /// Then map the fewest pages that give room, right after a free block of the caller
-    /// when one borders an unmapped stretch, so the request packs against it.
+    /// While a capture is under way, growth only maps, within the limit.
+    /// The fewest pages that give room are mapped, right after a free block of the caller
+    /// when one borders an unmapped stretch, so the request packs against it; if no
+    /// unmapped stretch of the stream's reservations can hold the request, another
+    /// reservation is made (address space costs no memory).
     pub(super) fn grow_expandable<B: Backend>(
         &mut self,
         backend: &B,
         need: Need,
         capturing: bool,
+        effort: Effort,
     ) -> Result<Option<BlockKey>, AllocError> {
         let Need {
             slot, pool, size, ..
@@ -44,26 +53,97 @@ impl State {
         if self.growth.expandable().is_none() {
             return Ok(None);
         }
-        let reclaimed = if capturing {
-            false
-        } else {
-            match self.reclaim_before_mapping(backend, need)? {
+        let bytes = self.page_rounded(size);
+        let reclaimed = match effort {
+            _ if capturing => false,
+            Effort::Light => {
+                if !self.within_budget(bytes) {
+                    return Ok(None);
+                }
+                false
+            }
+            Effort::Waiting => match self.reclaim_before_mapping(backend, need)? {
                 Reclaim::Served(key) => return Ok(Some(key)),
                 Reclaim::Unmapped => true,
                 Reclaim::NotNeeded => false,
+            },
+            Effort::Synchronised => {
+                let target = self.limit.unwrap_or(self.stats.reserved_bytes.current);
+                let excess = (self.stats.reserved_bytes.current + bytes).saturating_sub(target);
+                if excess > 0 {
+                    self.unmap_free_pages_upto(backend, excess, Release::Unpinned, &[])?;
+                }
+                false
             }
         };
-        let segment = self.expandable_segment_for(backend, pool, slot)?;
         // Only mapping that follows a reclaim is charged to it: the clock is read for that.
         let map_started = reclaimed.then(|| backend.now_ns());
-        let mapped = match self.placement(segment, size, slot) {
-            Some(placement) => self.map_placement(backend, segment, placement, size, slot),
+        let mapped = match self.place(backend, pool, slot, size)? {
+            Some((segment, placement)) => {
+                self.map_placement(backend, segment, placement, size, slot)
+            }
             None => Ok(None),
         };
         if let Some(started_ns) = map_started {
             self.charge_reclaim(backend, started_ns);
         }
         mapped
+    }
+
+    /// `bytes` rounded up to whole pages (at least one).
+    pub(super) fn page_rounded(&self, bytes: u64) -> u64 {
+        let page = self.table().page;
+        bytes.div_ceil(page).max(1) * page
+    }
+
+    /// True if `bytes` more reserved stay within the limit, if any.
+    pub(super) fn fits_limit(&self, bytes: u64) -> bool {
+        self.limit
+            .is_none_or(|limit| self.stats.reserved_bytes.current + bytes <= limit)
+    }
+
+    /// Reserved memory that growth may reach without a reclaim: the live peak (with the
+    /// request) plus the slack, and a page more, so that a program's first requests grow.
+    fn growth_budget(&self, bytes: u64) -> u64 {
+        let vmm = self.table();
+        let live_peak = vmm
+            .live_peak_at_growth
+            .max(self.stats.allocated_bytes.current + bytes);
+        live_peak + live_peak / 10_000 * vmm.slack_bp
+    }
+
+    /// True if mapping `bytes` more stays within the growth budget and the limit.
+    pub(super) fn within_budget(&self, bytes: u64) -> bool {
+        let after = self.stats.reserved_bytes.current + bytes;
+        after <= self.growth_budget(bytes) + self.table().page && self.fits_limit(bytes)
+    }
+
+    /// Where to map room for `size` bytes of `slot` in `pool`: the placement with the fewest
+    /// pages over every segment of the stream's, reserving another segment if none has an
+    /// unmapped stretch that can hold it.
+    fn place<B: Backend>(
+        &mut self,
+        backend: &B,
+        pool: PoolKind,
+        slot: StreamSlot,
+        size: u64,
+    ) -> Result<Option<(SegmentKey, Placement)>, AllocError> {
+        let mut best: Option<(SegmentKey, Placement)> = None;
+        let segments = self.table().segments_of(slot, pool).to_vec();
+        for segment in segments {
+            if let Some(placement) = self.placement(segment, size, slot) {
+                if best.as_ref().is_none_or(|(_, b)| placement.map < b.map) {
+                    best = Some((segment, placement));
+                }
+            }
+        }
+        if best.is_some() {
+            return Ok(best);
+        }
+        let segment = self.add_expandable_segment(backend, pool, slot, size)?;
+        Ok(self
+            .placement(segment, size, slot)
+            .map(|placement| (segment, placement)))
     }
 
     /// Adds the host time since `started_ns` to the time spent reclaiming: the driver's
@@ -82,22 +162,20 @@ impl State {
         vmm.reclaim_ns <= elapsed / RECLAIM_TIME_SHARE + RECLAIM_TIME_ALLOWANCE_NS
     }
 
-    /// If mapping `size` more bytes would take reserved memory past the live peak plus the
-    /// slack, or past the limit, and a ready free block covers a whole mapping: synchronise
+    /// With `reclaim` on: if mapping `size` more bytes would take reserved memory past the
+    /// live peak plus the slack, and a ready free block covers a whole mapping, synchronise
     /// the device, settle every event, and take a ready block of `slot` if one now fits;
     /// else unmap free mappings until the excess is gone. Never while a capture is under
-    /// way; past the slack but within the limit, only with `reclaim` on and while reclaims
-    /// are affordable.
+    /// way, and only while reclaims are affordable. (At the limit, the policy's last step
+    /// unmaps what the limit needs.)
     fn reclaim_before_mapping<B: Backend>(
         &mut self,
         backend: &B,
         need: Need,
     ) -> Result<Reclaim, AllocError> {
-        let size = need.size;
-        let vmm = self.table();
         // Reclaim (synchronise, unmap free mappings, map where there is room) only when
-        // mapping would take reserved memory past the live peak plus a slack, or past the
-        // limit. Measured on an H200 (GPT-2 small), what a reclaim costs decides the policy:
+        // mapping would take reserved memory past the live peak plus a slack. Measured on an
+        // H200 (GPT-2 small), what a reclaim costs decides the policy:
         // - reclaiming at every new high-water mark made steps 1.42x slower: the peak creeps
         //   up a little every step; against the live peak, stable in a steady state, it
         //   stops;
@@ -107,17 +185,12 @@ impl State {
         //   1.5 GB logits find no hole big enough) still remapped 1.4 GB a step: each reclaim
         //   widens the slack by a quarter, so reclaims die out where they would recur.
         // Mapping in large pieces (`ExpandableTable::pieces`) makes what remains cheap.
-        let after = self.stats.reserved_bytes.current + size.div_ceil(vmm.page) * vmm.page;
-        let live_peak = vmm
-            .live_peak_at_growth
-            .max(self.stats.allocated_bytes.current + size);
-        let budget = live_peak + live_peak / 10_000 * vmm.slack_bp;
-        let over_hard_limit = self.limit.is_some_and(|limit| after > limit);
-        let over_budget = self.reclaim && after > budget;
-        if !(over_budget || over_hard_limit) || !self.has_unmappable_pages(Release::Unpinned) {
+        let after = self.stats.reserved_bytes.current + self.page_rounded(need.size);
+        let budget = self.growth_budget(need.size);
+        if !self.reclaim || after <= budget || !self.has_unmappable_pages(Release::Unpinned) {
             return Ok(Reclaim::NotNeeded);
         }
-        if !over_hard_limit && !self.reclaim_affordable(backend.now_ns()) {
+        if !self.reclaim_affordable(backend.now_ns()) {
             // Free memory moves faster than reclaims can follow at a sensible cost: map, and
             // widen the slack so that reclaims become rarer.
             let vmm = table_in(&mut self.growth);
@@ -132,15 +205,8 @@ impl State {
         if let Some(key) = self.take_ready(need) {
             return Ok(Reclaim::Served(key));
         }
-        // Down to the budget when reclaiming towards the peak, else only to the limit.
-        let target = match self.limit {
-            Some(limit) if self.reclaim => limit.min(budget),
-            Some(limit) => limit,
-            None => budget,
-        };
-        let excess = after.saturating_sub(target);
         let unmap_started = backend.now_ns();
-        self.unmap_free_pages_upto(backend, excess, Release::Unpinned)?;
+        self.unmap_free_pages_upto(backend, after - budget, Release::Unpinned, &[])?;
         self.charge_reclaim(backend, unmap_started);
         let vmm = table_in(&mut self.growth);
         if vmm.slack_bp < MAX_RECLAIM_SLACK_BP {
@@ -256,10 +322,21 @@ impl State {
             }
         }
         // One physical allocation per piece; on failure, undo the pieces already mapped
-        // (untouched, so unmapping them needs no synchronisation).
-        let pieces: Vec<_> = self.table().pieces(addr, map).collect();
+        // (untouched, so unmapping them needs no synchronisation). A tagged pool's memory
+        // is mapped whole (`allocator::sleep`).
+        let whole = self.maps_whole(self.streams.pool(slot));
+        let pieces: Vec<_> = if whole {
+            self.table().pieces_as(addr, map, false).collect()
+        } else {
+            self.table().pieces(addr, map).collect()
+        };
         for (index, &(at, len)) in pieces.iter().enumerate() {
-            if let Err(err) = backend.map_pages(DevicePtr(at), len) {
+            let result = if whole {
+                backend.map_pages_whole(DevicePtr(at), len)
+            } else {
+                backend.map_pages(DevicePtr(at), len)
+            };
+            if let Err(err) = result {
                 for &(done, done_len) in &pieces[..index] {
                     backend.unmap_pages(DevicePtr(done), done_len)?;
                 }
@@ -272,7 +349,11 @@ impl State {
         }
         let vmm = table_in(&mut self.growth);
         for &(at, len) in &pieces {
-            vmm.add_mapping(at, len);
+            if whole {
+                vmm.add_mapping_as(at, len, false);
+            } else {
+                vmm.add_mapping(at, len);
+            }
         }
         // Cut the mapped part out of the stretch; what stays unmapped stays indexed.
         let vmm = table_in(&mut self.growth);
@@ -294,7 +375,7 @@ impl State {
             .live_peak_at_growth
             .max(self.stats.allocated_bytes.current + size);
         self.arena.mark_mapped(mapped, slot);
-        self.stats.reserved_bytes.add(map);
+        self.count_mapped(addr, map, size);
         self.note(backend, TraceAction::SegmentMap, addr, map, slot);
         // Join the caller's free blocks on both sides, not only the one the placement packed
         // against: a mapping that fills its stretch borders both, and `hand_out` lists the
@@ -315,19 +396,21 @@ impl State {
             .and_then(|vmm| vmm.segment_of(slot, pool))
         {
             Some(segment) => Ok(segment),
-            None => self.add_expandable_segment(backend, pool, slot),
+            None => self.add_expandable_segment(backend, pool, slot, 0),
         }
     }
 
-    /// Reserves the address space of `slot`'s expandable segment of `pool`.
+    /// Reserves the address space of another expandable segment of `slot` in `pool`, large
+    /// enough for `at_least` bytes.
     pub(super) fn add_expandable_segment<B: Backend>(
         &mut self,
         backend: &B,
         pool: PoolKind,
         slot: StreamSlot,
+        at_least: u64,
     ) -> Result<usize, AllocError> {
         let vmm = table_in(&mut self.growth);
-        let size = vmm.reservation;
+        let size = vmm.reservation.max(at_least.div_ceil(vmm.page) * vmm.page);
         let ptr = backend.reserve_address_space(size)?;
         vmm.clock_start_ns.get_or_insert_with(|| backend.now_ns());
         let head = self.arena.add_segment(ptr.0, size, pool, slot, true);
@@ -385,16 +468,19 @@ impl State {
     }
 
     /// Unmaps at least `bytes` of the whole mappings inside ready free blocks of expandable
-    /// segments that `which` may release, or all of them if there are fewer: highest
-    /// addresses first, so what stays mapped stays low and compact, where placement looks
-    /// first. Only valid right after a device-wide synchronisation.
+    /// segments that `which` may release, but for the blocks in `keep`, or all of them if
+    /// there are fewer: highest addresses first, so what stays mapped stays low and
+    /// compact, where placement looks first. Only valid right after a device-wide
+    /// synchronisation.
     pub(super) fn unmap_free_pages_upto<B: Backend>(
         &mut self,
         backend: &B,
         bytes: u64,
         which: Release,
+        keep: &[BlockKey],
     ) -> Result<(), BackendError> {
         let mut victims = self.unmappable(which);
+        victims.retain(|(key, _)| !keep.contains(key));
         victims.sort_unstable_by_key(|(_, mappings)| std::cmp::Reverse(mappings[0].0));
         let mut left = bytes;
         for (key, mappings) in victims {
@@ -444,7 +530,7 @@ impl State {
             self.list(tail);
         }
         self.arena.mark_unmapped(middle);
-        self.stats.reserved_bytes.sub(len);
+        self.count_unmapped(start, len);
         self.stats.page_unmap_bytes += len;
         self.note(backend, TraceAction::SegmentUnmap, start, len, owner);
         let vmm = table_in(&mut self.growth);

@@ -1,6 +1,7 @@
 //! Freeing: a block no other stream used goes back to its owner at once (the hot list); one
 //! that other streams used gets one event per stream and waits in its owner's pending list.
 
+use super::torch_stats::stat_kind;
 use super::*;
 
 impl State {
@@ -25,16 +26,18 @@ impl State {
             return self.free_stitched(backend, key, now);
         }
         let (size, requested, owner) = (block.size(), block.requested(), block.owner());
-        let uses = self.arena.free(key);
-        let park = uses.is_empty() && self.streams.get_mut(owner).hot.admit();
+        let kind = stat_kind(block);
+        let stream = self.streams.get_mut(owner);
+        let uses = self.arena.free(key, stream.fences.epoch());
+        let fence = stream.fences.note_free();
+        let park = uses.is_empty() && stream.hot.admit();
         if !park {
             entry.remove();
         }
-        let stats = &mut self.stats;
-        stats.allocated_bytes.sub(size);
-        stats.requested_bytes.sub(requested);
-        stats.active_bytes.sub(size);
-        stats.frees += 1;
+        self.stats.returned(kind, size, requested);
+        if fence && !self.pools.capture_underway() {
+            self.fence_after_free(backend, owner);
+        }
         if uses.is_empty() {
             // No other stream used it, and an allocated block carries no pending events:
             // ready for its owner at once. The request and its completion are one trace
@@ -59,8 +62,7 @@ impl State {
             // capture: the block waits, out of every list and counted as pending, until
             // the captures end (`complete_deferred_frees`) or the device synchronises.
             self.arena.withhold(key);
-            self.stats.pending_free_bytes.add(size);
-            self.stats.active_bytes.add(size);
+            self.stats.pending_in(kind, size);
             self.deferred_frees.push((key, ptr.0, uses));
             return Ok(());
         }
@@ -99,14 +101,37 @@ impl State {
         Ok(())
     }
 
+    /// Records a fence on `slot`'s stream after a free (see `lifetime::fences`). A driver
+    /// error only costs the fence: takers then wait for the stream's work so far.
+    #[cold]
+    fn fence_after_free<B: Backend>(&mut self, backend: &B, slot: StreamSlot) {
+        if let Err(err) = self.record_fence(backend, slot) {
+            tracing::debug!(%err, "fence not recorded");
+        }
+    }
+
+    /// Records a fence on `slot`'s stream now: it covers every block the stream freed so
+    /// far. The fence list holds the event's reference.
+    pub(super) fn record_fence<B: Backend>(
+        &mut self,
+        backend: &B,
+        slot: StreamSlot,
+    ) -> Result<EventKey, BackendError> {
+        let event = self
+            .events
+            .record(backend, slot, self.streams.id(slot), &mut self.stats)?;
+        self.streams.get_mut(slot).fences.push(event);
+        Ok(event)
+    }
+
     /// Takes a deferred block out of its waiting state (free, unlisted, uncounted).
     pub(super) fn undefer(&mut self, key: BlockKey) {
         let block = self.arena.block(key);
         debug_assert!(self.allocated.get(&block.addr()) != Some(&key));
-        let size = block.size();
-        self.arena.free(key);
-        self.stats.pending_free_bytes.sub(size);
-        self.stats.active_bytes.sub(size);
+        let (size, kind, owner) = (block.size(), stat_kind(block), block.owner());
+        let epoch = self.streams.get(owner).fences.epoch();
+        self.arena.free(key, epoch);
+        self.stats.pending_out(kind, size);
     }
 
     /// The block handed out at `addr`, if any (hot blocks share the map; see `allocated`).

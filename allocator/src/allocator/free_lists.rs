@@ -2,6 +2,7 @@
 //! between the arena's blocks and the per-stream free lists. The stream policy lives in
 //! allocation and freeing, the data structure in `pool::free_list`.
 
+use super::torch_stats::{counts_split, stat_kind};
 use super::*;
 use crate::pool::free_list::FreeList;
 
@@ -13,7 +14,12 @@ impl State {
         // What `unlist` would do for a ready block: no pending bytes to count.
         let (_, _, key) = self.streams.get_mut(need.slot).ready[need.pool as usize]
             .take_best_fit(need.size, need.max_size)?;
-        debug_assert!(self.arena.block(key).pending().is_empty());
+        let block = self.arena.block(key);
+        debug_assert!(block.pending().is_empty());
+        if counts_split(block) {
+            let (kind, size) = (block.pool(), block.size());
+            self.stats.split_out(kind, size);
+        }
         Some(key)
     }
 
@@ -24,6 +30,11 @@ impl State {
         let evicted = self.streams.get_mut(owner).hot.push(size, key);
         self.streams.note_hot(owner);
         self.arena.park_hot(key);
+        let block = self.arena.block(key);
+        if counts_split(block) {
+            let kind = block.pool();
+            self.stats.split_in(kind, size);
+        }
         if let Some(evicted) = evicted {
             self.unhot(evicted);
         }
@@ -56,7 +67,12 @@ impl State {
     /// Moves a block taken out of its hot list out of the allocated map and into the free
     /// lists, merging it.
     pub(super) fn unhot(&mut self, key: BlockKey) {
-        let addr = self.arena.block(key).addr();
+        let block = self.arena.block(key);
+        let addr = block.addr();
+        if counts_split(block) {
+            let (kind, size) = (block.pool(), block.size());
+            self.stats.split_out(kind, size);
+        }
         self.arena.unpark(key);
         self.allocated.remove(&addr);
         self.insert_free(key);
@@ -112,15 +128,17 @@ impl State {
     }
 
     /// The free list `key` belongs in (its owner's, for its pool and pending state), with the
-    /// block's size and address and whether it is pending.
+    /// block's size and address, whether it is pending, and how PyTorch's statistics count
+    /// it: its kind, and whether it is split (when ready).
     #[inline]
-    fn home_list(&mut self, key: BlockKey) -> (&mut FreeList, u64, u64, bool) {
+    fn home_list(&mut self, key: BlockKey) -> (&mut FreeList, u64, u64, bool, PoolKind, bool) {
         let block = self.arena.block(key);
         let pool = block.pool();
         let pending = !block.pending().is_empty();
         let (size, addr, owner) = (block.size(), block.addr(), block.owner());
+        let (kind, split) = (stat_kind(block), counts_split(block));
         let list = self.streams.get_mut(owner).list(pool, pending);
-        (list, size, addr, pending)
+        (list, size, addr, pending, kind, split)
     }
 
     /// Adds a free block to the list its owner and pending state call for.
@@ -128,22 +146,24 @@ impl State {
     pub(super) fn list(&mut self, key: BlockKey) {
         let owner = self.arena.block(key).owner();
         self.streams.note_free(owner);
-        let (list, size, addr, pending) = self.home_list(key);
+        let (list, size, addr, pending, kind, split) = self.home_list(key);
         list.insert(size, addr, key);
         if pending {
-            self.stats.pending_free_bytes.add(size);
-            self.stats.active_bytes.add(size);
+            self.stats.pending_in(kind, size);
+        } else if split {
+            self.stats.split_in(kind, size);
         }
     }
 
     /// Removes a free block from its list.
     #[inline]
     pub(super) fn unlist(&mut self, key: BlockKey) {
-        let (list, size, addr, pending) = self.home_list(key);
+        let (list, size, addr, pending, kind, split) = self.home_list(key);
         list.remove(size, addr, key);
         if pending {
-            self.stats.pending_free_bytes.sub(size);
-            self.stats.active_bytes.sub(size);
+            self.stats.pending_out(kind, size);
+        } else if split {
+            self.stats.split_out(kind, size);
         }
     }
 
@@ -153,9 +173,9 @@ impl State {
     /// block absent from the allocated map.
     pub(super) fn list_quarantined(&mut self, key: BlockKey) {
         self.arena.take_pending(key);
-        let size = self.arena.block(key).size();
+        let block = self.arena.block(key);
+        let (size, kind) = (block.size(), stat_kind(block));
         self.arena.withhold(key);
-        self.stats.allocated_bytes.add(size);
-        self.stats.active_bytes.add(size);
+        self.stats.withheld_in(kind, size);
     }
 }

@@ -40,7 +40,10 @@ impl State {
         self.check_events(std::mem::take(&mut tally.event_refs))?;
         self.check_expandable(&tally)?;
         self.check_stitches(&tally)?;
-        self.check_stats(&tally)
+        self.check_sleep()?;
+        self.check_stats(&tally)?;
+        self.check_torch_stats()?;
+        self.check_pool_rules()
     }
 
     /// Each block against its state: in its segment's memory pool; unmapped stretches
@@ -200,8 +203,8 @@ impl State {
     /// nothing holds an event that is not outstanding.
     fn check_events(&self, mut event_refs: HashMap<EventKey, u32>) -> Result<(), String> {
         for state in &self.streams.states {
-            for event in &state.in_flight {
-                *event_refs.entry(*event).or_default() += 1;
+            for event in state.in_flight.iter().copied().chain(state.fences.events()) {
+                *event_refs.entry(event).or_default() += 1;
             }
         }
         for stitch in self.stitches.dormant() {
@@ -240,10 +243,11 @@ impl State {
             .map(|(_, s)| s.size())
             .sum();
         let mapped = self.growth.expandable().map_or(0, |vmm| vmm.mapped);
-        if mapped != expandable_size - tally.unmapped_bytes {
+        // Sleeping pools' pages are not mapped, and their blocks stay (`sleep`).
+        let segments_map = expandable_size - tally.unmapped_bytes - self.sleeping_bytes();
+        if mapped != segments_map {
             return Err(format!(
-                "{mapped} bytes counted mapped, the segments map {}",
-                expandable_size - tally.unmapped_bytes
+                "{mapped} bytes counted mapped, the segments map {segments_map}"
             ));
         }
         Ok(())
@@ -260,7 +264,8 @@ impl State {
             .filter(|(_, s)| !s.is_stitched())
             .map(|(_, s)| s.size())
             .sum::<u64>()
-            - tally.unmapped_bytes;
+            - tally.unmapped_bytes
+            - self.sleeping_bytes();
         let checks = [
             (
                 "allocated_bytes",

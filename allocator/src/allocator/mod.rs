@@ -5,19 +5,37 @@
 //! but the trace clock.
 //!
 //! # Allocation policy, in order
+//! Memory pressure decides how far a request goes: while memory is plentiful it is served
+//! without waiting on other streams' work in flight; near the limit the engine becomes
+//! frugal, in a fixed order, and fails only after all of it.
 //! 1. a ready block of the caller's stream (best fit) — no event, no wait;
 //! 2. blocks whose events completed: a batched completion pass, only once enough events are
 //!    in flight (`event_batch`), or always under the PyTorch policy;
 //! 3. (`stream_wait` policy) the best-fitting block of the caller's pending list or of any
 //!    other stream: the caller's stream waits for it on the device;
-//! 4. grow the pool by a new segment, within the memory limit; with expandable segments,
-//!    map memory into the stream's address reservation instead, first (past the live peak
-//!    plus a slack) synchronising and unmapping free mappings until the excess is gone;
-//! 5. synchronise, return every cached segment to the device, and grow again;
-//! 6. a typed out-of-memory error with a fragmentation report.
+//! 4. (expandable segments, `stitch`) revive a kept stitched range, or stitch free pages
+//!    that need no device wait (the stream's own), growing only the shortfall and only
+//!    within the growth budget;
+//! 5. grow within the growth budget (the live peak plus a slack) and the limit: a new
+//!    segment, or pages mapped into the stream's address reservation;
+//! 6. (`stitch`) stitch free pages of every stream of the memory pool, the caller's stream
+//!    waiting on the device for their last uses;
+//! 7. grow past the budget, within the limit (expandable segments reclaim free mappings
+//!    first, as `reclaim` asks: a synchronisation);
+//! 8. under pressure (the limit, or the device, refuses): synchronise once, so that every
+//!    free byte is idle for every stream; then the caller's blocks and any stream's,
+//!    stitching every free page of the pool, unmapping free whole pages until the request
+//!    fits and mapping it, and finally returning every cached byte and growing again;
+//! 9. a typed out-of-memory error with a fragmentation report.
+//!
+//! With a memory limit set, a request fails only if live bytes, the request (in whole
+//! pages), the free bytes stranded in partly used pages and the memory the pool may not
+//! touch (other pools' pinned memory) exceed the limit: step 8 reaches every other byte
+//! (`tests/pressure_properties.rs` states it).
 //!
 //! Every step looks only at blocks of the request's memory pool (`pools`): a slot is a
-//! stream in one pool, and step 3 considers only slots of the same pool.
+//! stream in one pool, and step 3 considers only slots of the same pool. A pool whose tag
+//! is asleep refuses requests before step 1; a tagged pool is never stitched (`sleep`).
 
 mod allocate;
 mod completion;
@@ -28,10 +46,14 @@ mod invariants;
 mod pools;
 mod release;
 mod report;
+mod sleep;
 mod stitch;
+mod torch_stats;
+mod wake;
 
 pub use pools::PoolBlock;
 use release::Release;
+pub use sleep::{Backup, SleepReport, TagInfo, WakeReport};
 
 use crate::backend::Backend;
 use crate::config::{Config, ReusePolicy};
@@ -42,10 +64,12 @@ use crate::pool::arena::{Arena, BlockKey, StreamSlot};
 use crate::pool::expandable::ExpandableTable;
 use crate::pool::size::{
     pool_of, round_size, segment_size_for, should_split, MAX_REQUEST, MIN_BLOCK_SIZE,
+    SEGMENT_ROUNDING,
 };
+use crate::pool::sleep::TagTable;
 use crate::pool::stitch::StitchTable;
 use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
-use crate::stats::Stats;
+use crate::stats::{Stats, TorchStats};
 use crate::trace::{CompactRing, TraceAction, NO_STREAM};
 use crate::types::{Allocation, DevicePtr, PoolId, PoolKind, StreamId};
 use crate::util::BuildAddrHasher;
@@ -102,8 +126,8 @@ pub struct AllocationSite {
     /// The memory is mapped through the VMM API: an expandable segment, or a stitched
     /// range.
     pub expandable: bool,
-    /// The allocation is a stitched range (pages of several mappings joined), which CUDA
-    /// IPC cannot share.
+    /// The allocation is a stitched range (pages of several mappings joined): CUDA IPC
+    /// shares its pages ([`Allocator::stitched_pages`]).
     pub stitched: bool,
 }
 
@@ -132,6 +156,9 @@ struct State {
     allocated: HashMap<u64, BlockKey, BuildAddrHasher>,
     /// Counters.
     stats: Stats,
+    /// The pool kind each mapped stretch of the expandable segments counts in, for
+    /// PyTorch's per-kind `reserved_bytes`.
+    mapped_kinds: torch_stats::MappedKinds,
     /// Recent events.
     trace: CompactRing,
     /// Reserved bytes never exceeded (from `memory_limit`, `memory_fraction` or
@@ -154,6 +181,21 @@ struct State {
     /// events: recording them then would put the events into the capture, so the blocks
     /// stay allocated to nobody, with their address and uses, until the last capture ends.
     deferred_frees: Vec<(BlockKey, u64, thin_vec::ThinVec<StreamSlot>)>,
+    /// Tagged memory pools, and what the sleeping ones gave back (`sleep`).
+    tags: TagTable,
+}
+
+/// How far a step of the policy may go to find memory (see the module docs): each level
+/// allows what the previous ones do, and more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Effort {
+    /// No device wait on another stream's work, and no memory past the growth budget.
+    Light,
+    /// Device-side waits on other streams' work; memory up to the limit.
+    Waiting,
+    /// Right after a device-wide synchronisation: every free byte is idle, so nothing needs
+    /// waiting for, and free pages may be unmapped to make room.
+    Synchronised,
 }
 
 /// What a request needs from a free block: its stream slot, the pool kind whose lists may
@@ -209,14 +251,17 @@ impl<B: Backend> Allocator<B> {
         let growth = if !config.expandable_segments {
             Growth::WholeSegments
         } else if backend.supports_virtual_memory() {
-            // Stitching maps pages a second time, which drivers do only for whole
-            // allocations: one per page.
-            backend.set_page_allocations(config.stitch);
-            Growth::Expandable(ExpandableTable::new(
+            let mut table = ExpandableTable::new(
                 backend.page_size(),
                 backend.total_memory()?,
                 RECLAIM_SLACK_BP,
-            ))
+            );
+            // Stitching maps pages a second time, which drivers do only for whole
+            // allocations, and under a limit every free page must be able to go back alone:
+            // one allocation per page.
+            table.page_granular = config.stitch || limit.is_some();
+            backend.set_page_allocations(table.page_granular);
+            Growth::Expandable(table)
         } else {
             // Info, not a warning: expandable segments are the default, and a backend
             // without virtual memory is an expected configuration.
@@ -230,7 +275,14 @@ impl<B: Backend> Allocator<B> {
             streams: StreamTable::default(),
             events: EventTable::default(),
             allocated: HashMap::default(),
-            stats: Stats::default(),
+            stats: Stats {
+                torch: TorchStats {
+                    max_split_size: config.max_split_size.unwrap_or(u64::MAX),
+                    ..TorchStats::default()
+                },
+                ..Stats::default()
+            },
+            mapped_kinds: torch_stats::MappedKinds::default(),
             trace: CompactRing::new(config.trace_capacity),
             limit,
             growth,
@@ -239,6 +291,7 @@ impl<B: Backend> Allocator<B> {
             stitches: StitchTable::default(),
             pools: PoolTable::default(),
             deferred_frees: Vec::new(),
+            tags: TagTable::default(),
         };
         Ok(Self {
             backend,
@@ -263,14 +316,26 @@ impl<B: Backend> Allocator<B> {
             return Err(AllocError::InvalidSize(size));
         }
         let now = self.early_now();
-        self.state.lock().malloc(
-            &self.backend,
-            &self.config,
-            size,
-            stream,
-            PoolId::DEFAULT,
-            now,
-        )
+        self.operation(|state| {
+            state.malloc(
+                &self.backend,
+                &self.config,
+                size,
+                stream,
+                PoolId::DEFAULT,
+                now,
+            )
+        })
+    }
+
+    /// Runs `body` on the state under the lock, then applies the net changes it made to
+    /// PyTorch's statistics (one change per operation, as PyTorch counts them).
+    #[inline]
+    fn operation<T>(&self, body: impl FnOnce(&mut State) -> T) -> T {
+        let mut state = self.state.lock();
+        let result = body(&mut state);
+        state.stats.settle();
+        result
     }
 
     /// Allocates at least `size` bytes for use on `stream` from memory pool `pool`, which
@@ -290,11 +355,16 @@ impl<B: Backend> Allocator<B> {
             return Err(AllocError::InvalidSize(size));
         }
         let now = self.early_now();
-        let mut state = self.state.lock();
-        if !state.pools.is_live(pool) {
-            return Err(AllocError::UnknownPool(pool));
-        }
-        state.malloc(&self.backend, &self.config, size, stream, pool, now)
+        self.operation(|state| {
+            if !state.pools.is_live(pool) {
+                return Err(AllocError::UnknownPool(pool));
+            }
+            if let Some(tag) = state.tags.asleep(pool) {
+                let tag = tag.name.clone();
+                return Err(AllocError::PoolAsleep { tag, size });
+            }
+            state.malloc(&self.backend, &self.config, size, stream, pool, now)
+        })
     }
 
     /// The clock's raw ticks, read before taking the lock when tracing (so that the read
@@ -312,7 +382,7 @@ impl<B: Backend> Allocator<B> {
     /// the block is reusable at once by its own stream.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         let now = self.early_now();
-        self.state.lock().free(&self.backend, ptr, now)
+        self.operation(|state| state.free(&self.backend, ptr, now))
     }
 
     /// True if `ptr` is a block this allocator handed out and that is not yet freed.
@@ -329,20 +399,31 @@ impl<B: Backend> Allocator<B> {
     /// Synchronises the device and returns every wholly free segment to it. Idle event
     /// objects are destroyed too. Returns the bytes released.
     pub fn empty_cache(&self) -> Result<u64, AllocError> {
-        Ok(self.state.lock().release_cached(&self.backend)?)
+        Ok(self.operation(|state| state.release_cached(&self.backend))?)
     }
 
     /// Sets (or, with `None`, lifts) the reserved-bytes limit. If more is reserved than the
     /// new limit, cached memory is released; allocated memory is never taken back.
     pub fn set_memory_limit(&self, limit: Option<u64>) -> Result<(), AllocError> {
-        let mut state = self.state.lock();
-        state.limit = limit;
-        if let Some(limit) = limit {
-            if state.stats.reserved_bytes.current > limit {
-                state.release_cached(&self.backend)?;
+        self.operation(|state| {
+            state.limit = limit;
+            if limit.is_some() {
+                // Pages mapped from now on can go back one by one (those mapped before keep
+                // their pieces).
+                if let Some(vmm) = state.growth.expandable_mut() {
+                    if !vmm.page_granular {
+                        vmm.page_granular = true;
+                        self.backend.set_page_allocations(true);
+                    }
+                }
             }
-        }
-        Ok(())
+            if let Some(limit) = limit {
+                if state.stats.reserved_bytes.current > limit {
+                    state.release_cached(&self.backend)?;
+                }
+            }
+            Ok(())
+        })
     }
 
     /// The limit in force.
@@ -378,14 +459,15 @@ impl<B: Backend> Allocator<B> {
     /// `endAllocateToPool`); the pool keeps its use until released. When no capture is
     /// under way any more, frees deferred during captures get their events.
     pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<(), AllocError> {
-        let mut state = self.state.lock();
-        if !state.pools.end(pool) {
-            return Err(AllocError::UnknownPool(pool));
-        }
-        if !state.pools.capture_underway() {
-            state.complete_deferred_frees(&self.backend)?;
-        }
-        Ok(())
+        self.operation(|state| {
+            if !state.pools.end(pool) {
+                return Err(AllocError::UnknownPool(pool));
+            }
+            if !state.pools.capture_underway() {
+                state.complete_deferred_frees(&self.backend)?;
+            }
+            Ok(())
+        })
     }
 
     /// Drops a use of `pool` (PyTorch's `releasePool`). At zero its memory stops being
@@ -400,6 +482,46 @@ impl<B: Backend> Allocator<B> {
             .pools
             .release(pool)
             .ok_or(AllocError::UnknownPool(pool))
+    }
+
+    /// Makes `pool` grow by whole segments from [`Backend::alloc_segment`] (given back with
+    /// [`Backend::free_segment`]) whatever `expandable_segments` says: what a pool whose
+    /// segments come from another allocator needs (PyTorch's `MemPool(allocator=...)`,
+    /// whose segments its allocator makes whole whatever the default pool does). Set
+    /// before the pool allocates; the pool keeps the rule until it is forgotten.
+    pub fn set_pool_whole_segments(&self, pool: PoolId) -> Result<(), AllocError> {
+        self.set_pool_rule(
+            pool,
+            "growing by whole segments",
+            PoolTable::set_whole_segments,
+        )
+    }
+
+    /// Makes `pool` never split a block (PyTorch's `MemPool(no_split=True)`): each block is
+    /// a whole segment, sized to its request rounded to 2 MiB, handed out whole. Set
+    /// before the pool allocates.
+    pub fn set_pool_no_split(&self, pool: PoolId) -> Result<(), AllocError> {
+        self.set_pool_rule(pool, "no_split", PoolTable::set_no_split)
+    }
+
+    fn set_pool_rule(
+        &self,
+        pool: PoolId,
+        rule: &'static str,
+        set: fn(&mut PoolTable, PoolId),
+    ) -> Result<(), AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("given a rule of its own"));
+        }
+        let mut state = self.state.lock();
+        if !state.pools.is_live(pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        if state.holds_memory(pool) {
+            return Err(AllocError::PoolHoldsMemory { pool, rule });
+        }
+        set(&mut state.pools, pool);
+        Ok(())
     }
 
     /// The use count of `pool`; 0 for a pool that does not exist or was released.
@@ -429,9 +551,7 @@ impl<B: Backend> Allocator<B> {
         checkpoint: &[PoolBlock],
     ) -> Result<Vec<DevicePtr>, AllocError> {
         let now = self.early_now();
-        self.state
-            .lock()
-            .restore_pool(&self.backend, pool, checkpoint, now)
+        self.operation(|state| state.restore_pool(&self.backend, pool, checkpoint, now))
     }
 
     /// Synchronises the device and returns `pool`'s wholly free segments (and free
@@ -444,10 +564,7 @@ impl<B: Backend> Allocator<B> {
         } else {
             Release::Pool(pool)
         };
-        Ok(self
-            .state
-            .lock()
-            .release_cached_where(&self.backend, which)?)
+        Ok(self.operation(|state| state.release_cached_where(&self.backend, which))?)
     }
 
     /// The largest free cached block of the default pool (PyTorch's `cacheInfo`, which
@@ -472,6 +589,24 @@ impl<B: Backend> Allocator<B> {
         })
     }
 
+    /// The pages of the live stitched allocation at `ptr`, in the order they appear in it:
+    /// runs of whole pages of expandable segments, mapped first there. What CUDA IPC shares
+    /// for it: the stitched range is a second mapping, with no physical allocation of its
+    /// own to export, while each page of a run is one (stitching maps one allocation per
+    /// page). `None` if `ptr` is no live stitched allocation.
+    pub fn stitched_pages(&self, ptr: DevicePtr) -> Option<Vec<(DevicePtr, u64)>> {
+        let state = self.state.lock();
+        let key = state.allocated_key(ptr.0)?;
+        let stitch = state.stitches.active(state.arena.block(key).segment())?;
+        Some(
+            stitch
+                .sources
+                .iter()
+                .map(|source| (DevicePtr(source.addr), source.len))
+                .collect(),
+        )
+    }
+
     /// A copy of the counters.
     pub fn stats(&self) -> Stats {
         self.state.lock().stats
@@ -479,13 +614,7 @@ impl<B: Backend> Allocator<B> {
 
     /// Sets every peak to its current value.
     pub fn reset_peak_stats(&self) {
-        let mut state = self.state.lock();
-        let stats = &mut state.stats;
-        stats.allocated_bytes.reset_peak();
-        stats.requested_bytes.reset_peak();
-        stats.reserved_bytes.reset_peak();
-        stats.active_bytes.reset_peak();
-        stats.pending_free_bytes.reset_peak();
+        self.state.lock().stats.reset_peaks();
     }
 
     /// Appends an event to the trace ring on behalf of a component built on the allocator
@@ -498,8 +627,7 @@ impl<B: Backend> Allocator<B> {
 
     /// Segments, blocks, trace, stats and configuration at this instant.
     pub fn snapshot(&self) -> Snapshot {
-        let mut state = self.state.lock();
-        state.snapshot(&self.backend, &self.config)
+        self.operation(|state| state.snapshot(&self.backend, &self.config))
     }
 
     /// Walks every structure and checks the engine's invariants: segments tiled by blocks,

@@ -52,6 +52,32 @@ impl State {
             .unwrap_or(0)
     }
 
+    /// True if some segment belongs to `pool`.
+    pub(super) fn holds_memory(&self, pool: PoolId) -> bool {
+        self.arena
+            .segments()
+            .any(|(_, seg)| self.streams.pool(seg.stream()) == pool)
+    }
+
+    /// Pools' rules hold: a pool that grows by whole segments has no expandable segment,
+    /// and a pool that never splits has one block per segment.
+    pub(super) fn check_pool_rules(&self) -> Result<(), String> {
+        for (segment, seg) in self.arena.segments() {
+            let pool = self.streams.pool(seg.stream());
+            if self.pools.grows_whole(pool) && (seg.is_expandable() || seg.is_stitched()) {
+                return Err(format!(
+                    "{pool} grows by whole segments but holds expandable segment {segment}"
+                ));
+            }
+            if self.pools.never_splits(pool) && self.arena.block(seg.head()).next().is_some() {
+                return Err(format!(
+                    "{pool} never splits but segment {segment} holds several blocks"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Forgets released pools that no segment belongs to any more.
     pub(super) fn forget_empty_pools(&mut self) {
         if self.pools.len() == 0 {
@@ -79,6 +105,12 @@ impl State {
         if !self.pools.is_live(pool) {
             return Err(AllocError::UnknownPool(pool));
         }
+        if let Some(tag) = self.tags.asleep(pool) {
+            return Err(AllocError::Checkpoint {
+                pool,
+                reason: format!("it is asleep (tag {:?}): wake it first", tag.name),
+            });
+        }
         self.check_checkpoint(pool, checkpoint)?;
         let freed: Vec<DevicePtr> = self.pool_blocks(pool).map(|b| b.ptr).collect();
         for &ptr in &freed {
@@ -98,7 +130,7 @@ impl State {
             let key = self.carve(key, block.ptr.0, block.size);
             self.arena.hand_out(key, slot, block.requested);
             self.allocated.insert(block.ptr.0, key);
-            self.account_alloc(block.ptr.0, block.size, slot, block.requested, now);
+            self.account_alloc(key, slot, block.requested, now);
         }
         Ok(freed)
     }

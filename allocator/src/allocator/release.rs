@@ -44,7 +44,7 @@ impl State {
         self.synchronize(backend)?;
         self.evict_dormant_stitches(backend, which)?;
         self.coalesce_across_streams();
-        self.unmap_free_pages_upto(backend, u64::MAX, which)?;
+        self.unmap_free_pages_upto(backend, u64::MAX, which, &[])?;
         self.release_unmapped_segments(backend, which)?;
         let free_segments: Vec<_> = self
             .arena
@@ -54,17 +54,16 @@ impl State {
                     && self.releasable(which, seg.stream())
                     && self.arena.segment_is_free(*segment)
             })
-            .map(|(segment, seg)| (segment, seg.head(), seg.stream()))
+            .map(|(segment, seg)| (segment, seg.head(), seg.stream(), seg.pool()))
             .collect();
         let mut released = reserved_before - self.stats.reserved_bytes.current;
-        for (segment, head, stream) in free_segments {
+        for (segment, head, stream, kind) in free_segments {
             let seg = self.arena.segment(segment);
             let (addr, size) = (seg.addr(), seg.size());
             backend.free_segment(DevicePtr(addr), size)?;
             self.unlist(head);
             self.arena.remove_segment(segment);
-            self.stats.reserved_bytes.sub(size);
-            self.stats.segment_frees += 1;
+            self.stats.released(kind, size, true);
             self.note(backend, TraceAction::SegmentFree, addr, size, stream);
             released += size;
         }
@@ -93,6 +92,10 @@ impl State {
             while let Some(event) = self.streams.states[index].in_flight.pop_front() {
                 self.events.release(event, &mut self.stats);
             }
+            let fences: Vec<EventKey> = self.streams.states[index].fences.synchronised().collect();
+            for event in fences {
+                self.events.release(event, &mut self.stats);
+            }
         }
         self.promote_completed(backend);
         self.release_quarantined();
@@ -114,10 +117,10 @@ impl State {
             .map(|(key, _)| key)
             .collect();
         for key in quarantined {
-            let size = self.arena.block(key).size();
-            self.arena.free(key);
-            self.stats.allocated_bytes.sub(size);
-            self.stats.active_bytes.sub(size);
+            let block = self.arena.block(key);
+            let (size, kind) = (block.size(), super::torch_stats::stat_kind(block));
+            self.arena.free(key, 0);
+            self.stats.withheld_out(kind, size);
             self.settle_freed(key);
         }
     }
@@ -128,6 +131,7 @@ impl State {
         if self.arena.block(key).is_stitched() {
             self.return_stitch_idle(key);
         } else {
+            self.arena.mark_idle(key);
             self.insert_free(key);
         }
     }
@@ -157,6 +161,8 @@ impl State {
                     self.merge_into(key, next);
                 }
                 if unlisted {
+                    // Merged across owners: idle for every stream after the synchronisation.
+                    self.arena.mark_idle(key);
                     self.list(key);
                 }
                 cursor = self.arena.block(key).next();

@@ -11,7 +11,13 @@ impl State {
         slot: StreamSlot,
     ) -> OutOfMemory {
         let (mut free_cached, mut largest) = (0, 0);
-        for state in &self.streams.states {
+        // A sleeping pool's free blocks hold no memory.
+        for state in self
+            .streams
+            .states
+            .iter()
+            .filter(|state| self.tags.asleep(state.pool).is_none())
+        {
             for list in state.ready.iter().chain(state.pending.iter()) {
                 free_cached += list.bytes();
                 largest = largest.max(list.largest());
@@ -22,7 +28,11 @@ impl State {
             Some(vmm) => self
                 .arena
                 .blocks()
-                .filter(|(_, block)| block.is_free() && block.is_expandable())
+                .filter(|(_, block)| {
+                    block.is_free()
+                        && block.is_expandable()
+                        && self.tags.asleep(self.streams.pool(block.owner())).is_none()
+                })
                 .map(|(_, block)| {
                     let (_, whole) =
                         crate::pool::stitch::whole_pages(block.addr(), block.size(), vmm.page);
@@ -34,6 +44,10 @@ impl State {
         let stitched = self.stitches.actives().map(|(_, stitch)| stitch.size).sum();
         self.stats.ooms += 1;
         self.note(backend, TraceAction::Oom, 0, requested, slot);
+        let growth = match self.growth.expandable() {
+            Some(vmm) => requested.div_ceil(vmm.page).max(1) * vmm.page,
+            None => segment_size_for(round_size(requested)),
+        };
         let report = OutOfMemory {
             requested,
             stream: self.streams.id(slot),
@@ -45,6 +59,7 @@ impl State {
             expandable: self.growth.expandable().is_some(),
             stitched,
             stranded,
+            growth,
         };
         tracing::warn!(%report, "allocation failed");
         report
@@ -105,6 +120,11 @@ impl State {
                 mempool: self.streams.pool(seg.stream()),
                 expandable: seg.is_expandable(),
                 stream: self.streams.id(seg.stream()),
+                tag: self
+                    .tags
+                    .get(self.streams.pool(seg.stream()))
+                    .map(|tag| tag.name.clone()),
+                asleep: self.tags.asleep(self.streams.pool(seg.stream())).is_some(),
                 blocks: self
                     .arena
                     .segment_blocks(segment)

@@ -45,7 +45,10 @@ const MAX_UNSTITCHED_PAGES: u64 = 1;
 /// maps at least a page; a placement may join a free block already counted).
 const SHORTFALL_TRIES: usize = 8;
 
-/// A stitch maps at most this many runs of pages (each at least one `cuMemMap`).
+/// A stitch maps at most this many runs of pages (each at least one `cuMemMap`), while
+/// memory is not short. Under a memory limit, past the growth budget, a stitch takes as
+/// many runs as covering the request needs: growing instead would cost a synchronisation
+/// to unmap the scattered pages first, every time the peak comes round.
 const MAX_SOURCES: usize = 32;
 
 /// Dormant stitches kept before the least recently freed are unmapped (once their events
@@ -55,6 +58,26 @@ const MAX_DORMANT: usize = 64;
 /// A dormant stitch serves a request it exceeds by at most this fraction (1/n) of the
 /// request, or a page: more would lend pages the request does not need.
 const REVIVE_SLACK: u64 = 8;
+
+/// Which free pages a stitch may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pages {
+    /// The requesting stream's own ready pages (PyTorch's policy: blocks never change
+    /// streams).
+    Own,
+    /// Those, and other streams' pages that need no wait: ready, their owner's work up to
+    /// their free seen complete (`lifetime::fences`).
+    NoWait,
+    /// Every free page of the pool, the requesting stream waiting on the device.
+    Any,
+}
+
+/// What the free pages of a pool lack to cover a request: `bytes` (0 where stitching is
+/// not the way), and the free blocks whose pages the stitch would take.
+struct Shortfall {
+    bytes: u64,
+    runs: Vec<BlockKey>,
+}
 
 /// One run of free whole pages a new stitch will take: the free block holding it, its
 /// first byte and its bytes.
@@ -68,13 +91,18 @@ struct Pick {
 impl State {
     /// Serves `need` from a stitched range, reviving a dormant one or stitching free pages
     /// of its memory pool; `None` if stitching is off, the request is small, or the pool's
-    /// free pages do not cover it. The range is an unlisted free block owned by the
-    /// request's slot, to be handed out whole ([`State::hand_out_whole`]).
+    /// free pages do not cover it. At [`Effort::Light`] only pages that need no device
+    /// wait are taken (the stream's own ready ones), and memory grows for the shortfall only
+    /// within the growth budget; past it, pages of every stream of the pool, the caller's
+    /// stream waiting on the device for their last uses. The range is an unlisted free
+    /// block owned by the request's slot, to be handed out whole
+    /// ([`State::hand_out_whole`]).
     pub(super) fn stitch<B: Backend>(
         &mut self,
         backend: &B,
         need: Need,
         policy: ReusePolicy,
+        effort: Effort,
     ) -> Result<Option<BlockKey>, AllocError> {
         let Some(vmm) = self.growth.expandable() else {
             return Ok(None);
@@ -84,18 +112,56 @@ impl State {
             return Ok(None);
         }
         let memory_pool = self.streams.pool(need.slot);
+        if self.maps_whole(memory_pool) {
+            // A tagged pool's pages go back whole (`allocator::sleep`): never stitched.
+            return Ok(None);
+        }
         // Under PyTorch's policy a block never moves between streams or waits on events:
         // only the stream's own ready pages are stitched.
-        let waits = policy == ReusePolicy::StreamWait;
-        if let Some(index) = self.revivable(need, memory_pool, page, waits) {
+        let pages = match (policy, effort) {
+            (ReusePolicy::Pytorch, _) => Pages::Own,
+            (ReusePolicy::StreamWait, Effort::Light) => {
+                // Which of other streams' pages need no wait: fences seen complete.
+                self.complete_fences(backend)?;
+                Pages::NoWait
+            }
+            (ReusePolicy::StreamWait, _) => Pages::Any,
+        };
+        let max_sources = if effort == Effort::Light || self.limit.is_none() {
+            MAX_SOURCES
+        } else {
+            usize::MAX
+        };
+        if let Some(index) = self.revivable(need, memory_pool, page, pages) {
             return self.revive(backend, index, need).map(Some);
         }
         for _ in 0..SHORTFALL_TRIES {
-            let shortfall = match self.pick_free_pages(need, memory_pool, page, waits) {
+            let Shortfall {
+                bytes: shortfall,
+                runs,
+            } = match self.pick_free_pages(need, memory_pool, page, pages, max_sources) {
                 Ok(picks) => return self.make_stitch(backend, need, memory_pool, picks),
-                Err(0) => return Ok(None),
+                Err(shortfall) if shortfall.bytes == 0 => return Ok(None),
                 Err(shortfall) => shortfall,
             };
+            let grown = self.page_rounded(shortfall);
+            if pages == Pages::Any
+                && !self.fits_limit(grown)
+                && self.join_across_streams(backend, need)?
+            {
+                // Pages shared by free blocks of different streams became whole: pick again.
+                continue;
+            }
+            match effort {
+                Effort::Light if !self.within_budget(grown) => return Ok(None),
+                Effort::Synchronised if !self.fits_limit(grown) => {
+                    // Make room for the shortfall with free pages the stitch will not take.
+                    let excess =
+                        self.stats.reserved_bytes.current + grown - self.limit.unwrap_or(u64::MAX);
+                    self.unmap_free_pages_upto(backend, excess, Release::Unpinned, &runs)?;
+                }
+                _ => {}
+            }
             // Map only what the pool's free pages lack, then stitch them all: memory grows
             // by the shortfall, not by the request.
             if !self.grow_shortfall(backend, need, shortfall)? {
@@ -103,6 +169,93 @@ impl State {
             }
         }
         Ok(None)
+    }
+
+    /// Joins free blocks of `need`'s memory pool that lie side by side, owned by different
+    /// streams, where their boundary cuts a page: each block of such a run is taken over by
+    /// `need.slot` (its stream waits on the device for the block's events and its former
+    /// owner's work, as for any block of another stream) and the run is merged, so the
+    /// pages it shares become whole and stitching can take them. Used under a limit, where
+    /// growing for what those pages lack would not fit. True if any run was joined.
+    fn join_across_streams<B: Backend>(
+        &mut self,
+        backend: &B,
+        need: Need,
+    ) -> Result<bool, AllocError> {
+        let Some(page) = self.growth.expandable().map(|vmm| vmm.page) else {
+            return Ok(false);
+        };
+        let memory_pool = self.streams.pool(need.slot);
+        let cuts_a_page = |arena: &crate::pool::arena::Arena, key: BlockKey| {
+            let block = arena.block(key);
+            let next = block.next().filter(|&next| {
+                let next = arena.block(next);
+                next.is_free() && next.owner() != block.owner()
+            });
+            next.is_some() && !(block.addr() + block.size()).is_multiple_of(page)
+        };
+        let mut starts = Vec::new();
+        for &index in self.streams.free_slots() {
+            let state = self.streams.get(index);
+            if state.pool != memory_pool {
+                continue;
+            }
+            for list in state.ready.iter().chain(&state.pending) {
+                starts.extend(list.keys().filter(|&key| {
+                    let block = self.arena.block(key);
+                    block.is_expandable()
+                        && cuts_a_page(&self.arena, key)
+                        // The first of its run: the block below does not join it.
+                        && !block.prev().is_some_and(|prev| {
+                            self.arena.block(prev).is_free() && cuts_a_page(&self.arena, prev)
+                        })
+                }));
+            }
+        }
+        let epoch = self.streams.get(need.slot).fences.epoch();
+        for &start in &starts {
+            // A run joined before may have absorbed it (no block is made in between, so a
+            // key absorbed is not reused).
+            if self.arena.get_block(start).is_none() {
+                continue;
+            }
+            self.take_over(backend, start, need.slot, epoch)?;
+            loop {
+                let block = self.arena.block(start);
+                let end = block.addr() + block.size();
+                let Some(next) = block.next() else { break };
+                let neighbour = self.arena.block(next);
+                if !neighbour.is_free() || end.is_multiple_of(page) {
+                    break;
+                }
+                if neighbour.owner() == need.slot && neighbour.pending().is_empty() {
+                    self.unlist(next);
+                } else {
+                    self.take_over(backend, next, need.slot, epoch)?;
+                }
+                self.merge_into(start, next);
+            }
+            self.list(start);
+        }
+        Ok(!starts.is_empty())
+    }
+
+    /// Takes the listed free block `key` out of its list for `slot`, which waits on the
+    /// device for its events and former owner's work: it becomes `slot`'s ready block.
+    fn take_over<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        slot: StreamSlot,
+        epoch: u32,
+    ) -> Result<(), AllocError> {
+        self.unlist(key);
+        self.wait_for_block(backend, key, slot)?;
+        for event in self.arena.take_pending(key) {
+            self.events.release(event, &mut self.stats);
+        }
+        self.arena.adopt(key, slot, epoch);
+        Ok(())
     }
 
     /// Maps at least `shortfall` bytes into `need.slot`'s reservation (mapping only, no
@@ -129,9 +282,8 @@ impl State {
     }
 
     /// The smallest dormant stitch of `memory_pool` that fits `need` within
-    /// [`REVIVE_SLACK`] and whose pages all lie in free blocks now (ready blocks of
-    /// `need.slot` unless `waits` allows any).
-    fn revivable(&self, need: Need, memory_pool: PoolId, page: u64, waits: bool) -> Option<usize> {
+    /// [`REVIVE_SLACK`] and whose pages all lie in free blocks now that `pages` allows.
+    fn revivable(&self, need: Need, memory_pool: PoolId, page: u64, pages: Pages) -> Option<usize> {
         let slack = (need.size / REVIVE_SLACK).max(page);
         let mut best: Option<(u64, usize)> = None;
         for (index, stitch) in self.stitches.dormant().iter().enumerate() {
@@ -143,15 +295,32 @@ impl State {
                 continue;
             }
             if stitch.sources.iter().all(|source| {
-                self.free_block_over(source).is_some_and(|key| {
-                    let block = self.arena.block(key);
-                    waits || (block.owner() == need.slot && block.pending().is_empty())
-                })
+                self.free_block_over(source)
+                    .is_some_and(|key| self.may_take(key, need.slot, pages))
             }) {
                 best = Some((stitch.size, index));
             }
         }
         best.map(|(_, index)| index)
+    }
+
+    /// True if a stitch for `slot` taking `pages` may take the free block `key`.
+    fn may_take(&self, key: BlockKey, slot: StreamSlot, pages: Pages) -> bool {
+        let block = self.arena.block(key);
+        let own_ready = block.owner() == slot && block.pending().is_empty();
+        match pages {
+            Pages::Own => own_ready,
+            Pages::NoWait => {
+                own_ready
+                    || (block.pending().is_empty()
+                        && self
+                            .streams
+                            .get(block.owner())
+                            .fences
+                            .is_idle(block.freed_epoch()))
+            }
+            Pages::Any => true,
+        }
     }
 
     /// The listed free block that holds all of `source`, if one does.
@@ -168,30 +337,31 @@ impl State {
     /// first (fewest mappings), and for what remains the smallest run that covers it (so a
     /// large run is not cut for a little). If the pool's free pages fall short, the bytes
     /// they lack (0 if there are none at all, or if covering would take more than
-    /// [`MAX_SOURCES`] runs: growing is then the better choice).
+    /// `max_sources` runs: growing is then the better choice), with the blocks of the runs
+    /// a stitch would take once the shortfall is grown.
     fn pick_free_pages(
         &self,
         need: Need,
         memory_pool: PoolId,
         page: u64,
-        waits: bool,
-    ) -> Result<Vec<Pick>, u64> {
+        pages: Pages,
+        max_sources: usize,
+    ) -> Result<Vec<Pick>, Shortfall> {
         let want = need.size.div_ceil(page) * page;
         let mut runs: Vec<Pick> = Vec::new();
         for &index in self.streams.free_slots() {
             let state = self.streams.get(index);
-            let own = index == need.slot;
-            if state.pool != memory_pool || !(own || waits) {
+            if state.pool != memory_pool || (pages == Pages::Own && index != need.slot) {
                 continue;
             }
             let lists = [
                 Some(&state.ready[need.pool as usize]),
-                waits.then_some(&state.pending[need.pool as usize]),
+                (pages == Pages::Any).then_some(&state.pending[need.pool as usize]),
             ];
             for list in lists.into_iter().flatten() {
                 for key in list.keys_at_least(page) {
                     let block = self.arena.block(key);
-                    if !block.is_expandable() {
+                    if !block.is_expandable() || !self.may_take(key, need.slot, pages) {
                         continue;
                     }
                     let (addr, len) = whole_pages(block.addr(), block.size(), page);
@@ -208,14 +378,21 @@ impl State {
         // Largest first; among equals, lowest address first, so choices are deterministic.
         runs.sort_unstable_by(|a, b| b.len.cmp(&a.len).then(a.addr.cmp(&b.addr)));
         // What the largest runs lack (one source is left for the memory grown for it).
-        let usable: u64 = runs.iter().take(MAX_SOURCES - 1).map(|run| run.len).sum();
+        let usable: u64 = runs.iter().take(max_sources - 1).map(|run| run.len).sum();
         if usable < want {
-            return Err(if usable > 0 { want - usable } else { 0 });
+            return Err(Shortfall {
+                bytes: if usable > 0 { want - usable } else { 0 },
+                runs: runs
+                    .iter()
+                    .take(max_sources - 1)
+                    .map(|run| run.block)
+                    .collect(),
+            });
         }
         let mut picks = Vec::new();
         let mut got = 0;
         let mut rest = runs.as_slice();
-        while got < want && picks.len() < MAX_SOURCES {
+        while got < want && picks.len() < max_sources {
             let left = want - got;
             // The smallest run that covers what is left ends the search.
             if let Some(last) = rest.iter().rev().find(|run| run.len >= left) {
@@ -233,7 +410,10 @@ impl State {
         if got >= want {
             Ok(picks)
         } else {
-            Err(0)
+            Err(Shortfall {
+                bytes: 0,
+                runs: Vec::new(),
+            })
         }
     }
 
@@ -402,10 +582,9 @@ impl State {
         requested: u64,
         now: u64,
     ) -> Allocation {
-        let block = self.arena.hand_out(key, slot, requested);
-        let (addr, size) = (block.addr(), block.size());
+        let addr = self.arena.hand_out(key, slot, requested).addr();
         self.allocated.insert(addr, key);
-        self.account_alloc(addr, size, slot, requested, now)
+        self.account_alloc(key, slot, requested, now)
     }
 
     /// Frees the handed-out stitched block `key`: the counters as for any free, then the
@@ -421,20 +600,17 @@ impl State {
         let block = self.arena.block(key);
         let (addr, size, requested, owner) =
             (block.addr(), block.size(), block.requested(), block.owner());
-        let uses = self.arena.free(key);
+        let kind = super::torch_stats::stat_kind(block);
+        let epoch = self.streams.get(owner).fences.epoch();
+        let uses = self.arena.free(key, epoch);
         self.allocated.remove(&addr);
-        let stats = &mut self.stats;
-        stats.allocated_bytes.sub(size);
-        stats.requested_bytes.sub(requested);
-        stats.active_bytes.sub(size);
-        stats.frees += 1;
+        self.stats.returned(kind, size, requested);
         if self.pools.capture_underway() {
             // Recording the range's events now would put them into the capture: it stays
             // allocated to nobody until the captures end (`complete_deferred_frees`).
             self.note(backend, TraceAction::FreeRequested, addr, size, owner);
             self.arena.withhold(key);
-            self.stats.pending_free_bytes.add(size);
-            self.stats.active_bytes.add(size);
+            self.stats.pending_in(kind, size);
             self.deferred_frees.push((key, addr, uses));
             return Ok(());
         }
@@ -456,6 +632,7 @@ impl State {
         uses: &[StreamSlot],
     ) -> Result<(), BackendError> {
         let owner = self.arena.block(key).owner();
+        let epoch = self.streams.get(owner).fences.epoch();
         let mut last_use = ThinVec::new();
         for &slot in std::iter::once(&owner).chain(uses) {
             match self
@@ -479,7 +656,12 @@ impl State {
                 }
             }
         }
-        self.park_stitch(key, last_use);
+        // The owner's event is a fence too: it covers the range's pages, and every block
+        // the owner freed before, for whichever stream takes them next.
+        let fence = last_use[0];
+        self.events.retain(fence);
+        self.streams.get_mut(owner).fences.push(fence);
+        self.park_stitch(key, last_use, epoch);
         self.evict_idle_stitches(backend)
     }
 
@@ -487,15 +669,15 @@ impl State {
     /// need no events.
     pub(super) fn return_stitch_idle(&mut self, key: BlockKey) {
         let addr = self.arena.block(key).addr();
-        self.park_stitch(key, ThinVec::new());
+        self.park_stitch(key, ThinVec::new(), 0);
         tracing::debug!(addr, "stitched range returned after a synchronisation");
     }
 
     /// Takes the lent blocks of the freed stitched block `key` back as free blocks of its
-    /// owner, pending on `last_use` past its first event (the owner's own, which its stream
-    /// order covers), forgets the range's segment and keeps the stitch dormant with
-    /// `last_use`.
-    fn park_stitch(&mut self, key: BlockKey, last_use: ThinVec<EventKey>) {
+    /// owner, freed in the owner's `epoch` and pending on `last_use` past its first event
+    /// (the owner's own, which its stream order and its fences cover), forgets the range's
+    /// segment and keeps the stitch dormant with `last_use`.
+    fn park_stitch(&mut self, key: BlockKey, last_use: ThinVec<EventKey>, epoch: u32) {
         let (owner, segment) = {
             let block = self.arena.block(key);
             (block.owner(), block.segment())
@@ -506,7 +688,7 @@ impl State {
             .expect("a stitched block's segment has an active stitch");
         let others = last_use.get(1..).unwrap_or(&[]);
         for &lent in &stitch.lent {
-            self.arena.take_back(lent, owner);
+            self.arena.take_back(lent, owner, epoch);
             for &event in others {
                 self.events.retain(event);
                 self.arena.add_pending(lent, event);

@@ -1,7 +1,7 @@
 //! The only door from the engine to a device.
 //!
-//! Everything the allocator needs from CUDA is one method here: segments, events, waits
-//! and a clock. The engine is generic over [`Backend`], so the same policy code runs on
+//! Everything the allocator needs from CUDA is one method here: segments, events, waits,
+//! a clock, virtual memory and, for sleeping memory's backup, host buffers and copies. The engine is generic over [`Backend`], so the same policy code runs on
 //! the real driver (`cuda`, behind the `cuda` feature) and on the deterministic
 //! simulator ([`sim`]) that every CI test uses.
 //!
@@ -14,13 +14,14 @@
 //! - Methods take `&self` and may be called from many threads; the allocator serialises
 //!   its own calls under its lock.
 
+pub mod ipc;
 pub mod sim;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
 use crate::error::BackendError;
-use crate::types::{DevicePtr, EventHandle, StreamId};
+use crate::types::{DevicePtr, EventHandle, HostPtr, StreamId};
 use std::sync::Arc;
 
 /// Result of a backend call.
@@ -150,11 +151,63 @@ pub trait Backend: Send + Sync {
     fn unmap_pages(&self, _ptr: DevicePtr, _size: u64) -> BackendResult<()> {
         Err(unsupported("cuMemUnmap"))
     }
+
+    /// Like [`Backend::map_pages`], but backs the whole range with one physical allocation
+    /// whatever [`Backend::set_page_allocations`] says: for memory that is never stitched
+    /// and goes back to the device whole (a sleeping memory pool, see `allocator::sleep`),
+    /// where each allocation costs a driver call to make and another to release.
+    fn map_pages_whole(&self, _ptr: DevicePtr, _size: u64) -> BackendResult<()> {
+        Err(unsupported("cuMemCreate"))
+    }
+
+    // ---- Host memory (the backup of sleeping memory) -----------------------------------
+    //
+    // Page-locked host buffers and copies between them and device memory, on one stream
+    // of the backend's own (`cuMemHostAlloc`, `cuMemcpyDtoHAsync`, `cuMemcpyHtoDAsync`,
+    // `cuStreamSynchronize`). A copy is ordered after the work the host has seen complete
+    // when it is issued, and nothing else: the caller waits for the memory's users first.
+    // Backends without them keep the defaults, and sleeping with a backup is refused.
+
+    /// Allocates `size` bytes of page-locked host memory.
+    fn alloc_host(&self, _size: u64) -> BackendResult<HostPtr> {
+        Err(unsupported_host("cuMemHostAlloc"))
+    }
+
+    /// Frees a buffer of [`Backend::alloc_host`]; no copy may still use it (the caller
+    /// synchronised the copies first).
+    fn free_host(&self, _ptr: HostPtr, _size: u64) -> BackendResult<()> {
+        Err(unsupported_host("cuMemFreeHost"))
+    }
+
+    /// Enqueues a copy of `[src, src + size)` of device memory to `dst`, inside a buffer of
+    /// [`Backend::alloc_host`], on the backend's copy stream.
+    fn copy_to_host(&self, _dst: HostPtr, _src: DevicePtr, _size: u64) -> BackendResult<()> {
+        Err(unsupported_host("cuMemcpyDtoHAsync"))
+    }
+
+    /// Enqueues a copy of `size` bytes of the host buffer at `src` to device memory at
+    /// `dst`, on the backend's copy stream.
+    fn copy_to_device(&self, _dst: DevicePtr, _src: HostPtr, _size: u64) -> BackendResult<()> {
+        Err(unsupported_host("cuMemcpyHtoDAsync"))
+    }
+
+    /// Blocks the host until every copy enqueued so far has completed.
+    fn synchronize_copies(&self) -> BackendResult<()> {
+        Err(unsupported_host("cuStreamSynchronize"))
+    }
 }
 
 /// The error of a virtual-memory call on a backend without virtual memory.
 fn unsupported(operation: &'static str) -> BackendError {
     BackendError::new(operation, "virtual memory is not supported by this backend")
+}
+
+/// The error of a host-memory call on a backend without host memory.
+fn unsupported_host(operation: &'static str) -> BackendError {
+    BackendError::new(
+        operation,
+        "host memory and copies are not supported by this backend",
+    )
 }
 
 impl<B: Backend + ?Sized> Backend for Arc<B> {
@@ -224,5 +277,23 @@ impl<B: Backend + ?Sized> Backend for Arc<B> {
     }
     fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         (**self).unmap_pages(ptr, size)
+    }
+    fn map_pages_whole(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        (**self).map_pages_whole(ptr, size)
+    }
+    fn alloc_host(&self, size: u64) -> BackendResult<HostPtr> {
+        (**self).alloc_host(size)
+    }
+    fn free_host(&self, ptr: HostPtr, size: u64) -> BackendResult<()> {
+        (**self).free_host(ptr, size)
+    }
+    fn copy_to_host(&self, dst: HostPtr, src: DevicePtr, size: u64) -> BackendResult<()> {
+        (**self).copy_to_host(dst, src, size)
+    }
+    fn copy_to_device(&self, dst: DevicePtr, src: HostPtr, size: u64) -> BackendResult<()> {
+        (**self).copy_to_device(dst, src, size)
+    }
+    fn synchronize_copies(&self) -> BackendResult<()> {
+        (**self).synchronize_copies()
     }
 }

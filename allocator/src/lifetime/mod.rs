@@ -11,6 +11,9 @@
 //!   stream wait for them on the device (`cuStreamWaitEvent`, ~97 ns) instead of holding
 //!   the block out of circulation until the host sees the events complete (PyTorch's
 //!   `record_stream`, which piles blocks up while the host runs ahead).
+//! - Another stream's free block is taken after a wait for its owner's work up to the
+//!   free, not for everything the owner has queued since: streams record *fences* as they
+//!   free ([`fences`]), and a block a completed fence covers needs no wait at all.
 //! - Events are queried rarely and in batches ([`streams::StreamState::in_flight`]), since a
 //!   query (~1.25 µs) costs more than a wait.
 //! - Memory pools ([`pools`]) add a second axis: a block serves only allocations of its own
@@ -18,6 +21,7 @@
 //!   because a captured graph replays into addresses, not into tensors.
 
 pub(crate) mod events;
+pub(crate) mod fences;
 pub(crate) mod pools;
 pub(crate) mod streams;
 

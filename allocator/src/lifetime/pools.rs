@@ -7,13 +7,14 @@
 //! every graph using it is destroyed: PyTorch's private pools. `torch.cuda.MemPool` is
 //! the same mechanism without a graph.
 //!
-//! This table holds only the use counts, as PyTorch's `createOrIncrefPool`,
-//! `releasePool` and `getPoolUseCount` define them; which blocks belong to a pool is the
-//! stream table's business (a slot is a stream in one pool), and what a pool's memory may
-//! be used for is the policy's.
+//! This table holds the use counts, as PyTorch's `createOrIncrefPool`, `releasePool` and
+//! `getPoolUseCount` define them, and the rules a pool was given before it allocated
+//! (whole segments, no splitting); which blocks belong to a pool is the stream table's
+//! business (a slot is a stream in one pool), and what a pool's memory may be used for is
+//! the policy's.
 
 use crate::types::PoolId;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// The pools other than the default one, by id.
 #[derive(Debug, Default)]
@@ -22,6 +23,12 @@ pub(crate) struct PoolTable {
     /// Pools being allocated to (a graph capture or `use_mem_pool` under way), one entry per
     /// begin not yet ended.
     underway: Vec<PoolId>,
+    /// Pools that grow by whole segments from `Backend::alloc_segment` whatever the
+    /// allocator's growth: a pool whose segments come from another allocator
+    /// (`MemPool(allocator=...)`), and every pool that never splits.
+    whole_segments: HashSet<PoolId>,
+    /// Pools whose blocks are never split (`MemPool(no_split=True)`).
+    no_split: HashSet<PoolId>,
 }
 
 impl PoolTable {
@@ -82,10 +89,38 @@ impl PoolTable {
         !pool.is_default() && self.uses(pool) > 0
     }
 
-    /// Forgets released pools that `has_memory` says hold nothing any more.
+    /// Forgets released pools that `has_memory` says hold nothing any more, with their
+    /// rules.
     pub(crate) fn forget_empty(&mut self, has_memory: impl Fn(PoolId) -> bool) {
         self.uses
             .retain(|&pool, uses| *uses > 0 || has_memory(pool));
+        let uses = &self.uses;
+        self.whole_segments.retain(|pool| uses.contains_key(pool));
+        self.no_split.retain(|pool| uses.contains_key(pool));
+    }
+
+    /// Makes `pool` grow by whole segments (see the field).
+    pub(crate) fn set_whole_segments(&mut self, pool: PoolId) {
+        self.whole_segments.insert(pool);
+    }
+
+    /// Makes `pool` never split its blocks; it grows by whole segments.
+    pub(crate) fn set_no_split(&mut self, pool: PoolId) {
+        self.no_split.insert(pool);
+        self.whole_segments.insert(pool);
+    }
+
+    /// True if `pool` grows by whole segments whatever the allocator's growth. One branch
+    /// for the default pool and while no pool has the rule.
+    #[inline]
+    pub(crate) fn grows_whole(&self, pool: PoolId) -> bool {
+        !pool.is_default() && !self.whole_segments.is_empty() && self.whole_segments.contains(&pool)
+    }
+
+    /// True if `pool`'s blocks are never split.
+    #[inline]
+    pub(crate) fn never_splits(&self, pool: PoolId) -> bool {
+        !pool.is_default() && !self.no_split.is_empty() && self.no_split.contains(&pool)
     }
 
     /// Pools known (live, or released with memory still held).
@@ -128,5 +163,22 @@ mod tests {
         pools.forget_empty(|_| false);
         assert_eq!(pools.len(), 0);
         assert!(pools.is_live(PoolId::DEFAULT) && !pools.pins_memory(PoolId::DEFAULT));
+    }
+
+    #[test]
+    fn a_pools_rules_last_as_long_as_the_pool() {
+        let mut pools = PoolTable::default();
+        let (nccl, unsplit) = (PoolId(4, 0), PoolId(5, 0));
+        pools.incref(nccl);
+        pools.incref(unsplit);
+        pools.set_whole_segments(nccl);
+        pools.set_no_split(unsplit);
+        assert!(pools.grows_whole(nccl) && !pools.never_splits(nccl));
+        assert!(pools.grows_whole(unsplit) && pools.never_splits(unsplit));
+        assert!(!pools.grows_whole(PoolId::DEFAULT) && !pools.never_splits(PoolId::DEFAULT));
+        pools.release(unsplit);
+        pools.forget_empty(|_| false);
+        assert!(pools.grows_whole(nccl), "still in use");
+        assert!(!pools.grows_whole(unsplit) && !pools.never_splits(unsplit));
     }
 }

@@ -12,6 +12,7 @@
 //! stream on the device, before its bytes are reused. Handing any free block of `s` to
 //! another stream `t` additionally needs `t` to wait for `s`'s own queued work.
 
+use super::fences::Fences;
 use super::EventKey;
 use crate::pool::arena::{BlockKey, StreamSlot};
 use crate::pool::free_list::FreeList;
@@ -45,6 +46,8 @@ pub(crate) struct StreamState {
     /// one stream complete in order, so a completion pass stops at the first incomplete
     /// one: each event is queried about once.
     pub(crate) in_flight: VecDeque<EventKey>,
+    /// The stream's free epochs and the fences that cover them.
+    pub(crate) fences: Fences,
     /// The slot is in [`StreamTable::hot_slots`].
     in_hot_slots: bool,
     /// The slot is in [`StreamTable::free_slots`].
@@ -222,6 +225,7 @@ impl StreamTable {
             pending: Default::default(),
             hot: HotList::default(),
             in_flight: VecDeque::new(),
+            fences: Fences::default(),
             in_hot_slots: false,
             in_free_slots: false,
         });

@@ -70,6 +70,10 @@ pub(crate) struct Block {
     stitched: bool,
     /// Which of the allocator's structures may hold the block (see [`BlockUse`]).
     state: BlockUse,
+    /// While free: the owner's free epoch when its bytes were last used
+    /// (`lifetime::fences`); 0 for memory never used. What another stream taking it waits
+    /// for. (In the line's last four bytes, which were padding.)
+    freed_epoch: u32,
 }
 
 const _: () = assert!(std::mem::size_of::<Block>() == 64);
@@ -191,6 +195,12 @@ impl Block {
     #[inline]
     pub(crate) fn pool(&self) -> PoolKind {
         self.pool
+    }
+
+    /// While free: the owner's epoch of its last use (see the field).
+    #[inline]
+    pub(crate) fn freed_epoch(&self) -> u32 {
+        self.freed_epoch
     }
 
     /// Its segment is expandable.
@@ -404,13 +414,14 @@ impl Arena {
         block.requested = 0;
     }
 
-    /// Takes back the allocated block `key` (Allocated → Free) and returns the other
-    /// streams recorded as using it.
+    /// Takes back the allocated block `key` (Allocated → Free), freed in its owner's epoch
+    /// `epoch`, and returns the other streams recorded as using it.
     #[inline]
-    pub(crate) fn free(&mut self, key: BlockKey) -> ThinVec<StreamSlot> {
+    pub(crate) fn free(&mut self, key: BlockKey, epoch: u32) -> ThinVec<StreamSlot> {
         use BlockUse::{Allocated, Free};
         let block = self.transition(key, "free", &[Allocated], Free);
         block.requested = 0;
+        block.freed_epoch = epoch;
         std::mem::take(&mut block.uses)
     }
 
@@ -444,7 +455,9 @@ impl Arena {
     /// block it now is (Unmapped → Free).
     pub(crate) fn mark_mapped(&mut self, key: BlockKey, owner: StreamSlot) {
         use BlockUse::{Free, Unmapped};
-        self.transition(key, "mark_mapped", &[Unmapped], Free).owner = owner;
+        let block = self.transition(key, "mark_mapped", &[Unmapped], Free);
+        block.owner = owner;
+        block.freed_epoch = 0;
     }
 
     /// Lends the free, unlisted block `key` of whole pages to a stitched range (Free →
@@ -460,10 +473,36 @@ impl Arena {
     }
 
     /// Takes back the lent block `key` from a stitched range that was freed, as a free
-    /// block of `owner`, the stream that freed the range (Lent → Free).
-    pub(crate) fn take_back(&mut self, key: BlockKey, owner: StreamSlot) {
+    /// block of `owner`, the stream that freed the range, in its epoch `epoch` (Lent → Free).
+    pub(crate) fn take_back(&mut self, key: BlockKey, owner: StreamSlot, epoch: u32) {
         use BlockUse::{Free, Lent};
-        self.transition(key, "take_back", &[Lent], Free).owner = owner;
+        let block = self.transition(key, "take_back", &[Lent], Free);
+        block.owner = owner;
+        block.freed_epoch = epoch;
+    }
+
+    /// Gives the free, unlisted block `key`, whose events were settled (its new owner's
+    /// stream waited for them and for its former owner's work), to `owner`, as freed in
+    /// `owner`'s epoch `epoch` (Free → Free).
+    pub(crate) fn adopt(&mut self, key: BlockKey, owner: StreamSlot, epoch: u32) {
+        let block = &mut self.blocks[key];
+        debug_assert!(
+            block.is_free() && block.pending.is_empty(),
+            "adopt: block {key} is {:?} or carries events",
+            block.state
+        );
+        block.owner = owner;
+        block.freed_epoch = epoch;
+    }
+
+    /// Marks the free block `key` as idle for every stream (after a device-wide
+    /// synchronisation, whoever owned it).
+    pub(crate) fn mark_idle(&mut self, key: BlockKey) {
+        debug_assert!(
+            self.blocks[key].is_free(),
+            "mark_idle: block {key} is not free"
+        );
+        self.blocks[key].freed_epoch = 0;
     }
 
     // ---- Fields that change within a state ---------------------------------------------
@@ -546,6 +585,7 @@ impl Arena {
             expandable,
             stitched: false,
             state: BlockUse::Free,
+            freed_epoch: 0,
         });
         self.segments.insert(Segment {
             addr,
@@ -623,6 +663,7 @@ impl Arena {
             } else {
                 BlockUse::Free
             },
+            freed_epoch: block.freed_epoch,
         };
         let next = right.next.get();
         let right = self.blocks.insert(right);
@@ -662,6 +703,8 @@ impl Arena {
         let block = &mut self.blocks[left];
         block.size += removed.size;
         block.next = removed.next;
+        block.freed_epoch =
+            crate::lifetime::fences::later_epoch(block.freed_epoch, removed.freed_epoch);
         self.debug_check_tiling(left);
         removed.pending
     }
@@ -789,11 +832,11 @@ mod tests {
             [2],
             "the owner and repeats are not uses"
         );
-        assert_eq!(&arena.free(head)[..], [2]);
+        assert_eq!(&arena.free(head, 1)[..], [2]);
         assert_eq!(arena.block(head).requested(), 0);
         arena.park_hot(head);
         arena.hand_out(head, 1, 512);
-        arena.free(head);
+        arena.free(head, 1);
         arena.park_hot(head);
         arena.unpark(head);
         arena.mark_unmapped(head);

@@ -73,8 +73,11 @@ pub(crate) struct ExpandableTable {
     pub(crate) page: u64,
     /// Size of each address reservation, a multiple of `page`.
     pub(crate) reservation: u64,
-    /// The segment serving each (stream, pool).
-    by_owner: HashMap<(StreamSlot, PoolKind), SegmentKey>,
+    /// The segments serving each (stream, pool), the first reserved first. A stream has one
+    /// until, under a memory limit, no unmapped stretch of its reservations holds a request
+    /// that the limit has room for: a second reservation then gives the contiguous room
+    /// (address space costs no memory).
+    by_owner: HashMap<(StreamSlot, PoolKind), Vec<SegmentKey>>,
     /// Per segment: unmapped blocks by address.
     unmapped: HashMap<SegmentKey, BTreeMap<u64, BlockKey>>,
     /// Bytes mapped over all expandable segments (part of `reserved_bytes`).
@@ -92,6 +95,10 @@ pub(crate) struct ExpandableTable {
     /// Every mapping (one physical allocation each): address → bytes. Unmapping must take
     /// whole mappings (`cuMemUnmap`'s rule).
     mappings: BTreeMap<u64, u64>,
+    /// Every page is its own physical allocation (`Backend::set_page_allocations`), so any
+    /// whole free page can be unmapped alone: on while stitching is on or a memory limit
+    /// is in force. Off, runs are mapped in pieces of up to [`ExpandableTable::chunk`].
+    pub(crate) page_granular: bool,
 }
 
 impl ExpandableTable {
@@ -110,12 +117,20 @@ impl ExpandableTable {
             clock_start_ns: None,
             reclaim_ns: 0,
             mappings: BTreeMap::new(),
+            page_granular: false,
         }
     }
 
-    /// The segment that serves `stream` in `pool`, if made.
+    /// The first segment that serves `stream` in `pool`, if made.
     pub(crate) fn segment_of(&self, stream: StreamSlot, pool: PoolKind) -> Option<SegmentKey> {
-        self.by_owner.get(&(stream, pool)).copied()
+        self.segments_of(stream, pool).first().copied()
+    }
+
+    /// Every segment that serves `stream` in `pool`, the first reserved first.
+    pub(crate) fn segments_of(&self, stream: StreamSlot, pool: PoolKind) -> &[SegmentKey] {
+        self.by_owner
+            .get(&(stream, pool))
+            .map_or(&[], |segments| segments.as_slice())
     }
 
     /// Registers a new segment for `(stream, pool)`, wholly unmapped as block `head`.
@@ -131,13 +146,19 @@ impl ExpandableTable {
             addr.is_multiple_of(self.page),
             "reservation at {addr:#x} is not page-aligned"
         );
-        self.by_owner.insert((stream, pool), segment);
+        self.by_owner
+            .entry((stream, pool))
+            .or_default()
+            .push(segment);
         self.unmapped.entry(segment).or_default().insert(addr, head);
     }
 
     /// Forgets a segment (its reservation was released).
     pub(crate) fn remove(&mut self, segment: SegmentKey) {
-        self.by_owner.retain(|_, s| *s != segment);
+        self.by_owner.retain(|_, segments| {
+            segments.retain(|&s| s != segment);
+            !segments.is_empty()
+        });
         self.unmapped.remove(&segment);
     }
 
@@ -202,8 +223,24 @@ impl ExpandableTable {
     /// page, where the remainder of the block's free neighbour begins: the next small
     /// request lands there. Mapped on its own, that page is all such a request pins, so the
     /// rest can be unmapped once the large block is freed.
+    /// With [`ExpandableTable::page_granular`] the run is one call: the backend backs each
+    /// page with its own allocation and grants access to the run at once.
     pub(crate) fn pieces(&self, addr: u64, size: u64) -> impl Iterator<Item = (u64, u64)> {
+        self.pieces_as(addr, size, self.page_granular)
+    }
+
+    /// [`ExpandableTable::pieces`] with `page_granular` given (off for memory mapped whole
+    /// whatever the table's mode: a tagged pool's, see `allocator::sleep`).
+    pub(crate) fn pieces_as(
+        &self,
+        addr: u64,
+        size: u64,
+        page_granular: bool,
+    ) -> impl Iterator<Item = (u64, u64)> {
         debug_assert!(addr.is_multiple_of(self.page) && size.is_multiple_of(self.page));
+        if page_granular {
+            return Pieces::Whole(Some((addr, size)));
+        }
         // A long run needs no more than RUN_PIECES mappings whatever the peak: the block
         // that causes it covers it all, so finer pieces would only add driver calls.
         let chunk = self
@@ -216,15 +253,30 @@ impl ExpandableTable {
             size
         };
         let last_page = (bulk < size).then_some((addr + bulk, self.page));
-        (addr..addr + bulk)
-            .step_by(chunk as usize)
-            .map(move |start| (start, chunk.min(addr + bulk - start)))
-            .chain(last_page)
+        Pieces::Chunked(
+            (addr..addr + bulk)
+                .step_by(chunk as usize)
+                .map(move |start| (start, chunk.min(addr + bulk - start)))
+                .chain(last_page),
+        )
     }
 
-    /// Records a mapping made by one `map_pages` call.
+    /// Records a mapping made by one `map_pages` call: one per page when every page is its
+    /// own allocation.
     pub(crate) fn add_mapping(&mut self, addr: u64, size: u64) {
-        self.mappings.insert(addr, size);
+        self.add_mapping_as(addr, size, self.page_granular);
+    }
+
+    /// [`ExpandableTable::add_mapping`] of a call that made one allocation per page or not,
+    /// whatever the table's mode.
+    pub(crate) fn add_mapping_as(&mut self, addr: u64, size: u64, per_page: bool) {
+        if per_page {
+            for page in (addr..addr + size).step_by(self.page as usize) {
+                self.mappings.insert(page, self.page);
+            }
+        } else {
+            self.mappings.insert(addr, size);
+        }
     }
 
     /// The mappings lying wholly inside `[addr, addr + size)`, lowest first. Inside one
@@ -255,6 +307,23 @@ impl ExpandableTable {
             .collect();
         for start in gone {
             self.mappings.remove(&start);
+        }
+    }
+}
+
+/// What [`ExpandableTable::pieces`] yields: the run whole, or cut in chunks.
+enum Pieces<C> {
+    Whole(Option<(u64, u64)>),
+    Chunked(C),
+}
+
+impl<C: Iterator<Item = (u64, u64)>> Iterator for Pieces<C> {
+    type Item = (u64, u64);
+
+    fn next(&mut self) -> Option<(u64, u64)> {
+        match self {
+            Pieces::Whole(run) => run.take(),
+            Pieces::Chunked(chunks) => chunks.next(),
         }
     }
 }

@@ -5,6 +5,7 @@
 //! - `free_list`: best-fit sets of free blocks.
 //! - `expandable`: address reservations with pages mapped on demand (expandable segments).
 //! - `stitch`: free pages of expandable segments mapped a second time into one range.
+//! - [`sleep`]: tags, and what a sleeping memory pool gave back and kept.
 //!
 //! Which free list a block belongs in (its stream, whether it awaits events) is the
 //! lifetime layer's decision, in `crate::lifetime`.
@@ -13,6 +14,7 @@ pub(crate) mod arena;
 pub(crate) mod expandable;
 pub(crate) mod free_list;
 pub mod size;
+pub mod sleep;
 pub(crate) mod stitch;
 
 pub use size::{

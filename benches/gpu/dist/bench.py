@@ -3,27 +3,14 @@
 allocated, step time, losses, and whether streamalloc maps or unmaps pages once warm.
 
     python3 bench.py OUT [--ngpu N] [--dry-run]          # the driver (run.sh calls it)
-    torchrun --standalone --nproc-per-node N bench.py --worker ROW COLUMN PREFIX
-    python3 bench.py --door RESULT.json                  # builds streamalloc's native door
 
-Rows (workloads), in this order:
-  fsdp2_gpt2    FSDP2 (fully_shard per block and the root, bf16 parameters, fp32 gradient
-                reduction) on GPT-2 small, AdamW, batch 8, sequence length drawn per step
-                from 128..1024 (seeded, the same on every rank)
-  fsdp2_ckpt    the same with activation checkpointing on every block of a Llama-style model
-                (hidden 1024, 12 layers, 16 heads, vocabulary 32000), batch 4, 128..2048
-  ddp_gpt2      DDP on GPT-2 small (fp32), batch 8 x 512
-  tp_allreduce  a tensor-parallel MLP (x @ W1 shard, gelu, @ W2 shard, all_reduce of the
-                output), bf16, hidden 4096, 8192 tokens
-Columns: pt (PyTorch's allocator), pt_expandable (PYTORCH_CUDA_ALLOC_CONF=
-expandable_segments:True), sa (streamalloc, default configuration).
+Rows: fsdp2_gpt2, fsdp2_ckpt, ddp_gpt2 and tp_allreduce of `workloads.py` (which says what
+each trains), in this order. Columns: pt (PyTorch's allocator), pt_expandable
+(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), sa (streamalloc, default configuration).
 
-Each (row, column) is its own torchrun launch with a timeout; the columns of a row run back
-to back. Models are built from configs with random weights (no network), the same seed on
-every rank; each rank draws its own tokens from a seeded generator, the same in every
-column, so losses are comparable across columns. Dropout is off for the same reason.
-Every rank writes OUT/results/ROW__COLUMN.rankR.json; the driver writes OUT/runs.json and
-OUT/table.md and prints the table last.
+Each (row, column) is its own torchrun launch of `workloads.py --worker` with a timeout; the
+columns of a row run back to back. Every rank writes OUT/results/ROW__COLUMN.rankR.json; the
+driver writes OUT/runs.json and OUT/table.md and prints the table last.
 
 Knobs (environment): DIST_ROWS, DIST_COLUMNS (comma-separated subsets), DIST_STEPS (timed
 steps of every row; default 12, tp_allreduce 30), DIST_WARMUP (untimed steps first, 3),
@@ -36,19 +23,21 @@ import argparse
 import datetime
 import json
 import os
-import random
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from driverlib import last_error_line as any_error_line  # noqa: E402
+
+sys.path.insert(0, HERE)
+from workloads import COLUMNS, COMMON_ENV, SA_COUNTERS, env_int, write_json  # noqa: E402
+
+WORKLOADS = os.path.join(HERE, "workloads.py")
 
 # (row, label, default timed steps)
 ROWS = [
@@ -57,37 +46,9 @@ ROWS = [
     ("ddp_gpt2", "DDP GPT-2 small, fp32, 8 x 512", 12),
     ("tp_allreduce", "TP MLP + all_reduce, bf16, 8192 x 4096", 30),
 ]
-# (column, header, allocator environment; None = unset)
-COLUMNS = [
-    ("pt", "PyTorch", {"PYTORCH_CUDA_ALLOC_CONF": None, "STREAMALLOC_CONF": None}),
-    ("pt_expandable", "PyTorch expandable_segments:True",
-     {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "STREAMALLOC_CONF": None}),
-    ("sa", "streamalloc default", {"PYTORCH_CUDA_ALLOC_CONF": None, "STREAMALLOC_CONF": None}),
-]
-# NVLink multicast stays off in every launch: it is not available on every host.
-COMMON_ENV = {
-    "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "4",
-}
-# streamalloc's counters of its own work, compared before and after the timed steps.
-SA_COUNTERS = ("page_map_bytes", "page_unmap_bytes", "device_syncs", "stitches", "stitch_revivals",
-               "stitched_map_bytes", "stitch_evictions", "segment_allocs", "segment_frees", "retries", "ooms")
 SA_SHOWN = (("page_map_bytes", "map"), ("page_unmap_bytes", "unmap"), ("device_syncs", "syncs"),
             ("stitches", "stitches"), ("stitch_revivals", "revivals"))
 DOOR_TIMEOUT = 300
-GPT2_VOCAB = 50257
-LLAMA_VOCAB = 32000
-
-
-def env_int(name, default):
-    value = os.environ.get(name)
-    if not value:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"{name}={value!r} is not an integer")
 
 
 def pick(knob, known):
@@ -104,277 +65,6 @@ def pick(knob, known):
 
 def timed_steps(row):
     return env_int("DIST_STEPS", dict((r, s) for r, _, s in ROWS)[row])
-
-
-# ---------------------------------------------------------------- worker (one rank) ----
-
-def check_env(col):
-    """Refuses a column whose environment does not say what the column claims."""
-    pt = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    want = "expandable_segments:True" if col == "pt_expandable" else ""
-    if pt != want:
-        raise RuntimeError(f"column {col} needs PYTORCH_CUDA_ALLOC_CONF={want!r}, found {pt!r}")
-    sa = os.environ.get("STREAMALLOC_CONF")
-    if col == "sa" and sa:
-        raise RuntimeError(f"column sa measures streamalloc's default: unset STREAMALLOC_CONF (found {sa!r})")
-    return {"PYTORCH_CUDA_ALLOC_CONF": pt, "STREAMALLOC_CONF": sa}
-
-
-class Meter:
-    """Peaks of the warm-up and of the timed steps; streamalloc's counters across the timed steps."""
-
-    def __init__(self, torch, col):
-        self.torch, self.col = torch, col
-        self.warm = self.counters0 = None
-
-    def peaks(self):
-        return {"reserved": self.torch.cuda.max_memory_reserved(),
-                "allocated": self.torch.cuda.max_memory_allocated()}
-
-    def counters(self):
-        if self.col != "sa":
-            return None
-        import streamalloc.torch as st
-        stats = st.raw_stats()["stats"]
-        return {k: stats.get(k) for k in SA_COUNTERS}
-
-    def end_warmup(self):
-        self.torch.cuda.synchronize()
-        self.warm = self.peaks()
-        self.counters0 = self.counters()
-        self.torch.cuda.reset_peak_memory_stats()
-
-    def finish(self):
-        self.torch.cuda.synchronize()
-        timed = self.peaks()
-        warm = self.warm or timed
-        whole = {k: max(warm[k], timed[k]) for k in timed}
-        r = {"peaks_bytes": {"warmup": warm, "timed": timed, "whole": whole},
-             "ratio_whole": whole["reserved"] / whole["allocated"] if whole["allocated"] else None,
-             "ratio_timed": timed["reserved"] / timed["allocated"] if timed["allocated"] else None}
-        end = self.counters()
-        if end is not None:
-            # None where this build has no such counter.
-            r["sa_timed"] = {k: (end[k] - self.counters0[k]
-                                 if isinstance(end[k], int) and isinstance(self.counters0[k], int) else None)
-                             for k in SA_COUNTERS}
-            r["sa_end"] = end
-        return r
-
-
-def run_steps(torch, col, step, warmup, steps):
-    """step(i) runs step i and returns its loss tensor; steps >= warmup are timed."""
-    meter = Meter(torch, col)
-    times, losses = [], []
-    for i in range(warmup + steps):
-        if i == warmup:
-            meter.end_warmup()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = step(i)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.item()))
-        del loss
-    timed = times[warmup:]
-    r = {"warmup": warmup, "steps": steps, "losses": losses, "step_ms": [round(t * 1e3, 3) for t in times],
-         "step_ms_median": statistics.median(timed) * 1e3}
-    r.update(meter.finish())
-    return r
-
-
-def lengths_of(count, low, high, seed):
-    """Sequence length per step: the same on every rank and in every column."""
-    rng = random.Random(seed)
-    return [rng.randint(low, high) for _ in range(count)]
-
-
-def token_batches(torch, rank, vocab, batch, lengths):
-    """Step i's tokens: drawn on the host from this rank's own seeded generator."""
-    gen = torch.Generator().manual_seed(1000 + rank)
-
-    def batch_of(i):
-        return torch.randint(0, vocab, (batch, lengths[i]), generator=gen).cuda()
-
-    return batch_of
-
-
-def lm_training(torch, col, model, batch_of, warmup, steps):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step(i):
-        ids = batch_of(i)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return run_steps(torch, col, step, warmup, steps)
-
-
-def gpt2_model(torch):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    cfg = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
-    return GPT2LMHeadModel(cfg)
-
-
-def llama_model(torch):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
-                      num_key_value_heads=16, vocab_size=LLAMA_VOCAB, max_position_embeddings=2048,
-                      use_cache=False)
-    return LlamaForCausalLM(cfg)
-
-
-def fsdp2(torch, model, blocks):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    devices = {p.device.type for p in model.parameters()}
-    if devices != {"cuda"}:
-        raise RuntimeError(f"fully_shard left parameters on {sorted(devices)}")
-    return model
-
-
-def work_fsdp2_gpt2(torch, dist, col, rank, warmup, steps):
-    model = gpt2_model(torch)
-    fsdp2(torch, model, list(model.transformer.h))
-    lengths = lengths_of(warmup + steps, 128, 1024, seed=1)
-    r = lm_training(torch, col, model, token_batches(torch, rank, GPT2_VOCAB, 8, lengths), warmup, steps)
-    r["lengths"] = lengths
-    return r
-
-
-def work_fsdp2_ckpt(torch, dist, col, rank, warmup, steps):
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-    model = llama_model(torch)
-    layers = model.model.layers
-    for i in range(len(layers)):
-        # Wrapped before sharding, so FSDP's hooks sit outside the recomputed region.
-        layers[i] = checkpoint_wrapper(layers[i], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    fsdp2(torch, model, list(layers))
-    lengths = lengths_of(warmup + steps, 128, 2048, seed=2)
-    r = lm_training(torch, col, model, token_batches(torch, rank, LLAMA_VOCAB, 4, lengths), warmup, steps)
-    r["lengths"] = lengths
-    return r
-
-
-def work_ddp_gpt2(torch, dist, col, rank, warmup, steps):
-    from torch.nn.parallel import DistributedDataParallel
-    model = gpt2_model(torch).cuda()
-    model = DistributedDataParallel(model, device_ids=[torch.cuda.current_device()])
-    batch_of = token_batches(torch, rank, GPT2_VOCAB, 8, [512] * (warmup + steps))
-    return lm_training(torch, col, model, batch_of, warmup, steps)
-
-
-def work_tp_allreduce(torch, dist, col, rank, warmup, steps):
-    hidden, tokens, world = 4096, 8192, dist.get_world_size()
-    ffn = 4 * hidden
-    if ffn % world:
-        raise ValueError(f"{ffn} columns do not split over {world} ranks")
-    shard = ffn // world
-    bf16, dev = torch.bfloat16, torch.device("cuda", torch.cuda.current_device())
-    weights = torch.Generator(device=dev).manual_seed(100 + rank)  # each rank its own shard
-    w1 = torch.randn(hidden, shard, device=dev, dtype=bf16, generator=weights) * hidden ** -0.5
-    w2 = torch.randn(shard, hidden, device=dev, dtype=bf16, generator=weights) * ffn ** -0.5
-    inputs = torch.Generator(device=dev).manual_seed(7)  # tokens replicated on every rank
-
-    def step(i):
-        x = torch.randn(tokens, hidden, device=dev, dtype=bf16, generator=inputs)
-        y = torch.nn.functional.gelu(x @ w1) @ w2
-        dist.all_reduce(y)
-        return y.float().pow(2).mean()  # the step's "loss": a checksum of the reduced output
-
-    return run_steps(torch, col, step, warmup, steps)
-
-
-WORKS = {"fsdp2_gpt2": work_fsdp2_gpt2, "fsdp2_ckpt": work_fsdp2_ckpt, "ddp_gpt2": work_ddp_gpt2,
-         "tp_allreduce": work_tp_allreduce}
-
-
-def write_json(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, default=str)
-    os.replace(tmp, path)
-
-
-def worker(row, col, prefix):
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    res = {"row": row, "column": col, "rank": rank, "world": int(os.environ.get("WORLD_SIZE", "1"))}
-    out = f"{prefix}.rank{rank}.json"
-    t0 = time.perf_counter()
-    dist = None
-    try:
-        if row not in WORKS or col not in [c for c, _, _ in COLUMNS]:
-            raise ValueError(f"usage: bench.py --worker {'|'.join(WORKS)} {'|'.join(c for c, _, _ in COLUMNS)} PREFIX")
-        res["env"] = check_env(col)
-        import torch
-        res["torch"] = torch.__version__
-        if col == "sa":
-            import streamalloc.torch as st
-            t = time.perf_counter()
-            st.install()  # before the first CUDA tensor: the door a user gets by default
-            res["door"], res["install_s"] = st.door(), round(time.perf_counter() - t, 2)
-        torch.cuda.set_device(local)
-        import torch.distributed as dist
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        res["device"] = torch.cuda.get_device_name(local)
-        warmup, steps = env_int("DIST_WARMUP", 3), timed_steps(row)
-        if warmup < 0 or steps < 1:
-            raise ValueError(f"DIST_WARMUP={warmup} must be >= 0 and DIST_STEPS={steps} >= 1")
-        res.update(WORKS[row](torch, dist, col, rank, warmup, steps))
-        sa_end = res.get("sa_end") or {}
-        # Expandable segments map pages and allocate no segment: either shows memory came
-        # from streamalloc.
-        if col == "sa" and sa_end.get("segment_allocs", 1) == 0 and sa_end.get("page_map_bytes", 1) == 0:
-            raise RuntimeError("streamalloc obtained no memory: it did not serve this run")
-    except BaseException as e:  # recorded for the table; the traceback goes to the log
-        traceback.print_exc()
-        res["error"] = f"{type(e).__name__}: {e}".strip()[:400]
-        res["failed_at"] = time.time()  # the first rank to fail names the cause; the others follow it
-        res["seconds"] = round(time.perf_counter() - t0, 1)
-        write_json(out, res)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # The other ranks may wait in a collective for this one: torchrun ends them once
-        # this process is gone.
-        os._exit(1)
-    res["seconds"] = round(time.perf_counter() - t0, 1)
-    write_json(out, res)
-    if rank == 0:
-        brief = {k: v for k, v in res.items() if k not in ("losses", "step_ms", "lengths", "sa_end")}
-        print(json.dumps(brief, default=str), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def door(result):
-    """Installs streamalloc and allocates once on one GPU: the native door is built (and
-    cached under STREAMALLOC_CACHE) here, before any timed launch needs it."""
-    res = {}
-    t0 = time.perf_counter()
-    try:
-        import streamalloc.torch as st
-        import torch
-        st.install()
-        x = torch.ones(1 << 20, device="cuda")
-        if float(x.sum().item()) != float(1 << 20):
-            raise RuntimeError("a tensor of ones does not sum to its size")
-        res["door"] = st.door()
-    except Exception as e:
-        traceback.print_exc()
-        res["error"] = f"{type(e).__name__}: {e}".strip()[:400]
-    res["seconds"] = round(time.perf_counter() - t0, 1)
-    write_json(result, res)
-    print(json.dumps(res), flush=True)
-    return 0 if "error" not in res else 1
 
 
 # ---------------------------------------------------------------- driver ---------------
@@ -560,7 +250,7 @@ def plan(out, ngpu, rows, cols):
     if "sa" in cols:
         # Builds the native door once, on one GPU, so that no timed launch pays for it.
         res = os.path.join(results, "door.json")
-        launches.append(Launch("door", [py, os.path.abspath(__file__), "--door", res],
+        launches.append(Launch("door", [py, WORKLOADS, "--door", res],
                                {"CUDA_VISIBLE_DEVICES": "0", **COMMON_ENV,
                                 "PYTORCH_CUDA_ALLOC_CONF": None, "STREAMALLOC_CONF": None},
                                DOOR_TIMEOUT, [res], os.path.join(logs, "door.log")))
@@ -570,7 +260,7 @@ def plan(out, ngpu, rows, cols):
             name = f"{row}__{col}"
             prefix = os.path.join(results, name)
             argv = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ngpu}",
-                    os.path.abspath(__file__), "--worker", row, col, prefix]
+                    WORKLOADS, "--worker", row, col, prefix]
             launches.append(Launch(name, argv, {**COMMON_ENV, **col_env[col]}, timeout,
                                    [f"{prefix}.rank{r}.json" for r in range(ngpu)],
                                    os.path.join(logs, name + ".log")))
@@ -676,15 +366,6 @@ def drive(out, ngpu, dry_run):
 
 
 def main():
-    if len(sys.argv) >= 2 and sys.argv[1] == "--worker":
-        if len(sys.argv) != 5:
-            raise SystemExit("usage: bench.py --worker ROW COLUMN PREFIX")
-        worker(*sys.argv[2:5])
-        return 0
-    if len(sys.argv) >= 2 and sys.argv[1] == "--door":
-        if len(sys.argv) != 3:
-            raise SystemExit("usage: bench.py --door RESULT.json")
-        return door(sys.argv[2])
     parser = argparse.ArgumentParser(description="Distributed training under PyTorch's allocator, its "
                                                  "expandable segments and streamalloc (see the module doc).")
     parser.add_argument("out", help="folder for logs/, results/, runs.json and table.md")

@@ -11,8 +11,11 @@
 #     rank: merged, Exchange and the drop-in over NCCL, then one op per tensor.
 # Every received value is checked. Usage (plain python3: it starts torchrun itself, one
 # process per GPU, several times, so that a hung cell can be killed):
-#   python3 benches/gpu/p2p/bench.py N [--quick] [--out DIR] [--budget-mib 128]
-# --quick: two per-tensor cells, fewer timed steps. DIR gets p2p_bench.jsonl (one record
+#   python3 benches/gpu/p2p/bench.py N [--quick] [--only CELLS] [--out DIR] [--budget-mib 128]
+# --quick: two per-tensor cells, fewer timed steps. --only: a comma-separated list of cells
+# (pt_1410, pt_5800, pt_58000, dropin, exchange_ce, exchange_nccl, merged, params_merged,
+# params_exchange_ce, params_exchange_nccl, net_merged, net_dropin, net_exchange_nccl,
+# net_per_tensor); benches/gpu/p2p/accept.sh runs the acceptance's cells this way. DIR gets p2p_bench.jsonl (one record
 # per cell) and the workers' logs. The table is printed last.
 import argparse
 import datetime
@@ -238,6 +241,7 @@ class Worker:
 
     def m_merged(self, sends, recvs, steps):
         torch, dist = self.torch, self.dist
+        self.held, self.packing = 0, "-"
 
         def call():
             ops, landing = [], {}
@@ -267,6 +271,8 @@ class Worker:
         ex = next(reversed(p2p._GROUPS[None].exchanges.values()))
         held = ex.staging_bytes
         extra += ex.summary.get("unpooled_bytes", 0)  # the copy engine's region: outside torch's stats
+        self.held = held
+        self.packing = ex.summary.get("packing", "?")
         self.release_dropin()
         return first, steady, max(extra, held), ex.transport
 
@@ -293,6 +299,8 @@ class Worker:
         ex = holder["ex"]
         extra += ex.summary.get("unpooled_bytes", 0)  # the copy engine's region
         chosen, held = ex.transport, ex.staging_bytes
+        self.held = held
+        self.packing = ex.summary.get("packing", "?")
         ex.release()
         return first, steady, max(extra, held), chosen
 
@@ -317,6 +325,7 @@ class Worker:
                     first, steady, extra, transport = self.m_exchange(sends, recvs, steps, "nccl")
                 return dict(ops=n_ops, scale=scale, bytes_sent=nbytes, first_s=first,
                             steady_s=steady, extra_mib=extra / 2**20, transport=transport,
+                            staging_mib=self.held / 2**20, packing=self.packing,
                             ok=self.check(recvs, value))
             return fn
 
@@ -353,7 +362,8 @@ class Worker:
                 ok = all(bool((t == fill(src, rank)).all()) for t in recvs[src])
                 return dict(tensors=len(sends[dst]), bytes_sent=nbytes, first_s=first,
                             steady_s=steady, gb_per_s=nbytes / steady / 1e9,
-                            extra_mib=extra / 2**20, transport=transport, ok=ok)
+                            extra_mib=extra / 2**20, transport=transport,
+                            staging_mib=self.held / 2**20, packing=self.packing, ok=ok)
             return fn
 
         for name in cells:
@@ -496,6 +506,8 @@ def table(args, n, outcome_of, started):
         if rate:
             steady += f" ({r['gb_per_s']:.0f} GB/s)"
         transport = f" [{r['transport']}]" if "dropin" in cell else ""
+        if r.get("packing") not in (None, "-"):
+            transport += f" (packing: {r['packing']})"
         lines.append(f"| {workload} | {method}{transport} | {fmt_ms(r['first_s'])} | {steady} | "
                      f"+{r['extra_mib']:,.0f} MiB | {'ok' if r['ok'] else 'WRONG'} |")
 
@@ -537,13 +549,20 @@ def launcher(args):
     log = os.path.join(args.out, "p2p_bench.log")
     outcome_of = {}
     t0 = time.time()
+    only = set(filter(None, args.only.split(","))) if args.only else None
+    pick = lambda cells: [c for c in cells if only is None or c in only]
     per_tensor = [f"pt_{ops}" for ops in (PER_TENSOR_OPS[:2] if args.quick else PER_TENSOR_OPS)]
-    run_cells(n, per_tensor, args, {}, log, 120, outcome_of)
+    if only is not None:
+        per_tensor = [f"pt_{ops}" for ops in PER_TENSOR_OPS]
+    if pick(per_tensor):
+        run_cells(n, pick(per_tensor), args, {}, log, 120, outcome_of)
     main_cells = ["dropin", "exchange_ce", "exchange_nccl", "merged",
                   "params_merged", "params_exchange_ce", "params_exchange_nccl"]
-    run_cells(n, main_cells, args, {}, log, 150, outcome_of)
+    if pick(main_cells):
+        run_cells(n, pick(main_cells), args, {}, log, 150, outcome_of)
     net_cells = ["net_merged", "net_dropin", "net_exchange_nccl", "net_per_tensor"]
-    run_cells(n, net_cells, args, NETWORK_ENV, log, 120, outcome_of)
+    if pick(net_cells):
+        run_cells(n, pick(net_cells), args, NETWORK_ENV, log, 120, outcome_of)
     text = table(args, n, outcome_of, started)
     with open(os.path.join(args.out, "p2p_bench.md"), "w") as f:
         f.write(text + "\n")
@@ -565,6 +584,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="p2p_bench_out")
     parser.add_argument("--budget-mib", type=float, default=128)
+    parser.add_argument("--only", default="", help="comma-separated cells to run (default: all)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cells", default="", help=argparse.SUPPRESS)
     parser.add_argument("--results", default="", help=argparse.SUPPRESS)

@@ -72,7 +72,7 @@ def worker(rank, world, port, results):
         for scale in (1, 20):
             for step in range(2):
                 ops, recvs = hang_pattern(rank, world, scale, order, seed=scale)
-                shapes.append(tuple(p2p.translate_ops(ops, rank, world).signature))
+                shapes.append(p2p.signature_digest(p2p.translate_ops(ops, rank, world), 2**20))
                 works = batch_isend_irecv(ops, budget_mib=1)
                 for w in works:
                     w.wait()
@@ -104,6 +104,35 @@ def worker(rank, world, port, results):
     for w in batch_isend_irecv(ops, budget_mib=1):
         w.wait()
     checks["a new shape agrees again and lands"] = len(built) == 1 and landed(recvs, rank)
+
+    # The key is the shape per peer and direction: another interleaving of the peers' ops
+    # hits the cached exchange; another order of sizes within one peer is another shape.
+    def per_peer_sizes(order_seed, swap):
+        ops, boxes = [], []
+        for j in range(world):
+            sizes = [3, 5, 7] if not (swap and j == (rank + 1) % world) else [5, 3, 7]
+            back = [3, 5, 7] if not (swap and rank == (j + 1) % world) else [5, 3, 7]
+            ops += [dist.P2POp(dist.isend, torch.full((n,), float(rank * 10 + j)), j) for n in sizes]
+            boxes += [(torch.empty(n), float(j * 10 + rank)) for n in back]
+            ops += [dist.P2POp(dist.irecv, b, j) for b, _ in boxes[-3:]]
+        # Shuffle across peers, keeping each (peer, direction)'s own order.
+        streams = {}
+        for op in ops:
+            streams.setdefault((op.peer, op.op.__name__), []).append(op)
+        rng, out = random.Random(order_seed * 31 + rank), []
+        while any(streams.values()):
+            out.append(rng.choice([q for q in streams.values() if q]).pop(0))
+        for w in batch_isend_irecv(out, budget_mib=1):
+            w.wait()
+        return all(bool((b == v).all()) for b, v in boxes)
+
+    before = len(built)
+    good = per_peer_sizes(1, False) and per_peer_sizes(2, False) and per_peer_sizes(3, False)
+    checks["other interleavings of the peers' ops hit the cached exchange"] = (
+        good and len(built) == before + 1)
+    good = per_peer_sizes(4, True)
+    checks["another order of sizes within one peer misses the cache"] = (
+        good and len(built) == before + 2)
     p2p.Exchange.__init__ = original
 
     # 3. Mixed dtypes, 2-D tensors, a tensor larger than a staging buffer, leaves that
@@ -182,8 +211,68 @@ def worker(rank, world, port, results):
     for name, (make, needle) in cases.items():
         checks[f"{name} on rank 1: the same error everywhere"] = same_error_everywhere(
             rank, world, needle, bad_on_one(make))
-    checks["a budget that is not positive: the same error everywhere"] = same_error_everywhere(
-        rank, world, "budget_mib must be positive", lambda: batch_isend_irecv([], budget_mib=0))
+    # Whatever one rank alone was handed, every rank raises the same P2PError (and none
+    # waits in a collective the others left).
+    class NotAnOp:
+        pass
+
+    def one_rank(bad_ops=None, budget=1.0):
+        def call():
+            peer = (rank + 1) % world
+            ops = [dist.P2POp(dist.isend, torch.ones(4), peer),
+                   dist.P2POp(dist.irecv, torch.empty(4), (rank - 1) % world)]
+            if rank == 1 and bad_ops is not None:
+                ops = ops + bad_ops()
+            batch_isend_irecv(ops, budget_mib=budget if rank == 1 else 1.0)
+        return call
+
+    def none_tensor():
+        op = dist.P2POp(dist.isend, torch.ones(4), 0)
+        op.tensor = None
+        return [op]
+
+    refused = {
+        "a budget of 0": (one_rank(budget=0), "budget_mib must be finite and positive (got 0)"),
+        "a budget of -1": (one_rank(budget=-1), "budget_mib must be finite and positive (got -1)"),
+        "a budget of NaN": (one_rank(budget=float("nan")), "(got nan)"),
+        "a budget of inf": (one_rank(budget=float("inf")), "(got inf)"),
+        "a budget of None": (one_rank(budget=None), "not NoneType None"),
+        'a budget of "128"': (one_rank(budget="128"), "not str '128'"),
+        "an element that is not a P2POp": (one_rank(lambda: [NotAnOp()]),
+                                           "rank 1: op 2 is a NotAnOp, not a torch.distributed.P2POp"),
+        "an element that is an int": (one_rank(lambda: [7]), "rank 1: op 2 is a int"),
+        "a None tensor": (one_rank(none_tensor), "rank 1: op 2 (peer 0): the tensor is NoneType"),
+    }
+    for name, (call, needle) in refused.items():
+        checks[f"{name} on rank 1: the same error everywhere"] = same_error_everywhere(
+            rank, world, needle, call)
+
+    def exchange_given(sends, budget=1.0, **options):
+        def call():
+            peer, src = (rank + 1) % world, (rank - 1) % world
+            good = ({peer: [torch.ones(4)]}, {src: [torch.empty(4)]})
+            mine = (sends(), good[1]) if rank == 1 else good
+            p2p.Exchange(*mine, budget_mib=budget if rank == 1 else 1.0,
+                         **(options if rank == 1 else {}))
+        return call
+
+    exchange_refused = {
+        "Exchange(sends={1: tensor})": (exchange_given(lambda: {1: torch.ones(4)}),
+                                        "sends[1] must be a list of tensors, not Tensor"),
+        "Exchange with a None tensor": (exchange_given(lambda: {2 % world: [None]}),
+                                        "is NoneType, not a torch.Tensor"),
+        "Exchange(budget_mib=-1)": (exchange_given(lambda: {2 % world: [torch.ones(4)]}, -1),
+                                    "budget_mib must be finite and positive (got -1)"),
+        "Exchange(budget_mib=nan)": (exchange_given(lambda: {2 % world: [torch.ones(4)]},
+                                                    float("nan")), "(got nan)"),
+        "Exchange(rounds_per_group=0)": (exchange_given(lambda: {2 % world: [torch.ones(4)]},
+                                                        rounds_per_group=0),
+                                         "rounds_per_group must be an integer of at least 1"),
+    }
+    for name, (call, needle) in exchange_refused.items():
+        checks[f"{name} on rank 1: the same error everywhere"] = same_error_everywhere(
+            rank, world, "rank 1 cannot take part in the p2p exchange: ", call) and \
+            same_error_everywhere(rank, world, needle, call)
 
     # A cached shape, with another transport asked for on one rank: every rank misses the
     # cache together and the agreement names the difference.

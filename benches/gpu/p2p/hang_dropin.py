@@ -4,7 +4,9 @@
 # sorted order, T x1, x100 and x1000 (T = 1 + randperm(N*N), times the factor), two
 # iterations each as in the reproduction (a new T each), then the second T again with fresh
 # tensors (the cached agreement). Every received value is checked and the staging the
-# exchange holds must stay within the budget. Also: a list that does not match on one rank
+# exchange holds must stay within the budget. Beside each, an Exchange over the same lists
+# (agreed and run once, then run again): each drop-in iteration must take at most twice the
+# Exchange's time for the same work (a new T: its first call; the cached T: its steady run). Also: a list that does not match on one rank
 # and an invalid list raise the same P2PError on every rank; empty lists work.
 #   torchrun --nproc-per-node N benches/gpu/p2p/hang_dropin.py [--budget-mib 128] [--json OUT]
 # Rank 0 prints one table; the exit status is non-zero on any failure.
@@ -64,6 +66,38 @@ def timed_call(ops):
     return time.perf_counter() - t0
 
 
+def release_dropin():
+    state = p2p._GROUPS.get(None)
+    while state is not None and state.exchanges:  # the same order on every rank
+        state.exchanges.pop(next(iter(state.exchanges))).release()
+
+
+def exchange_times(rank, world, T):
+    """An Exchange over the lists of `T` (the reproduction's tensors, as dicts): seconds of
+    its first call (agree and run) and of a steady run (median of 3)."""
+    sends = {j: [torch.ones(1, device="cuda") * (rank + 1) * (j + 1) for _ in range(T[rank][j])]
+             for j in range(world) if T[rank][j]}
+    recvs = {j: [torch.empty(1, device="cuda") for _ in range(T[j][rank])]
+             for j in range(world) if T[j][rank]}
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    ex = p2p.Exchange(sends, recvs, budget_mib=ARGS.budget_mib)
+    ex.run()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    steady = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        ex.run()
+        torch.cuda.synchronize()
+        steady.append(time.perf_counter() - t0)
+    ok = landed(rank, recvs)
+    ex.release()
+    return dict(exchange_first_s=first, exchange_steady_s=sorted(steady)[1], exchange_ok=ok)
+
+
 def same_error_everywhere(rank, world, needle, call):
     try:
         call()
@@ -101,6 +135,9 @@ def main():
             row["staging_bytes"] = held_staging()
             row["ok"] &= row["staging_bytes"] <= budget
             row["transport"] = next(reversed(p2p._GROUPS[None].exchanges.values())).transport
+            release_dropin()
+            row.update(exchange_times(rank, world, shapes[1]))
+            row["ok"] &= row.pop("exchange_ok")
             rows.append(row)
             del datas, ops
             if rank == 0:
@@ -145,15 +182,21 @@ def main():
           f"budget {ARGS.budget_mib} MiB; slowest rank; 'ok' = every value checked on every rank "
           "and staging within the budget")
     print("| order | T x | ops/rank | iter 0 (agree + run) | iter 1 (new T) | same T again | "
-          "staging held | transport | ok |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "Exchange first / steady | iterations / Exchange | staging held | transport | ok |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for k, row in enumerate(rows):
         per = [r["rows"][k] for r in everyone]
         ok = all(p["ok"] for p in per)
         failed += not ok
         ms = lambda key: max(p[key] for p in per) * 1e3
+        # A new T is a first call for both; the same T again is a steady run for both.
+        ratio = max(ms("iter0_s") / ms("exchange_first_s"), ms("iter1_s") / ms("exchange_first_s"),
+                    ms("cached_s") / ms("exchange_steady_s"))
+        for p in per:
+            p["ratio"] = ratio
         print(f"| {row['mode']} | {row['factor']} | {max(p['ops_per_rank'] for p in per):,} "
               f"| {ms('iter0_s'):.1f} ms | {ms('iter1_s'):.1f} ms | {ms('cached_s'):.1f} ms "
+              f"| {ms('exchange_first_s'):.1f} / {ms('exchange_steady_s'):.1f} ms | {ratio:.2f}x "
               f"| {max(p['staging_bytes'] for p in per) / 2**20:.1f} MiB | {row['transport']} "
               f"| {'ok' if ok else 'FAIL'} |")
     for name in errors:

@@ -5,14 +5,15 @@
 #   PYTHONPATH=python STREAMALLOC_LIB=target/release/libstreamalloc.so \
 #     python3 benches/gpu/p2p/host_profile.py [WORLD] [SCALE] [BUDGET_MIB]   (default 4 1000 128)
 # Prints one line per phase: seconds, and per op or per round where that is the unit. (The
-# rounds' packing is device work: benches/gpu/p2p/bench.py times it.)
+# rounds' packing is device work: benches/gpu/p2p/profile.py times it on GPUs.) Builds the
+# native P2POp reader if it can (streamalloc._p2p_native).
 import random
 import sys
 import time
 
 import torch
 
-from streamalloc import p2p, _ce
+from streamalloc import _ce, _p2p_checks, _p2p_copy, _p2p_native, p2p
 
 torch.set_num_threads(1)  # as under torchrun (OMP_NUM_THREADS=1)
 
@@ -71,26 +72,45 @@ def _once(fn):
 ops = ops_of(RANK)
 n_ops = len(ops)
 print(f"world {WORLD}, SCALE {SCALE}: rank {RANK} posts {n_ops} ops; budget {BUDGET} MiB")
-tr = timed("translate the P2POp list", lambda: p2p.translate_ops(ops, RANK, WORLD, None, isend, irecv),
-           "op", n_ops)
-timed("shape digest", lambda: p2p.signature_digest(tr, BUDGET << 20), "op", n_ops)
-probe = object.__new__(p2p.Exchange)
-timed("describe the lists for the planner", lambda: probe._from_translated(tr, RANK, WORLD), "op", n_ops)
-descriptions = []
-for r in range(WORLD):
-    t = tr if r == RANK else p2p.translate_ops(ops_of(r), r, WORLD, None, isend, irecv)
-    metas = [[[(x.nbytes, p2p.dtype_code(x.dtype)) for x in ts] for ts in lists]
-             for lists in (t.send_lists, t.recv_lists)]
-    descriptions.append(p2p.encode_description(r, WORLD, metas[0], metas[1]))
-budget = (BUDGET << 20) - _ce.reserve_bytes(2, WORLD)
+read_py = timed("read the P2POp list (Python)", lambda: _p2p_checks.translate_ops(
+    ops, RANK, WORLD, None, isend, irecv), "op", n_ops)
+native = _p2p_native.load()
+if native is not None:
+    read = timed("read the P2POp list (native)", lambda: _p2p_native.read_ops(
+        ops, RANK, WORLD, None, isend, irecv), "op", n_ops)
+else:
+    print(f"(no native reader: {_p2p_native.failure()})")
+    read = read_py
+budget_bytes = BUDGET << 20
+timed("shape digest (per peer and direction)", lambda: p2p.signature_digest(read, budget_bytes),
+      "op", n_ops)
+timed("describe the lists for the planner", lambda: read.description(RANK), "op", n_ops)
+descriptions = [read.description(RANK) if r == RANK else _p2p_checks.translate_ops(
+    ops_of(r), r, WORLD, None, isend, irecv).description(r) for r in range(WORLD)]
+reserve = _p2p_copy.reserve_bytes(n_ops, sum(read.nbytes), budget_bytes, 2, WORLD)
+budget = budget_bytes - _ce.reserve_bytes(2, WORLD) - reserve
 plan = timed("plan (Rust, every rank's lists)", lambda: p2p.Plan(descriptions, budget, 2, _ce.NO_ZERO_COPY))
 rows = timed("plan rows of this rank (ctypes)", lambda: plan.rows(RANK), "op", n_ops)
-lists = (tr.send_lists, tr.recv_lists)
-sizes = [[[x.nbytes for x in ts] for ts in side] for side in lists]
-codes = [[[p2p.dtype_code(x.dtype) for x in ts] for ts in side] for side in lists]
+lists = (read.lists(0), read.lists(1))
+sizes = (read.column(read.nbytes, 0), read.column(read.nbytes, 1))
+codes = (read.column(read.codes, 0), read.column(read.codes, 1))
 rounds = timed("group rows into messages (_prepare)", lambda: p2p._prepare(rows, lists, sizes, codes, lambda p: p),
                "op", n_ops)
-print(f"  {len(rounds)} rounds, summary {plan.summary(RANK)}")
-ex = object.__new__(p2p.Exchange)
-ex._rounds, ex.transport, ex._buffers, ex.rank = rounds, "nccl", None, RANK
-timed("rebind a cached plan to new tensors", lambda: ex._rebind(*lists), "round", len(rounds))
+bases = {(k, d): (1 + k % 2) << 40 for k, pair in enumerate(rounds) for d, m in enumerate(pair)
+         if m is not None}
+table = timed("build the copy table", lambda: _p2p_copy.build_table(rows, 9, read.starts(), WORLD, bases, []),
+              "op", n_ops)
+print(f"  {len(rounds)} rounds, {len(table)} pieces ({table.device_bytes / 2**20:.2f} MiB of table, "
+      f"reserve {reserve / 2**20:.2f} MiB), summary {plan.summary(RANK)}")
+addresses = torch.arange(n_ops, dtype=torch.int64) * 4096
+timed("bind the table to new tensors", lambda: table.bind(addresses), "round", len(rounds))
+
+
+def cached_call():
+    lanes = _p2p_native.read_ops(ops, RANK, WORLD, None, isend, irecv) if native else \
+        _p2p_checks.translate_ops(ops, RANK, WORLD, None, isend, irecv, True)
+    p2p.signature_digest(lanes, budget_bytes)
+    table.bind(torch.frombuffer(lanes.addresses, dtype=torch.int64) if len(lanes.addresses) else addresses)
+
+
+timed("drop-in call, cached shape, before the run", cached_call, "op", n_ops)

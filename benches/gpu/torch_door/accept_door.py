@@ -2,7 +2,10 @@
 #   python3 accept_door.py profile ALLOC OUT.json   # torch.profiler memory events of a training step
 #   python3 accept_door.py stats ALLOC OUT.json     # memory_stats() keys, values, reset_accumulated
 #   python3 accept_door.py use_on_oom ALLOC OUT.json  # a MemPool(use_on_oom=True) backs an OOM
-#   python3 accept_door.py nccl ALLOC OUT.json      # NCCL-registered MemPool all_reduce on 2 GPUs
+#   python3 accept_door.py nccl ALLOC OUT.json [RANKS]  # NCCL-registered MemPool all_reduce (2 GPUs)
+#   python3 accept_door.py no_split ALLOC OUT.json  # MemPool(no_split=True): a segment per tensor
+#   python3 accept_door.py ipc ALLOC OUT.json       # CUDA IPC of 1 KiB, expandable and stitched
+#                                                   # tensors to spawned and forkserver children
 #   python3 accept_door.py table OUTDIR             # the table of every OUT.json in OUTDIR
 # ALLOC: native (PyTorch's allocator) | sa_native (streamalloc.torch.install(door="native")).
 # Each writes {"status": PASS|FAIL|info, "figure": short text, "detail": {...}}.
@@ -153,10 +156,10 @@ def check_use_on_oom(alloc):
 
 # ---- NCCL user-buffer registration through MemPool(allocator=...) ----
 
-def nccl_rank(rank, alloc, port, queue):
+def nccl_rank(rank, alloc, port, queue, world):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE="2", LOCAL_RANK=str(rank))
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
         install(alloc)
         import torch
         import torch.distributed as dist
@@ -174,7 +177,8 @@ def nccl_rank(rank, alloc, port, queue):
             registered.fill_(float(rank + 1))
             dist.all_reduce(registered)
         torch.cuda.synchronize()
-        same = bool(torch.equal(plain, registered)) and float(plain[0]) == 3.0
+        total = float(world * (world + 1) // 2)
+        same = bool(torch.equal(plain, registered)) and float(plain[0]) == total
         backend.deregister_mem_pool(pool)
         del registered
         del pool
@@ -185,15 +189,17 @@ def nccl_rank(rank, alloc, port, queue):
         queue.put((rank, {"ok": False, "error": f"{type(err).__name__}: {str(err)[:300]}"}))
 
 
-def check_nccl(alloc):
+def check_nccl(alloc, ranks="2"):
     import torch
     import torch.multiprocessing as mp
-    if torch.cuda.device_count() < 2:
-        return {"status": "skipped", "figure": "skipped: needs 2 GPUs", "detail": {}}
+    world = int(ranks)
+    if torch.cuda.device_count() < world:
+        return {"status": "skipped", "figure": f"skipped: needs {world} GPUs", "detail": {}}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29500 + os.getpid() % 1000
-    procs = [ctx.Process(target=nccl_rank, args=(r, alloc, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=nccl_rank, args=(r, alloc, port, queue, world))
+             for r in range(world)]
     for p in procs:
         p.start()
     got = {}
@@ -207,10 +213,39 @@ def check_nccl(alloc):
         p.join(timeout=30)
         if p.is_alive():
             p.kill()
-    ok = len(got) == 2 and all(r["ok"] for r in got.values())
+    ok = len(got) == world and all(r["ok"] for r in got.values())
     errors = [r.get("error") for r in got.values() if r.get("error")]
-    fig = "registered all_reduce equals unregistered" if ok else (errors[0][:120] if errors else "wrong result or hang")
-    return result(ok, fig, ranks=got)
+    fig = (f"{world} ranks: registered all_reduce equals unregistered" if ok
+           else (errors[0][:120] if errors else "wrong result or hang"))
+    return result(ok, fig, ranks=got, conf=os.environ.get("STREAMALLOC_CONF", "(default)"))
+
+
+# ---- MemPool(no_split=True) ----
+
+def check_no_split(alloc):
+    import torch
+    pool = torch.cuda.MemPool(no_split=True)
+    with torch.cuda.use_mem_pool(pool):
+        held = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (4096, 3 * MiB, 3 * MiB)]
+    segments = [s for s in torch.cuda.memory._snapshot()["segments"]
+                if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pool.id)]
+    blocks = [sum(1 for b in s["blocks"] if b["state"] == "active_allocated") for s in segments]
+    ok = len(held) == len(segments) and all(count == 1 for count in blocks)
+    del held
+    return result(ok, f"{len(segments)} segments for 3 tensors, blocks per segment {blocks}",
+                  segments=len(segments), blocks=blocks)
+
+
+# ---- CUDA IPC of every kind of tensor ----
+
+def check_ipc(alloc):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ipc"))
+    import ipc_check
+    if alloc != "sa_native":
+        return {"status": "skipped", "figure": "streamalloc's door only", "detail": {}}
+    rows, failed = ipc_check.main(None)
+    passed = sum(1 for r in rows if r["status"] == "PASS")
+    return result(not failed, f"{passed} of {len(rows)} sends pass", rows=rows)
 
 
 # ---- table ----
@@ -257,19 +292,19 @@ def table(outdir):
 
 
 CHECKS = {"profile": check_profile, "stats": check_stats, "use_on_oom": check_use_on_oom,
-          "nccl": check_nccl}
+          "nccl": check_nccl, "ipc": check_ipc, "no_split": check_no_split}
 
 
 def main():
     if sys.argv[1] == "table":
         table(sys.argv[2])
         return
-    check, alloc, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    res = {"check": check, "alloc": alloc}
+    check, alloc, out, extra = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+    res = {"check": check + "".join(extra), "alloc": alloc}
     try:
-        if check != "nccl":
+        if check not in ("nccl", "ipc"):
             install(alloc)
-        res.update(CHECKS[check](alloc))
+        res.update(CHECKS[check](alloc, *extra))
     except Exception as err:
         traceback.print_exc()
         res["error"] = f"{type(err).__name__}: {err}"

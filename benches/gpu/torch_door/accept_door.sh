@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Acceptance of the native PyTorch door's integration, about 3-4 minutes:
+# Acceptance of the native PyTorch door's integration, about 5-6 minutes:
 #   - torch.profiler(profile_memory=True) of a small GPT-2-shaped training step: allocation
 #     and free events and export_memory_timeline, streamalloc vs PyTorch's allocator;
 #   - torch.cuda.memory_stats(): the same keys as PyTorch's, which of the keys PyTorch
 #     fills stay 0, reset_accumulated_memory_stats();
 #   - a MemPool(use_on_oom=True) whose cached block serves a request outside it at OOM;
 #   - an NCCL all_reduce on buffers of a MemPool(ProcessGroupNCCL's mem_allocator)
-#     registered with NCCL, equal to the unregistered one (2 GPUs; skipped on 1);
+#     registered with NCCL, equal to the unregistered one, on 2 and 4 ranks under the
+#     default configuration (skipped where there are fewer GPUs);
+#   - a MemPool(no_split=True): one segment per tensor;
+#   - CUDA IPC of a 1 KiB, an expandable and a stitched tensor to spawned and forkserver
+#     children (benches/gpu/ipc/ipc_check.py);
+#   - memory_stats() after one workload against PyTorch's (stats_compare.py);
 #   - the door checks memory_stats, mempool and door of checks.py.
 # streamalloc comes from the installed package, or from this checkout's python/ when
 # STREAMALLOC_LIB names a libstreamalloc.so. The table is printed last.
@@ -25,13 +30,14 @@ python3 -c 'import torch, streamalloc; print("torch", torch.__version__, "cuda",
 # The door is compiled at first use: once here, so that no timed check pays for it.
 CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -c 'import streamalloc._door as d; d.build()' >"$OUT/logs/build.log" 2>&1 \
   || { echo "accept_door.sh: building the native door failed:"; tail -20 "$OUT/logs/build.log"; exit 1; }
-run() {  # CHECK ALLOC TIMEOUT [GPUS]
-  local check=$1 alloc=$2 limit=$3 gpus=${4:-0}
+run() {  # CHECK ALLOC TIMEOUT [GPUS [ARG]]
+  local check=$1 alloc=$2 limit=$3 gpus=${4:-0} arg=${5:-}
+  local name=$check$arg
   CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" python3 "$HERE/accept_door.py" "$check" "$alloc" \
-    "$OUT/results/$check.$alloc.json" >"$OUT/logs/$check.$alloc.log" 2>&1 \
-    || [ -f "$OUT/results/$check.$alloc.json" ] \
-    || echo "{\"check\": \"$check\", \"alloc\": \"$alloc\", \"error\": \"exit $? (see logs/$check.$alloc.log)\"}" \
-      >"$OUT/results/$check.$alloc.json"
+    "$OUT/results/$name.$alloc.json" $arg >"$OUT/logs/$name.$alloc.log" 2>&1 \
+    || [ -f "$OUT/results/$name.$alloc.json" ] \
+    || echo "{\"check\": \"$name\", \"alloc\": \"$alloc\", \"error\": \"exit $? (see logs/$name.$alloc.log)\"}" \
+      >"$OUT/results/$name.$alloc.json"
 }
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 for alloc in native sa_native; do
@@ -39,14 +45,35 @@ for alloc in native sa_native; do
   run stats "$alloc" 90 &
   wait
   STREAMALLOC_CONF=expandable_segments:false run use_on_oom "$alloc" 90
-  if [ "$gpus" -ge 2 ]; then
-    # A pool's segments come from another allocator only with whole segments.
-    STREAMALLOC_CONF=expandable_segments:false run nccl "$alloc" 180 0,1
-  else
-    echo "{\"check\": \"nccl\", \"alloc\": \"$alloc\", \"status\": \"skipped\", \"figure\": \"skipped: 1 GPU\"}" \
-      >"$OUT/results/nccl.$alloc.json"
-  fi
+  run no_split "$alloc" 90
+  # The pool's segments come whole from NCCL's allocator under the default configuration.
+  for ranks in 2 4; do
+    if [ "$gpus" -ge "$ranks" ]; then
+      run nccl "$alloc" 180 "$(seq -s, 0 $((ranks - 1)))" "$ranks"
+    else
+      echo "{\"check\": \"nccl$ranks\", \"alloc\": \"$alloc\", \"status\": \"skipped\", \"figure\": \"skipped: $gpus GPU(s)\"}" \
+        >"$OUT/results/nccl$ranks.$alloc.json"
+    fi
+  done
 done
+# Independent processes on one GPU each: run side by side.
+run ipc sa_native 240 &
+CUDA_VISIBLE_DEVICES=0 timeout 300 python3 "$HERE/stats_compare.py" "$OUT/results/stats_compare.json" \
+  >"$OUT/logs/stats_compare.log" 2>&1 &
+wait
+python3 - "$OUT/results/stats_compare.json" "$OUT/results/stats_vs_pytorch.sa_native.json" <<'PY'
+import json, sys
+try:
+    results = json.load(open(sys.argv[1]))
+    ok = all(r["verdict"] for r in results)
+    fig = "; ".join(f"{r['pair']}: {r['nonzero'][1]} non-zero keys vs {r['nonzero'][0]}, "
+                    f"disagreeing: {', '.join(r['bad']) or 'none'}" for r in results)
+    res = {"check": "stats_vs_pytorch", "alloc": "sa_native", "status": "PASS" if ok else "FAIL",
+           "figure": fig}
+except Exception as err:
+    res = {"check": "stats_vs_pytorch", "alloc": "sa_native", "error": f"{err} (see logs/stats_compare.log)"}
+json.dump(res, open(sys.argv[2], "w"))
+PY
 # The existing door checks, one process each.
 for alloc in native sa_native; do
   for check in door memory_stats mempool; do

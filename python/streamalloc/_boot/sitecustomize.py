@@ -8,7 +8,9 @@ set ``CUDA_VISIBLE_DEVICES`` and the like before its own ``import torch``). Inst
 watches for ``torch``: the moment ``import torch`` has finished, before any CUDA work can
 have happened, it calls ``streamalloc.torch.install()`` and registers an exit hook that
 prints the counters (``STREAMALLOC_STATS_AT_EXIT``) and writes the snapshots
-(``STREAMALLOC_SNAPSHOT``) through the library's ``streamalloc_at_exit``.
+(``STREAMALLOC_SNAPSHOT``) through the library's ``streamalloc_at_exit``. With
+``STREAMALLOC_SLEEP_SIGNALS`` it also makes SIGUSR1 and SIGUSR2 sleep and wake the
+process's tagged memory (``streamalloc._sleep.install_signal_handlers``).
 
 If streamalloc cannot be installed (the library is missing, PyTorch is too old, or CUDA
 was already initialised, e.g. by a ``.pth`` file that imports torch), the process says so
@@ -70,6 +72,28 @@ def _install():
     import atexit
 
     atexit.register(_at_exit, lib.load())
+    backup = os.environ.get("STREAMALLOC_SLEEP_SIGNALS")
+    if backup:
+        _sleep_signals(backup)
+
+
+def _sleep_signals(backup):
+    """``streamalloc run --sleep-signals``: SIGUSR1 sleeps the process's tags, SIGUSR2
+    wakes them (handlers run in the main thread only)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        sys.stderr.write(
+            "streamalloc: process %d: --sleep-signals ignored (torch was first imported outside "
+            "the main thread, where signal handlers cannot be set)\n" % os.getpid()
+        )
+        return
+    try:
+        import streamalloc._sleep as sleep
+
+        sleep.install_signal_handlers(backup)
+    except Exception as err:
+        _fail("--sleep-signals: %s: %s" % (type(err).__name__, err))
 
 
 class _TorchWatcher(importlib.abc.MetaPathFinder):

@@ -60,6 +60,8 @@ typedef struct streamalloc_stats {
   uint64_t stitched_map_bytes; /* Bytes mapped into stitched ranges (no memory reserved by them). */
   uint64_t stitch_revivals; /* Stitched ranges taken again without mapping. */
   uint64_t stitch_evictions; /* Stitched ranges unmapped. */
+  uint64_t sleeping_bytes; /* Bytes sleeping memory pools gave back to the device, addresses kept. */
+  uint64_t host_backup_bytes; /* Bytes of page-locked host memory held for sleeping pools' backups. */
 } streamalloc_stats_t;
 
 /* streamalloc_segment_info_t: one segment of a snapshot; an expandable segment appears as one of these per run of mapped pages. */
@@ -92,6 +94,13 @@ typedef struct streamalloc_pool_block {
   uint64_t requested; /* Bytes asked for. */
   uint64_t stream; /* The cudaStream_t it belongs to. */
 } streamalloc_pool_block_t;
+
+/* streamalloc_sleep_report_t: what one streamalloc_sleep or streamalloc_wake did. */
+typedef struct streamalloc_sleep_report {
+  uint64_t bytes; /* Bytes of device memory given back (sleep) or mapped again (wake). */
+  uint64_t copied; /* Bytes copied to host memory (sleep) or back from it (wake). */
+  uint64_t copies; /* Copies made. */
+} streamalloc_sleep_report_t;
 /* ---- end of generated text ---- */
 
 /* ---- allocation ---------------------------------------------------------------- */
@@ -125,11 +134,12 @@ int streamalloc_pool_incref(int device, uint64_t pool_id0, uint64_t pool_id1);
  * remaining use count, or -1 (unknown pool). */
 int streamalloc_pool_release(int device, uint64_t pool_id0, uint64_t pool_id1);
 /* Makes the pool take its segments from another allocator (torch.cuda.MemPool(allocator=
- * ...)): the engine calls alloc(ctx, size, device) for each segment it needs, splits and
- * caches it for this pool only, and calls free(ctx, ptr, size, device) when it releases it
- * (empty_cache of the pool after its last release, or an out-of-memory retry). The pool
- * must not have allocated yet; refused (-1) on a device with expandable segments in effect.
- * alloc and free must stay callable with ctx until every segment is freed. 0, or -1. */
+ * ...)): the engine calls alloc(ctx, size, device) for each segment it needs, whole, with
+ * or without expandable segments for the other pools, splits and caches it for this pool
+ * only, and calls free(ctx, ptr, size, device) when it releases it (empty_cache of the
+ * pool after its last release, or an out-of-memory retry). The pool must not have
+ * allocated yet. alloc and free must stay callable with ctx until every segment is freed.
+ * 0, or -1. */
 int streamalloc_pool_set_segment_source(int device, uint64_t pool_id0, uint64_t pool_id1,
                                         void* (*alloc)(void* ctx, size_t size, int device),
                                         void (*free)(void* ctx, void* ptr, size_t size,
@@ -139,6 +149,10 @@ int streamalloc_pool_set_segment_source(int device, uint64_t pool_id0, uint64_t 
  * find no memory (torch.cuda.MemPool(use_on_oom=True)), or unmarks it. The pool must
  * exist. 0, or -1. */
 int streamalloc_pool_set_use_on_oom(int device, uint64_t pool_id0, uint64_t pool_id1, int on);
+/* Makes the pool never split a block (torch.cuda.MemPool(no_split=True)): each block is a
+ * whole segment of its own, its request rounded to 2 MiB. The pool must exist and not have
+ * allocated yet. 0, or -1. */
+int streamalloc_pool_set_no_split(int device, uint64_t pool_id0, uint64_t pool_id1);
 /* The pool's use count; 0 for a pool that does not exist. */
 int streamalloc_pool_use_count(int device, uint64_t pool_id0, uint64_t pool_id1);
 /* Writes the addresses of the pool's live allocations (up to capacity of them) and
@@ -160,20 +174,55 @@ int64_t streamalloc_pool_restore(int device, uint64_t pool_id0, uint64_t pool_id
                                  const streamalloc_pool_block_t* blocks, size_t count,
                                  uint64_t* freed_out, size_t freed_capacity);
 
+/* ---- sleep and wake of tagged pools ----------------------------------------------- */
+
+/* Tags the pool (live, not the default one) with tag, a NUL-terminated UTF-8 name of 1 to
+ * 256 bytes, so that sleep and wake can name it; a tag names one pool, a pool carries one
+ * tag. From then on the pool's memory is mapped in whole allocations and never stitched.
+ * Needs expandable_segments:true and graph_pools:true. 0, or -1. */
+int streamalloc_tag_pool(int device, uint64_t pool_id0, uint64_t pool_id1, const char* tag);
+/* Puts the count tags to sleep: waits on the host for the streams that may still use their
+ * pools (an event per stream, not a device synchronisation), copies their live blocks to
+ * page-locked host memory when backup is 1 (0: no copy), and returns every page to the
+ * device, keeping addresses and blocks: live pointers stay valid for wake, allocations
+ * into a sleeping pool fail, and touching its memory from a kernel is an illegal access.
+ * Fills *report if not null. Refused with nothing changed (-1) for an unknown or sleeping
+ * tag, or while a pool is being allocated to (a graph capture or use_mem_pool context). */
+int streamalloc_sleep(int device, const char* const* tags, size_t count, int backup,
+                      streamalloc_sleep_report_t* report);
+/* Wakes the count sleeping tags: maps fresh memory at the addresses they left and copies
+ * their backups back, then waits for the copies. Refused with nothing changed (-1) for an
+ * unknown or awake tag, or when the limit or the device has no room. */
+int streamalloc_wake(int device, const char* const* tags, size_t count,
+                     streamalloc_sleep_report_t* report);
+/* Frees the page-locked host buffers the awake tags keep for their next backup. Returns
+ * the bytes freed, or -1. */
+int64_t streamalloc_release_host_backup(int device, const char* const* tags, size_t count);
+/* The device's tags as a JSON array: [{"tag", "pool": [id0, id1], "asleep", "bytes",
+ * "allocated", "backed_up", "host_bytes"}]. Valid until the next call on the thread; null
+ * on error. */
+const char* streamalloc_tags_json(int device);
+
 /* ---- IPC of expandable-segment memory ---------------------------------------------- */
 
+/* ---- IPC of mapped memory ---------------------------------------------------------- */
+
 /* Writes the IPC handle of the live allocation at ptr, which lies in an expandable segment
- * (whole segments are shared with cudaIpcGetMemHandle), into out, and the allocation's
- * offset from the first byte the handle opens into *offset. The handle is PyTorch's own
- * expandable-segment format (version 2, type 'e') when every mapping under the allocation
- * has one size, so PyTorch's allocator can open it; otherwise streamalloc's (type 's').
- * Returns the handle's length; if that exceeds capacity nothing is written (call again
- * with more room). -1 on error. */
+ * or a stitched range (whole segments are shared with cudaIpcGetMemHandle), into out, and
+ * the allocation's offset from the first byte the handle opens into *offset. A stitched
+ * range is shared as its pages, in order. The handle is PyTorch's own expandable-segment
+ * format (version 2, type 'e') when every allocation shared has one size, so PyTorch's
+ * allocator can open it; otherwise streamalloc's (type 's'). Returns the handle's length;
+ * if that exceeds capacity nothing is written (call again with more room). -1 on error. */
 int64_t streamalloc_ipc_export(void* ptr, uint8_t* out, size_t capacity, uint64_t* offset);
+/* Writes a failed export's handle (type 'x') carrying message, the sender's reason for not
+ * sharing, into out: the receiver's streamalloc_ipc_open fails with it. Returns the
+ * handle's length (nothing written if it exceeds capacity), or -1. */
+int64_t streamalloc_ipc_failure_handle(const char* message, uint8_t* out, size_t capacity);
 /* Opens a handle of type 'e' (from PyTorch's allocator or streamalloc) or 's' sent by
  * another process, on device: copies the sender's file descriptors (pidfd_getfd; needs
  * ptrace access to the sender) and maps them. Returns the first byte (add the sender's
- * offset), or null. */
+ * offset), or null (for an 'x' handle, with the sender's reason). */
 void* streamalloc_ipc_open(const uint8_t* handle, size_t len, int device);
 /* Synchronises the device and unmaps what streamalloc_ipc_open returned. 0, or -1. */
 int streamalloc_ipc_close(void* base);

@@ -31,6 +31,7 @@
 #include <iterator>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <stack>
 #include <stdexcept>
 #include <string>
@@ -60,12 +61,15 @@ constexpr int kMaxDevices = 64;
 // payload. PyTorch up to 2.12 writes and accepts version 2; 'c' carries a
 // cudaIpcMemHandle_t for a whole cudaMalloc'd (here: cuMemAlloc'd) segment, 'e' an
 // expandable segment's mappings as file descriptors (written by PyTorch's allocator, or
-// by streamalloc when the mappings have one size), 's' streamalloc's variant for
-// mappings of several sizes. The library encodes and decodes 'e' and 's'.
+// by streamalloc when the allocations have one size: a stitched range's pages always
+// do), 's' streamalloc's variant for allocations of several sizes, 'x' a sender's reason
+// for not sharing, which the receiver raises. The library encodes and decodes 'e', 's'
+// and 'x'.
 constexpr char kHandleVersion = 2;
 constexpr char kHandleCudaMalloc = 'c';
 constexpr char kHandleExpandable = 'e';
 constexpr char kHandleStreamalloc = 's';
+constexpr char kHandleFailedExport = 'x';
 
 std::string last_error() {
   const char* m = streamalloc_last_error();
@@ -479,11 +483,13 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
       fail("getBaseAllocation");
     }
     if (expandable) {
+      // As PyTorch's allocator for its expandable segments: mapped memory has no base
+      // cudaMalloc allocation. Sharing it with other processes goes through
+      // shareIpcHandle, which torch.multiprocessing calls.
       unsupported(
           "getBaseAllocation",
-          "the memory lies in an expandable segment, which cannot be shared between "
-          "processes; use STREAMALLOC_CONF=expandable_segments:false in processes that send "
-          "CUDA tensors to others");
+          "the memory lies in an expandable segment or a stitched range, which has no base "
+          "cudaMalloc allocation; shareIpcHandle shares it with other processes");
     }
     if (size) {
       *size = seg_size;
@@ -851,10 +857,10 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
   }
 
   void setNoSplit(DeviceIndex device, MempoolId_t mempool_id) override {
-    dev(device);
-    unsupported(
-        "setNoSplit (torch.cuda.MemPool(no_split=True))",
-        "block splitting is streamalloc's policy and has no per-pool switch");
+    touch(device);
+    if (streamalloc_pool_set_no_split(device, mempool_id.first, mempool_id.second) != 0) {
+      fail("setNoSplit (torch.cuda.MemPool(no_split=True))");
+    }
   }
 
   bool checkPoolLiveAllocations(
@@ -966,24 +972,43 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
 
   // ---- IPC ---------------------------------------------------------------------------
 
+  // Any allocation: a whole segment through cudaIpcGetMemHandle, memory mapped through the
+  // VMM API (an expandable segment, a stitched range) as its physical allocations. A
+  // failure is not thrown here, where it would leave the receiver waiting for a tensor
+  // that never comes (torch.multiprocessing pickles in a queue's feeder thread): the
+  // sender warns, and the handle carries the reason, which the receiver raises.
   CCA::ShareableHandle shareIpcHandle(void* ptr) override {
-    int device = 0, expandable = 0;
-    uint64_t base = 0, seg_size = 0;
-    if (streamalloc_block_info(ptr, &device, &base, &seg_size, &expandable) != 0) {
-      fail("shareIpcHandle");
+    std::string why;
+    try {
+      int device = 0, expandable = 0;
+      uint64_t base = 0, seg_size = 0;
+      if (streamalloc_block_info(ptr, &device, &base, &seg_size, &expandable) != 0) {
+        why = last_error();
+      } else if (expandable) {
+        CCA::ShareableHandle shared;
+        if (share_mapped(ptr, &shared)) {
+          return shared;
+        }
+        why = last_error();
+      } else {
+        c10::cuda::CUDAGuard g(static_cast<DeviceIndex>(device));
+        cudaIpcMemHandle_t handle;
+        const cudaError_t err = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
+        if (err == cudaSuccess) {
+          std::string s;
+          s.reserve(2 + CUDA_IPC_HANDLE_SIZE);
+          s.push_back(kHandleVersion);
+          s.push_back(kHandleCudaMalloc);
+          s.append(reinterpret_cast<const char*>(&handle), CUDA_IPC_HANDLE_SIZE);
+          return {static_cast<ptrdiff_t>(reinterpret_cast<uint64_t>(ptr) - base), s};
+        }
+        (void)cudaGetLastError();
+        why = std::string("cudaIpcGetMemHandle: ") + cudaGetErrorString(err);
+      }
+    } catch (const std::exception& err) {
+      why = err.what();
     }
-    if (expandable) {
-      return share_expandable(ptr);
-    }
-    c10::cuda::CUDAGuard g(static_cast<DeviceIndex>(device));
-    cudaIpcMemHandle_t handle;
-    C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base)));
-    std::string s;
-    s.reserve(2 + CUDA_IPC_HANDLE_SIZE);
-    s.push_back(kHandleVersion);
-    s.push_back(kHandleCudaMalloc);
-    s.append(reinterpret_cast<const char*>(&handle), CUDA_IPC_HANDLE_SIZE);
-    return {static_cast<ptrdiff_t>(reinterpret_cast<uint64_t>(ptr) - base), s};
+    return failed_share(ptr, why);
   }
 
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
@@ -1008,7 +1033,7 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
       type = handle[1];
       payload = 2;
     }
-    if (type == kHandleExpandable || type == kHandleStreamalloc) {
+    if (type == kHandleExpandable || type == kHandleStreamalloc || type == kHandleFailedExport) {
       DeviceIndex device = 0;
       C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
       void* p = streamalloc_ipc_open(
@@ -1053,8 +1078,9 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
     bool expandable; // opened by streamalloc_ipc_open, not cudaIpcOpenMemHandle
   };
 
-  // The handle of an allocation in an expandable segment, from the library.
-  CCA::ShareableHandle share_expandable(void* ptr) {
+  // The handle of an allocation in an expandable segment or a stitched range, from the
+  // library; false (the reason in last_error) if it could not export it.
+  bool share_mapped(void* ptr, CCA::ShareableHandle* shared) {
     std::string s(512, '\0');
     uint64_t offset = 0;
     auto out = [&s] { return reinterpret_cast<uint8_t*>(&s[0]); };
@@ -1064,10 +1090,31 @@ class StreamallocAllocator final : public CCA::CUDAAllocator {
       n = streamalloc_ipc_export(ptr, out(), s.size(), &offset);
     }
     if (n < 0 || n > static_cast<int64_t>(s.size())) {
-      fail("shareIpcHandle");
+      return false;
     }
     s.resize(static_cast<size_t>(n));
-    return {static_cast<ptrdiff_t>(offset), s};
+    *shared = {static_cast<ptrdiff_t>(offset), s};
+    return true;
+  }
+
+  // A handle that makes the receiver raise `why` (see shareIpcHandle), after a warning
+  // here.
+  CCA::ShareableHandle failed_share(void* ptr, const std::string& why) {
+    std::ostringstream reason;
+    reason << "sharing the CUDA memory at " << ptr << " with another process failed: " << why;
+    TORCH_WARN(
+        "streamalloc: ",
+        reason.str(),
+        "; the receiving process raises this error when it opens the tensor");
+    std::string s(2 + 1024 + 16, '\0');
+    const int64_t n = streamalloc_ipc_failure_handle(
+        reason.str().c_str(), reinterpret_cast<uint8_t*>(&s[0]), s.size());
+    TORCH_CHECK(
+        n > 0 && n <= static_cast<int64_t>(s.size()),
+        "streamalloc: shareIpcHandle failed: ",
+        why);
+    s.resize(static_cast<size_t>(n));
+    return {0, s};
   }
 
   DeviceState& dev(DeviceIndex device) {

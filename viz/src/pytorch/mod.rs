@@ -320,6 +320,8 @@ fn read_model_from<S: Source>(path: &Path, source: &mut S) -> Result<Snapshot, V
             pool: s.segment_type,
             stream: s.stream,
             expandable: s.is_expandable,
+            tag: None,
+            asleep: false,
             blocks: s
                 .blocks
                 .into_iter()
@@ -398,6 +400,8 @@ pub fn from_torch(t: &TorchSnapshot) -> Snapshot {
                 pool: s.segment_type.clone(),
                 stream: s.stream,
                 expandable: s.is_expandable,
+                tag: None,
+                asleep: false,
                 blocks: s
                     .blocks
                     .iter()
@@ -484,7 +488,8 @@ pub fn to_torch(s: &Snapshot) -> TorchSnapshot {
         ..TorchSnapshot::default()
     };
     for d in &s.devices {
-        for seg in &d.segments {
+        // A sleeping pool's segments hold no memory; PyTorch's segments are reserved memory.
+        for seg in d.segments.iter().filter(|seg| !seg.asleep) {
             out.segments.push(TorchSegment {
                 device: d.device,
                 address: seg.addr,

@@ -18,7 +18,10 @@
 //!
 //! Routes: `/` (the page), `/app.js`, `/prepare.js`, `/style.css`, `/api/files` (JSON list
 //! of the loaded files and their devices), `/api/data?f=F&d=D` (the [`crate::wire`] blob of
-//! file `F`, device `D`, built once, within the file's memory budget, and cached).
+//! file `F`, device `D`, built once, within the file's memory budget, and cached), and for
+//! `view --replay` `/replay.js` (the overlay's drawing) and `/api/replay?f=F&d=D` (the
+//! [`crate::overlay`] of file `F`, device `D`, as JSON, charged to the file's budget; 404
+//! without one).
 
 mod http;
 mod slots;
@@ -28,6 +31,7 @@ pub use http::{parse_request, Refusal, Request, SECURITY_HEADERS};
 use crate::error::VizError;
 use crate::limits::Budget;
 use crate::model::Snapshot;
+use crate::overlay::ReplayOverlay;
 use serde_json::json;
 use slots::{Conn, Slots};
 use std::collections::HashMap;
@@ -40,9 +44,13 @@ const INDEX_HTML: &str = include_str!("../../assets/index.html");
 const APP_JS: &str = include_str!("../../assets/app.js");
 const PREPARE_JS: &str = include_str!("../../assets/prepare.js");
 const STYLE_CSS: &str = include_str!("../../assets/style.css");
+const REPLAY_JS: &str = include_str!("../../assets/replay.js");
 
 /// An encoded response body, shared between requests.
 type Blob = Arc<Vec<u8>>;
+
+/// What the budget calls writing a replay overlay for the page.
+const REPLAY_STAGE: &str = "the replay overlay";
 
 /// The snapshots being shown.
 #[derive(Debug)]
@@ -52,8 +60,10 @@ pub struct Viewer {
     /// Encoded blobs by `(file, device position)`.
     cache: Mutex<HashMap<(usize, usize), Blob>>,
     /// What each file may still build: its snapshot's budget, charged with the blobs
-    /// built from it.
+    /// and replay overlays built from it.
     budgets: Mutex<Vec<Budget>>,
+    /// Replay overlays as JSON, by `(file, device position)`.
+    replays: HashMap<(usize, usize), Blob>,
 }
 
 impl Viewer {
@@ -64,7 +74,40 @@ impl Viewer {
             files,
             cache: Mutex::new(HashMap::new()),
             budgets: Mutex::new(budgets),
+            replays: HashMap::new(),
         }
+    }
+
+    /// Shows `overlay` over device position `device` of file `file`, its JSON charged to
+    /// the file's budget: an error naming the file if the budget cannot afford it.
+    pub fn set_replay(
+        &mut self,
+        file: usize,
+        device: usize,
+        overlay: &ReplayOverlay,
+    ) -> Result<(), VizError> {
+        let Some((name, _)) = self.files.get(file) else {
+            return Ok(());
+        };
+        let over = |what: String| VizError::Limit {
+            path: name.into(),
+            what,
+        };
+        let budget = &mut self.budgets.get_mut().unwrap_or_else(|e| e.into_inner())[file];
+        // Charged at an upper bound before it is written, then what was not used goes back.
+        let bound = overlay.json_bytes_bound();
+        budget
+            .charge_for(REPLAY_STAGE, bound as u64)
+            .map_err(|o| over(o.to_string()))?;
+        let mut json = Vec::with_capacity(bound);
+        if let Err(err) = serde_json::to_writer(&mut json, overlay) {
+            budget.release(bound as u64);
+            return Err(over(format!("the replay overlay cannot be written: {err}")));
+        }
+        json.shrink_to_fit();
+        budget.release(bound.saturating_sub(json.len()) as u64);
+        self.replays.insert((file, device), Arc::new(json));
+        Ok(())
     }
 
     fn files_json(&self) -> String {
@@ -130,26 +173,37 @@ impl Viewer {
             "/app.js" => (200, "text/javascript; charset=utf-8", text(APP_JS)),
             "/prepare.js" => (200, "text/javascript; charset=utf-8", text(PREPARE_JS)),
             "/style.css" => (200, "text/css; charset=utf-8", text(STYLE_CSS)),
+            "/replay.js" => (200, "text/javascript; charset=utf-8", text(REPLAY_JS)),
+            "/api/replay" => match file_and_device(query).and_then(|k| self.replays.get(&k)) {
+                Some(json) => (200, "application/json", json.clone()),
+                None => (
+                    404,
+                    "text/plain",
+                    text("no replay for this file and device\n"),
+                ),
+            },
             "/api/files" => (200, "application/json", text(&self.files_json())),
-            "/api/data" => {
-                let mut f = None;
-                let mut d = None;
-                for kv in query.split('&') {
-                    match kv.split_once('=') {
-                        Some(("f", v)) => f = v.parse().ok(),
-                        Some(("d", v)) => d = v.parse().ok(),
-                        _ => {}
-                    }
-                }
-                match f.zip(d).and_then(|(f, d)| self.data(f, d)) {
-                    Some(Ok(blob)) => (200, "application/octet-stream", blob),
-                    Some(Err(err)) => (500, "text/plain", text(&format!("{err}\n"))),
-                    None => (404, "text/plain", text("no such file or device\n")),
-                }
-            }
+            "/api/data" => match file_and_device(query).and_then(|(f, d)| self.data(f, d)) {
+                Some(Ok(blob)) => (200, "application/octet-stream", blob),
+                Some(Err(err)) => (500, "text/plain", text(&format!("{err}\n"))),
+                None => (404, "text/plain", text("no such file or device\n")),
+            },
             _ => (404, "text/plain", text("not found\n")),
         }
     }
+}
+
+/// The `f` and `d` of a query (`f=0&d=1`).
+fn file_and_device(query: &str) -> Option<(usize, usize)> {
+    let (mut f, mut d) = (None, None);
+    for kv in query.split('&') {
+        match kv.split_once('=') {
+            Some(("f", v)) => f = v.parse().ok(),
+            Some(("d", v)) => d = v.parse().ok(),
+            _ => {}
+        }
+    }
+    f.zip(d)
 }
 
 /// Binds `127.0.0.1:port` (0: any free port).

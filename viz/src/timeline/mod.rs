@@ -12,6 +12,10 @@
 //! they are in the snapshot's segment list with no allocation in the trace) get
 //! `start: None`; those still alive at the end get `end: None`.
 //!
+//! A `sleep` ends the segment spans of its range like an unmap and opens a *sleeping* span
+//! ([`Timeline::sleeping`]); the `wake` that maps the range again closes it and starts a
+//! segment span like a map.
+//!
 //! Counters (bytes, after each event):
 //! - `active`: allocated until `free_completed` (PyTorch's "active"; the peak of this is
 //!   the trace's peak live memory),
@@ -71,6 +75,10 @@ pub struct Timeline {
     pub allocs: Vec<AllocSpan>,
     /// Every segment, in the order of its allocation (those from before the trace first).
     pub segments: Vec<SegmentSpan>,
+    /// Every range a sleeping memory pool gave back, from its `sleep` to the `wake` that
+    /// mapped it again (streamalloc traces; `start: None` for ranges asleep before the
+    /// trace, which the snapshot's sleeping segments give).
+    pub sleeping: Vec<SegmentSpan>,
     /// Counter values after each event (`counters[k][i]`, `k` in [`Counter::ALL`]).
     pub counters: [Vec<u64>; 5],
     /// Counter values before the first event.
@@ -119,6 +127,7 @@ impl Counter {
 }
 
 mod counters;
+mod sleeping;
 
 /// What the budget calls building a timeline.
 const STAGE: &str = "building the timeline";
@@ -181,7 +190,7 @@ impl Timeline {
         for (i, e) in trace.iter().enumerate() {
             let at = Some(i as u32);
             match e.action {
-                TraceAction::SegmentAlloc | TraceAction::SegmentMap => {
+                TraceAction::SegmentAlloc | TraceAction::SegmentMap | TraceAction::Wake => {
                     let s = stream(e.stream, &mut t.streams);
                     budget.reserve(STAGE, &mut late_segs, 1)?;
                     charge_transient(budget, MAP_ENTRY_BYTES)?;
@@ -194,7 +203,7 @@ impl Timeline {
                     });
                     live_segs.insert(e.addr, late_segs.len() - 1);
                 }
-                TraceAction::SegmentFree | TraceAction::SegmentUnmap => {
+                TraceAction::SegmentFree | TraceAction::SegmentUnmap | TraceAction::Sleep => {
                     let lo = e.addr;
                     let hi = match (e.size, live_segs.get(&lo)) {
                         (0, Some(&k)) => lo.saturating_add(late_segs[k].size),
@@ -259,8 +268,11 @@ impl Timeline {
             }
         }
         // Segments in the snapshot that no range mapped in the trace overlaps existed
-        // before it.
-        for seg in &device.segments {
+        // before it (a sleeping pool's hold no memory: they are sleeping ranges).
+        t.sleeping = sleeping::sleeping_spans(device, budget, &mut charge_transient, &mut |s| {
+            stream(s, &mut t.streams)
+        })?;
+        for seg in device.segments.iter().filter(|seg| !seg.asleep) {
             let end = seg.addr.saturating_add(seg.size);
             let overlapped = live_segs.range(..end).next_back().is_some_and(|(_, &k)| {
                 late_segs[k].addr.saturating_add(late_segs[k].size) > seg.addr
@@ -393,6 +405,15 @@ impl Timeline {
         t.assign_owners(n);
         t.compute_counters(trace, budget, &mut charge_transient)?;
         Ok(t)
+    }
+
+    /// The sleeping ranges at the instant before event `at`, as `(address, bytes)`.
+    pub fn sleeping_at(&self, at: u32) -> Vec<(u64, u64)> {
+        self.sleeping
+            .iter()
+            .filter(|s| s.start.is_none_or(|i| i < at) && s.end.is_none_or(|i| i >= at))
+            .map(|s| (s.addr, s.size))
+            .collect()
     }
 
     /// Sets each allocation's `owner` to the stream of the segment containing it when it

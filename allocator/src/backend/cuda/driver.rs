@@ -61,6 +61,10 @@ const SYMBOLS: &[&str] = &[
     "cuGraphDestroy",
     "cuMemExportToShareableHandle",
     "cuMemImportFromShareableHandle",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyHtoDAsync_v2",
 ];
 
 /// A library loaded at run time, as its errors name it.

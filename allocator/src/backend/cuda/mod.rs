@@ -32,6 +32,7 @@
 //! [`CudaBackend`], outside the [`Backend`] trait.
 
 pub mod driver;
+mod host;
 pub mod ipc;
 mod vmm;
 
@@ -39,7 +40,7 @@ pub use cudarc::driver::sys;
 
 use super::{Backend, BackendResult};
 use crate::error::BackendError;
-use crate::types::{DevicePtr, EventHandle, StreamId};
+use crate::types::{DevicePtr, EventHandle, HostPtr, StreamId};
 use std::ffi::c_int;
 use std::time::Instant;
 
@@ -110,6 +111,8 @@ pub struct CudaBackend {
     pages: Option<vmm::PageMap>,
     /// Other processes' memory opened here (CUDA IPC of expandable segments).
     imports: ipc::Imports,
+    /// The stream of host copies (sleeping memory's backup), made on first use.
+    copies: host::CopyStream,
 }
 
 /// A `CUcontext` that may be shared between threads (the driver allows it).
@@ -139,6 +142,7 @@ impl CudaBackend {
             clock: Clock::new(),
             pages: None,
             imports: Default::default(),
+            copies: Default::default(),
         };
         // Leave the context current on a thread that had none, as the runtime would.
         drop(backend.enter()?);
@@ -373,6 +377,32 @@ impl Backend for CudaBackend {
         let _ctx = self.enter()?;
         let _relaxed = RelaxedCapture::enter()?;
         self.page_map("cuMemUnmap")?.unmap(ptr, size)
+    }
+
+    fn map_pages_whole(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        let _ctx = self.enter()?;
+        let _relaxed = RelaxedCapture::enter()?;
+        self.page_map("cuMemMap")?.map_whole(ptr, size)
+    }
+
+    fn alloc_host(&self, size: u64) -> BackendResult<HostPtr> {
+        self.host_alloc(size)
+    }
+
+    fn free_host(&self, ptr: HostPtr, size: u64) -> BackendResult<()> {
+        self.host_free(ptr, size)
+    }
+
+    fn copy_to_host(&self, dst: HostPtr, src: DevicePtr, size: u64) -> BackendResult<()> {
+        self.host_copy_to_host(dst, src, size)
+    }
+
+    fn copy_to_device(&self, dst: DevicePtr, src: HostPtr, size: u64) -> BackendResult<()> {
+        self.host_copy_to_device(dst, src, size)
+    }
+
+    fn synchronize_copies(&self) -> BackendResult<()> {
+        self.host_synchronize_copies()
     }
 }
 

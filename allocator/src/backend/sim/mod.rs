@@ -35,6 +35,12 @@
 //! pages (see [`vm`]), so the two addresses of one byte are one byte to it, and a page
 //! goes back to the device only with its last mapping.
 //!
+//! # Contents and host copies
+//! Each byte range carries a version, the operation that last wrote it ([`contents`]):
+//! enough to check that memory copied to page-locked host buffers and back holds what it
+//! held ([`SimBackend::contents`]). Host copies run on the backend's own stream and are
+//! checked like launches ([`copies`]); a page mapped fresh holds version 0.
+//!
 //! # Graphs
 //! CUDA graphs are captured and replayed as on a real device, so that the detector sees
 //! what a graph does to memory when it runs, not when it was recorded:
@@ -58,15 +64,23 @@
 //! recording a graph (launches then execute at once), for tests of the rules alone.
 
 mod clock;
+mod contents;
+mod copies;
+mod ipc;
+mod race;
 mod shadow;
+mod unmap;
 mod vm;
 
+pub use self::race::{Access, Race, RaceKind};
+
 use self::clock::VectorClock;
+use self::contents::{Contents, HostMemory};
 use self::shadow::{OpRef, Shadow};
 use self::vm::VirtualMemory;
 use super::{Backend, BackendResult};
 use crate::error::BackendError;
-use crate::types::{DevicePtr, EventHandle, StreamId};
+use crate::types::{DevicePtr, EventHandle, HostPtr, StreamId};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
@@ -79,79 +93,6 @@ const BASE_ADDRESS: u64 = 0x7f00_0000_0000;
 const SEGMENT_GUARD: u64 = 2 << 20;
 /// Page size of the simulated virtual-memory API (CUDA's usual granularity).
 const PAGE_SIZE: u64 = 2 << 20;
-
-/// One byte range an operation touches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Access {
-    /// First byte.
-    pub ptr: DevicePtr,
-    /// Bytes.
-    pub len: u64,
-    /// True for a write, false for a read.
-    pub write: bool,
-}
-
-impl Access {
-    /// A read of `[ptr, ptr + len)`.
-    pub fn read(ptr: DevicePtr, len: u64) -> Self {
-        Self {
-            ptr,
-            len,
-            write: false,
-        }
-    }
-
-    /// A write of `[ptr, ptr + len)`.
-    pub fn write(ptr: DevicePtr, len: u64) -> Self {
-        Self {
-            ptr,
-            len,
-            write: true,
-        }
-    }
-}
-
-/// A violation found by the simulator.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Race {
-    /// The earlier operation ("-" when the violation involves only one).
-    pub earlier: String,
-    /// The later operation.
-    pub later: String,
-    /// The bytes concerned.
-    pub range: (u64, u64),
-    /// What rule was broken.
-    pub kind: RaceKind,
-}
-
-/// The rule a [`Race`] broke.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RaceKind {
-    /// Two conflicting accesses on different streams with no happens-before between them.
-    Unordered,
-    /// An access to memory outside every live segment.
-    OutOfBounds,
-    /// A call forbidden while a stream is capturing a graph.
-    Capture,
-}
-
-impl fmt::Display for Race {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.kind {
-            RaceKind::Unordered => write!(
-                f,
-                "race on bytes [{:#x}, {:#x}): `{}` does not happen-before `{}`",
-                self.range.0, self.range.1, self.earlier, self.later
-            ),
-            RaceKind::OutOfBounds => write!(
-                f,
-                "`{}` touches [{:#x}, {:#x}), outside every live segment",
-                self.later, self.range.0, self.range.1
-            ),
-            RaceKind::Capture => write!(f, "during graph capture: {}", self.later),
-        }
-    }
-}
 
 /// A graph captured by [`SimBackend::end_capture`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -235,6 +176,12 @@ struct SimState {
     mapping_cost_ns: u64,
     /// Panic in the next call of this name (panic injection).
     panic_next: Option<&'static str>,
+    /// Descriptors of exported allocations and imports (CUDA IPC).
+    ipc: ipc::SimIpc,
+    /// What device memory holds, keyed like `shadow` (see [`contents`]).
+    contents: Contents,
+    /// Page-locked host buffers and what they hold.
+    host: HostMemory,
 }
 
 /// How the message of a panic planted by [`SimBackend::panic_on_next`] begins, so that
@@ -440,20 +387,11 @@ impl SimBackend {
     /// addresses mapping one page give the same range). `None` if some byte is in neither.
     pub fn physical_ranges(&self, ptr: DevicePtr, len: u64) -> Option<Vec<(u64, u64)>> {
         let state = self.state.lock();
-        let (start, end) = (ptr.0, ptr.0.checked_add(len)?);
-        let in_segment = state
-            .segments
-            .range(..=start)
-            .next_back()
-            .is_some_and(|(seg, size)| end <= seg + size);
-        if in_segment {
-            return Some(vec![(start, end)]);
-        }
-        let pieces = state.vm.translate(start, end)?;
+        let pieces = state.physical_pieces(ptr.0, len)?;
         Some(
             pieces
                 .iter()
-                .map(|p| (p.physical, p.physical + p.len))
+                .map(|&(_, len, physical)| (physical, physical + len))
                 .collect(),
         )
     }
@@ -593,6 +531,12 @@ impl SimState {
             for piece in &pieces {
                 self.vm.note_use(piece, op);
             }
+            if access.write {
+                for &(_, len, physical) in &ranges {
+                    self.contents
+                        .set(physical, physical + len, op.op as u64 + 1);
+                }
+            }
             for (virt, len, physical) in ranges {
                 let conflicts =
                     self.shadow
@@ -678,6 +622,7 @@ impl Backend for SimBackend {
         state.segments.remove(&ptr.0);
         state.reserved -= size;
         state.shadow.forget(ptr.0, ptr.0 + size);
+        state.contents.set(ptr.0, ptr.0 + size, 0);
         self.publish(&state);
         Ok(())
     }
@@ -840,26 +785,31 @@ impl Backend for SimBackend {
     }
 
     fn map_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        let mut state = self.call("map_pages");
-        if state.fail_next_allocs > 0 {
-            state.fail_next_allocs -= 1;
-            return Err(BackendError::new("cuMemCreate", "injected failure"));
-        }
-        let (start, end) = state.check_unmapped_target("cuMemMap", ptr, size)?;
-        if state.reserved + size > state.capacity {
-            return Err(BackendError::out_of_memory(
-                "cuMemCreate",
-                format!(
-                    "{size} bytes requested, {} of {} in use",
-                    state.reserved, state.capacity
-                ),
-            ));
-        }
-        let per_page = state.page_allocations;
-        state.vm.map_fresh(start, end, PAGE_SIZE, per_page);
-        state.reserved += size;
-        self.charge_mapping_call(&mut state);
-        Ok(())
+        self.map_fresh("map_pages", ptr, size, None)
+    }
+
+    fn map_pages_whole(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        self.map_fresh("map_pages_whole", ptr, size, Some(false))
+    }
+
+    fn alloc_host(&self, size: u64) -> BackendResult<HostPtr> {
+        self.host_alloc(size)
+    }
+
+    fn free_host(&self, ptr: HostPtr, size: u64) -> BackendResult<()> {
+        self.host_free(ptr, size)
+    }
+
+    fn copy_to_host(&self, dst: HostPtr, src: DevicePtr, size: u64) -> BackendResult<()> {
+        self.host_copy(copies::Direction::ToHost, dst, src, size)
+    }
+
+    fn copy_to_device(&self, dst: DevicePtr, src: HostPtr, size: u64) -> BackendResult<()> {
+        self.host_copy(copies::Direction::ToDevice, src, dst, size)
+    }
+
+    fn synchronize_copies(&self) -> BackendResult<()> {
+        self.host_synchronize_copies()
     }
 
     fn set_page_allocations(&self, on: bool) {
@@ -909,68 +859,40 @@ impl Backend for SimBackend {
 
     fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         let mut state = self.call("unmap_pages");
-        let (start, end) = (ptr.0, ptr.0.saturating_add(size));
-        if size == 0 || !start.is_multiple_of(PAGE_SIZE) || !size.is_multiple_of(PAGE_SIZE) {
-            return Err(BackendError::new(
-                "cuMemUnmap",
-                format!("[{start:#x}, {end:#x}) is not page-aligned"),
+        state.unmap_checked(ptr.0, ptr.0.saturating_add(size), "unmap_pages")?;
+        self.charge_mapping_call(&mut state);
+        Ok(())
+    }
+}
+
+impl SimBackend {
+    /// `map_pages` (`per_page: None`: as `set_page_allocations` says) and `map_pages_whole`
+    /// (`Some(false)`), counted under `name`.
+    fn map_fresh(
+        &self,
+        name: &'static str,
+        ptr: DevicePtr,
+        size: u64,
+        per_page: Option<bool>,
+    ) -> BackendResult<()> {
+        let mut state = self.call(name);
+        if state.fail_next_allocs > 0 {
+            state.fail_next_allocs -= 1;
+            return Err(BackendError::new("cuMemCreate", "injected failure"));
+        }
+        let (start, end) = state.check_unmapped_target("cuMemMap", ptr, size)?;
+        if state.reserved + size > state.capacity {
+            return Err(BackendError::out_of_memory(
+                "cuMemCreate",
+                format!(
+                    "{size} bytes requested, {} of {} in use",
+                    state.reserved, state.capacity
+                ),
             ));
         }
-        if state.vm.translate(start, end).is_none() {
-            return Err(BackendError::new(
-                "cuMemUnmap",
-                format!("[{start:#x}, {end:#x}) is not wholly mapped"),
-            ));
-        }
-        let Some(whole) = state.vm.whole_mappings(start, end) else {
-            return Err(BackendError::new(
-                "cuMemUnmap",
-                format!("[{start:#x}, {end:#x}) does not cover whole mappings"),
-            ));
-        };
-        let unmapped = state.vm.unmap(&whole, PAGE_SIZE);
-        // No implicit synchronisation: every earlier use through these mappings must be
-        // known complete on the host, and so must every use of pages that go back to the
-        // device, through whichever mapping.
-        let label = format!("unmap_pages [{start:#x}, {end:#x}) (host)");
-        let op = OpRef {
-            op: state.log.len(),
-            stream: usize::MAX,
-            epoch: 0,
-        };
-        state.log.push(label);
-        let host_clock = state.host_clock.clone();
-        let mut races = Vec::new();
-        for piece in &unmapped.released {
-            let physical_end = piece.physical + piece.len;
-            let conflicts = state
-                .shadow
-                .access(piece.physical, physical_end, op, true, |prior| {
-                    host_clock.covers(prior.stream, prior.epoch)
-                });
-            for (prior, from, to) in conflicts {
-                let from = piece.virt + (from.max(piece.physical) - piece.physical);
-                let to = piece.virt + (to.min(physical_end) - piece.physical);
-                races.push((prior.op, (from, to)));
-            }
-            state.shadow.forget(piece.physical, physical_end);
-            state.reserved -= piece.len;
-        }
-        for &(user, from, to) in &unmapped.users {
-            let reported = races.iter().any(|&(earlier, _)| earlier == user.op);
-            if !reported && !host_clock.covers(user.stream, user.epoch) {
-                races.push((user.op, (from, to)));
-            }
-        }
-        for (earlier, range) in races {
-            let race = Race {
-                earlier: state.log[earlier].clone(),
-                later: state.log[op.op].clone(),
-                range,
-                kind: RaceKind::Unordered,
-            };
-            state.races.push(race);
-        }
+        let per_page = per_page.unwrap_or(state.page_allocations);
+        state.vm.map_fresh(start, end, PAGE_SIZE, per_page);
+        state.reserved += size;
         self.charge_mapping_call(&mut state);
         Ok(())
     }

@@ -31,6 +31,22 @@ struct Mapping {
     /// The latest operation of each stream that touched memory through this mapping: what
     /// must be complete before it is unmapped.
     users: Vec<OpRef>,
+    /// A second mapping of pages mapped elsewhere first (a stitched range, an IPC import):
+    /// it has no allocation of its own to export.
+    alias: bool,
+}
+
+/// A mapping as IPC sees it: the allocation behind it, mapped there first or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Allocation {
+    /// First virtual byte of the mapping.
+    pub(super) start: u64,
+    /// Bytes.
+    pub(super) len: u64,
+    /// Physical address of its first byte.
+    pub(super) physical: u64,
+    /// A second mapping (see [`Mapping`]'s field).
+    pub(super) alias: bool,
 }
 
 /// A stretch of a virtual range and the physical bytes behind it.
@@ -140,10 +156,10 @@ impl VirtualMemory {
         self.next_physical = physical + (end - start);
         if per_page {
             for at in (start..end).step_by(page as usize) {
-                self.insert(at, at + page, physical + (at - start), page);
+                self.insert(at, at + page, physical + (at - start), page, false);
             }
         } else {
-            self.insert(start, end, physical, page);
+            self.insert(start, end, physical, page, false);
         }
     }
 
@@ -152,12 +168,51 @@ impl VirtualMemory {
     pub(super) fn map_alias(&mut self, dst: u64, source: &[Piece], page: u64) {
         let mut at = dst;
         for piece in source {
-            self.insert(at, at + piece.len, piece.physical, page);
+            self.insert(at, at + piece.len, piece.physical, page, true);
             at += piece.len;
         }
     }
 
-    fn insert(&mut self, start: u64, end: u64, physical: u64, page: u64) {
+    /// Maps the physical ranges `allocations` (first byte, bytes) again, back to back from
+    /// `dst`, which the caller checked is reserved and unmapped: another process's
+    /// allocations imported through IPC.
+    pub(super) fn map_imported(&mut self, dst: u64, allocations: &[(u64, u64)], page: u64) {
+        let mut at = dst;
+        for &(physical, len) in allocations {
+            self.insert(at, at + len, physical, page, true);
+            at += len;
+        }
+    }
+
+    /// The mappings covering `[start, end)`, from the one holding `start` on, each
+    /// following the last without a gap; `None` if some byte is not mapped.
+    pub(super) fn allocations_over(&self, start: u64, end: u64) -> Option<Vec<Allocation>> {
+        let end = end.max(start + 1);
+        let (&first, holding) = self.mappings.range(..=start).next_back()?;
+        if holding.end <= start {
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut cursor = first;
+        for (&at, mapping) in self.mappings.range(first..) {
+            if cursor >= end {
+                break;
+            }
+            if at != cursor {
+                return None;
+            }
+            out.push(Allocation {
+                start: at,
+                len: mapping.end - at,
+                physical: mapping.physical,
+                alias: mapping.alias,
+            });
+            cursor = mapping.end;
+        }
+        (cursor >= end).then_some(out)
+    }
+
+    fn insert(&mut self, start: u64, end: u64, physical: u64, page: u64, alias: bool) {
         for offset in (0..end - start).step_by(page as usize) {
             let refs = self.page_refs.entry(physical + offset).or_insert(0);
             if *refs == 0 {
@@ -171,6 +226,7 @@ impl VirtualMemory {
                 end,
                 physical,
                 users: Vec::new(),
+                alias,
             },
         );
     }
@@ -264,6 +320,32 @@ mod tests {
         vm.unmap(&starts, PAGE);
         assert_eq!(vm.physical_bytes, 0);
         assert!(!vm.any_mapped(0, 8 * PAGE));
+    }
+
+    #[test]
+    fn allocations_over_a_range_are_whole_mappings_and_say_which_are_second_mappings() {
+        let mut vm = VirtualMemory::default();
+        vm.reserve(0, 8 * PAGE);
+        vm.map_fresh(0, 3 * PAGE, PAGE, true);
+        let source = vm.translate(PAGE, 3 * PAGE).unwrap();
+        vm.map_alias(4 * PAGE, &source, PAGE);
+        let first = vm.allocations_over(PAGE + 1, 2 * PAGE + 1).unwrap();
+        assert_eq!(
+            first
+                .iter()
+                .map(|a| (a.start, a.len, a.alias))
+                .collect::<Vec<_>>(),
+            [(PAGE, PAGE, false), (2 * PAGE, PAGE, false)],
+            "the whole pages the range touches"
+        );
+        let second = vm.allocations_over(4 * PAGE, 6 * PAGE).unwrap();
+        assert!(second.iter().all(|a| a.alias));
+        assert_eq!(second[0].physical, first[0].physical);
+        assert!(vm.allocations_over(3 * PAGE, 4 * PAGE).is_none(), "a gap");
+        assert!(
+            vm.allocations_over(2 * PAGE, 5 * PAGE).is_none(),
+            "a gap inside"
+        );
     }
 
     #[test]

@@ -1,0 +1,142 @@
+# The native P2POp reader (python/streamalloc/csrc/p2p_door.cpp) against the Python one
+# (streamalloc._p2p_checks.translate_ops), on CPU tensors: random lists of ops with several
+# peers, directions, dtypes and shapes read into the same lanes (tensors, bytes, dtype codes,
+# addresses, device), and every invalid input refused with the same message. Then both timed
+# on the reproduction's pattern at ~58,000 ops. Builds the reader if needed (a C++ compiler,
+# ninja, Python's headers); prints SKIP and exits 0 without torch.
+#   PYTHONPATH=python python3 benches/gpu/p2p/native_check.py
+import random
+import sys
+import time
+
+try:
+    import torch
+except ImportError:
+    print("SKIP: torch is not installed")
+    sys.exit(0)
+
+from streamalloc import _p2p_checks, _p2p_native
+from streamalloc.p2p import P2PError
+
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what, flush=True)
+
+
+def isend():
+    pass
+
+
+def irecv():
+    pass
+
+
+class Op:  # the fields of torch.distributed.P2POp that the readers use
+    def __init__(self, op, tensor, peer, group_peer="same"):
+        self.op, self.tensor, self.peer = op, tensor, peer
+        self.group_peer = peer if group_peer == "same" else group_peer
+
+
+def both(ops, world=4, group_rank=None):
+    """(Python result or message, native result or message)."""
+    out = []
+    for read in (lambda: _p2p_checks.translate_ops(ops, 0, world, group_rank, isend, irecv, True),
+                 lambda: _p2p_native.read_ops(ops, 0, world, group_rank, isend, irecv)):
+        try:
+            out.append(read())
+        except P2PError as err:
+            out.append(str(err))
+    return out
+
+
+def same(a, b):
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return (a.counts == b.counts and len(a.tensors) == len(b.tensors)
+            and all(x is y for x, y in zip(a.tensors, b.tensors))
+            and list(a.nbytes) == list(b.nbytes) and list(a.codes) == list(b.codes)
+            and list(a.addresses) == list(b.addresses) and a.device == b.device)
+
+
+def main():
+    if _p2p_native.load() is None:
+        print(f"FAIL: the native reader could not be built: {_p2p_native.failure()}")
+        return 1
+    rng = random.Random(7)
+    dtypes = [torch.float32, torch.bfloat16, torch.int8, torch.int64, torch.bool, torch.float64,
+              torch.complex64, torch.uint8, torch.float16]
+    for case in range(200):
+        ops = []
+        for _ in range(rng.randint(0, 60)):
+            shape = rng.choice([(rng.randint(0, 9),), (2, rng.randint(0, 5)), ()])
+            t = torch.zeros(shape, dtype=rng.choice(dtypes))
+            ops.append(Op(rng.choice([isend, irecv]), t, rng.randrange(4)))
+        a, b = both(ops)
+        check(same(a, b), f"case {case}: the readers disagree")
+    # Subgroups: peers named by global rank, mapped by the group (no group_peer).
+    mapping = {10: 0, 20: 1, 30: 2}
+    ops = [Op(isend, torch.ones(3), 30, None), Op(irecv, torch.ones(2), 10, None)]
+    a, b = both(ops, 3, mapping.__getitem__)
+    check(same(a, b) and not isinstance(b, str) and b.counts == [0, 0, 1, 1, 0, 0],
+          "global peers mapped through the group")
+    named = lambda: None
+    named.__name__ = "isend"
+    bad = {
+        "not a P2POp": [Op(isend, torch.ones(1), 1), 7],
+        "None": [None],
+        "a None tensor": [Op(isend, None, 1)],
+        "a string tensor": [Op(isend, "x", 1)],
+        "a bad op": [Op(print, torch.ones(1), 1)],
+        "a peer out of range": [Op(isend, torch.ones(1), 4)],
+        "a negative peer": [Op(isend, torch.ones(1), -1)],
+        "a bool peer": [Op(isend, torch.ones(1), True)],
+        "no peer": [Op(isend, torch.ones(1), None, None)],
+        "not contiguous": [Op(isend, torch.ones(3, 3).t(), 2)],
+        "two devices": [Op(isend, torch.ones(1), 1), Op(isend, torch.ones(1, device="meta"), 1)],
+    }
+    for what, ops in bad.items():
+        a, b = both(ops)
+        check(isinstance(a, str) and a == b, f"{what}: the same message ({a!r} / {b!r})")
+    a, b = both([Op(named, torch.ones(2), 1)])
+    check(same(a, b) and b.counts[1] == 1, "an op named isend (another module's function)")
+    if failures:
+        print(f"{len(failures)} failure(s)")
+        return 1
+
+    # The reproduction's pattern at ~58,000 ops (one rank of 4; float32 of 1-66 KB, on the
+    # meta device: no memory), shuffled as callers do.
+    world, scale = 4, 1000
+    g = torch.Generator().manual_seed(42)
+    T = ((1 + torch.randperm(world * world, generator=g)) * scale).reshape(world, world).tolist()
+    ops = [Op(isend, torch.empty(256 + (j * 104729) % 16384, device="meta"), j)
+           for j in range(1, world) for _ in range(T[0][j])]
+    ops += [Op(irecv, torch.empty(256 + (j * 7919) % 16384, device="meta"), j)
+            for j in range(1, world) for _ in range(T[j][0])]
+    random.Random(0).shuffle(ops)
+    rows = []
+    for label, read in (("Python (translate_ops)", lambda: _p2p_checks.translate_ops(
+                            ops, 0, world, None, isend, irecv, True)),
+                        ("native (p2p_door.cpp)", lambda: _p2p_native.read_ops(
+                            ops, 0, world, None, isend, irecv))):
+        best = min(_timed(read) for _ in range(5))
+        rows.append((label, best))
+    print(f"reading a shuffled list of {len(ops):,} ops into lanes (best of 5, one thread):")
+    for label, best in rows:
+        print(f"  {label:<24} {best * 1e3:8.2f} ms  {best / len(ops) * 1e9:7.0f} ns per op")
+    print("native reader checks: all passed")
+    return 0
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.exit(main())
