@@ -547,17 +547,17 @@ pub unsafe fn dump_snapshot<B: Backend>(
     })
 }
 
-/// Writes `value` as JSON to the file `path`.
+/// Writes `value` as JSON to the file `path`, by the rule of every output
+/// ([`streamalloc_viz::output`]): a regular file (or a new one), written whole beside it and
+/// renamed, so that a failure midway leaves an existing file as it was.
 pub(crate) fn write_json(path: &str, value: &impl serde::Serialize) -> Result<(), String> {
-    let file = std::fs::File::create(path)
-        .map_err(|err| format!("streamalloc: cannot create snapshot file {path}: {err}"))?;
-    let mut writer = std::io::BufWriter::new(file);
-    serde_json::to_writer(&mut writer, value)
-        .map_err(|err| format!("streamalloc: writing snapshot {path}: {err}"))?;
-    use std::io::Write;
-    writer
-        .flush()
-        .map_err(|err| format!("streamalloc: writing snapshot {path}: {err}"))
+    streamalloc_viz::output::write_whole(std::path::Path::new(path), |out| {
+        serde_json::to_writer(out, value).map_err(|err| streamalloc_viz::VizError::Write {
+            path: path.into(),
+            what: err.to_string(),
+        })
+    })
+    .map_err(|err| format!("streamalloc: cannot write snapshot {err}"))
 }
 
 /// The message of the previous call on this thread if it failed, "" if it succeeded. The
@@ -570,5 +570,7 @@ pub extern "C" fn streamalloc_last_error() -> *const c_char {
 /// The library's version, e.g. "0.1.0" (a static string).
 #[no_mangle]
 pub extern "C" fn streamalloc_version() -> *const c_char {
-    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+    // Like every call, it clears the last error.
+    let version: *const c_char = concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast();
+    error::call(version, || version)
 }
