@@ -98,6 +98,10 @@ def stitch_count(st):
 def make_stitched(torch, st, keep):
     """A 40 MiB int32 tensor stitched from free pages around a live block, or None."""
     n = 40 * MiB // 4
+    # An earlier stitched tensor, once freed, stays mapped as a dormant range that serves
+    # the same request again without stitching: give the cache back first.
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     for attempt in ("policy", "limit"):
         below = torch.empty(30 * MiB // 4, dtype=torch.int32, device="cuda")
         live = torch.empty(4 * MiB // 4, dtype=torch.int32, device="cuda")

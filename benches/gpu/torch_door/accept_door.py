@@ -257,6 +257,8 @@ def table(outdir):
             continue
         with open(os.path.join(outdir, name)) as f:
             res = json.load(f)
+        if not isinstance(res, dict) or "check" not in res:
+            continue  # another script's result (stats_compare.json), tabled by that script
         rows.setdefault(res["check"], {})[res["alloc"]] = res
     # memory_stats keys: the same set, and the keys PyTorch fills that streamalloc leaves 0.
     st = rows.get("stats", {})

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -74,6 +75,12 @@ constexpr char kHandleFailedExport = 'x';
 
 // The library's last error, or a placeholder when it gave none.
 std::string last_error();
+
+// Messages that carry numbers are built with std::to_string and this, never with
+// iostreams: formatting a number through an ostream inside the door crashed PyTorch 2.11's
+// processes (a segfault in the stream's number formatting), where TORCH_CHECK with a single
+// prebuilt string does not format at all.
+std::string hex_address(const void* ptr);
 
 // Raises PyTorch's error for a failed library call, with the library's message.
 [[noreturn]] void fail(const char* what);

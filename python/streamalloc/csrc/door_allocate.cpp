@@ -153,12 +153,8 @@ void StreamallocAllocator::alloc_failed(
   if (msg.find("out of memory") == std::string::npos) {
     TORCH_CHECK(
         false,
-        "streamalloc: allocating ",
-        size,
-        " bytes on device ",
-        static_cast<int>(device),
-        " failed: ",
-        msg);
+        "streamalloc: allocating " + std::to_string(size) + " bytes on device " +
+            std::to_string(static_cast<int>(device)) + " failed: " + msg);
   }
   size_t device_free = 0, device_total = 0;
   {
@@ -188,7 +184,7 @@ void StreamallocAllocator::alloc_failed(
   for (const auto& obs : observers) {
     obs(device, size, limit ? static_cast<size_t>(limit) : device_total, device_free);
   }
-  TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (streamalloc). ", msg);
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (streamalloc). " + msg);
   std::abort();
 }
 
@@ -234,9 +230,7 @@ double StreamallocAllocator::getMemoryFraction(DeviceIndex device) {
 void StreamallocAllocator::setMemoryFraction(double fraction, DeviceIndex device) {
   TORCH_CHECK(
       0 <= fraction && fraction <= 1,
-      "invalid fraction:",
-      fraction,
-      ". Please set within [0, 1].");
+      "invalid fraction:" + std::to_string(fraction) + ". Please set within [0, 1].");
   DeviceState& d = touch(device);
   streamalloc_set_memory_fraction(fraction, device);
   std::lock_guard<std::mutex> g(d.mu);
@@ -356,11 +350,8 @@ std::string StreamallocAllocator::name() {
 DeviceState& StreamallocAllocator::dev(DeviceIndex device) {
   TORCH_CHECK(
       0 <= device && device < kMaxDevices,
-      "streamalloc: invalid device ",
-      static_cast<int>(device),
-      " (devices 0..",
-      kMaxDevices - 1,
-      " are supported)");
+      "streamalloc: invalid device " + std::to_string(static_cast<int>(device)) +
+          " (devices 0.." + std::to_string(kMaxDevices - 1) + " are supported)");
   return devices_[device];
 }
 

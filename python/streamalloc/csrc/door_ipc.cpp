@@ -82,13 +82,12 @@ std::shared_ptr<void> StreamallocAllocator::getIpcDevPtr(std::string handle) {
   }
   TORCH_CHECK(
       type == kHandleCudaMalloc,
-      "streamalloc: getIpcDevPtr: unknown handle type ",
-      static_cast<int>(static_cast<unsigned char>(type)));
+      "streamalloc: getIpcDevPtr: unknown handle type " +
+          std::to_string(static_cast<int>(static_cast<unsigned char>(type))));
   TORCH_CHECK(
       handle.size() == payload + CUDA_IPC_HANDLE_SIZE,
-      "streamalloc: getIpcDevPtr: ill-formed handle of ",
-      handle.size(),
-      " bytes");
+      "streamalloc: getIpcDevPtr: ill-formed handle of " + std::to_string(handle.size()) +
+          " bytes");
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data() + payload, CUDA_IPC_HANDLE_SIZE);
   DeviceIndex device = 0;
@@ -123,19 +122,16 @@ bool StreamallocAllocator::share_mapped(void* ptr, CCA::ShareableHandle* shared)
 // A handle that makes the receiver raise `why` (see shareIpcHandle), after a warning
 // here.
 CCA::ShareableHandle StreamallocAllocator::failed_share(void* ptr, const std::string& why) {
-  std::ostringstream reason;
-  reason << "sharing the CUDA memory at " << ptr << " with another process failed: " << why;
+  const std::string reason = "sharing the CUDA memory at " + hex_address(ptr) +
+      " with another process failed: " + why;
   TORCH_WARN(
-      "streamalloc: ",
-      reason.str(),
+      "streamalloc: " + reason +
       "; the receiving process raises this error when it opens the tensor");
   std::string s(2 + 1024 + 16, '\0');
   const int64_t n = streamalloc_ipc_failure_handle(
-      reason.str().c_str(), reinterpret_cast<uint8_t*>(&s[0]), s.size());
+      reason.c_str(), reinterpret_cast<uint8_t*>(&s[0]), s.size());
   TORCH_CHECK(
-      n > 0 && n <= static_cast<int64_t>(s.size()),
-      "streamalloc: shareIpcHandle failed: ",
-      why);
+      n > 0 && n <= static_cast<int64_t>(s.size()), "streamalloc: shareIpcHandle failed: " + why);
   s.resize(static_cast<size_t>(n));
   return {0, s};
 }
@@ -155,14 +151,14 @@ void StreamallocAllocator::close_ipc_locked(std::unordered_map<std::string, IpcE
   try {
     if (e.expandable) {
       if (streamalloc_ipc_close(e.ptr) != 0) {
-        TORCH_WARN("streamalloc: closing an IPC mapping failed: ", last_error());
+        TORCH_WARN("streamalloc: closing an IPC mapping failed: " + last_error());
       }
       return;
     }
     c10::cuda::CUDAGuard g(e.device);
     C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(e.ptr));
   } catch (const std::exception& err) {
-    TORCH_WARN("streamalloc: closing an IPC mapping failed: ", err.what());
+    TORCH_WARN("streamalloc: closing an IPC mapping failed: " + std::string(err.what()));
   }
 }
 

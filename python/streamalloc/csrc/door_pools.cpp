@@ -69,7 +69,7 @@ void StreamallocAllocator::createOrIncrefPool(
     const std::string why = last_error();
     delete source;
     streamalloc_pool_release(device, mempool_id.first, mempool_id.second);
-    TORCH_CHECK(false, "streamalloc: torch.cuda.MemPool(allocator=...) failed: ", why);
+    TORCH_CHECK(false, "streamalloc: torch.cuda.MemPool(allocator=...) failed: " + why);
   }
 }
 
@@ -81,7 +81,7 @@ void* StreamallocAllocator::segment_alloc(void* source, size_t size, int device)
     return (*static_cast<std::shared_ptr<CCA::CUDAAllocator>*>(source))->raw_alloc(size);
   } catch (const std::exception& err) {
     try {
-      TORCH_WARN("streamalloc: the MemPool's allocator failed: ", err.what());
+      TORCH_WARN("streamalloc: the MemPool's allocator failed: " + std::string(err.what()));
     } catch (...) {
     }
   } catch (...) {
@@ -96,7 +96,9 @@ void StreamallocAllocator::segment_free(void* source, void* ptr, size_t size, in
     (*static_cast<std::shared_ptr<CCA::CUDAAllocator>*>(source))->raw_delete(ptr);
   } catch (const std::exception& err) {
     try {
-      TORCH_WARN("streamalloc: the MemPool's allocator failed to free a segment: ", err.what());
+      TORCH_WARN(
+          "streamalloc: the MemPool's allocator failed to free a segment: " +
+          std::string(err.what()));
     } catch (...) {
     }
   } catch (...) {
@@ -182,10 +184,9 @@ CCA::CheckpointDelta StreamallocAllocator::setCheckpointPoolState(
       state, "streamalloc: setCheckpointPoolState needs a state from its getCheckpointState");
   TORCH_CHECK(
       state->device == device,
-      "streamalloc: setCheckpointPoolState: the checkpoint is of device ",
-      state->device,
-      ", not ",
-      static_cast<int>(device));
+      "streamalloc: setCheckpointPoolState: the checkpoint is of device " +
+          std::to_string(static_cast<int>(state->device)) + ", not " +
+          std::to_string(static_cast<int>(device)));
   touch(device);
   const MempoolId_t id = state->id;
   std::vector<uint64_t> freed;

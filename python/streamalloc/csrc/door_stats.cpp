@@ -92,7 +92,7 @@ const std::vector<StatSlot>& torch_stat_slots() {
       }
       out.push_back(stat_slot(name));
       if (out.back() == kNoSlot) {
-        TORCH_WARN("streamalloc: PyTorch's DeviceStats has no statistic ", name);
+        TORCH_WARN("streamalloc: PyTorch's DeviceStats has no statistic " + std::string(name));
       }
     }
   }();

@@ -24,13 +24,20 @@ std::string last_error() {
 }
 
 [[noreturn]] void fail(const char* what) {
-  TORCH_CHECK(false, "streamalloc: ", what, " failed: ", last_error());
+  TORCH_CHECK(false, "streamalloc: " + std::string(what) + " failed: " + last_error());
   std::abort(); // not reached: TORCH_CHECK(false) throws
 }
 
 [[noreturn]] void unsupported(const char* name, const char* why) {
-  TORCH_CHECK(false, "streamalloc: ", name, " is not supported: ", why);
+  TORCH_CHECK(false, "streamalloc: " + std::string(name) + " is not supported: " + why);
   std::abort();
+}
+
+std::string hex_address(const void* ptr) {
+  char text[2 + 16 + 1];
+  std::snprintf(text, sizeof text, "0x%llx",
+                static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(ptr)));
+  return text;
 }
 
 bool is_default(const MempoolId_t& id) {
@@ -88,10 +95,10 @@ void install() {
   }
   TORCH_CHECK(
       current == nullptr || !current->initialized(),
-      "streamalloc: PyTorch's CUDA allocator (",
-      current ? current->name() : std::string("none"),
-      ") is already initialized: CUDA was used before streamalloc.torch.install(); call "
-      "install() before the first CUDA tensor");
+      "streamalloc: PyTorch's CUDA allocator (" +
+          (current ? current->name() : std::string("none")) +
+          ") is already initialized: CUDA was used before streamalloc.torch.install(); call "
+          "install() before the first CUDA tensor");
   if (g_holder == nullptr) {
     g_holder = new std::shared_ptr<StreamallocAllocator>(std::make_shared<StreamallocAllocator>());
     g_allocator = g_holder->get();
