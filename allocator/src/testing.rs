@@ -33,7 +33,7 @@
 
 use crate::backend::sim::GraphId;
 use crate::backend::sim::{Access, SimBackend};
-use crate::backend::Backend;
+use crate::backend::{Events, Streams, VirtualMemory};
 use crate::config::{Config, ReusePolicy};
 use crate::error::AllocError;
 /// The generator the property tests draw workloads from, re-exported where they import it.

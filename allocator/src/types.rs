@@ -22,7 +22,7 @@ impl fmt::Debug for EventHandle {
     }
 }
 
-/// Page-locked host memory owned by a backend ([`crate::Backend::alloc_host`]): the
+/// Page-locked host memory owned by a backend ([`crate::backend::HostMemory::alloc_host`]): the
 /// address, carried as an integer like every handle (the simulator's is a counter).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct HostPtr(pub u64);

@@ -23,9 +23,8 @@ use std::ffi::{c_int, c_void};
 use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, RwLock};
-use streamalloc_allocator::backend::ipc::{ExportedMapping, ForeignMapping, IpcBackend, IpcError};
-use streamalloc_allocator::backend::BackendResult;
-use streamalloc_allocator::{Backend, BackendError, DevicePtr, EventHandle, HostPtr, StreamId};
+use streamalloc_allocator::backend::{BackendResult, Segments};
+use streamalloc_allocator::{Backend, BackendError, DevicePtr};
 
 /// Allocates `size` bytes on `device` for a pool segment; null if it cannot.
 pub type SegmentAlloc =
@@ -89,7 +88,15 @@ impl<B> Deref for WithSources<B> {
     }
 }
 
-impl<B: Backend> Backend for WithSources<B> {
+// IPC goes to the wrapped device too: a source's segments are whole segments, shared with
+// `cudaIpcGetMemHandle` by the door, never through `IpcBackend`.
+streamalloc_allocator::forward_backend! {
+    impl[B] for WithSources<B> as this => &this.inner, B;
+    Clock, Events, Streams, VirtualMemory, HostMemory, IpcBackend
+}
+
+/// Segments come from the active source, if there is one (see the module docs).
+impl<B: Segments> Segments for WithSources<B> {
     fn total_memory(&self) -> BackendResult<u64> {
         self.inner.total_memory()
     }
@@ -133,99 +140,6 @@ impl<B: Backend> Backend for WithSources<B> {
             );
         }
         Ok(())
-    }
-    fn create_event(&self) -> BackendResult<EventHandle> {
-        self.inner.create_event()
-    }
-    fn destroy_event(&self, event: EventHandle) -> BackendResult<()> {
-        self.inner.destroy_event(event)
-    }
-    fn record_event(&self, event: EventHandle, stream: StreamId) -> BackendResult<()> {
-        self.inner.record_event(event, stream)
-    }
-    fn query_event(&self, event: EventHandle) -> BackendResult<bool> {
-        self.inner.query_event(event)
-    }
-    fn synchronize_event(&self, event: EventHandle) -> BackendResult<()> {
-        self.inner.synchronize_event(event)
-    }
-    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> BackendResult<()> {
-        self.inner.stream_wait_event(stream, event)
-    }
-    fn synchronize_device(&self) -> BackendResult<()> {
-        self.inner.synchronize_device()
-    }
-    fn is_capturing(&self, stream: StreamId) -> BackendResult<bool> {
-        self.inner.is_capturing(stream)
-    }
-    fn now_ns(&self) -> u64 {
-        self.inner.now_ns()
-    }
-    #[inline]
-    fn now_ticks(&self) -> u64 {
-        self.inner.now_ticks()
-    }
-    fn ticks_to_ns(&self, ticks: u64) -> u64 {
-        self.inner.ticks_to_ns(ticks)
-    }
-    fn supports_virtual_memory(&self) -> bool {
-        self.inner.supports_virtual_memory()
-    }
-    fn page_size(&self) -> u64 {
-        self.inner.page_size()
-    }
-    fn reserve_address_space(&self, size: u64) -> BackendResult<DevicePtr> {
-        self.inner.reserve_address_space(size)
-    }
-    fn release_address_space(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        self.inner.release_address_space(ptr, size)
-    }
-    fn map_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        self.inner.map_pages(ptr, size)
-    }
-    fn set_page_allocations(&self, on: bool) {
-        self.inner.set_page_allocations(on)
-    }
-    fn alias_pages(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
-        self.inner.alias_pages(dst, src, size)
-    }
-    fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        self.inner.unmap_pages(ptr, size)
-    }
-    fn map_pages_whole(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        self.inner.map_pages_whole(ptr, size)
-    }
-    fn alloc_host(&self, size: u64) -> BackendResult<HostPtr> {
-        self.inner.alloc_host(size)
-    }
-    fn free_host(&self, ptr: HostPtr, size: u64) -> BackendResult<()> {
-        self.inner.free_host(ptr, size)
-    }
-    fn copy_to_host(&self, dst: HostPtr, src: DevicePtr, size: u64) -> BackendResult<()> {
-        self.inner.copy_to_host(dst, src, size)
-    }
-    fn copy_to_device(&self, dst: DevicePtr, src: HostPtr, size: u64) -> BackendResult<()> {
-        self.inner.copy_to_device(dst, src, size)
-    }
-    fn synchronize_copies(&self) -> BackendResult<()> {
-        self.inner.synchronize_copies()
-    }
-}
-
-/// IPC of the wrapped device's memory: a source's segments are whole segments, shared
-/// with `cudaIpcGetMemHandle` by the door, never through these.
-impl<B: IpcBackend> IpcBackend for WithSources<B> {
-    fn ipc_export(&self, ptr: DevicePtr, size: u64) -> Result<Vec<ExportedMapping>, IpcError> {
-        self.inner.ipc_export(ptr, size)
-    }
-    fn ipc_import(&self, pid: i32, mappings: &[ForeignMapping]) -> Result<DevicePtr, IpcError> {
-        self.inner.ipc_import(pid, mappings)
-    }
-    fn ipc_import_size(&self, ptr: DevicePtr) -> Option<u64> {
-        self.inner.ipc_import_size(ptr)
-    }
-    fn ipc_close(&self, ptr: DevicePtr) -> Result<(), IpcError> {
-        self.inner.ipc_close(ptr)
     }
 }
 

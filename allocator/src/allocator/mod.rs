@@ -484,8 +484,8 @@ impl<B: Backend> Allocator<B> {
             .ok_or(AllocError::UnknownPool(pool))
     }
 
-    /// Makes `pool` grow by whole segments from [`Backend::alloc_segment`] (given back with
-    /// [`Backend::free_segment`]) whatever `expandable_segments` says: what a pool whose
+    /// Makes `pool` grow by whole segments from [`Segments::alloc_segment`](crate::backend::Segments::alloc_segment) (given back with
+    /// [`Segments::free_segment`](crate::backend::Segments::free_segment)) whatever `expandable_segments` says: what a pool whose
     /// segments come from another allocator needs (PyTorch's `MemPool(allocator=...)`,
     /// whose segments its allocator makes whole whatever the default pool does). Set
     /// before the pool allocates; the pool keeps the rule until it is forgotten.
@@ -643,8 +643,7 @@ impl<B: Backend> Allocator<B> {
 mod tests {
     use super::*;
     use crate::backend::sim::SimBackend;
-    use crate::backend::BackendResult;
-    use crate::types::EventHandle;
+    use crate::backend::Clock;
 
     /// Whole segments: these tests follow blocks through splits and merges by address.
     fn sim(trace_capacity: usize) -> (SimBackend, Allocator<SimBackend>) {
@@ -769,37 +768,12 @@ mod tests {
     /// backend's time-stamp counter): a tick is a quarter nanosecond, counted from 1000.
     struct QuarterTicks(SimBackend);
 
-    impl Backend for QuarterTicks {
-        fn total_memory(&self) -> BackendResult<u64> {
-            self.0.total_memory()
-        }
-        fn alloc_segment(&self, size: u64) -> BackendResult<DevicePtr> {
-            self.0.alloc_segment(size)
-        }
-        fn free_segment(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-            self.0.free_segment(ptr, size)
-        }
-        fn create_event(&self) -> BackendResult<EventHandle> {
-            self.0.create_event()
-        }
-        fn destroy_event(&self, event: EventHandle) -> BackendResult<()> {
-            self.0.destroy_event(event)
-        }
-        fn record_event(&self, event: EventHandle, stream: StreamId) -> BackendResult<()> {
-            self.0.record_event(event, stream)
-        }
-        fn query_event(&self, event: EventHandle) -> BackendResult<bool> {
-            self.0.query_event(event)
-        }
-        fn synchronize_event(&self, event: EventHandle) -> BackendResult<()> {
-            self.0.synchronize_event(event)
-        }
-        fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> BackendResult<()> {
-            self.0.stream_wait_event(stream, event)
-        }
-        fn synchronize_device(&self) -> BackendResult<()> {
-            self.0.synchronize_device()
-        }
+    crate::forward_backend! {
+        impl[] for QuarterTicks as this => &this.0, SimBackend;
+        Segments, Events, Streams, VirtualMemory, HostMemory
+    }
+
+    impl Clock for QuarterTicks {
         fn now_ns(&self) -> u64 {
             self.0.now_ns()
         }

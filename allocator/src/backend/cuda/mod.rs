@@ -12,7 +12,7 @@
 //!   kind) and pooled by the engine; cross-stream reuse is a `cuStreamWaitEvent`.
 //!
 //! # CUDA graphs
-//! A stream being captured is reported by [`Backend::is_capturing`]
+//! A stream being captured is reported by [`Streams::is_capturing`](super::Streams::is_capturing)
 //! (`cuStreamIsCapturing`; the legacy stream answering "implicit capture" counts as
 //! capturing). The engine then never queries, waits or synchronises for that stream: it
 //! hands out ready blocks of the stream itself, or grows the pool. Growing calls
@@ -38,7 +38,7 @@ mod vmm;
 
 pub use cudarc::driver::sys;
 
-use super::{Backend, BackendResult};
+use super::{BackendResult, Events, HostMemory, Segments, Streams, VirtualMemory};
 use crate::error::BackendError;
 use crate::types::{DevicePtr, EventHandle, HostPtr, StreamId};
 use std::ffi::c_int;
@@ -217,7 +217,23 @@ fn event(handle: EventHandle) -> sys::CUevent {
     handle.0 as usize as sys::CUevent
 }
 
-impl Backend for CudaBackend {
+impl super::Clock for CudaBackend {
+    #[inline]
+    fn now_ns(&self) -> u64 {
+        self.clock.ticks_to_ns(self.clock.now_ticks())
+    }
+
+    #[inline]
+    fn now_ticks(&self) -> u64 {
+        self.clock.now_ticks()
+    }
+
+    fn ticks_to_ns(&self, ticks: u64) -> u64 {
+        self.clock.ticks_to_ns(ticks)
+    }
+}
+
+impl Segments for CudaBackend {
     fn total_memory(&self) -> BackendResult<u64> {
         Ok(self.total)
     }
@@ -240,7 +256,9 @@ impl Backend for CudaBackend {
         // before returning it (cuMemFree also synchronises).
         driver::check(unsafe { sys::cuMemFree_v2(ptr.0) }, "cuMemFree")
     }
+}
 
+impl Events for CudaBackend {
     fn create_event(&self) -> BackendResult<EventHandle> {
         let _ctx = self.enter()?;
         let mut handle: sys::CUevent = std::ptr::null_mut();
@@ -293,7 +311,9 @@ impl Backend for CudaBackend {
             "cuEventSynchronize",
         )
     }
+}
 
+impl Streams for CudaBackend {
     fn stream_wait_event(&self, on: StreamId, handle: EventHandle) -> BackendResult<()> {
         let _ctx = self.enter()?;
         // SAFETY: a live event; flags must be 0 for a plain wait.
@@ -321,21 +341,9 @@ impl Backend for CudaBackend {
         driver::check(code, "cuStreamIsCapturing")?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
+}
 
-    #[inline]
-    fn now_ns(&self) -> u64 {
-        self.clock.ticks_to_ns(self.clock.now_ticks())
-    }
-
-    #[inline]
-    fn now_ticks(&self) -> u64 {
-        self.clock.now_ticks()
-    }
-
-    fn ticks_to_ns(&self, ticks: u64) -> u64 {
-        self.clock.ticks_to_ns(ticks)
-    }
-
+impl VirtualMemory for CudaBackend {
     fn supports_virtual_memory(&self) -> bool {
         self.pages.is_some()
     }
@@ -384,7 +392,9 @@ impl Backend for CudaBackend {
         let _relaxed = RelaxedCapture::enter()?;
         self.page_map("cuMemMap")?.map_whole(ptr, size)
     }
+}
 
+impl HostMemory for CudaBackend {
     fn alloc_host(&self, size: u64) -> BackendResult<HostPtr> {
         self.host_alloc(size)
     }

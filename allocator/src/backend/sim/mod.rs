@@ -78,7 +78,7 @@ use self::clock::VectorClock;
 use self::contents::{Contents, HostMemory};
 use self::shadow::{OpRef, Shadow};
 use self::vm::VirtualMemory;
-use super::{Backend, BackendResult};
+use super::BackendResult;
 use crate::error::BackendError;
 use crate::types::{DevicePtr, EventHandle, HostPtr, StreamId};
 use parking_lot::Mutex;
@@ -286,7 +286,7 @@ impl SimBackend {
 
     /// Starts capturing a graph on `stream` (`cudaStreamBeginCapture`): launches on it are
     /// recorded, not executed, until [`SimBackend::end_capture`], and the capture rules
-    /// apply ([`Backend::is_capturing`] answers true).
+    /// apply ([`Streams::is_capturing`](super::Streams::is_capturing) answers true).
     ///
     /// # Panics
     /// If `stream` is already capturing.
@@ -579,7 +579,22 @@ fn unknown_event(operation: &'static str, event: EventHandle) -> BackendError {
     BackendError::new(operation, format!("invalid resource handle {event:?}"))
 }
 
-impl Backend for SimBackend {
+/// Virtual host time, in nanoseconds: traces are deterministic.
+impl super::Clock for SimBackend {
+    fn now_ns(&self) -> u64 {
+        self.host_now.load(Ordering::Relaxed)
+    }
+
+    fn now_ticks(&self) -> u64 {
+        self.now_ns()
+    }
+
+    fn ticks_to_ns(&self, ticks: u64) -> u64 {
+        ticks
+    }
+}
+
+impl super::Segments for SimBackend {
     fn total_memory(&self) -> BackendResult<u64> {
         Ok(self.state.lock().capacity)
     }
@@ -626,7 +641,9 @@ impl Backend for SimBackend {
         self.publish(&state);
         Ok(())
     }
+}
 
+impl super::Events for SimBackend {
     fn create_event(&self) -> BackendResult<EventHandle> {
         let mut state = self.call("create_event");
         let id = state.next_event;
@@ -695,7 +712,9 @@ impl Backend for SimBackend {
         self.publish(&state);
         Ok(())
     }
+}
 
+impl super::Streams for SimBackend {
     fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> BackendResult<()> {
         let mut state = self.call("stream_wait_event");
         let index = state.stream_of(stream);
@@ -739,11 +758,9 @@ impl Backend for SimBackend {
         let index = state.stream_of(stream);
         Ok(state.capturing.contains(&index))
     }
+}
 
-    fn now_ns(&self) -> u64 {
-        self.host_now.load(Ordering::Relaxed)
-    }
-
+impl super::VirtualMemory for SimBackend {
     fn supports_virtual_memory(&self) -> bool {
         true
     }
@@ -786,30 +803,6 @@ impl Backend for SimBackend {
 
     fn map_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.map_fresh("map_pages", ptr, size, None)
-    }
-
-    fn map_pages_whole(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        self.map_fresh("map_pages_whole", ptr, size, Some(false))
-    }
-
-    fn alloc_host(&self, size: u64) -> BackendResult<HostPtr> {
-        self.host_alloc(size)
-    }
-
-    fn free_host(&self, ptr: HostPtr, size: u64) -> BackendResult<()> {
-        self.host_free(ptr, size)
-    }
-
-    fn copy_to_host(&self, dst: HostPtr, src: DevicePtr, size: u64) -> BackendResult<()> {
-        self.host_copy(copies::Direction::ToHost, dst, src, size)
-    }
-
-    fn copy_to_device(&self, dst: DevicePtr, src: HostPtr, size: u64) -> BackendResult<()> {
-        self.host_copy(copies::Direction::ToDevice, src, dst, size)
-    }
-
-    fn synchronize_copies(&self) -> BackendResult<()> {
-        self.host_synchronize_copies()
     }
 
     fn set_page_allocations(&self, on: bool) {
@@ -862,6 +855,32 @@ impl Backend for SimBackend {
         state.unmap_checked(ptr.0, ptr.0.saturating_add(size), "unmap_pages")?;
         self.charge_mapping_call(&mut state);
         Ok(())
+    }
+
+    fn map_pages_whole(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        self.map_fresh("map_pages_whole", ptr, size, Some(false))
+    }
+}
+
+impl super::HostMemory for SimBackend {
+    fn alloc_host(&self, size: u64) -> BackendResult<HostPtr> {
+        self.host_alloc(size)
+    }
+
+    fn free_host(&self, ptr: HostPtr, size: u64) -> BackendResult<()> {
+        self.host_free(ptr, size)
+    }
+
+    fn copy_to_host(&self, dst: HostPtr, src: DevicePtr, size: u64) -> BackendResult<()> {
+        self.host_copy(copies::Direction::ToHost, dst, src, size)
+    }
+
+    fn copy_to_device(&self, dst: DevicePtr, src: HostPtr, size: u64) -> BackendResult<()> {
+        self.host_copy(copies::Direction::ToDevice, src, dst, size)
+    }
+
+    fn synchronize_copies(&self) -> BackendResult<()> {
+        self.host_synchronize_copies()
     }
 }
 
