@@ -91,7 +91,7 @@ use std::fmt::Display;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Once, OnceLock};
 use streamalloc::ffi::error;
-use streamalloc::ffi::external::WithSources;
+use streamalloc::registry::sources::WithSources;
 use streamalloc::registry::{self, CudaAllocator, Device};
 use streamalloc_allocator::backend::cuda::CudaBackend;
 use streamalloc_allocator::backend::Streams;

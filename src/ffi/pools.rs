@@ -133,11 +133,11 @@ pub fn malloc_in_pool<B: Backend>(
     let stream = StreamId(stream as usize as u64);
     device_call(registry, device, std::ptr::null_mut(), |allocator| {
         let pool = PoolId(id0, id1);
-        let result = super::external::with_pool_source(registry, device, id0, id1, || {
+        let result = crate::registry::sources::with_pool_source(registry, device, id0, id1, || {
             allocator.malloc_in(size as u64, stream, pool)
         });
         let request = (size as u64, stream, pool);
-        super::fallback::or_marked_pools(registry, device, allocator, request, result)
+        crate::registry::fallback::or_marked_pools(registry, device, allocator, request, result)
             .map(|block| block.ptr.0 as usize as *mut c_void)
             .map_err(|err| engine_message(device, err))
     })

@@ -5,9 +5,8 @@ use super::layout::c_struct;
 use super::{device_call, error, on_device};
 use crate::registry::{self, Registry};
 use std::cell::RefCell;
-use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::sync::{LazyLock, Mutex};
+use std::sync::LazyLock;
 use streamalloc_allocator::{Backend, Gauge, StatArray, Stats, TorchStats};
 
 c_struct! {
@@ -357,31 +356,6 @@ pub fn torch_stat_values(source: &TorchSource<'_>) -> Vec<i64> {
         .iter()
         .map(|(_, origin)| origin.value(source) as i64)
         .collect()
-}
-
-/// A registry's counters at the last reset of PyTorch's accumulated statistics, by
-/// device (none: never reset).
-#[derive(Debug)]
-pub(crate) struct AccumulatedSince {
-    map: Mutex<BTreeMap<c_int, Stats>>,
-}
-
-impl AccumulatedSince {
-    pub(crate) const fn new() -> Self {
-        Self {
-            map: Mutex::new(BTreeMap::new()),
-        }
-    }
-
-    fn get(&self, device: c_int) -> Stats {
-        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        map.get(&device).copied().unwrap_or_default()
-    }
-
-    fn set(&self, device: c_int, stats: Stats) {
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        map.insert(device, stats);
-    }
 }
 
 /// The name of PyTorch's `i`-th statistic in the order `streamalloc_torch_stats` writes
