@@ -37,72 +37,12 @@
 //! wrongly kept out of a graph's pool costs data. The native door evaluates the real
 //! filters.
 
-use super::layout::c_struct;
+pub use super::layout::{StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo};
 use super::{device_call, engine_message, error, fail, on_device};
 use crate::registry::{self, Device, Registry, Route};
 use std::ffi::{c_int, c_void};
 use streamalloc_allocator::snapshot::{BlockState, Snapshot};
 use streamalloc_allocator::{AllocationSite, Backend, DevicePtr, PoolBlock, PoolId, StreamId};
-
-c_struct! {
-/// `streamalloc_pool_block_t`: one live allocation of a pool checkpoint.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocPoolBlock as "streamalloc_pool_block_t" {
-    /// First byte.
-    pub address: u64,
-    /// Bytes reserved (rounded).
-    pub size: u64,
-    /// Bytes asked for.
-    pub requested: u64,
-    /// The `cudaStream_t` it belongs to.
-    pub stream: u64,
-}
-}
-
-c_struct! {
-/// `streamalloc_segment_info_t`: one segment of a snapshot; an expandable segment
-/// appears as one of these per run of mapped pages.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocSegmentInfo as "streamalloc_segment_info_t" {
-    /// First byte.
-    pub address: u64,
-    /// Bytes.
-    pub total_size: u64,
-    /// The `cudaStream_t` whose request created it.
-    pub stream: u64,
-    /// Its pool's id, first half.
-    pub pool_id0: u64,
-    /// Its pool's id, second half.
-    pub pool_id1: u64,
-    /// 0: small pool, 1: large.
-    pub is_large: u32,
-    /// 1 for memory mapped into an expandable segment.
-    pub is_expandable: u32,
-    /// Index of its first block in the blocks array.
-    pub first_block: u64,
-    /// Its blocks.
-    pub block_count: u64,
-}
-}
-
-c_struct! {
-/// `streamalloc_block_state_t`: one block of a snapshot.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocBlockState as "streamalloc_block_state_t" {
-    /// First byte.
-    pub address: u64,
-    /// Bytes.
-    pub size: u64,
-    /// Bytes asked for (0 unless allocated).
-    pub requested_size: u64,
-    /// Owning `cudaStream_t`.
-    pub stream: u64,
-    /// 0 inactive (free), 1 active_allocated, 2 active_pending_free.
-    pub state: u32,
-    /// Zero.
-    pub reserved: u32,
-}
-}
 
 /// Allocates `size` bytes on `device` for `stream` from pool `(id0, id1)`; `(0, 0)` is
 /// the default pool. Null for `size == 0` and on failure (see `streamalloc_last_error`);

@@ -1,87 +1,13 @@
 //! Counters across the C ABI: a flat `#[repr(C)]` struct for C callers and a JSON string
 //! for Python (whose `memory_stats()` maps it to PyTorch's key names).
 
-use super::layout::c_struct;
+pub use super::layout::StreamallocStats;
 use super::{device_call, error, on_device};
 use crate::registry::{self, Registry};
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::LazyLock;
 use streamalloc_allocator::{Backend, Gauge, StatArray, Stats, TorchStats};
-
-c_struct! {
-/// `streamalloc_stats_t`: the engine's [`Stats`], flattened. Byte gauges come as
-/// `*_current` / `*_peak` pairs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocStats as "streamalloc_stats_t" {
-    /// Bytes in blocks handed out (rounded sizes), now.
-    pub allocated_current: u64,
-    /// Peak of `allocated_current`.
-    pub allocated_peak: u64,
-    /// Bytes callers asked for, now.
-    pub requested_current: u64,
-    /// Peak of `requested_current`.
-    pub requested_peak: u64,
-    /// Bytes obtained from the device, now.
-    pub reserved_current: u64,
-    /// Peak of `reserved_current`.
-    pub reserved_peak: u64,
-    /// Allocated plus freed-but-pending bytes, now.
-    pub active_current: u64,
-    /// Peak of `active_current`.
-    pub active_peak: u64,
-    /// Free bytes still carrying other streams' events, now.
-    pub pending_free_current: u64,
-    /// Peak of `pending_free_current`.
-    pub pending_free_peak: u64,
-    /// Blocks handed out.
-    pub allocs: u64,
-    /// Blocks returned.
-    pub frees: u64,
-    /// Segments obtained from the device.
-    pub segment_allocs: u64,
-    /// Segments returned to the device.
-    pub segment_frees: u64,
-    /// Device-side waits made to reuse blocks across streams.
-    pub cross_stream_waits: u64,
-    /// Events recorded.
-    pub events_recorded: u64,
-    /// Event queries.
-    pub event_queries: u64,
-    /// Events recorded and still referenced.
-    pub events_outstanding: u64,
-    /// Event objects created.
-    pub events_created: u64,
-    /// Event objects destroyed.
-    pub events_destroyed: u64,
-    /// Requests that failed for lack of memory.
-    pub ooms: u64,
-    /// Requests served only after releasing cached memory.
-    pub retries: u64,
-    /// Frees of unknown or already freed pointers.
-    pub invalid_frees: u64,
-    /// Reserved-bytes limit in force (0: none).
-    pub memory_limit: u64,
-    /// Device-wide synchronisations made (to release memory or to unmap pages).
-    pub device_syncs: u64,
-    /// Bytes mapped into expandable segments, in all.
-    pub page_map_bytes: u64,
-    /// Bytes unmapped from expandable segments, in all.
-    pub page_unmap_bytes: u64,
-    /// Stitched ranges made (free pages mapped a second time into one range).
-    pub stitches: u64,
-    /// Bytes mapped into stitched ranges (no memory reserved by them).
-    pub stitched_map_bytes: u64,
-    /// Stitched ranges taken again without mapping.
-    pub stitch_revivals: u64,
-    /// Stitched ranges unmapped.
-    pub stitch_evictions: u64,
-    /// Bytes sleeping memory pools gave back to the device, addresses kept.
-    pub sleeping_bytes: u64,
-    /// Bytes of page-locked host memory held for sleeping pools' backups.
-    pub host_backup_bytes: u64,
-}
-}
 
 impl StreamallocStats {
     /// Flattens `stats`.
