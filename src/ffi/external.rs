@@ -1,11 +1,11 @@
 //! `MemPool(allocator=...)` across the C ABI: a pool's segments from the caller's
 //! allocator (the policy is `registry::sources`).
 
-use super::{device_call, error, fail};
+use super::{error, fail, or_fail};
 use crate::registry::sources::{SegmentAlloc, SegmentFree, SegmentSource, WithSources};
 use crate::registry::{self, Registry};
 use std::ffi::{c_int, c_void};
-use streamalloc_allocator::Backend;
+use streamalloc_allocator::{Backend, PoolId};
 
 /// Makes pool `(id0, id1)` of `device` take its segments from `alloc` / `free` (called
 /// with `ctx`) from now on, whole, whatever `expandable_segments` says for the other pools;
@@ -63,12 +63,8 @@ pub unsafe fn pool_set_segment_source<B: Backend>(
         free,
         ctx: ctx as usize,
     };
-    device_call(registry, device, -1, |allocator| {
-        let pool = streamalloc_allocator::PoolId(id0, id1);
-        allocator
-            .set_pool_whole_segments(pool)
-            .map_err(|err| format!("streamalloc: a segment source for device {device}: {err}"))?;
-        registry.sources.insert(device, pool, source);
-        Ok(0)
+    error::call(-1, || {
+        let set = registry.on(device, |d| d.set_segment_source(PoolId(id0, id1), source));
+        or_fail(-1, set.map(|()| 0))
     })
 }

@@ -1,6 +1,6 @@
 //! `MemPool(use_on_oom=True)` across the C ABI (the policy is `registry::fallback`).
 
-use super::{device_call, error, fail};
+use super::{error, fail, or_fail};
 use crate::registry::{self, Registry};
 use std::ffi::c_int;
 use streamalloc_allocator::{Backend, PoolId};
@@ -35,13 +35,8 @@ pub fn pool_set_use_on_oom<B: Backend>(
             )
         });
     }
-    device_call(registry, device, -1, |allocator| {
-        if allocator.pool_use_count(pool) == 0 {
-            return Err(format!(
-                "streamalloc: pool ({id0}, {id1}) does not exist on device {device}"
-            ));
-        }
-        registry.marked.mark(device, pool, on != 0);
-        Ok(0)
+    error::call(-1, || {
+        let set = registry.on(device, |d| d.set_use_on_oom(pool, on != 0));
+        or_fail(-1, set.map(|()| 0))
     })
 }

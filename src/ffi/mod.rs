@@ -5,7 +5,10 @@
 //! simulated devices too (`Registry::simulated`): the misuse tests and the `c_abi` fuzz
 //! target drive it there. Every call goes through [`error::call`] (the last error cleared
 //! on entry, no panic across the boundary) and every engine call through the registry's
-//! `Device::run` (a panic inside makes that device unusable, see [`crate::registry`]).
+//! `Device::run` (a panic inside makes that device unusable, see [`crate::registry`]). No
+//! policy lives here: which pool a request goes to, where its segments come from and what
+//! serves it at out-of-memory are the registry's (`registry::Device`); an export checks
+//! its C arguments, calls the registry and translates the answer.
 //! Failures are a null pointer or a negative return code, with the message in
 //! `streamalloc_last_error()`.
 //!
@@ -58,7 +61,7 @@ pub mod stats;
 pub mod testing;
 
 use self::error::{warn_once, Once};
-use crate::registry::{self, CallError, Freed, Registry, RegistryError};
+use crate::registry::{self, CallError, DeviceError, Freed, Registry, RegistryError};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::fmt::Display;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -116,6 +119,12 @@ pub(crate) fn device_call<B: Backend, T: Copy>(
     })
 }
 
+/// The value of a registry call, or, for its error, `fallback` plus the message.
+#[inline]
+pub(crate) fn or_fail<T>(fallback: T, result: Result<T, DeviceError>) -> T {
+    result.unwrap_or_else(|err| fail(fallback, format_args!("streamalloc: {err}")))
+}
+
 /// The engine's error on `device`, as a C caller reads it.
 #[cold]
 pub(crate) fn engine_message(device: c_int, err: AllocError) -> String {
@@ -135,13 +144,20 @@ fn unavailable(device: c_int, err: &RegistryError) {
     error::set(unavailable_message(device, err));
 }
 
+/// Reports a failed `streamalloc_malloc` and returns null. Printed too (an unavailable
+/// device once): without a registered thrower, PyTorch's pluggable hook turns a null
+/// pointer into a tensor at address 0, and the user would never see this report.
 #[cold]
 #[inline(never)]
-fn malloc_failed(device: c_int, err: &AllocError) {
-    error::set(format_args!("streamalloc: device {device}: {err}"));
-    // Printed too: without a registered thrower, PyTorch's pluggable hook turns a null
-    // pointer into a tensor at address 0, and the user would never see this report.
-    eprintln!("streamalloc: device {device}: {err}");
+fn malloc_failed(err: &DeviceError) -> *mut c_void {
+    match &err.error {
+        CallError::Unavailable(unusable) => unavailable(err.ordinal, unusable),
+        _ => {
+            error::set(format_args!("streamalloc: {err}"));
+            eprintln!("streamalloc: {err}");
+        }
+    }
+    std::ptr::null_mut()
 }
 
 /// A function that raises the caller's own error with a message and does not return,
@@ -213,7 +229,8 @@ pub extern "C-unwind" fn streamalloc_malloc(
     ptr
 }
 
-/// [`streamalloc_malloc`] on `registry`, without the thrower.
+/// [`streamalloc_malloc`] on `registry`, without the thrower. Where the memory comes from
+/// is the registry's to say (`registry::Device`); this translates.
 #[inline]
 pub fn malloc<B: Backend>(
     registry: &Registry<B>,
@@ -223,61 +240,13 @@ pub fn malloc<B: Backend>(
 ) -> *mut c_void {
     error::call(std::ptr::null_mut(), || {
         if size == 0 {
-            std::ptr::null_mut()
-        } else if pools::routing(registry) {
-            malloc_routed(registry, size, device, stream)
-        } else {
-            malloc_unrouted(registry, size, device, stream)
+            return std::ptr::null_mut();
+        }
+        match registry.malloc(device, size as u64, stream_id(stream)) {
+            Ok(block) => block.ptr.0 as usize as *mut c_void,
+            Err(err) => malloc_failed(&err),
         }
     })
-}
-
-/// A request while the pluggable door allocates to a pool: to that pool if the routing
-/// rule says so (see [`pools`]), else as usual.
-#[cold]
-fn malloc_routed<B: Backend>(
-    registry: &Registry<B>,
-    size: usize,
-    device: c_int,
-    stream: *mut c_void,
-) -> *mut c_void {
-    match pools::routed_pool(registry, device, stream_id(stream)) {
-        Ok(Some(pool)) => {
-            let ptr = pools::malloc_in_pool(registry, size, device, stream, pool.0, pool.1);
-            if ptr.is_null() {
-                eprintln!("{}", error::last_string());
-            }
-            ptr
-        }
-        Ok(None) => malloc_unrouted(registry, size, device, stream),
-        Err(message) => {
-            eprintln!("{message}");
-            fail(std::ptr::null_mut(), message)
-        }
-    }
-}
-
-#[inline]
-fn malloc_unrouted<B: Backend>(
-    registry: &Registry<B>,
-    size: usize,
-    device: c_int,
-    stream: *mut c_void,
-) -> *mut c_void {
-    let served = registry
-        .device(device)
-        .and_then(|d| d.run(|allocator| allocator.malloc(size as u64, stream_id(stream))));
-    match served {
-        Ok(Ok(block)) => block.ptr.0 as usize as *mut c_void,
-        Ok(Err(err)) => {
-            malloc_failed(device, &err);
-            std::ptr::null_mut()
-        }
-        Err(err) => {
-            unavailable(device, &err);
-            std::ptr::null_mut()
-        }
-    }
 }
 
 /// Returns `ptr` (PyTorch's pluggable `free`). `size` and `stream` are ignored: the

@@ -28,18 +28,13 @@
 //! C++ signatures and these agree).
 //!
 //! # The pluggable hooks' routing
-//! PyTorch hands `beginAllocateToPool` a C++ `std::function` filter that C cannot call.
-//! The pluggable door therefore routes by what the filter stands for: while a pool is
-//! being allocated to, a request from the thread that began it, or on any stream being
-//! captured into a graph, goes to that pool. That covers graph capture (the capturing
-//! thread; side streams joined to the capture) and `torch.cuda.use_mem_pool` (the thread),
-//! and errs towards the pool: an allocation wrongly kept in a pool costs memory, one
-//! wrongly kept out of a graph's pool costs data. The native door evaluates the real
-//! filters.
+//! PyTorch hands `beginAllocateToPool` a C++ `std::function` filter that C cannot call;
+//! the registry routes by what the filter stands for (`registry::routes` says how and
+//! why). The native door evaluates the real filters.
 
 pub use super::layout::{StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo};
-use super::{device_call, engine_message, error, fail, on_device};
-use crate::registry::{self, Device, Registry, Route};
+use super::{device_call, engine_message, error, fail, or_fail};
+use crate::registry::{self, Device, Registry};
 use std::ffi::{c_int, c_void};
 use streamalloc_allocator::snapshot::{BlockState, Snapshot};
 use streamalloc_allocator::{AllocationSite, Backend, DevicePtr, PoolBlock, PoolId, StreamId};
@@ -67,19 +62,16 @@ pub fn malloc_in_pool<B: Backend>(
     id0: u64,
     id1: u64,
 ) -> *mut c_void {
-    if size == 0 {
-        return error::call(std::ptr::null_mut(), std::ptr::null_mut);
-    }
-    let stream = StreamId(stream as usize as u64);
-    device_call(registry, device, std::ptr::null_mut(), |allocator| {
-        let pool = PoolId(id0, id1);
-        let result = crate::registry::sources::with_pool_source(registry, device, id0, id1, || {
-            allocator.malloc_in(size as u64, stream, pool)
-        });
-        let request = (size as u64, stream, pool);
-        crate::registry::fallback::or_marked_pools(registry, device, allocator, request, result)
-            .map(|block| block.ptr.0 as usize as *mut c_void)
-            .map_err(|err| engine_message(device, err))
+    error::call(std::ptr::null_mut(), || {
+        if size == 0 {
+            return std::ptr::null_mut();
+        }
+        let stream = StreamId(stream as usize as u64);
+        let served = registry.malloc_in(device, size as u64, stream, PoolId(id0, id1));
+        or_fail(
+            std::ptr::null_mut(),
+            served.map(|block| block.ptr.0 as usize as *mut c_void),
+        )
     })
 }
 
@@ -625,32 +617,6 @@ pub fn snapshot_rows(
 
 // ---- The pluggable door's pool hooks ---------------------------------------------------
 
-/// True while some pool is being allocated to (then `malloc` asks [`routed_pool`]).
-#[inline]
-pub(super) fn routing<B: Backend>(registry: &Registry<B>) -> bool {
-    registry.routes.active()
-}
-
-/// The pool a request from this thread on `stream` of `device` goes to while pools are
-/// being allocated to (see the module docs), if any.
-#[cold]
-pub(super) fn routed_pool<B: Backend>(
-    registry: &Registry<B>,
-    device: c_int,
-    stream: StreamId,
-) -> Result<Option<PoolId>, String> {
-    registry
-        .routes
-        .choose(device, std::thread::current().id(), || {
-            on_device(registry, device, |allocator| {
-                allocator
-                    .backend()
-                    .is_capturing(stream)
-                    .map_err(|err| format!("streamalloc: device {device}: {err}"))
-            })
-        })
-}
-
 /// PyTorch's pluggable `beginAllocateToPool` hook: begins allocating to pool `(id0,
 /// id1)` (see [`streamalloc_pool_begin_allocate`]) and routes this thread's requests and
 /// those on capturing streams to it until [`streamalloc_end_allocate_to_pool`]. The C++
@@ -674,22 +640,9 @@ pub fn begin_allocate_to_pool<B: Backend>(
     _filter: *mut c_void,
 ) {
     error::call((), || {
-        let pool = PoolId(id0, id1);
-        let begun = on_device(registry, device, |allocator| {
-            allocator
-                .begin_allocate_to_pool(pool)
-                .map_err(|err| engine_message(device, err))
-        });
-        match begun {
-            Ok(_) => registry.routes.begin(Route {
-                device,
-                pool,
-                thread: std::thread::current().id(),
-            }),
-            Err(message) => {
-                eprintln!("{message}");
-                error::set(message);
-            }
+        let begun = registry.on(device, |d| d.begin_routing(PoolId(id0, id1)));
+        if or_fail(-1, begun.map(use_count)) < 0 {
+            eprintln!("{}", error::last_string());
         }
     })
 }
@@ -704,9 +657,8 @@ pub extern "C" fn streamalloc_end_allocate_to_pool(device: c_int, id0: u64, id1:
 /// [`streamalloc_end_allocate_to_pool`] on `registry`.
 pub fn end_allocate_to_pool<B: Backend>(registry: &Registry<B>, device: c_int, id0: u64, id1: u64) {
     error::call((), || {
-        let pool = PoolId(id0, id1);
-        registry.routes.end(device, pool);
-        if pool_end_allocate(registry, device, id0, id1) < 0 {
+        let ended = registry.on(device, |d| d.end_routing(PoolId(id0, id1)));
+        if or_fail(-1, ended.map(|()| 0)) < 0 {
             eprintln!("{}", error::last_string());
         }
     })

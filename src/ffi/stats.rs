@@ -324,18 +324,20 @@ pub unsafe fn torch_stats<B: Backend>(
             super::fail(-1, "streamalloc_torch_stats: out is null")
         });
     }
-    device_call(registry, device, -1, |allocator| {
-        let since = registry.since.get(device);
-        let source = TorchSource {
-            now: &allocator.stats(),
-            since: &since,
+    error::call(-1, || {
+        let (now, since) = match registry.on(device, |d| d.stats_since_reset()) {
+            Ok(counters) => counters,
+            Err(err) => return super::or_fail(-1, Err(err)),
         };
-        let values = torch_stat_values(&source);
+        let values = torch_stat_values(&TorchSource {
+            now: &now,
+            since: &since,
+        });
         for (i, value) in values.iter().take(capacity).enumerate() {
             // SAFETY: `out` is writable for `capacity` values (see # Safety) and i < capacity.
             unsafe { out.add(i).write(*value) };
         }
-        Ok(values.len() as i64)
+        values.len() as i64
     })
 }
 
@@ -350,9 +352,9 @@ pub extern "C" fn streamalloc_reset_accumulated_stats(device: c_int) -> c_int {
 
 /// [`streamalloc_reset_accumulated_stats`] on `registry`.
 pub fn reset_accumulated_stats<B: Backend>(registry: &Registry<B>, device: c_int) -> c_int {
-    device_call(registry, device, -1, |allocator| {
-        registry.since.set(device, allocator.stats());
-        Ok(0)
+    error::call(-1, || {
+        let reset = registry.on(device, |d| d.reset_accumulated_stats());
+        super::or_fail(-1, reset.map(|()| 0))
     })
 }
 

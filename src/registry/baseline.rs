@@ -2,32 +2,28 @@
 //! `torch.cuda.reset_accumulated_memory_stats()` last reset them. The engine's own counters
 //! never reset, so the door keeps this baseline and subtracts it.
 
-use std::collections::BTreeMap;
-use std::ffi::c_int;
+use super::{CallError, Device};
 use std::sync::Mutex;
-use streamalloc_allocator::Stats;
+use streamalloc_allocator::{Backend, Stats};
 
-/// A registry's counters at the last reset of PyTorch's accumulated statistics, by
-/// device (none: never reset).
-#[derive(Debug)]
-pub(crate) struct AccumulatedSince {
-    map: Mutex<BTreeMap<c_int, Stats>>,
-}
+/// A device's counters at the last reset of PyTorch's accumulated statistics (none:
+/// never reset).
+#[derive(Debug, Default)]
+pub(super) struct Baseline(Mutex<Option<Stats>>);
 
-impl AccumulatedSince {
-    pub(crate) const fn new() -> Self {
-        Self {
-            map: Mutex::new(BTreeMap::new()),
-        }
+impl<B: Backend> Device<B> {
+    /// The engine's counters now, and where PyTorch's accumulated statistics count from
+    /// (zero until [`Device::reset_accumulated_stats`]).
+    pub fn stats_since_reset(&self) -> Result<(Stats, Stats), CallError> {
+        let now = self.run(|allocator| allocator.stats())?;
+        let since = self.baseline.0.lock().unwrap_or_else(|p| p.into_inner());
+        Ok((now, since.unwrap_or_default()))
     }
 
-    pub(crate) fn get(&self, device: c_int) -> Stats {
-        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        map.get(&device).copied().unwrap_or_default()
-    }
-
-    pub(crate) fn set(&self, device: c_int, stats: Stats) {
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        map.insert(device, stats);
+    /// Starts PyTorch's accumulated statistics from the engine's counters now.
+    pub fn reset_accumulated_stats(&self) -> Result<(), CallError> {
+        let now = self.run(|allocator| allocator.stats())?;
+        *self.baseline.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(now);
+        Ok(())
     }
 }

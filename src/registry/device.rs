@@ -1,17 +1,45 @@
-//! One device's allocator, and whether a panic made it unusable.
+//! One device: its allocator, whether a panic made it unusable, and where its requests'
+//! memory comes from.
+//!
+//! # A request's way
+//! A request names a device, a stream and, from the native door, a pool. In order:
+//! 1. **The route** (`routes`): a request of the pluggable door, which names no pool, goes
+//!    to the pool PyTorch is allocating to, if the routing rule says so; otherwise to the
+//!    default pool. One atomic load while no pool is being allocated to.
+//! 2. **The pool's source** (`sources`): a pool whose segments come from a caller's
+//!    allocator has them taken from there while its request runs.
+//! 3. **The engine** serves the request in the pool (`Allocator::malloc_in`).
+//! 4. **The use_on_oom pools** (`fallback`): the default pool's out-of-memory error is
+//!    answered by the first marked pool that can serve the request.
+//!
+//! Every engine call goes through [`Device::run`], which contains a panic and poisons the
+//! device (see the registry's docs).
 
-use super::RegistryError;
+use super::baseline::Baseline;
+use super::fallback::MarkedPools;
+use super::routes::Routes;
+use super::sources::Sources;
+use super::{CallError, RegistryError};
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
-use streamalloc_allocator::{Allocator, Backend};
+use streamalloc_allocator::{AllocError, Allocation, Allocator, Backend, PoolId, StreamId};
 
-/// One device's allocator and whether a panic made it unusable.
+/// One device's allocator, whether a panic made it unusable, and the rules that say where
+/// its requests' memory comes from (see the module docs).
 #[derive(Debug)]
 pub struct Device<B: Backend> {
     ordinal: i32,
     allocator: Allocator<B>,
     poison: OnceLock<RegistryError>,
+    /// Pools the pluggable door is allocating to.
+    pub(super) routes: Routes,
+    /// Pools whose segments come from a caller's allocator.
+    pub(super) sources: Sources,
+    /// Pools that back the default pool at out-of-memory.
+    pub(super) marked: MarkedPools,
+    /// Where PyTorch's accumulated statistics count from.
+    pub(super) baseline: Baseline,
 }
 
 impl<B: Backend> Device<B> {
@@ -21,7 +49,53 @@ impl<B: Backend> Device<B> {
             ordinal,
             allocator,
             poison: OnceLock::new(),
+            routes: Routes::default(),
+            sources: Sources::default(),
+            marked: MarkedPools::default(),
+            baseline: Baseline::default(),
         }
+    }
+
+    /// Allocates at least `size` bytes for `stream` for a door that names no pool (PyTorch's
+    /// pluggable hook): in the pool the route says, else the default pool (see the module
+    /// docs).
+    #[inline]
+    pub fn malloc(&self, size: u64, stream: StreamId) -> Result<Allocation, CallError> {
+        let served = self.run(|allocator| {
+            let pool = self
+                .routes
+                .pool_for(|| allocator.backend().is_capturing(stream))?;
+            self.serve(allocator, size, stream, pool)
+        })?;
+        Ok(served?)
+    }
+
+    /// Allocates at least `size` bytes for `stream` in `pool` (see the module docs).
+    #[inline]
+    pub fn malloc_in(
+        &self,
+        size: u64,
+        stream: StreamId,
+        pool: PoolId,
+    ) -> Result<Allocation, CallError> {
+        Ok(self.run(|allocator| self.serve(allocator, size, stream, pool))??)
+    }
+
+    /// Steps 2 to 4 of a request's way.
+    #[inline]
+    fn serve(
+        &self,
+        allocator: &Allocator<B>,
+        size: u64,
+        stream: StreamId,
+        pool: PoolId,
+    ) -> Result<Allocation, AllocError> {
+        let serve_in = |pool| {
+            self.sources
+                .with_source(pool, || allocator.malloc_in(size, stream, pool))
+        };
+        self.marked
+            .or_marked(allocator, pool, serve_in(pool), serve_in)
     }
 
     /// The device's ordinal.
@@ -74,4 +148,77 @@ pub fn panic_message(payload: &(dyn Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "unknown panic".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Registry;
+    use streamalloc_allocator::backend::sim::SimBackend;
+    use streamalloc_allocator::{AllocError, Config, PoolId, StreamId};
+
+    const MIB: u64 = 1 << 20;
+    const POOL: PoolId = PoolId(4, 2);
+
+    fn registry() -> Registry<SimBackend> {
+        Registry::simulated(Config {
+            expandable_segments: false,
+            ..Config::default()
+        })
+    }
+
+    #[test]
+    fn a_routed_request_lands_in_the_routed_pool_until_the_route_ends() {
+        let registry = registry();
+        let device = registry.device(0).unwrap();
+        assert_eq!(device.begin_routing(POOL), Ok(1));
+        let routed = registry.malloc(0, MIB, StreamId(0)).unwrap();
+        assert_eq!(device.allocator().pool_live_allocations(POOL), [routed.ptr]);
+        device.end_routing(POOL).unwrap();
+        let home = registry.malloc(0, MIB, StreamId(0)).unwrap();
+        assert_eq!(device.allocator().pool_live_allocations(POOL), [routed.ptr]);
+        assert_ne!(home.ptr, routed.ptr);
+    }
+
+    #[test]
+    fn a_default_pool_request_of_either_door_falls_back_to_a_marked_pool() {
+        let registry = registry();
+        let device = registry.device(0).unwrap();
+        device.allocator().create_or_incref_pool(POOL).unwrap();
+        let cached = registry.malloc_in(0, 700 * MIB, StreamId(0), POOL).unwrap();
+        registry.free(cached.ptr, 0).unwrap();
+        let refused = registry.malloc(0, 600 * MIB, StreamId(0)).unwrap_err();
+        assert!(
+            matches!(
+                refused.error,
+                super::CallError::Engine(AllocError::OutOfMemory(_))
+            ),
+            "{refused}"
+        );
+        device.set_use_on_oom(POOL, true).unwrap();
+        // The pluggable door (no pool named) and the native door (the default pool named).
+        let pluggable = registry.malloc(0, 600 * MIB, StreamId(0)).unwrap();
+        assert_eq!(pluggable.ptr, cached.ptr, "the marked pool's cached block");
+        registry.free(pluggable.ptr, 0).unwrap();
+        let native = registry
+            .malloc_in(0, 600 * MIB, StreamId(0), PoolId::DEFAULT)
+            .unwrap();
+        assert_eq!(native.ptr, cached.ptr);
+        assert_eq!(device.allocator().pool_live_allocations(POOL), [native.ptr]);
+    }
+
+    #[test]
+    fn a_failure_names_its_device_unless_the_poisoning_already_does() {
+        let registry = registry();
+        let err = registry.malloc_in(0, MIB, StreamId(0), POOL).unwrap_err();
+        assert!(err.to_string().starts_with("device 0: "), "{err}");
+        let device = registry.device(1).unwrap();
+        device.allocator().backend().panic_on_next("alloc_segment");
+        let err = registry.malloc(1, MIB, StreamId(0)).unwrap_err();
+        assert!(err.unavailable());
+        assert!(
+            err.to_string()
+                .starts_with("device 1 is unusable after an internal panic"),
+            "{err}"
+        );
+    }
 }

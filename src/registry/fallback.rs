@@ -7,72 +7,65 @@
 //! block then belongs to that pool (its free returns it there), as in PyTorch. The first
 //! out-of-memory error is the one reported when none can serve it.
 
-use super::Registry;
-use std::collections::BTreeMap;
-use std::ffi::c_int;
+use super::{CallError, Device};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::RwLock;
-use streamalloc_allocator::{AllocError, Allocation, Allocator, Backend, PoolId, StreamId};
+use streamalloc_allocator::{AllocError, Allocation, Allocator, Backend, PoolId};
 
-/// The pools of a registry marked `use_on_oom`, by device, in the order marked.
-#[derive(Debug)]
-pub(crate) struct MarkedPools {
-    map: RwLock<BTreeMap<c_int, Vec<PoolId>>>,
+/// The pools of a device marked `use_on_oom`, in the order marked.
+#[derive(Debug, Default)]
+pub(super) struct MarkedPools {
+    list: RwLock<Vec<PoolId>>,
     /// False until a pool is marked: a failed request then returns at once.
     any: AtomicBool,
 }
 
 impl MarkedPools {
-    pub(crate) const fn new() -> Self {
-        Self {
-            map: RwLock::new(BTreeMap::new()),
-            any: AtomicBool::new(false),
+    /// `result` of a request in `pool`, or, when that is the default pool's out-of-memory
+    /// error, the same request served (`serve_in`) by the first marked pool with uses left
+    /// that can (see the module docs).
+    #[inline]
+    pub(super) fn or_marked<B: Backend>(
+        &self,
+        allocator: &Allocator<B>,
+        pool: PoolId,
+        result: Result<Allocation, AllocError>,
+        serve_in: impl Fn(PoolId) -> Result<Allocation, AllocError>,
+    ) -> Result<Allocation, AllocError> {
+        let out_of_memory = matches!(result, Err(AllocError::OutOfMemory(_)));
+        if !out_of_memory || !pool.is_default() || !self.any.load(Ordering::Acquire) {
+            return result;
         }
-    }
-
-    /// Marks `pool` of `device` (`on`), last in the order, or unmarks it.
-    pub(crate) fn mark(&self, device: c_int, pool: PoolId, on: bool) {
-        let mut map = self.map.write().unwrap_or_else(|p| p.into_inner());
-        let marked = map.entry(device).or_default();
-        marked.retain(|&p| p != pool);
-        if on {
-            marked.push(pool);
-            self.any.store(true, Ordering::Release);
+        let marked = self.list.read().unwrap_or_else(|p| p.into_inner()).clone();
+        for candidate in marked {
+            if allocator.pool_use_count(candidate) == 0 {
+                continue;
+            }
+            let served = serve_in(candidate);
+            if served.is_ok() {
+                return served;
+            }
         }
+        result
     }
 }
 
-/// `result` of a request of `size` bytes for `stream` in `pool`, or, when that is the
-/// default pool's out-of-memory error, the same request served by the first marked pool
-/// with uses left that can (see the module docs).
-pub fn or_marked_pools<B: Backend>(
-    registry: &Registry<B>,
-    device: c_int,
-    allocator: &Allocator<B>,
-    request: (u64, StreamId, PoolId),
-    result: Result<Allocation, AllocError>,
-) -> Result<Allocation, AllocError> {
-    let (size, stream, pool) = request;
-    let out_of_memory = matches!(result, Err(AllocError::OutOfMemory(_)));
-    let marked = &registry.marked;
-    if !out_of_memory || pool != PoolId::DEFAULT || !marked.any.load(Ordering::Acquire) {
-        return result;
-    }
-    let marked = {
-        let map = marked.map.read().unwrap_or_else(|p| p.into_inner());
-        map.get(&device).cloned().unwrap_or_default()
-    };
-    for candidate in marked {
-        if allocator.pool_use_count(candidate) == 0 {
-            continue;
+impl<B: Backend> Device<B> {
+    /// Marks `pool` as serving the default pool's requests it has no memory for (`on`),
+    /// last in the order, or unmarks it. The pool must exist; the default pool is refused.
+    pub fn set_use_on_oom(&self, pool: PoolId, on: bool) -> Result<(), CallError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("used on out-of-memory").into());
         }
-        let served =
-            super::sources::with_pool_source(registry, device, candidate.0, candidate.1, || {
-                allocator.malloc_in(size, stream, candidate)
-            });
-        if served.is_ok() {
-            return served;
+        if self.run(|allocator| allocator.pool_use_count(pool))? == 0 {
+            return Err(AllocError::UnknownPool(pool).into());
         }
+        let mut list = self.marked.list.write().unwrap_or_else(|p| p.into_inner());
+        list.retain(|&p| p != pool);
+        if on {
+            list.push(pool);
+            self.marked.any.store(true, Ordering::Release);
+        }
+        Ok(())
     }
-    result
 }

@@ -2,12 +2,23 @@
 //!
 //! The C ABI (PyTorch's hooks, the native door, a C program), the LD_PRELOAD interposer and
 //! in-process Rust callers name a device by ordinal on every call. Which devices exist,
-//! which failed to start, which were made unusable by a panic, and which memory pools the
-//! pluggable door routes to are the shim's state, not any backend's: so the registry is
-//! generic over the engine's [`Backend`], and the code behind the C ABI runs unchanged on
-//! simulated devices ([`Registry::simulated`], for tests and the fuzz target) and on CUDA
+//! which failed to start, which were made unusable by a panic, and where each request's
+//! memory comes from (the pool the pluggable door routes to, a pool's segment source, the
+//! pools that back the default one at out-of-memory: see [`Device`]) are the process's
+//! state, not any backend's and not any door's: so the registry is generic over the
+//! engine's [`Backend`], the doors only translate, and the same code runs on simulated
+//! devices ([`Registry::simulated`], for tests, `replay` and the fuzz target) and on CUDA
 //! ([`global`], the process's `Registry<WithSources<CudaBackend>>`: CUDA, with the pools
 //! whose segments come from another allocator, see [`sources`]).
+//!
+//! | file | what it decides |
+//! | --- | --- |
+//! | `mod.rs` | which devices exist; frees and `record_stream`, which may name no device |
+//! | `device.rs` | one device: poisoning, and a request's way to memory |
+//! | `routes.rs` | the pool a pluggable-door request goes to |
+//! | `sources.rs` | where a pool's segments come from |
+//! | `fallback.rs` | which pools serve the default pool's requests it has no memory for |
+//! | `baseline.rs` | where PyTorch's accumulated statistics count from |
 //!
 //! # Cost
 //! A fixed array of [`OnceLock`]s indexed by ordinal, each filled on first use with a
@@ -35,22 +46,19 @@
 
 mod baseline;
 mod device;
-pub mod fallback;
+mod fallback;
 mod routes;
 pub mod sources;
 
 pub use self::device::{panic_message, Device};
-pub(crate) use self::routes::{Route, Routes};
 
-use self::baseline::AccumulatedSince;
-use self::fallback::MarkedPools;
-use self::sources::{Sources, WithSources};
+use self::sources::WithSources;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use streamalloc_allocator::backend::cuda::CudaBackend;
 use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::{
-    AllocError, Allocator, Backend, Config, ConfigError, DevicePtr, StreamId,
+    AllocError, Allocation, Allocator, Backend, Config, ConfigError, DevicePtr, PoolId, StreamId,
 };
 
 /// Device ordinals a registry can hold (`0..MAX_DEVICES`).
@@ -98,6 +106,34 @@ pub enum CallError {
     Engine(#[from] AllocError),
 }
 
+/// A call on one device that failed: the device, and why. Displayed as a caller is told:
+/// `device N: <why>`, or the poisoning message alone (it names the device).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{}", self.describe())]
+pub struct DeviceError {
+    /// The device named.
+    pub ordinal: i32,
+    /// Why it failed.
+    pub error: CallError,
+}
+
+impl DeviceError {
+    fn describe(&self) -> String {
+        match &self.error {
+            CallError::Unavailable(poisoned @ RegistryError::Poisoned { .. }) => {
+                poisoned.to_string()
+            }
+            error => format!("device {}: {error}", self.ordinal),
+        }
+    }
+
+    /// True when the device itself cannot serve calls (rather than the engine refusing
+    /// this one).
+    pub fn unavailable(&self) -> bool {
+        matches!(self.error, CallError::Unavailable(_))
+    }
+}
+
 /// Where a free went. See [`Registry::free`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Freed {
@@ -121,14 +157,6 @@ pub struct Registry<B: Backend> {
     invalid_frees: AtomicU64,
     /// `record_stream` calls on pointers no allocator knows.
     unknown_record_streams: AtomicU64,
-    /// Pools the pluggable door routes requests to (see [`Routes`]).
-    pub(crate) routes: Routes,
-    /// Pools whose segments come from another allocator (see [`sources`]).
-    pub(crate) sources: Sources,
-    /// Pools that back the default pool at out-of-memory (see [`fallback`]).
-    pub(crate) marked: MarkedPools,
-    /// Counters at the last reset of PyTorch's accumulated statistics (see `baseline`).
-    pub(crate) since: AccumulatedSince,
 }
 
 /// The registry of this process: one CUDA allocator per device.
@@ -182,10 +210,6 @@ impl<B: Backend> Registry<B> {
             live: AtomicU64::new(0),
             invalid_frees: AtomicU64::new(0),
             unknown_record_streams: AtomicU64::new(0),
-            routes: Routes::new(),
-            sources: Sources::new(),
-            marked: MarkedPools::new(),
-            since: AccumulatedSince::new(),
         }
     }
 
@@ -249,6 +273,45 @@ impl<B: Backend> Registry<B> {
         self.devices
             .iter()
             .filter_map(|slot| slot.get()?.as_ref().ok())
+    }
+
+    /// Runs `body` on device `ordinal` (created on first use); a failure, the device's or
+    /// `body`'s, names the device.
+    #[inline]
+    pub fn on<T>(
+        &self,
+        ordinal: i32,
+        body: impl FnOnce(&Device<B>) -> Result<T, CallError>,
+    ) -> Result<T, DeviceError> {
+        self.device(ordinal)
+            .map_err(CallError::from)
+            .and_then(body)
+            .map_err(|error| DeviceError { ordinal, error })
+    }
+
+    /// Allocates at least `size` bytes on device `ordinal` for `stream`, for a door that
+    /// names no pool: see [`Device::malloc`].
+    #[inline]
+    pub fn malloc(
+        &self,
+        ordinal: i32,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<Allocation, DeviceError> {
+        self.on(ordinal, |device| device.malloc(size, stream))
+    }
+
+    /// Allocates at least `size` bytes on device `ordinal` for `stream` in `pool`: see
+    /// [`Device::malloc_in`].
+    #[inline]
+    pub fn malloc_in(
+        &self,
+        ordinal: i32,
+        size: u64,
+        stream: StreamId,
+        pool: PoolId,
+    ) -> Result<Allocation, DeviceError> {
+        self.on(ordinal, |device| device.malloc_in(size, stream, pool))
     }
 
     /// Frees `ptr`, which the caller says belongs to device `ordinal`. A pointer that is

@@ -10,71 +10,86 @@
 //! wrongly kept out of a graph's pool costs data. The native door evaluates the real
 //! filters and never routes.
 
+use super::{CallError, Device};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::thread::ThreadId;
-use streamalloc_allocator::PoolId;
+use streamalloc_allocator::{Backend, PoolId};
 
-/// One pool being allocated to through the pluggable door: begun on `device` by `thread`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Route {
-    pub(crate) device: i32,
-    pub(crate) pool: PoolId,
-    pub(crate) thread: ThreadId,
+impl<B: Backend> Device<B> {
+    /// PyTorch's pluggable `beginAllocateToPool`: begins allocating to `pool`
+    /// (`Allocator::begin_allocate_to_pool`) and routes this thread's requests, and those
+    /// on capturing streams, to it until [`Device::end_routing`]. Returns the pool's use
+    /// count.
+    pub fn begin_routing(&self, pool: PoolId) -> Result<u32, CallError> {
+        let uses = self.run(|allocator| allocator.begin_allocate_to_pool(pool))??;
+        self.routes.begin(pool);
+        Ok(uses)
+    }
+
+    /// PyTorch's pluggable `endAllocateToPool`: requests stop going to `pool`, whose memory
+    /// stays reserved for it until released.
+    pub fn end_routing(&self, pool: PoolId) -> Result<(), CallError> {
+        self.routes.end(pool);
+        Ok(self.run(|allocator| allocator.end_allocate_to_pool(pool))??)
+    }
 }
 
-/// The pools a registry's pluggable door is allocating to, oldest first. PyTorch's
-/// pluggable hooks say "allocate to this pool" and "stop", not which requests: where a
-/// request goes is the registry's state (see `ffi::pools` for the rule's reasons).
-#[derive(Debug)]
-pub(crate) struct Routes {
+/// One pool being allocated to through the pluggable door, begun by `thread`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Route {
+    pool: PoolId,
+    thread: ThreadId,
+}
+
+/// The pools a device's pluggable door is allocating to, oldest first (see the module
+/// docs).
+#[derive(Debug, Default)]
+pub(super) struct Routes {
     list: Mutex<Vec<Route>>,
     /// `list.len()`, read without the lock by every malloc.
     active: AtomicUsize,
 }
 
 impl Routes {
-    pub(crate) const fn new() -> Self {
-        Self {
-            list: Mutex::new(Vec::new()),
-            active: AtomicUsize::new(0),
-        }
-    }
-
-    /// True while some pool is being allocated to.
-    #[inline]
-    pub(crate) fn active(&self) -> bool {
-        self.active.load(Ordering::Acquire) != 0
-    }
-
-    /// Starts routing to `route.pool` (the newest route wins).
-    pub(crate) fn begin(&self, route: Route) {
+    /// Starts routing this thread's requests, and those on capturing streams, to `pool`
+    /// (the newest route wins).
+    pub(super) fn begin(&self, pool: PoolId) {
         let mut list = self.lock();
-        list.push(route);
+        list.push(Route {
+            pool,
+            thread: std::thread::current().id(),
+        });
         self.active.store(list.len(), Ordering::Release);
     }
 
-    /// Stops the newest route to `pool` on `device`, if any.
-    pub(crate) fn end(&self, device: i32, pool: PoolId) {
+    /// Stops the newest route to `pool`, if any.
+    pub(super) fn end(&self, pool: PoolId) {
         let mut list = self.lock();
-        if let Some(index) = list
-            .iter()
-            .rposition(|route| route.device == device && route.pool == pool)
-        {
+        if let Some(index) = list.iter().rposition(|route| route.pool == pool) {
             list.remove(index);
         }
         self.active.store(list.len(), Ordering::Release);
     }
 
-    /// The pool a request of `thread` on `device` goes to, if any: see [`choose_route`].
-    /// `capturing` says whether the request's stream is capturing a graph.
-    pub(crate) fn choose(
+    /// The pool a request of this thread goes to: the default pool while nothing is being
+    /// allocated to (one load), else what [`choose_route`] says. `capturing` says whether
+    /// the request's stream is capturing a graph.
+    #[inline]
+    pub(super) fn pool_for<E>(
         &self,
-        device: i32,
-        thread: ThreadId,
-        capturing: impl FnOnce() -> Result<bool, String>,
-    ) -> Result<Option<PoolId>, String> {
-        choose_route(&self.lock(), device, thread, capturing)
+        capturing: impl FnOnce() -> Result<bool, E>,
+    ) -> Result<PoolId, E> {
+        if self.active.load(Ordering::Acquire) == 0 {
+            return Ok(PoolId::DEFAULT);
+        }
+        self.choose(capturing)
+    }
+
+    #[cold]
+    fn choose<E>(&self, capturing: impl FnOnce() -> Result<bool, E>) -> Result<PoolId, E> {
+        let pool = choose_route(&self.lock(), std::thread::current().id(), capturing)?;
+        Ok(pool.unwrap_or(PoolId::DEFAULT))
     }
 
     /// The routes; a panic while they were held cannot have left them half-updated (each
@@ -86,20 +101,17 @@ impl Routes {
     }
 }
 
-/// The routing rule: the newest route of `device` begun by `thread`; otherwise, if the
-/// stream is capturing (asked only then: it is a driver call), the newest route of
-/// `device`.
-fn choose_route(
+/// The routing rule: the newest route begun by `thread`; otherwise, if the stream is
+/// capturing (asked only then: it is a driver call), the newest route.
+fn choose_route<E>(
     routes: &[Route],
-    device: i32,
     thread: ThreadId,
-    capturing: impl FnOnce() -> Result<bool, String>,
-) -> Result<Option<PoolId>, String> {
-    let on_device = || routes.iter().filter(|route| route.device == device);
-    if let Some(route) = on_device().rfind(|route| route.thread == thread) {
+    capturing: impl FnOnce() -> Result<bool, E>,
+) -> Result<Option<PoolId>, E> {
+    if let Some(route) = routes.iter().rfind(|route| route.thread == thread) {
         return Ok(Some(route.pool));
     }
-    let Some(newest) = on_device().next_back() else {
+    let Some(newest) = routes.last() else {
         return Ok(None);
     };
     Ok(capturing()?.then_some(newest.pool))
@@ -118,32 +130,42 @@ mod tests {
         let (graph, user) = (PoolId(1, 0), PoolId(0, 2));
         let routes = [
             Route {
-                device: 0,
                 pool: graph,
                 thread: elsewhere,
             },
             Route {
-                device: 0,
                 pool: user,
-                thread: here,
-            },
-            Route {
-                device: 1,
-                pool: PoolId(9, 9),
                 thread: here,
             },
         ];
         let never = || -> Result<bool, String> { panic!("asked the driver needlessly") };
-        assert_eq!(choose_route(&routes, 0, here, never), Ok(Some(user)));
+        assert_eq!(choose_route(&routes, here, never), Ok(Some(user)));
         assert_eq!(
-            choose_route(&routes[..1], 0, here, || Ok(true)),
+            choose_route(&routes[..1], here, || Ok::<_, String>(true)),
             Ok(Some(graph))
         );
-        assert_eq!(choose_route(&routes[..1], 0, here, || Ok(false)), Ok(None));
-        assert_eq!(choose_route(&routes, 2, here, never), Ok(None));
         assert_eq!(
-            choose_route(&routes[..1], 0, here, || Err("no driver".into())),
-            Err("no driver".into())
+            choose_route(&routes[..1], here, || Ok::<_, String>(false)),
+            Ok(None)
         );
+        assert_eq!(choose_route(&[], here, never), Ok(None));
+        assert_eq!(
+            choose_route(&routes[..1], here, || Err("no driver".to_string())),
+            Err("no driver".to_string())
+        );
+    }
+
+    #[test]
+    fn nothing_is_routed_once_every_route_ended() {
+        let routes = Routes::default();
+        let never = || -> Result<bool, String> { panic!("asked the driver needlessly") };
+        assert_eq!(routes.pool_for(never), Ok(PoolId::DEFAULT));
+        routes.begin(PoolId(3, 1));
+        routes.begin(PoolId(3, 2));
+        assert_eq!(routes.pool_for(never), Ok(PoolId(3, 2)));
+        routes.end(PoolId(3, 2));
+        assert_eq!(routes.pool_for(never), Ok(PoolId(3, 1)));
+        routes.end(PoolId(3, 1));
+        assert_eq!(routes.pool_for(never), Ok(PoolId::DEFAULT));
     }
 }

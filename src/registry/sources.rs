@@ -6,7 +6,7 @@
 //! and caches what lies between. So a pool served from another allocator needs no engine
 //! change, only a backend that knows where a segment should come from: [`WithSources`]
 //! wraps a device's backend and, while a request of a pool with a [`SegmentSource`] runs
-//! on this thread ([`with_pool_source`]), takes the segments the engine asks for from that
+//! on this thread (`Sources::with_source`), takes the segments the engine asks for from that
 //! source, remembers them, and gives each back to the source that made it when the engine
 //! frees it (`empty_cache`, the pool's release, an out-of-memory retry). Every other call
 //! goes to the wrapped backend.
@@ -15,7 +15,7 @@
 //! pool with a source grows by whole segments whatever the device's growth
 //! (`Allocator::set_pool_whole_segments`), as PyTorch's allocator does for such pools.
 
-use super::Registry;
+use super::{CallError, Device};
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
@@ -23,7 +23,7 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, RwLock};
 use streamalloc_allocator::backend::{BackendResult, Segments};
-use streamalloc_allocator::{Backend, BackendError, DevicePtr, PoolId};
+use streamalloc_allocator::{AllocError, Backend, BackendError, DevicePtr, PoolId};
 
 /// Allocates `size` bytes on `device` for a pool segment; null if it cannot.
 pub type SegmentAlloc =
@@ -144,59 +144,56 @@ impl<B: Segments> Segments for WithSources<B> {
 
 // ---- Which pools have a source ----------------------------------------------------------
 
-/// The pools of a registry that have a source, by (device, pool id).
-#[derive(Debug)]
-pub(crate) struct Sources {
-    map: RwLock<BTreeMap<(c_int, u64, u64), SegmentSource>>,
+/// The pools of a device that have a source.
+#[derive(Debug, Default)]
+pub(super) struct Sources {
+    map: RwLock<BTreeMap<PoolId, SegmentSource>>,
     /// False until a source is set: requests of ordinary pools then skip the lookup.
     any: AtomicBool,
 }
 
 impl Sources {
-    pub(crate) const fn new() -> Self {
-        Self {
-            map: RwLock::new(BTreeMap::new()),
-            any: AtomicBool::new(false),
+    /// Runs `body` (one engine request of `pool`) with the pool's segment source active on
+    /// this thread, if it has one.
+    #[inline]
+    pub(super) fn with_source<T>(&self, pool: PoolId, body: impl FnOnce() -> T) -> T {
+        if pool.is_default() || !self.any.load(Ordering::Acquire) {
+            return body();
         }
-    }
-
-    /// Pool `pool` of `device` takes its segments from `source` from now on.
-    pub(crate) fn insert(&self, device: c_int, pool: PoolId, source: SegmentSource) {
-        let mut map = self.map.write().unwrap_or_else(|p| p.into_inner());
-        map.insert((device, pool.0, pool.1), source);
-        self.any.store(true, Ordering::Release);
+        let source = {
+            let map = self.map.read().unwrap_or_else(|p| p.into_inner());
+            map.get(&pool).copied()
+        };
+        let Some(source) = source else {
+            return body();
+        };
+        /// Clears the active source however `body` ends.
+        struct Restore(Option<SegmentSource>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                let previous = self.0;
+                let _ = ACTIVE.try_with(|active| active.set(previous));
+            }
+        }
+        let _restore = Restore(ACTIVE.with(|active| active.replace(Some(source))));
+        body()
     }
 }
 
-/// Runs `body` (one engine request of pool `(id0, id1)` on `device`) with the pool's
-/// segment source active on this thread, if it has one.
-#[inline]
-pub fn with_pool_source<B: Backend, T>(
-    registry: &Registry<B>,
-    device: c_int,
-    id0: u64,
-    id1: u64,
-    body: impl FnOnce() -> T,
-) -> T {
-    let sources = &registry.sources;
-    if (id0, id1) == (0, 0) || !sources.any.load(Ordering::Acquire) {
-        return body();
-    }
-    let source = {
-        let map = sources.map.read().unwrap_or_else(|p| p.into_inner());
-        map.get(&(device, id0, id1)).copied()
-    };
-    let Some(source) = source else {
-        return body();
-    };
-    /// Clears the active source however `body` ends.
-    struct Restore(Option<SegmentSource>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            let previous = self.0;
-            let _ = ACTIVE.try_with(|active| active.set(previous));
+impl<B: Backend> Device<WithSources<B>> {
+    /// Makes `pool` take its segments from `source` from now on, whole, whatever
+    /// `expandable_segments` says for the other pools; it must exist and not have
+    /// allocated yet. The engine splits and caches them like its own and hands each back
+    /// to the source when it releases it. The default pool is refused.
+    pub fn set_segment_source(&self, pool: PoolId, source: SegmentSource) -> Result<(), CallError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("given a segment source").into());
         }
+        self.run(|allocator| allocator.set_pool_whole_segments(pool))??;
+        let sources = &self.sources;
+        let mut map = sources.map.write().unwrap_or_else(|p| p.into_inner());
+        map.insert(pool, source);
+        sources.any.store(true, Ordering::Release);
+        Ok(())
     }
-    let _restore = Restore(ACTIVE.with(|active| active.replace(Some(source))));
-    body()
 }
