@@ -46,8 +46,6 @@
 //! unless something fails.
 
 pub mod error;
-pub mod external;
-pub mod fallback;
 pub mod ipc;
 pub mod ipc_handle;
 pub mod layout;
