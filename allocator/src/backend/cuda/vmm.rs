@@ -19,8 +19,8 @@
 //! it unmaps a page any stream may still touch.
 
 use super::driver;
-use super::ipc::{ExportedMapping, IpcError};
 use super::sys;
+use crate::backend::ipc::{ExportedMapping, IpcError};
 use crate::backend::BackendResult;
 use crate::error::BackendError;
 use crate::types::DevicePtr;
