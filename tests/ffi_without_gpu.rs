@@ -155,6 +155,7 @@ fn pool_and_introspection_entry_points_fail_cleanly_without_cuda() {
     if !no_gpu() {
         return;
     }
+    use streamalloc::ffi::introspect::*;
     use streamalloc::ffi::pools::*;
     let stream = std::ptr::null_mut::<c_void>();
     assert!(streamalloc_malloc_in_pool(1 << 20, 0, stream, 1, 0).is_null());

@@ -26,7 +26,8 @@
 //! const char* streamalloc_last_error(void);
 //! ```
 //!
-//! Memory pools and introspection are in [`pools`], sleep and wake of tagged pools in
+//! Memory pools are in [`pools`] and [`pool_rules`], looking inside in [`introspect`],
+//! sleep and wake of tagged pools in
 //! [`sleep`], counters in [`stats`], CUDA IPC of
 //! expandable-segment memory (`streamalloc_ipc_*`, CUDA only) in [`ipc`], the p2p planner
 //! in [`p2p`], the structs shared with C in [`layout`].
@@ -46,6 +47,7 @@
 //! unless something fails.
 
 pub mod error;
+pub mod introspect;
 pub mod ipc;
 pub mod ipc_handle;
 pub mod layout;
@@ -437,6 +439,20 @@ pub unsafe fn dump_snapshot<B: Backend>(
             Err(message) => fail(-1, message),
         }
     })
+}
+
+/// Copies `items` into `out` (room for `capacity`) and returns how many there are.
+///
+/// # Safety
+/// `out` must be null or writable for `capacity` elements.
+pub(crate) unsafe fn copy_out<T: Copy>(items: &[T], out: *mut T, capacity: usize) -> i64 {
+    if !out.is_null() {
+        let count = items.len().min(capacity);
+        // SAFETY: `out` is writable for `capacity >= count` elements (see # Safety), and
+        // `items` cannot overlap memory the caller owns.
+        unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), out, count) };
+    }
+    items.len() as i64
 }
 
 /// Writes `value` as JSON to the file `path`.

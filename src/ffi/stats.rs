@@ -399,7 +399,8 @@ pub unsafe fn allocation_usage<B: Backend>(
     reserved: *mut u64,
 ) -> c_int {
     error::call(-1, || {
-        let Some((owner, site)) = super::pools::allocation_owner(registry, ptr as usize as u64)
+        let Some((owner, site)) =
+            super::introspect::allocation_owner(registry, ptr as usize as u64)
         else {
             return super::fail(
                 -1,

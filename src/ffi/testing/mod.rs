@@ -30,7 +30,7 @@ mod model;
 
 use self::args::Reader;
 use super::pools::{self, StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo};
-use super::{error, stats, StreamallocStats};
+use super::{error, introspect, stats, StreamallocStats};
 use crate::registry::Registry;
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void, CStr};
@@ -378,12 +378,12 @@ impl Harness {
                     &mut largest as *mut u64
                 };
                 // SAFETY: null or a valid out pointer.
-                failed = Some(unsafe { pools::cache_info(registry, device, out) } != 0);
+                failed = Some(unsafe { introspect::cache_info(registry, device, out) } != 0);
                 format!("cache_info({device}, {out:p})")
             }
             22 => {
                 let device = self.device(r);
-                let limit = pools::memory_limit(registry, device);
+                let limit = introspect::memory_limit(registry, device);
                 if limit != 0 && !last_error().is_empty() {
                     expect = Err(format!("memory_limit failed yet returned {limit}"));
                 }
@@ -396,7 +396,7 @@ impl Harness {
                 // SAFETY: each out pointer is null or valid.
                 let result = unsafe {
                     if with_outs {
-                        pools::block_info(
+                        introspect::block_info(
                             registry,
                             ptr as usize as *mut c_void,
                             &mut device,
@@ -406,7 +406,7 @@ impl Harness {
                         )
                     } else {
                         use std::ptr::null_mut;
-                        pools::block_info(
+                        introspect::block_info(
                             registry,
                             ptr as usize as *mut c_void,
                             null_mut(),
@@ -446,7 +446,7 @@ impl Harness {
                 // SAFETY: null or room for the capacities.
                 let result = unsafe {
                     if nulls {
-                        pools::snapshot_segments(
+                        introspect::snapshot_segments(
                             registry,
                             device,
                             std::ptr::null_mut(),
@@ -457,7 +457,7 @@ impl Harness {
                             std::ptr::null_mut(),
                         )
                     } else {
-                        pools::snapshot_segments(
+                        introspect::snapshot_segments(
                             registry,
                             device,
                             segments.as_mut_ptr(),
