@@ -49,8 +49,10 @@ mod report;
 mod sleep;
 mod stitch;
 mod torch_stats;
+mod unmap;
 mod wake;
 
+use expandable::RECLAIM_SLACK_BP;
 pub use pools::PoolBlock;
 use release::Release;
 pub use sleep::{Backup, SleepReport, TagInfo, WakeReport};
@@ -79,39 +81,6 @@ use std::collections::HashMap;
 /// Requests at least `max_split_size` may use a cached block at most this much larger
 /// (PyTorch's `kLargeBuffer`), so oversize blocks are not wasted on much smaller requests.
 const OVERSIZE_SLACK: u64 = 20 << 20;
-
-/// Expandable segments first map up to this much (in 1/10,000) beyond the live peak
-/// before reclaiming free pages; each reclaim widens the slack by a quarter, up to
-/// [`MAX_RECLAIM_SLACK_BP`].
-const RECLAIM_SLACK_BP: u64 = 100;
-
-/// The widest reclaim slack, in 1/10,000 of the live peak: peak reserved stays within
-/// about this much of peak live plus the mappings that live blocks pin. 1.5% keeps every
-/// replayed trace (GPT-2, BERT with varying lengths, ResNet-50, KV-cache generation)
-/// within 1.02, the training traces with no remapping in the steady state; 25% let
-/// ResNet-50 reach 1.026 once mappings are sized to the peak. Generation remaps at its
-/// prefill peaks (81 mappings in the third pass of `--steps 3`) whatever the slack: 1.9%
-/// and 3% still mapped 58–131 times a pass over eight passes, at 1.024–1.030 and
-/// 1.036–1.039.
-const MAX_RECLAIM_SLACK_BP: u64 = 150;
-
-/// Reclaims (the driver's unmapping and mapping again, not the wait for the device) may
-/// take at most this fraction (1/n) of the host time since the first reservation, plus
-/// [`RECLAIM_TIME_ALLOWANCE_NS`]; past it, a reclaim that the slack calls
-/// for is skipped and the slack doubles (up to [`MAX_THROTTLED_SLACK_BP`]). Measured on an
-/// H200: a C loop of random sizes up to 256 MiB with 64 live (`benches/gpu/host_abi.cpp`)
-/// reclaimed ~115 times and remapped ~15 GB per 100,000 mallocs, 980 ns per operation
-/// against 147 with whole segments, while training and generation spend well under 1% of
-/// their time reclaiming. Memory then follows the churn less closely, only where following
-/// it costs more time than it is worth.
-const RECLAIM_TIME_SHARE: u64 = 50;
-
-/// Reclaim time allowed before [`RECLAIM_TIME_SHARE`] applies: a few reclaims while a
-/// program warms up are worth their cost whatever the time elapsed so far.
-const RECLAIM_TIME_ALLOWANCE_NS: u64 = 20_000_000;
-
-/// The widest slack that skipped reclaims widen to, in 1/10,000 of the live peak.
-const MAX_THROTTLED_SLACK_BP: u64 = 5_000;
 
 /// Where a live allocation lies (see [`Allocator::allocation_at`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
