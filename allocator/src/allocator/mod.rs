@@ -50,6 +50,7 @@ mod sleep;
 mod stitch;
 mod torch_stats;
 mod unmap;
+mod unstitch;
 mod wake;
 
 use expandable::RECLAIM_SLACK_BP;
