@@ -66,8 +66,8 @@ impl<B: Backend> Device<B> {
                 .routes
                 .pool_for(|| allocator.backend().is_capturing(stream))?;
             self.serve(allocator, size, stream, pool)
-        })?;
-        Ok(served?)
+        });
+        flatten(served)
     }
 
     /// Allocates at least `size` bytes for `stream` in `pool` (see the module docs).
@@ -78,10 +78,11 @@ impl<B: Backend> Device<B> {
         stream: StreamId,
         pool: PoolId,
     ) -> Result<Allocation, CallError> {
-        Ok(self.run(|allocator| self.serve(allocator, size, stream, pool))??)
+        flatten(self.run(|allocator| self.serve(allocator, size, stream, pool)))
     }
 
-    /// Steps 2 to 4 of a request's way.
+    /// Steps 2 to 4 of a request's way. The default pool has no source and, served, needs
+    /// no fallback: its request is one engine call, as on the fast path it must be.
     #[inline]
     fn serve(
         &self,
@@ -90,12 +91,29 @@ impl<B: Backend> Device<B> {
         stream: StreamId,
         pool: PoolId,
     ) -> Result<Allocation, AllocError> {
-        let serve_in = |pool| {
-            self.sources
-                .with_source(pool, || allocator.malloc_in(size, stream, pool))
+        let served = if pool.is_default() {
+            allocator.malloc(size, stream)
+        } else {
+            self.serve_in(allocator, size, stream, pool)
         };
-        self.marked
-            .or_marked(allocator, pool, serve_in(pool), serve_in)
+        match served {
+            Ok(block) => Ok(block),
+            Err(err) => self.marked.or_marked(allocator, pool, err, |marked| {
+                self.serve_in(allocator, size, stream, marked)
+            }),
+        }
+    }
+
+    /// A request of `pool`, with the pool's segment source active if it has one.
+    fn serve_in(
+        &self,
+        allocator: &Allocator<B>,
+        size: u64,
+        stream: StreamId,
+        pool: PoolId,
+    ) -> Result<Allocation, AllocError> {
+        self.sources
+            .with_source(pool, || allocator.malloc_in(size, stream, pool))
     }
 
     /// The device's ordinal.
@@ -137,6 +155,16 @@ impl<B: Backend> Device<B> {
     /// The error every call gets once a panic made the device unusable, if one did.
     pub fn poisoned(&self) -> Option<&RegistryError> {
         self.poison.get()
+    }
+}
+
+/// A device call's two failures as one.
+#[inline]
+fn flatten<T>(result: Result<Result<T, AllocError>, RegistryError>) -> Result<T, CallError> {
+    match result {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(err)) => Err(CallError::Engine(err)),
+        Err(err) => Err(CallError::Unavailable(err)),
     }
 }
 

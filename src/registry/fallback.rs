@@ -21,20 +21,21 @@ pub(super) struct MarkedPools {
 }
 
 impl MarkedPools {
-    /// `result` of a request in `pool`, or, when that is the default pool's out-of-memory
-    /// error, the same request served (`serve_in`) by the first marked pool with uses left
-    /// that can (see the module docs).
-    #[inline]
+    /// `err`, the failure of a request in `pool`, or, when that is the default pool's
+    /// out-of-memory error, the same request served (`serve_in`) by the first marked pool
+    /// with uses left that can (see the module docs).
+    #[cold]
+    #[inline(never)]
     pub(super) fn or_marked<B: Backend>(
         &self,
         allocator: &Allocator<B>,
         pool: PoolId,
-        result: Result<Allocation, AllocError>,
+        err: AllocError,
         serve_in: impl Fn(PoolId) -> Result<Allocation, AllocError>,
     ) -> Result<Allocation, AllocError> {
-        let out_of_memory = matches!(result, Err(AllocError::OutOfMemory(_)));
+        let out_of_memory = matches!(err, AllocError::OutOfMemory(_));
         if !out_of_memory || !pool.is_default() || !self.any.load(Ordering::Acquire) {
-            return result;
+            return Err(err);
         }
         let marked = self.list.read().unwrap_or_else(|p| p.into_inner()).clone();
         for candidate in marked {
@@ -46,7 +47,7 @@ impl MarkedPools {
                 return served;
             }
         }
-        result
+        Err(err)
     }
 }
 
