@@ -324,6 +324,8 @@ impl Clock for TscClocked {
         let ticks = ticks.saturating_sub(self.start);
         ((u128::from(ticks) * u128::from(self.ns_per_tick_q32)) >> 32) as u64
     }
+    /// Always the time-stamp counter: this device exists to measure it.
+    fn set_trace_clock(&self, _clock: streamalloc_allocator::TraceClock) {}
 }
 
 /// The 64-bit Mersenne Twister (`std::mt19937_64`), so the workload matches the C++ one

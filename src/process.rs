@@ -267,6 +267,50 @@ mod tests {
         assert_eq!(rank_from(env(&[])), None);
     }
 
+    /// The snapshot writer of `streamalloc_dump_snapshot` and `run --snapshot`: a write that
+    /// fails midway leaves the file that was there as it was, and a target that is not a
+    /// regular file is refused and left alone.
+    #[test]
+    fn snapshot_files_are_written_whole_or_not_at_all() {
+        struct FailsMidway;
+        impl serde::Serialize for FailsMidway {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                use serde::ser::{Error, SerializeSeq};
+                let mut seq = s.serialize_seq(None)?;
+                for i in 0..100_000 {
+                    seq.serialize_element(&i)?;
+                }
+                Err(S::Error::custom("the snapshot could not be serialised"))
+            }
+        }
+        let dir = std::env::temp_dir().join(format!("streamalloc-whole-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let existing = dir.join("snap.json");
+        std::fs::write(&existing, b"precious").unwrap();
+        let err = crate::ffi::write_json(existing.to_str().unwrap(), &FailsMidway).unwrap_err();
+        assert!(err.contains("could not be serialised"), "{err}");
+        assert_eq!(std::fs::read(&existing).unwrap(), b"precious");
+        let fifo = dir.join("fifo");
+        assert!(std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success());
+        let err = crate::ffi::write_json(fifo.to_str().unwrap(), &1).unwrap_err();
+        assert!(err.contains("FIFO"), "{err}");
+        use std::os::unix::fs::FileTypeExt;
+        assert!(std::fs::symlink_metadata(&fifo)
+            .unwrap()
+            .file_type()
+            .is_fifo());
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names.len(), 2, "nothing left beside them: {names:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn a_simulated_device_writes_its_snapshot_where_the_requests_say() {
         let registry = Registry::simulated(streamalloc_allocator::Config::default());

@@ -580,3 +580,22 @@ fn a_take_from_another_stream_waits_only_for_the_owners_work_up_to_the_free() {
     allocator.free(taken.ptr).unwrap();
     allocator.check_invariants().unwrap();
 }
+
+/// A request smaller than a page that the limit cannot hold a page for is told that the
+/// limit is reached, not that the device is full: growth maps whole pages.
+#[test]
+fn an_out_of_memory_under_a_limit_names_the_limit_even_for_less_than_a_page() {
+    let config = Config {
+        memory_limit: Some(25 * MIB),
+        ..Config::default()
+    };
+    let (device, allocator) = allocator(1 << 30, config);
+    let stream = device.create_stream();
+    let live = allocator.malloc(24 * MIB, stream).unwrap();
+    let err = allocator.malloc(512 << 10, stream).unwrap_err();
+    assert!(
+        err.to_string().contains("the memory limit is reached"),
+        "{err}"
+    );
+    allocator.free(live.ptr).unwrap();
+}

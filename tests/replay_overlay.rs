@@ -7,6 +7,8 @@
 //!   the memory they hold.
 //! - On the sample trace, the figures, the legend, the page's data (`/api/replay`) and the
 //!   SVG say the same thing.
+//! - The replay is charged to the file's memory budget, and refused before it runs when
+//!   the budget cannot afford it.
 
 mod cli;
 
@@ -16,12 +18,14 @@ use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use streamalloc::replay::{
-    cap_bytes, entry, lowest_completing_cap, replay_overlay, replay_series, replay_steps, CAP_STEP,
+    cap_bytes, entry, lowest_completing_cap, replay_overlay, replay_overlay_within, replay_series,
+    replay_steps, OverlayError, CAP_STEP, REPLAY_STAGE,
 };
 use streamalloc_allocator::testing::proptest_cases;
 use streamalloc_allocator::trace::{TraceAction, TraceEntry};
 use streamalloc_allocator::{Config, ReusePolicy};
-use streamalloc_viz::overlay::MAX_POINTS;
+use streamalloc_viz::limits::Budget;
+use streamalloc_viz::overlay::{SeriesBuilder, MAX_POINTS};
 
 const MIB: u64 = 1 << 20;
 
@@ -440,4 +444,42 @@ fn a_bad_replay_conf_is_refused_first() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "--conf needs --replay");
+}
+
+/// The replay is a stage built from the file like the viewer's data: what it needs while it
+/// runs (the timeline, the entries, the engine's records per live block and per page) is
+/// charged to the file's budget and given back at the end, the overlay's points stay
+/// charged, and a budget that cannot afford the replay refuses it before it starts.
+#[test]
+fn the_replay_is_charged_to_the_files_budget_and_refused_before_it_runs() {
+    // 200 blocks of 1 GiB, never freed: a small file whose replay maps 100,000 pages.
+    let trace: Vec<(&str, u64, u64, u64)> = (0..200u64)
+        .map(|i| ("alloc", (i + 1) << 31, 1 << 30, 0))
+        .collect();
+    let bytes = snapshot_json(&trace, serde_json::json!([]));
+    let snapshot = streamalloc_viz::model::parse_json(Path::new("big.json"), &bytes).unwrap();
+    let device = &snapshot.devices[0];
+    let config = Config::default();
+
+    let mut budget = Budget::new(1 << 40);
+    let overlay =
+        replay_overlay_within(&snapshot, device, &config, false, &mut budget, &mut |_| {}).unwrap();
+    assert_eq!(
+        budget.used(),
+        SeriesBuilder::points_bytes(200),
+        "only the overlay's points stay charged"
+    );
+    let unlimited = replay_overlay(&snapshot, device, &config, false, &mut |_| {}).unwrap();
+    assert_eq!(overlay, unlimited);
+
+    let mut small = Budget::new(16 << 20);
+    let mut replayed = false;
+    let refused = replay_overlay_within(&snapshot, device, &config, true, &mut small, &mut |_| {
+        replayed = true
+    });
+    match refused {
+        Err(OverlayError::OverBudget(over)) => assert_eq!(over.stage, REPLAY_STAGE),
+        other => panic!("not refused for its budget: {other:?}"),
+    }
+    assert!(!replayed, "refused before replaying");
 }

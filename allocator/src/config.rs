@@ -12,6 +12,7 @@
 //! | `memory_fraction` | a fraction of device memory in (0, 1] | none |
 //! | `max_split_size` | bytes: larger cached blocks are never split for smaller requests | none |
 //! | `trace_capacity` | entries kept in the trace ring; `0` turns tracing off | 65536 |
+//! | `trace_clock` | the clock of the trace ring's records on a GPU: `coarse`, the kernel's tick-resolution monotonic clock (1–4 ms; a few ns a read), or `precise`, the time-stamp counter (ns; ~20 ns a read on some virtual machines, two per malloc+free pair) | `coarse` |
 //! | `event_batch` | outstanding events that trigger a batched completion query | 64 |
 //! | `graph_pools` | `true`: allocations made for a pool (CUDA graph capture, `torch.cuda.MemPool`) come from that pool's own segments; `false`: from the default pool, as before pools existed, so graph replays can overwrite eager tensors (only to demonstrate that failure) | `true` |
 //! | `expandable_segments` | `true`: reserve address space per stream and map memory on demand (mappings sized to the live peak, 2–128 MiB), unmapping free mappings when mapping would go past the live peak plus a slack (needs a backend with virtual memory; others fall back to whole segments); `false`: whole segments, PyTorch's rules | `true` (`false` under the LD_PRELOAD interposer) |
@@ -23,7 +24,7 @@ use serde::{Deserialize, Serialize};
 /// The environment variable read by [`Config::from_env`].
 pub const ENV_VAR: &str = "STREAMALLOC_CONF";
 
-const KNOWN_KEYS: &str = "reuse_policy, memory_limit, memory_fraction, max_split_size, trace_capacity, event_batch, expandable_segments, reclaim, stitch, graph_pools";
+const KNOWN_KEYS: &str = "reuse_policy, memory_limit, memory_fraction, max_split_size, trace_capacity, trace_clock, event_batch, expandable_segments, reclaim, stitch, graph_pools";
 
 /// How a freed block that other streams still use comes back into circulation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,6 +36,22 @@ pub enum ReusePolicy {
     /// PyTorch's policy, kept to measure against: the block is held out of circulation
     /// until the host observes its events complete, and blocks never move between streams.
     Pytorch,
+}
+
+/// The clock the trace ring stamps its records with (see [`crate::Backend::set_trace_clock`]).
+/// Every malloc and free reads it once while the ring records, so its cost is part of
+/// every call; the order of records is exact whatever the clock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TraceClock {
+    /// The kernel's coarse monotonic clock (`CLOCK_MONOTONIC_COARSE`): a few nanoseconds a
+    /// read, with the resolution of the kernel's tick (1–4 ms). Records within one tick share
+    /// their time.
+    #[default]
+    Coarse,
+    /// The time-stamp counter: nanosecond resolution, but a read costs ~20 ns on some virtual
+    /// machines (16–20 ns measured on the GPU hosts), paid twice by every malloc+free pair.
+    Precise,
 }
 
 /// Typed configuration. Build it with [`Config::parse`] / [`Config::from_env`], or start from
@@ -51,6 +68,9 @@ pub struct Config {
     pub max_split_size: Option<u64>,
     /// Trace ring capacity in entries (0: tracing off).
     pub trace_capacity: usize,
+    /// The trace ring's clock. Records written before the key existed were precise.
+    #[serde(default = "default_trace_clock")]
+    pub trace_clock: TraceClock,
     /// Outstanding events that trigger a batched completion query.
     pub event_batch: usize,
     /// Serve requests from expandable segments (address reservations with pages mapped on
@@ -81,6 +101,11 @@ pub struct Config {
 
 fn default_graph_pools() -> bool {
     true
+}
+
+/// `trace_clock` of a snapshot written before the key existed: the time-stamp counter.
+fn default_trace_clock() -> TraceClock {
+    TraceClock::Precise
 }
 
 /// `stitch` of a snapshot written before the key existed: nothing was stitched.
@@ -115,6 +140,7 @@ impl Default for Config {
             memory_fraction: None,
             max_split_size: None,
             trace_capacity: 65_536,
+            trace_clock: TraceClock::Coarse,
             event_batch: 64,
             expandable_segments: DEFAULT_EXPANDABLE_SEGMENTS,
             reclaim: true,
@@ -210,6 +236,13 @@ impl Config {
                     )
                 })?
             }
+            "trace_clock" => {
+                self.trace_clock = match value {
+                    "coarse" => TraceClock::Coarse,
+                    "precise" => TraceClock::Precise,
+                    _ => return Err(bad("trace_clock", value, "`coarse` or `precise`")),
+                }
+            }
             "event_batch" => {
                 self.event_batch = value
                     .parse()
@@ -252,6 +285,9 @@ impl Config {
             parts.push(format!("max_split_size:{split}"));
         }
         parts.push(format!("trace_capacity:{}", self.trace_capacity));
+        if self.trace_clock == TraceClock::Precise {
+            parts.push("trace_clock:precise".to_string());
+        }
         parts.push(format!("event_batch:{}", self.event_batch));
         parts.push(format!("expandable_segments:{}", self.expandable_segments));
         if !self.reclaim {
@@ -327,9 +363,10 @@ mod tests {
     #[test]
     fn parses_every_key() {
         let config = Config::parse(
-            "reuse_policy:pytorch, memory_limit:8GiB,memory_fraction:0.5,max_split_size:64MiB,trace_capacity:0,event_batch:8,expandable_segments:true,reclaim:false,graph_pools:false",
+            "reuse_policy:pytorch, memory_limit:8GiB,memory_fraction:0.5,max_split_size:64MiB,trace_capacity:0,trace_clock:precise,event_batch:8,expandable_segments:true,reclaim:false,graph_pools:false",
         )
         .unwrap();
+        assert_eq!(config.trace_clock, TraceClock::Precise);
         assert_eq!(config.reuse_policy, ReusePolicy::Pytorch);
         assert_eq!(config.memory_limit, Some(8 << 30));
         assert_eq!(config.memory_fraction, Some(0.5));
@@ -340,6 +377,17 @@ mod tests {
         assert!(!config.reclaim);
         assert!(!config.graph_pools);
         assert_eq!(Config::parse(&config.to_conf_string()).unwrap(), config);
+    }
+
+    #[test]
+    fn the_trace_clock_is_coarse_unless_asked_and_names_its_values() {
+        assert_eq!(Config::default().trace_clock, TraceClock::Coarse);
+        assert_eq!(
+            Config::parse("trace_clock:coarse").unwrap().trace_clock,
+            TraceClock::Coarse
+        );
+        let err = Config::parse("trace_clock:tsc").unwrap_err().to_string();
+        assert!(err.contains("`tsc`") && err.contains("precise"), "{err}");
     }
 
     #[test]

@@ -65,6 +65,9 @@ pub struct OutOfMemory {
     /// Bytes of free cached memory in partly used pages, which no stitch can take (only
     /// with expandable segments; 0 otherwise).
     pub stranded: u64,
+    /// Bytes growing for the request would have reserved: the request in whole pages (or
+    /// the segment it needs).
+    pub growth: u64,
 }
 
 impl OutOfMemory {
@@ -93,7 +96,7 @@ impl OutOfMemory {
             )
         } else if self
             .limit
-            .is_some_and(|limit| self.reserved + self.requested > limit)
+            .is_some_and(|limit| self.reserved + self.growth.max(self.requested) > limit)
         {
             "the memory limit is reached (raise memory_limit or memory_fraction)".to_string()
         } else {
@@ -130,9 +133,10 @@ impl std::fmt::Display for OutOfMemory {
 /// An error from the allocator's public API.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum AllocError {
-    /// The request cannot be served even after freeing every cached block.
+    /// The request cannot be served even after freeing every cached block. Boxed: the
+    /// report is large, and every successful malloc returns a `Result` of this type.
     #[error("{0}")]
-    OutOfMemory(OutOfMemory),
+    OutOfMemory(Box<OutOfMemory>),
     /// `free` or `record_use` named a pointer this allocator did not hand out, or that
     /// was already freed.
     #[error("unknown pointer {0}: not allocated by streamalloc, or already freed")]

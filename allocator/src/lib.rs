@@ -61,6 +61,7 @@
 mod allocator;
 pub mod backend;
 pub mod config;
+mod counters;
 pub mod error;
 pub mod implementation;
 pub(crate) mod lifetime;
@@ -82,7 +83,7 @@ pub use allocator::{
     AllocationSite, Allocator, Backup, PoolBlock, SleepReport, TagInfo, WakeReport,
 };
 pub use backend::Backend;
-pub use config::{Config, ReusePolicy};
+pub use config::{Config, ReusePolicy, TraceClock};
 pub use error::{AllocError, BackendError, ConfigError, OutOfMemory, SleepError};
 pub use snapshot::Snapshot;
 pub use stats::{Gauge, StatArray, Stats, TorchStats};

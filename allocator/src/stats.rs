@@ -6,8 +6,9 @@
 //! `allocated_bytes + cached_bytes == reserved_bytes`.
 //!
 //! [`TorchStats`] keeps the same events in the form of PyTorch's `DeviceStats` (every
-//! `torch.cuda.memory_stats()` key), updated where the engine's own counters are; the
-//! per-operation rules it follows are in `allocator::torch_stats`.
+//! `torch.cuda.memory_stats()` key); the per-operation rules it follows are in
+//! `allocator::torch_stats`. Both are what users read: the engine keeps cheaper counters
+//! as it works and makes these from them when asked (`counters`).
 
 use crate::types::PoolKind;
 use serde::{Deserialize, Serialize};
@@ -28,39 +29,6 @@ pub struct Gauge {
     /// Sum of everything taken away, over the allocator's life.
     #[serde(default)]
     pub freed: u64,
-}
-
-impl Gauge {
-    #[inline]
-    pub(crate) fn add(&mut self, bytes: u64) {
-        self.current += bytes;
-        self.allocated += bytes;
-        if self.current > self.peak {
-            self.peak = self.current;
-        }
-    }
-
-    #[inline]
-    pub(crate) fn sub(&mut self, bytes: u64) {
-        debug_assert!(self.current >= bytes, "gauge underflow");
-        self.current -= bytes;
-        self.freed += bytes;
-    }
-
-    pub(crate) fn reset_peak(&mut self) {
-        self.peak = self.current;
-    }
-
-    /// Adds `delta` if positive, takes it away if negative: one net change, counted once in
-    /// `allocated` or `freed` (PyTorch applies a block's net change per call the same way).
-    #[inline]
-    fn apply(&mut self, delta: i64) {
-        if delta > 0 {
-            self.add(delta.unsigned_abs());
-        } else if delta < 0 {
-            self.sub(delta.unsigned_abs());
-        }
-    }
 }
 
 /// PyTorch's `StatArray`: a gauge over every block, then over the small pool's (blocks of
@@ -119,9 +87,6 @@ pub struct TorchStats {
     /// Blocks at least this large are not split for smaller requests (`max_split_size`;
     /// `u64::MAX` when unset, which PyTorch's `int64_t` reads as -1).
     pub max_split_size: u64,
-    /// Net changes of the current operation, applied once when it ends.
-    #[serde(skip)]
-    pub(crate) nets: Nets,
 }
 
 impl Default for TorchStats {
@@ -142,42 +107,7 @@ impl Default for TorchStats {
             device_allocs: 0,
             device_frees: 0,
             max_split_size: u64::MAX,
-            nets: Nets::default(),
         }
-    }
-}
-
-/// Net changes of active and inactive-split blocks within one engine operation, per pool
-/// kind (`[small, large]`): (blocks, bytes). A block moves between the engine's lists
-/// several times in one call (unlisted, merged, split, listed again); only the net change
-/// is PyTorch's event.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Nets {
-    active: [(i64, i64); 2],
-    inactive_split: [(i64, i64); 2],
-    /// Some net is not zero.
-    dirty: bool,
-}
-
-impl TorchStats {
-    /// Adds `amount` to `array`'s `all` gauge and to `kind`'s.
-    #[inline]
-    fn add(array: &mut StatArray, kind: PoolKind, amount: u64) {
-        array[0].add(amount);
-        array[kind_index(kind)].add(amount);
-    }
-
-    /// Takes `amount` from `array`'s `all` gauge and from `kind`'s.
-    #[inline]
-    fn sub(array: &mut StatArray, kind: PoolKind, amount: u64) {
-        array[0].sub(amount);
-        array[kind_index(kind)].sub(amount);
-    }
-
-    /// True for a block size PyTorch calls oversize.
-    #[inline]
-    fn oversize(&self, size: u64) -> bool {
-        size >= self.max_split_size
     }
 }
 
@@ -250,203 +180,4 @@ pub struct Stats {
     /// sleeps).
     #[serde(default)]
     pub host_backup_bytes: u64,
-}
-
-/// How the engine tells its counters what happened: each call updates the engine's own
-/// counters and PyTorch's view of them together. `kind` is the pool a block counts in
-/// (`allocator::torch_stats::stat_kind`).
-impl Stats {
-    /// A block of `size` bytes for a request of `requested` was handed to a caller.
-    #[inline]
-    pub(crate) fn handed_out(&mut self, kind: PoolKind, size: u64, requested: u64) {
-        self.allocated_bytes.add(size);
-        self.requested_bytes.add(requested);
-        self.active_bytes.add(size);
-        self.allocs += 1;
-        let torch = &mut self.torch;
-        TorchStats::add(&mut torch.allocation, kind, 1);
-        TorchStats::add(&mut torch.allocated_bytes, kind, size);
-        TorchStats::add(&mut torch.requested_bytes, kind, requested);
-        if torch.oversize(size) {
-            torch.oversize_allocations.add(1);
-        }
-        torch.nets.add_active(kind, 1, size);
-    }
-
-    /// The caller returned a block of `size` bytes handed out for `requested`.
-    #[inline]
-    pub(crate) fn returned(&mut self, kind: PoolKind, size: u64, requested: u64) {
-        self.allocated_bytes.sub(size);
-        self.requested_bytes.sub(requested);
-        self.active_bytes.sub(size);
-        self.frees += 1;
-        let torch = &mut self.torch;
-        TorchStats::sub(&mut torch.allocation, kind, 1);
-        TorchStats::sub(&mut torch.allocated_bytes, kind, size);
-        TorchStats::sub(&mut torch.requested_bytes, kind, requested);
-        if torch.oversize(size) {
-            torch.oversize_allocations.sub(1);
-        }
-        torch.nets.add_active(kind, -1, size);
-    }
-
-    /// A free block of `size` bytes now awaits other streams' events (listed as pending, or
-    /// withheld while a capture is under way).
-    #[inline]
-    pub(crate) fn pending_in(&mut self, kind: PoolKind, size: u64) {
-        self.pending_free_bytes.add(size);
-        self.active_bytes.add(size);
-        self.torch.nets.add_active(kind, 1, size);
-    }
-
-    /// A free block of `size` bytes stopped awaiting events as such (unlisted to be
-    /// reused, merged or promoted).
-    #[inline]
-    pub(crate) fn pending_out(&mut self, kind: PoolKind, size: u64) {
-        self.pending_free_bytes.sub(size);
-        self.active_bytes.sub(size);
-        self.torch.nets.add_active(kind, -1, size);
-    }
-
-    /// A block of `size` bytes whose reuse could not be ordered is kept allocated to nobody.
-    pub(crate) fn withheld_in(&mut self, kind: PoolKind, size: u64) {
-        self.allocated_bytes.add(size);
-        self.active_bytes.add(size);
-        TorchStats::add(&mut self.torch.allocated_bytes, kind, size);
-        self.torch.nets.add_active(kind, 1, size);
-    }
-
-    /// A withheld block of `size` bytes was freed after a synchronisation.
-    pub(crate) fn withheld_out(&mut self, kind: PoolKind, size: u64) {
-        self.allocated_bytes.sub(size);
-        self.active_bytes.sub(size);
-        TorchStats::sub(&mut self.torch.allocated_bytes, kind, size);
-        self.torch.nets.add_active(kind, -1, size);
-    }
-
-    /// A free block of a whole segment that shares its segment entered the free lists
-    /// (or a hot list), ready for reuse.
-    #[inline]
-    pub(crate) fn split_in(&mut self, kind: PoolKind, size: u64) {
-        self.torch.nets.add_split(kind, 1, size);
-    }
-
-    /// Such a block left them.
-    #[inline]
-    pub(crate) fn split_out(&mut self, kind: PoolKind, size: u64) {
-        self.torch.nets.add_split(kind, -1, size);
-    }
-
-    /// `bytes` were obtained from the device for blocks of `kind`: a whole segment
-    /// (`segment`), or pages mapped into an expandable one. One device call.
-    pub(crate) fn reserved(&mut self, kind: PoolKind, bytes: u64, segment: bool) {
-        self.reserved_bytes.add(bytes);
-        let torch = &mut self.torch;
-        TorchStats::add(&mut torch.reserved_bytes, kind, bytes);
-        torch.device_allocs += 1;
-        if segment {
-            self.segment_allocs += 1;
-            TorchStats::add(&mut torch.segment, kind, 1);
-            if torch.oversize(bytes) {
-                torch.oversize_segments.add(1);
-            }
-        }
-    }
-
-    /// `bytes` counted in `kind` went back to the device: a whole segment (`segment`), or
-    /// part of the pages one unmapping returned ([`Stats::device_freed`] counts the call).
-    pub(crate) fn released(&mut self, kind: PoolKind, bytes: u64, segment: bool) {
-        self.reserved_bytes.sub(bytes);
-        let torch = &mut self.torch;
-        TorchStats::sub(&mut torch.reserved_bytes, kind, bytes);
-        if segment {
-            self.segment_frees += 1;
-            torch.device_frees += 1;
-            TorchStats::sub(&mut torch.segment, kind, 1);
-            if torch.oversize(bytes) {
-                torch.oversize_segments.sub(1);
-            }
-        }
-    }
-
-    /// One call that unmapped pages (their bytes are [`Stats::released`]).
-    pub(crate) fn device_freed(&mut self) {
-        self.torch.device_frees += 1;
-    }
-
-    /// Applies the current operation's net changes of active and inactive-split blocks:
-    /// each a single increase or decrease of its gauges, as PyTorch's allocator makes one
-    /// per call. Called once an engine operation is over.
-    #[inline]
-    pub(crate) fn settle(&mut self) {
-        let torch = &mut self.torch;
-        if !torch.nets.dirty {
-            return;
-        }
-        let nets = std::mem::take(&mut torch.nets);
-        let pairs = [
-            (&nets.active, &mut torch.active, &mut torch.active_bytes),
-            (
-                &nets.inactive_split,
-                &mut torch.inactive_split,
-                &mut torch.inactive_split_bytes,
-            ),
-        ];
-        for (net, blocks, bytes) in pairs {
-            for (kind, &(count, size)) in [PoolKind::Small, PoolKind::Large].iter().zip(net) {
-                blocks[kind_index(*kind)].apply(count);
-                bytes[kind_index(*kind)].apply(size);
-            }
-            blocks[0].apply(net[0].0 + net[1].0);
-            bytes[0].apply(net[0].1 + net[1].1);
-        }
-    }
-
-    /// True if every net change of the last operation was applied.
-    pub(crate) fn settled(&self) -> bool {
-        !self.torch.nets.dirty
-    }
-
-    /// Sets every peak to its current value.
-    pub(crate) fn reset_peaks(&mut self) {
-        self.allocated_bytes.reset_peak();
-        self.requested_bytes.reset_peak();
-        self.reserved_bytes.reset_peak();
-        self.active_bytes.reset_peak();
-        self.pending_free_bytes.reset_peak();
-        let torch = &mut self.torch;
-        for array in [
-            &mut torch.allocation,
-            &mut torch.segment,
-            &mut torch.active,
-            &mut torch.inactive_split,
-            &mut torch.allocated_bytes,
-            &mut torch.reserved_bytes,
-            &mut torch.active_bytes,
-            &mut torch.inactive_split_bytes,
-            &mut torch.requested_bytes,
-        ] {
-            array.iter_mut().for_each(Gauge::reset_peak);
-        }
-        torch.oversize_allocations.reset_peak();
-        torch.oversize_segments.reset_peak();
-    }
-}
-
-impl Nets {
-    #[inline]
-    fn add_active(&mut self, kind: PoolKind, blocks: i64, bytes: u64) {
-        let net = &mut self.active[kind as usize];
-        net.0 += blocks;
-        net.1 += blocks.signum() * bytes as i64;
-        self.dirty = true;
-    }
-
-    #[inline]
-    fn add_split(&mut self, kind: PoolKind, blocks: i64, bytes: u64) {
-        let net = &mut self.inactive_split[kind as usize];
-        net.0 += blocks;
-        net.1 += blocks.signum() * bytes as i64;
-        self.dirty = true;
-    }
 }

@@ -2,12 +2,14 @@
 // random sequences) over one or more builds of libstreamalloc.so, loaded side by side and
 // measured in turn (best of 7 rounds each), so that two builds are compared under the same
 // conditions of a shared host. Without arguments it times the primitives those loops are
-// made of (rdtsc, an atomic read-modify-write, an uncontended pthread mutex) on this host.
+// made of (rdtsc, the kernel's coarse and precise monotonic clocks, an atomic
+// read-modify-write, an uncontended pthread mutex) on this host.
 //   g++ -O2 -o host_abi host_abi.cpp -ldl -lpthread
 //   ./host_abi                       # primitives
 //   ./host_abi A.so [B.so ...]       # pairs of 4 KiB / 1 MiB / 64 MiB, mixed sizes; ns
 #include <dlfcn.h>
 #include <pthread.h>
+#include <time.h>
 #include <x86intrin.h>
 #include <chrono>
 #include <cstdio>
@@ -72,12 +74,15 @@ int main(int argc, char** argv) {
   }
   const long N = 20000000; unsigned long long s = 0;
   auto a = clk::now(); for (long i = 0; i < N; i++) s += __rdtsc(); double t_rdtsc = ns(a, N);
+  struct timespec ts;
+  a = clk::now(); for (long i = 0; i < N; i++) { clock_gettime(CLOCK_MONOTONIC_COARSE, &ts); s += ts.tv_nsec; } double t_coarse = ns(a, N);
+  a = clk::now(); for (long i = 0; i < N; i++) { clock_gettime(CLOCK_MONOTONIC, &ts); s += ts.tv_nsec; } double t_mono = ns(a, N);
   std::atomic<long> x{0}; long e = 0;
   a = clk::now(); for (long i = 0; i < N; i++) { e = i; x.compare_exchange_strong(e, i + 1); } double t_cas = ns(a, N);
   a = clk::now(); for (long i = 0; i < N; i++) { x.exchange(i); } double t_xchg = ns(a, N);
   pthread_mutex_t m = PTHREAD_MUTEX_INITIALIZER;
   a = clk::now(); for (long i = 0; i < N; i++) { pthread_mutex_lock(&m); pthread_mutex_unlock(&m); } double t_mutex = ns(a, N);
   double t_rng = 1e9; for (int r = 0; r < 3; r++) { double t = rng_only(100000); if (t < t_rng) t_rng = t; }
-  printf("rdtsc %.1f ns, lock cmpxchg %.1f ns, xchg %.1f ns, pthread lock+unlock %.1f ns, mixed loop without allocator %.1f ns/op (%llu)\n", t_rdtsc, t_cas, t_xchg, t_mutex, t_rng, s & 1);
+  printf("rdtsc %.1f ns, coarse clock %.1f ns, monotonic clock %.1f ns, lock cmpxchg %.1f ns, xchg %.1f ns, pthread lock+unlock %.1f ns, mixed loop without allocator %.1f ns/op (%llu)\n", t_rdtsc, t_coarse, t_mono, t_cas, t_xchg, t_mutex, t_rng, s & 1);
   return 0;
 }

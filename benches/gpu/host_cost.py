@@ -3,13 +3,17 @@
 # shared/baselines/alloc_cpp.py: same-size pairs (the cached fast path) and mixed sizes with
 # a window of 64 live blocks.
 #   python host_cost.py LIBSTREAMALLOC.so OUT.json
+#   python host_cost.py --build-only     # compile (and cache) the loops, measure nothing
 # The loops are compiled with OPT (default -O2). torch's load_inline adds no optimisation
 # flag of its own, so shared/baselines/alloc_cpp.py's loops run at -O0, and its unoptimised
 # std::mt19937_64 and std::vector add ~30 ns to every mixed-size operation of either
 # allocator; OPT=-O0 reproduces that harness.
 import json, os, sys, torch
 from torch.utils.cpp_extension import load_inline
-LIB, OUT = sys.argv[1], sys.argv[2]
+BUILD_ONLY = sys.argv[1:] == ["--build-only"]
+if not BUILD_ONLY and len(sys.argv) != 3:
+    sys.exit("usage: host_cost.py LIBSTREAMALLOC.so OUT.json | --build-only")
+LIB, OUT = (None, None) if BUILD_ONLY else (sys.argv[1], sys.argv[2])
 src = r'''
 #include <torch/extension.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -70,6 +74,8 @@ OPT = os.environ.get("OPT", "-O2")
 m = load_inline("sa_host_cost" + OPT.replace("-", "_"), cpp_sources=src,
                 functions=["sa_load", "native_pair", "sa_pair", "native_mixed", "sa_mixed"],
                 extra_cflags=[OPT], extra_ldflags=["-lcudart", "-ldl"], with_cuda=True, verbose=False)
+if BUILD_ONLY:
+    sys.exit(0)
 torch.cuda.init(); torch.empty(1, device="cuda")
 m.sa_load(LIB)
 # Each figure is the best of REPS runs taken in turn with the other allocator's: on the

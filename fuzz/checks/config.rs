@@ -7,7 +7,7 @@
 //! failed check below included) is a crash.
 
 use streamalloc_allocator::config::{format_bytes, parse_bytes};
-use streamalloc_allocator::{Config, ReusePolicy};
+use streamalloc_allocator::{Config, ReusePolicy, TraceClock};
 
 /// `data` (as text, invalid UTF-8 replaced) as a configuration string and as a byte count.
 pub fn config(data: &[u8]) {
@@ -19,6 +19,7 @@ pub fn config(data: &[u8]) {
         memory_fraction: Some(0.5),
         max_split_size: Some(64 << 20),
         trace_capacity: 0,
+        trace_clock: TraceClock::Precise,
         event_batch: 1,
         expandable_segments: false,
         reclaim: false,

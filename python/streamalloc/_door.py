@@ -1,11 +1,12 @@
-"""Builds and loads the native PyTorch door (``csrc/torch_door.cpp``).
+"""Builds and loads the native PyTorch door (``csrc/torch_door.cpp`` and its parts).
 
 The door is a small C++ extension: a ``c10::cuda::CUDACachingAllocator::CUDAAllocator``
 over ``libstreamalloc.so``'s C ABI (``csrc/streamalloc.h``), which
-``streamalloc.torch.install()`` makes PyTorch's CUDA allocator. It is compiled once per
-(PyTorch version, source, library folder) with ``torch.utils.cpp_extension`` and cached
-under ``$STREAMALLOC_CACHE`` (default ``~/.cache/streamalloc``); later processes import
-the cached module without a compiler.
+``streamalloc.torch.install()`` makes PyTorch's CUDA allocator. Its sources are one file
+per seam, declared together in ``csrc/door.h`` (``SOURCES`` lists them). It is compiled
+once per (PyTorch version, sources, library folder) with ``torch.utils.cpp_extension`` and
+cached under ``$STREAMALLOC_CACHE`` (default ``~/.cache/streamalloc``); later processes
+import the cached module without a compiler.
 
     python -c "import streamalloc._door as d; print(d.build())"   # build ahead of time
 
@@ -29,8 +30,19 @@ from pathlib import Path
 from . import _lib
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCE = CSRC / "torch_door.cpp"
-HEADER = CSRC / "streamalloc.h"
+# The module first; then allocation, pools, statistics, the memory history, IPC.
+SOURCES = tuple(
+    CSRC / name
+    for name in (
+        "torch_door.cpp",
+        "door_allocate.cpp",
+        "door_pools.cpp",
+        "door_stats.cpp",
+        "door_history.cpp",
+        "door_ipc.cpp",
+    )
+)
+HEADERS = (CSRC / "streamalloc.h", CSRC / "door.h")
 # Part of the cache key: change it when the flags below change.
 _BUILD_RECIPE = "1"
 _OK = "streamalloc-door.ok"
@@ -133,7 +145,7 @@ def _key(torch, libdir: Path) -> str:
     ):
         h.update(part.encode())
         h.update(b"\0")
-    for f in (SOURCE, HEADER):
+    for f in SOURCES + HEADERS:
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -183,7 +195,7 @@ def _build(force: bool, verbose: bool):
     try:
         module = cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=["-O2"],
             extra_include_paths=[str(CSRC), str(include)],
             extra_ldflags=ldflags,
@@ -244,8 +256,8 @@ def load():
 
 
 def syntax_check(torch_include: str | None = None, cuda_include_dir: str | None = None) -> int:
-    """Compiles the door with ``-fsyntax-only -Wall`` (no link, no GPU, no torch import
-    needed when both folders are given). Returns 0 on success or when skipped (no PyTorch
+    """Compiles every source of the door with ``-fsyntax-only -Wall -Werror`` (no link, no
+    GPU, no torch import needed when both folders are given). Returns 0 on success or when skipped (no PyTorch
     or CUDA headers here: CI machines without torch), 1 on compiler errors; says which on
     stderr.
 
@@ -283,11 +295,16 @@ def syntax_check(torch_include: str | None = None, cuda_include_dir: str | None 
         cxx, "-std=c++17", "-fsyntax-only", "-Wall", "-Werror",
         "-DTORCH_EXTENSION_NAME=streamalloc_door_check",
         f"-I{torch_include}", f"-I{Path(torch_include, 'torch', 'csrc', 'api', 'include')}",
-        f"-I{cuda_include_dir}", f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}", str(SOURCE),
+        f"-I{cuda_include_dir}", f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}",
     ]
-    result = subprocess.run(cmd)
-    sys.stderr.write(f"streamalloc: door syntax check {'passed' if result.returncode == 0 else 'FAILED'}\n")
-    return 0 if result.returncode == 0 else 1
+    failed = []
+    for source in SOURCES:
+        sys.stderr.write(f"streamalloc: checking {source.name}\n")
+        if subprocess.run(cmd + [str(source)]).returncode != 0:
+            failed.append(source.name)
+    verdict = f"FAILED in {', '.join(failed)}" if failed else "passed"
+    sys.stderr.write(f"streamalloc: door syntax check {verdict}\n")
+    return 1 if failed else 0
 
 
 def _main(argv: list[str]) -> int:

@@ -12,8 +12,9 @@ use super::CliError;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
-use streamalloc::replay::{replay_overlay, CapProgress, OverlayProgress};
+use streamalloc::replay::{replay_overlay_within, CapProgress, OverlayError, OverlayProgress};
 use streamalloc_allocator::Config;
+use streamalloc_viz::limits::Budget;
 use streamalloc_viz::model::{DeviceSnapshot, Snapshot};
 use streamalloc_viz::overlay::ReplayOverlay;
 
@@ -48,19 +49,38 @@ impl ReplayOverlayArgs {
 }
 
 /// Replays `device` of `snapshot` (named `name`) under `config`: the overlay to draw.
+/// What the replay builds is charged to `budget`, the file's: a replay it cannot afford
+/// is one line naming the file, before the replay runs.
 pub(crate) fn replay_device(
     name: &str,
     snapshot: &Snapshot,
     device: &DeviceSnapshot,
     config: &Config,
+    budget: &mut Budget,
 ) -> Result<ReplayOverlay, CliError> {
     let what = format!("{name} cuda:{}", device.device);
     let events = device.trace.len();
     let mut shown = Shown::new(&what, events);
-    let mut overlay = replay_overlay(snapshot, device, config, true, &mut |step| {
+    let made = replay_overlay_within(snapshot, device, config, true, budget, &mut |step| {
         shown.update(step)
-    })
-    .map_err(|err| CliError::Message(format!("{what}: the replay failed: {err}")))?;
+    });
+    let mut overlay = match made {
+        Ok(overlay) => overlay,
+        Err(OverlayError::OverBudget(over)) => {
+            shown.finish();
+            return Err(streamalloc_viz::VizError::Limit {
+                path: name.into(),
+                what: over.to_string(),
+            }
+            .into());
+        }
+        Err(OverlayError::Replay(err)) => {
+            shown.finish();
+            return Err(CliError::Message(format!(
+                "{what}: the replay failed: {err}"
+            )));
+        }
+    };
     shown.finish();
     overlay.config = super::every_config_key(config);
     Ok(overlay)
@@ -98,6 +118,9 @@ struct Shown<'a> {
     bar: Option<ProgressBar>,
     /// Lines rather than a bar (stderr is not a terminal, the trace is long).
     lines: bool,
+    /// Events to replay, said in the first line once the replay starts (not before: a
+    /// replay its budget refuses says only that).
+    events: usize,
 }
 
 impl<'a> Shown<'a> {
@@ -112,15 +135,24 @@ impl<'a> Shown<'a> {
             bar
         });
         let lines = !terminal && events >= PROGRESS_MIN_EVENTS;
-        if lines {
-            errln!("{what}: replaying {events} events through streamalloc...");
+        Shown {
+            what,
+            bar,
+            lines,
+            events,
         }
-        Shown { what, bar, lines }
     }
 
     fn update(&mut self, step: OverlayProgress) {
         match step {
             OverlayProgress::Series { done, .. } => {
+                if self.lines && done == 0 {
+                    errln!(
+                        "{}: replaying {} events through streamalloc...",
+                        self.what,
+                        self.events
+                    );
+                }
                 if let Some(bar) = &self.bar {
                     bar.set_position(done as u64);
                 }

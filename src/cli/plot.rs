@@ -45,32 +45,46 @@ pub(crate) fn run(args: PlotArgs) -> Result<ExitCode, CliError> {
         )));
     }
     let config = args.replay.config()?;
-    let snapshot = files::load(&args.file)?;
+    // Checked before reading: the image must be a regular file (or new) and not the input.
+    files::check_output(&args.file, &args.output)?;
+    let mut snapshot = files::load(&args.file)?;
     let name = super::view::display_name(&args.file);
-    let shown = plot::shown_device(&snapshot);
-    let overlay = match (&config, shown) {
-        (Some(config), Some(device)) if !device.trace.is_empty() => {
-            Some(replay_device(&name, &snapshot, device, config)?)
-        }
+    // The replay is charged to the file's budget, and the drawing to what it leaves.
+    let mut budget = snapshot.budget.clone();
+    let overlay = match (&config, plot::shown_device(&snapshot)) {
+        (Some(config), Some(device)) if !device.trace.is_empty() => Some(
+            replay_device(&name, &snapshot, device, config, &mut budget)
+                .map_err(|e| name_input(e, &args.file))?,
+        ),
         (Some(_), _) => {
             errln!("streamalloc: {name}: no trace events to replay; plotting without --replay");
             None
         }
         (None, _) => None,
     };
+    snapshot.budget = budget;
     let options = PlotOptions {
         name: Some(&name),
         overlay: overlay.as_ref(),
     };
-    plot::plot_with(&snapshot, &args.output, args.width, args.height, &options)?;
+    plot::plot_with(&snapshot, &args.output, args.width, args.height, &options)
+        .map_err(|e| e.naming_input(&args.file))?;
     errln!(
         "{}: timeline written to {}",
         args.file.display(),
         args.output.display()
     );
     // After the picture, which is what was asked for: a closed stdout loses only these.
-    if let (Some(overlay), Some(device)) = (&overlay, shown) {
+    if let (Some(overlay), Some(device)) = (&overlay, plot::shown_device(&snapshot)) {
         print_figures(&name, device.device, overlay)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A budget error of the replay names the input file as given, like the other stages'.
+fn name_input(err: CliError, input: &std::path::Path) -> CliError {
+    match err {
+        CliError::Viz(err) => CliError::Viz(err.naming_input(input)),
+        other => other,
+    }
 }

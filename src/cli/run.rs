@@ -28,13 +28,15 @@
 //! # Exit status and signals
 //! The launcher waits for the child and exits with its status; a child killed by signal
 //! `n` gives `128 + n`, as a shell reports it. SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to
-//! the launcher are forwarded to the child, from before the child starts (one that arrives
-//! while it is being started is delivered once it runs). SIGINT and SIGQUIT are ignored by
-//! the launcher while the child runs: a terminal delivers them to the whole foreground
-//! group, child included, and the launcher must outlive the child to report its status. If
-//! the launcher dies anyway (SIGKILL), the kernel sends the child SIGTERM
-//! (`PR_SET_PDEATHSIG`): no child outlives its launcher. A command that cannot be started
-//! gives 127 (not found) or 126 (not executable), like a shell.
+//! the launcher are forwarded to the child. SIGINT and SIGQUIT are ignored by the launcher
+//! while the child runs: a terminal delivers them to the whole foreground group, child
+//! included, and the launcher must outlive the child to report its status. While the child
+//! is being started, all six are blocked in the launcher and in the child until the child
+//! has its default dispositions back; one that arrives then reaches the child exactly once,
+//! never swallowed. If the launcher dies anyway (SIGKILL), the kernel kills the child
+//! with SIGKILL (`PR_SET_PDEATHSIG`, which a child cannot ignore): no child outlives its
+//! launcher. A command that cannot be started gives 127 (not found) or 126 (not
+//! executable), like a shell.
 
 use super::CliError;
 use std::ffi::OsString;
@@ -105,13 +107,19 @@ pub(crate) fn run(args: RunArgs) -> Result<ExitCode, CliError> {
         command.env(name, value);
     }
     tracing::debug!(?plan, "streamalloc run");
-    // Forwarding is in place before the child exists: a signal that arrives while it is
-    // being started is held and delivered once it runs, never lost.
-    let forwarding = SignalForwarding::install();
-    end_with_launcher(&mut command);
-    let mut child = match command.spawn() {
+    // The start-up window, from before the child exists until it runs with its own signal
+    // dispositions: signals are held (blocked) in the launcher, the child inherits the block
+    // and lifts it once its dispositions are the defaults, and whatever arrived meanwhile
+    // reaches the child exactly once (see `StartupSignals`).
+    let startup = StartupSignals::hold()
+        .map_err(|err| CliError::Message(format!("run: cannot set up signals: {err}")))?;
+    end_with_launcher(&mut command, &startup);
+    let spawned = command.spawn();
+    let mut child = match spawned {
         Ok(child) => child,
         Err(err) => {
+            // No child: what arrived meanwhile is the launcher's own.
+            startup.release_without_child();
             let code = match err.kind() {
                 std::io::ErrorKind::NotFound => 127,
                 _ => 126,
@@ -123,7 +131,7 @@ pub(crate) fn run(args: RunArgs) -> Result<ExitCode, CliError> {
             return Ok(ExitCode::from(code));
         }
     };
-    forwarding.attach(child.id());
+    let _forwarding = startup.hand_over(child.id());
     let status = child
         .wait()
         .map_err(|err| CliError::Message(format!("run: waiting for the program: {err}")))?;
@@ -333,15 +341,23 @@ fn join_display(paths: &[PathBuf]) -> String {
 
 /// The child's pid for the signal handler (0: not started yet, or reaped).
 static CHILD: AtomicI32 = AtomicI32::new(0);
-/// A forwarded signal that arrived before the child was started (0: none).
-static HELD: AtomicI32 = AtomicI32::new(0);
 
 const FORWARDED: [libc::c_int; 4] = [libc::SIGTERM, libc::SIGHUP, libc::SIGUSR1, libc::SIGUSR2];
 const IGNORED: [libc::c_int; 2] = [libc::SIGINT, libc::SIGQUIT];
+/// Every signal the launcher handles, in the order of the child's report (bit `i` is
+/// `STARTUP[i]`).
+const STARTUP: [libc::c_int; 6] = [
+    libc::SIGTERM,
+    libc::SIGHUP,
+    libc::SIGUSR1,
+    libc::SIGUSR2,
+    libc::SIGINT,
+    libc::SIGQUIT,
+];
 
-/// The signal the kernel sends the child when the launcher dies (even by SIGKILL): the
-/// same the launcher forwards to end it, so the child can clean up as it would then.
-const PARENT_DEATH_SIGNAL: libc::c_int = libc::SIGTERM;
+/// The signal the kernel sends the child when the launcher dies, even by SIGKILL: SIGKILL,
+/// which no child can ignore or handle, so that none outlives its launcher.
+const PARENT_DEATH_SIGNAL: libc::c_int = libc::SIGKILL;
 
 extern "C" fn forward(signal: libc::c_int) {
     let pid = CHILD.load(Ordering::SeqCst);
@@ -349,23 +365,161 @@ extern "C" fn forward(signal: libc::c_int) {
         // SAFETY: kill is async-signal-safe; the pid is our child's, which we have not
         // reaped yet (the guard clears CHILD after wait returns).
         unsafe { libc::kill(pid, signal) };
-    } else {
-        HELD.store(signal, Ordering::SeqCst);
     }
 }
 
-/// Has the kernel end the child when the launcher dies, whatever kills it: between fork and
-/// exec, the child asks for [`PARENT_DEATH_SIGNAL`] on its parent's death, then checks that
-/// its parent is still the launcher (had it died before the request, the request would
-/// never fire, so the child gives up instead of running orphaned). The child also gets the
-/// default disposition of the signals the launcher ignores.
-fn end_with_launcher(command: &mut Command) {
+/// The launcher's SIGINT and SIGQUIT: nothing to do, the child gets them from the terminal.
+extern "C" fn ignore(_: libc::c_int) {}
+
+/// The signal set of `signals`.
+fn set_of(signals: &[libc::c_int]) -> libc::sigset_t {
+    // SAFETY: sigemptyset initialises the set it is given; sigaddset of valid signals.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for &signal in signals {
+            libc::sigaddset(&mut set, signal);
+        }
+        set
+    }
+}
+
+/// The launcher's signals through the start-up window. [`StartupSignals::hold`] blocks
+/// [`STARTUP`] (so none is handled, ignored or lost while the child does not run yet) and
+/// installs the handlers for afterwards; the child inherits the block and, between fork and
+/// exec, restores the default dispositions, reports which of them are pending for it, and
+/// lifts the block ([`end_with_launcher`]). [`StartupSignals::hand_over`] then takes each
+/// signal still pending in the launcher: one the child did not get (sent before it
+/// existed) is sent to it; then the block is lifted. A Ctrl-C or a SIGTERM in the window
+/// thus ends the child once, and is never swallowed by a handler or an ignored
+/// disposition the child inherited.
+#[derive(Debug)]
+struct StartupSignals {
+    /// The launcher's mask before [`StartupSignals::hold`], restored in both processes.
+    previous: libc::sigset_t,
+    /// The pipe the child reports its pending signals on (read end, write end).
+    report: (libc::c_int, libc::c_int),
+}
+
+impl StartupSignals {
+    fn hold() -> std::io::Result<Self> {
+        let startup = set_of(&STARTUP);
+        // SAFETY: sigset_t is plain data, filled in by pthread_sigmask.
+        let mut previous: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: blocking signals in this thread, the only one that spawns.
+        let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &startup, &mut previous) };
+        if rc != 0 {
+            return Err(std::io::Error::from_raw_os_error(rc));
+        }
+        CHILD.store(0, Ordering::SeqCst);
+        let handler = forward as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        for signal in FORWARDED {
+            // SAFETY: installing a handler that only does an atomic load and kill(2).
+            unsafe { libc::signal(signal, handler) };
+        }
+        let ignore = ignore as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        for signal in IGNORED {
+            // SAFETY: a handler that does nothing: the launcher ignores them while the
+            // child runs (a terminal sends them to the whole group). Not SIG_IGN, which
+            // would discard one already pending; the child restores the default before
+            // exec.
+            unsafe { libc::signal(signal, ignore) };
+        }
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 fills the two descriptors; close-on-exec keeps them out of the
+        // program.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            let err = std::io::Error::last_os_error();
+            Self::unblock(&previous);
+            return Err(err);
+        }
+        Ok(StartupSignals {
+            previous,
+            report: (fds[0], fds[1]),
+        })
+    }
+
+    fn unblock(previous: &libc::sigset_t) {
+        // SAFETY: restoring this thread's earlier mask.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, previous, std::ptr::null_mut()) };
+    }
+
+    /// Closes the pipe and returns which [`STARTUP`] signals the child reported pending
+    /// (none if it did not report: it never ran, or failed before).
+    fn child_report(&self) -> u8 {
+        let mut bits = 0u8;
+        // SAFETY: our own descriptors; the write end is closed first so that the read
+        // ends at the child's exec (close-on-exec) or exit.
+        unsafe {
+            libc::close(self.report.1);
+            if libc::read(self.report.0, (&mut bits as *mut u8).cast(), 1) != 1 {
+                bits = 0;
+            }
+            libc::close(self.report.0);
+        }
+        bits
+    }
+
+    /// The spawn failed: the signals that arrived meanwhile act on the launcher, as they
+    /// would have without a child (default dispositions: most end it).
+    fn release_without_child(self) {
+        let _ = self.child_report();
+        for signal in STARTUP {
+            // SAFETY: restoring the default disposition.
+            unsafe { libc::signal(signal, libc::SIG_DFL) };
+        }
+        Self::unblock(&self.previous);
+    }
+
+    /// The child `pid` runs: signals pending in the launcher that the child did not get
+    /// are sent to it, then the block is lifted and forwarding goes on until the returned
+    /// guard is dropped.
+    fn hand_over(self, pid: u32) -> SignalForwarding {
+        let pid = pid as i32;
+        CHILD.store(pid, Ordering::SeqCst);
+        let reported = self.child_report();
+        let startup = set_of(&STARTUP);
+        // SAFETY: zero timeout: sigtimedwait takes a pending signal of the set, or fails
+        // at once; the signals are blocked, so none is handled meanwhile.
+        let zero = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        loop {
+            // SAFETY: see above; `info` may be null.
+            let signal = unsafe { libc::sigtimedwait(&startup, std::ptr::null_mut(), &zero) };
+            if signal <= 0 {
+                break;
+            }
+            let bit = STARTUP.iter().position(|&s| s == signal).unwrap_or(0);
+            if reported & (1 << bit) == 0 {
+                // Sent before the child existed: it is the child's now.
+                // SAFETY: kill(2) of our own, not yet reaped, child.
+                unsafe { libc::kill(pid, signal) };
+            }
+        }
+        Self::unblock(&self.previous);
+        SignalForwarding
+    }
+}
+
+/// Has the kernel end the child when the launcher dies, whatever kills it, and ends the
+/// start-up window in the child. Between fork and exec the child asks for
+/// [`PARENT_DEATH_SIGNAL`] on its parent's death, then checks that its parent is still the
+/// launcher (had it died before the request, the request would never fire, so the child
+/// gives up instead of running orphaned); it restores the default disposition of every
+/// signal the launcher handles, reports which are pending for it, and lifts the block it
+/// inherited, so that those are delivered to it now, with their default action.
+fn end_with_launcher(command: &mut Command, startup: &StartupSignals) {
     use std::os::unix::process::CommandExt;
     // SAFETY: getpid is always safe to call.
     let launcher = unsafe { libc::getpid() };
+    let previous = startup.previous;
+    let report = startup.report.1;
     let setup = move || -> std::io::Result<()> {
-        // SAFETY: prctl, getppid and signal are async-signal-safe; between fork and exec
-        // this closure touches no memory but its captured pid.
+        // SAFETY: prctl, getppid, signal, sigpending, sigismember, write and
+        // pthread_sigmask are async-signal-safe; between fork and exec this closure touches
+        // no memory but its captured values and its stack.
         unsafe {
             if libc::prctl(libc::PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL as libc::c_ulong) != 0 {
                 return Err(std::io::Error::last_os_error());
@@ -373,9 +527,20 @@ fn end_with_launcher(command: &mut Command) {
             if libc::getppid() != launcher {
                 return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
             }
-            for signal in IGNORED {
+            for signal in STARTUP {
                 libc::signal(signal, libc::SIG_DFL);
             }
+            let mut pending: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut pending);
+            libc::sigpending(&mut pending);
+            let mut bits = 0u8;
+            for (i, &signal) in STARTUP.iter().enumerate() {
+                if libc::sigismember(&pending, signal) == 1 {
+                    bits |= 1 << i;
+                }
+            }
+            libc::write(report, (&bits as *const u8).cast(), 1);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &previous, std::ptr::null_mut());
         }
         Ok(())
     };
@@ -387,42 +552,10 @@ fn end_with_launcher(command: &mut Command) {
 #[derive(Debug)]
 struct SignalForwarding;
 
-impl SignalForwarding {
-    /// Installs the handlers; signals that arrive before [`SignalForwarding::attach`] are
-    /// held for the child.
-    fn install() -> Self {
-        CHILD.store(0, Ordering::SeqCst);
-        HELD.store(0, Ordering::SeqCst);
-        let handler = forward as extern "C" fn(libc::c_int) as libc::sighandler_t;
-        for signal in FORWARDED {
-            // SAFETY: installing a handler that only does atomic loads and stores and
-            // kill(2).
-            unsafe { libc::signal(signal, handler) };
-        }
-        for signal in IGNORED {
-            // SAFETY: ignoring a signal in this process; the child restores the default
-            // before exec (`end_with_launcher`).
-            unsafe { libc::signal(signal, libc::SIG_IGN) };
-        }
-        Self
-    }
-
-    /// From now on signals go to `pid`; one held meanwhile is delivered now.
-    fn attach(&self, pid: u32) {
-        let pid = pid as i32;
-        CHILD.store(pid, Ordering::SeqCst);
-        let held = HELD.swap(0, Ordering::SeqCst);
-        if held != 0 {
-            // SAFETY: kill(2) of our own, not yet reaped, child.
-            unsafe { libc::kill(pid, held) };
-        }
-    }
-}
-
 impl Drop for SignalForwarding {
     fn drop(&mut self) {
         CHILD.store(0, Ordering::SeqCst);
-        for signal in FORWARDED.into_iter().chain(IGNORED) {
+        for signal in STARTUP {
             // SAFETY: restoring the default disposition.
             unsafe { libc::signal(signal, libc::SIG_DFL) };
         }

@@ -46,16 +46,16 @@ enum Target {
 pub(crate) fn run(args: SnapshotArgs) -> Result<ExitCode, CliError> {
     match args.command {
         SnapshotCommand::Convert(c) => {
-            // Checked before reading: the output is replaced only once it is whole, but an
-            // output that is the input would still replace the input.
-            files::check_distinct(&c.input, &c.output)?;
+            // Checked before reading: the output must be a regular file (or new) and not
+            // the input, which it would replace.
+            files::check_output(&c.input, &c.output)?;
             let snapshot = files::load(&c.input)?;
             let format = match c.to {
                 Target::Json => OutputFormat::Json,
                 Target::Pickle => OutputFormat::Pickle,
                 Target::Perfetto => OutputFormat::Perfetto,
             };
-            files::save(&snapshot, &c.output, format)?;
+            files::save(&snapshot, &c.output, format).map_err(|e| e.naming_input(&c.input))?;
             errln!(
                 "{}: {} events on {} device(s) written to {}",
                 c.input.display(),

@@ -58,14 +58,17 @@ pub(crate) fn run(args: ViewArgs) -> Result<ExitCode, CliError> {
     }
     let mut overlays = Vec::new();
     if let Some(config) = &config {
-        for (f, (name, snapshot)) in files.iter().enumerate() {
+        for (f, (name, snapshot)) in files.iter_mut().enumerate() {
+            // The replay is charged to the file's budget, as the viewer's data is next.
+            let mut budget = snapshot.budget.clone();
             for (d, device) in snapshot.devices.iter().enumerate() {
                 if !device.trace.is_empty() {
-                    let overlay = replay_device(name, snapshot, device, config)?;
+                    let overlay = replay_device(name, snapshot, device, config, &mut budget)?;
                     print_figures(name, device.device, &overlay)?;
                     overlays.push((f, d, overlay));
                 }
             }
+            snapshot.budget = budget;
         }
     }
     if config.is_some() && overlays.is_empty() {
@@ -73,10 +76,12 @@ pub(crate) fn run(args: ViewArgs) -> Result<ExitCode, CliError> {
     }
     let mut viewer = server::Viewer::new(files);
     for (f, d, overlay) in &overlays {
-        viewer.set_replay(*f, *d, overlay);
+        viewer.set_replay(*f, *d, overlay)?;
     }
     let viewer = Arc::new(viewer);
-    viewer.warm();
+    // Built now, within each file's memory budget: a file whose data would not fit is one
+    // line and status 2, before anything is served.
+    viewer.warm()?;
     let listener = server::bind(args.port).map_err(|e| bind_error(args.port, &e))?;
     let addr = listener
         .local_addr()

@@ -28,12 +28,19 @@ thread_local! {
 // thread-local and exit-time destructors (PyTorch frees IPC-shared tensors there), after
 // this slot may be destroyed, and `with` would then panic where nothing may unwind.
 
+/// Set once any thread stored an error. Until then no slot can hold a message, and clearing
+/// costs one load of this flag instead of a thread-local access (in a shared library, a
+/// call into the dynamic linker's `__tls_get_addr`). A thread sees its own store, which is
+/// all `clear` needs.
+static ANY_ERROR: AtomicBool = AtomicBool::new(false);
+
 /// Stores `message` as this thread's last error.
 #[cold]
 pub fn set(message: impl Display) {
     let text = message.to_string().replace('\0', " ");
     let text = CString::new(text).unwrap_or_default();
     let _ = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = text);
+    ANY_ERROR.store(true, Ordering::Relaxed);
     ERROR_PENDING.set(true);
 }
 
@@ -42,7 +49,7 @@ pub fn set(message: impl Display) {
 /// error pending, writes nothing.
 #[inline]
 pub fn clear() {
-    if ERROR_PENDING.get() {
+    if ANY_ERROR.load(Ordering::Relaxed) && ERROR_PENDING.get() {
         clear_message();
     }
 }

@@ -42,9 +42,14 @@
 //! reported once and not counted. Neither ever crashes or touches memory.
 //!
 //! # Cost
-//! `malloc`/`free` do one registry lookup (an array index and an atomic load, then the
-//! device's poison flag), then the engine's fast path; nothing allocates or formats
-//! unless something fails.
+//! `malloc`/`free` (and the native door's `streamalloc_malloc_in_pool`) do one registry
+//! lookup (an array index and an atomic load, then the device's poison flag), then the
+//! request's way through the registry (for the default pool, one load of the routing state
+//! and the engine's fast path) under the device's one guard (`Device::run`, which no panic
+//! leaves); clearing the last error is one load of a process-wide flag until some thread
+//! has set one. Nothing allocates or formats unless something fails, and every failure,
+//! like every call that must create a device or look for a pointer's owner, goes to an
+//! out-of-line path under the full guard.
 
 pub mod error;
 pub mod introspect;
@@ -238,6 +243,41 @@ pub fn malloc<B: Backend>(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
+    // The fast path: a device in use. Nothing in it can panic but the request's way
+    // through the registry (route, source, engine, fallback), which `Device::run` guards.
+    error::clear();
+    if size != 0 {
+        if let Some(on) = registry.get(device) {
+            return match on.malloc(size as u64, stream_id(stream)) {
+                Ok(block) => block.ptr.0 as usize as *mut c_void,
+                Err(error) => guarded(std::ptr::null_mut(), || {
+                    malloc_failed(&DeviceError {
+                        ordinal: device,
+                        error,
+                    })
+                }),
+            };
+        }
+    }
+    malloc_guarded(registry, size, device, stream)
+}
+
+/// Reports a failure found on a fast path under the guard: its messages are formatted.
+#[cold]
+#[inline(never)]
+pub(crate) fn guarded<T>(on_panic: T, report: impl FnOnce() -> T) -> T {
+    error::call(on_panic, report)
+}
+
+/// [`malloc`] in full: a device to create, or a zero size.
+#[cold]
+#[inline(never)]
+fn malloc_guarded<B: Backend>(
+    registry: &Registry<B>,
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
     error::call(std::ptr::null_mut(), || {
         if size == 0 {
             return std::ptr::null_mut();
@@ -271,11 +311,45 @@ pub fn free<B: Backend>(
     device: c_int,
     _stream: *mut c_void,
 ) {
-    error::call((), || {
-        if ptr.is_null() {
-            return;
+    // The fast path: the pointer can only be one device's (the one named, or the only one
+    // when none is named). Nothing in it can panic but the engine, which `Device::run`
+    // guards.
+    error::clear();
+    if ptr.is_null() {
+        return;
+    }
+    let address = DevicePtr(ptr as usize as u64);
+    if let Some(owner) = registry.sole_device(device) {
+        match owner.run(|allocator| allocator.free_if_owned(address)) {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => free_guarded(registry, ptr, device),
+            Ok(Err(err)) => guarded((), || report_free(ptr, device, Err(err.into()))),
+            Err(err) => guarded((), || report_free(ptr, device, Err(err.into()))),
         }
-        match registry.free(DevicePtr(ptr as usize as u64), device) {
+        return;
+    }
+    free_guarded(registry, ptr, device)
+}
+
+/// [`free`] in full: the pointer's owner looked for among the devices, a pointer nobody
+/// owns counted.
+#[cold]
+#[inline(never)]
+fn free_guarded<B: Backend>(registry: &Registry<B>, ptr: *mut c_void, device: c_int) {
+    error::call((), || {
+        report_free(
+            ptr,
+            device,
+            registry.free(DevicePtr(ptr as usize as u64), device),
+        )
+    })
+}
+
+/// Tells the caller where a free went: silently for its device, or once per kind of
+/// misuse, and the last error on failure.
+fn report_free(ptr: *mut c_void, device: c_int, freed: Result<Freed, CallError>) {
+    {
+        match freed {
             Ok(Freed::Here) => {}
             Ok(Freed::OnDevice(_)) if device < 0 => {}
             Ok(Freed::OnDevice(owner)) => warn_once(
@@ -292,7 +366,7 @@ pub fn free<B: Backend>(
                 eprintln!("streamalloc: free of {ptr:p} on device {device}: {err}");
             }
         }
-    })
+    }
 }
 
 /// Notes that `stream` uses `ptr` (PyTorch's `record_stream`): its reuse after the free
@@ -455,17 +529,17 @@ pub(crate) unsafe fn copy_out<T: Copy>(items: &[T], out: *mut T, capacity: usize
     items.len() as i64
 }
 
-/// Writes `value` as JSON to the file `path`.
+/// Writes `value` as JSON to the file `path`, by the rule of every output
+/// ([`streamalloc_viz::output`]): a regular file (or a new one), written whole beside it and
+/// renamed, so that a failure midway leaves an existing file as it was.
 pub(crate) fn write_json(path: &str, value: &impl serde::Serialize) -> Result<(), String> {
-    let file = std::fs::File::create(path)
-        .map_err(|err| format!("streamalloc: cannot create snapshot file {path}: {err}"))?;
-    let mut writer = std::io::BufWriter::new(file);
-    serde_json::to_writer(&mut writer, value)
-        .map_err(|err| format!("streamalloc: writing snapshot {path}: {err}"))?;
-    use std::io::Write;
-    writer
-        .flush()
-        .map_err(|err| format!("streamalloc: writing snapshot {path}: {err}"))
+    streamalloc_viz::output::write_whole(std::path::Path::new(path), |out| {
+        serde_json::to_writer(out, value).map_err(|err| streamalloc_viz::VizError::Write {
+            path: path.into(),
+            what: err.to_string(),
+        })
+    })
+    .map_err(|err| format!("streamalloc: cannot write snapshot {err}"))
 }
 
 /// The message of the previous call on this thread if it failed, "" if it succeeded. The
@@ -478,5 +552,7 @@ pub extern "C" fn streamalloc_last_error() -> *const c_char {
 /// The library's version, e.g. "0.1.0" (a static string).
 #[no_mangle]
 pub extern "C" fn streamalloc_version() -> *const c_char {
-    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+    // Like every call, it clears the last error.
+    let version: *const c_char = concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast();
+    error::call(version, || version)
 }

@@ -288,9 +288,12 @@ pub fn torch_stat_values(source: &TorchSource<'_>) -> Vec<i64> {
 /// them (e.g. `"allocated_bytes.all.peak"`), or null past the last. The string is static.
 #[no_mangle]
 pub extern "C" fn streamalloc_torch_stat_name(i: usize) -> *const c_char {
-    TORCH_STATS
-        .get(i)
-        .map_or(std::ptr::null(), |(name, _)| name.as_ptr())
+    // Like every call, it clears the last error (null past the last is not a failure).
+    error::call(std::ptr::null(), || {
+        TORCH_STATS
+            .get(i)
+            .map_or(std::ptr::null(), |(name, _)| name.as_ptr())
+    })
 }
 
 /// Writes `device`'s value of each statistic `streamalloc_torch_stat_name` lists, in that

@@ -129,27 +129,45 @@ impl<B: Backend> Device<B> {
 
     /// Runs `body` on the allocator, unless the device is poisoned. A panic in `body` is
     /// caught and poisons the device; this call and every later one get
-    /// [`RegistryError::Poisoned`].
+    /// [`RegistryError::Poisoned`]. No panic leaves this function, so a C export may call
+    /// it outside any other guard.
     #[inline]
     pub fn run<T>(&self, body: impl FnOnce(&Allocator<B>) -> T) -> Result<T, RegistryError> {
         if let Some(poisoned) = self.poison.get() {
-            return Err(poisoned.clone());
+            return Err(self.refusal(poisoned));
         }
         catch_unwind(AssertUnwindSafe(|| body(&self.allocator)))
-            .map_err(|payload| self.poison_with(panic_message(payload.as_ref())))
+            .map_err(|payload| self.poison_with(payload))
     }
 
+    /// The error of a call on the poisoned device.
     #[cold]
     #[inline(never)]
-    fn poison_with(&self, message: String) -> RegistryError {
-        let poisoned = self.poison.get_or_init(|| {
-            tracing::error!(ordinal = self.ordinal, %message, "streamalloc: device poisoned by a panic");
-            RegistryError::Poisoned {
-                ordinal: self.ordinal,
-                message,
-            }
-        });
+    fn refusal(&self, poisoned: &RegistryError) -> RegistryError {
         poisoned.clone()
+    }
+
+    /// Poisons the device with the panic `payload` carried; returns the error calls get.
+    #[cold]
+    #[inline(never)]
+    fn poison_with(&self, payload: Box<dyn Any + Send>) -> RegistryError {
+        let poison = || {
+            let message = panic_message(payload.as_ref());
+            self.poison
+                .get_or_init(|| {
+                    tracing::error!(ordinal = self.ordinal, %message, "streamalloc: device poisoned by a panic");
+                    RegistryError::Poisoned {
+                        ordinal: self.ordinal,
+                        message,
+                    }
+                })
+                .clone()
+        };
+        // Even a panic while reporting the first one stays here.
+        catch_unwind(AssertUnwindSafe(poison)).unwrap_or_else(|_| RegistryError::Poisoned {
+            ordinal: self.ordinal,
+            message: "a panic while reporting a panic".to_string(),
+        })
     }
 
     /// The error every call gets once a panic made the device unusable, if one did.

@@ -268,6 +268,25 @@ impl<B: Backend> Registry<B> {
         slot.get()?.as_ref().ok()
     }
 
+    /// The device a pointer freed on `ordinal` can only belong to, if there is one: device
+    /// `ordinal` when it is the only device created, or, for a negative `ordinal` (a free
+    /// that names no device), the only device created. `None` when the pointer's owner
+    /// needs looking for ([`Registry::free`]). Never creates a device.
+    #[inline]
+    pub fn sole_device(&self, ordinal: i32) -> Option<&Device<B>> {
+        let live = self.live.load(Ordering::Acquire);
+        let only = if ordinal < 0 {
+            live.count_ones() == 1
+        } else {
+            live == bit(ordinal) && live != 0
+        };
+        if only {
+            self.get(live.trailing_zeros() as i32)
+        } else {
+            None
+        }
+    }
+
     /// Every device whose allocator was created, poisoned or not, in ordinal order.
     pub fn initialized(&self) -> impl Iterator<Item = &Device<B>> + '_ {
         self.devices

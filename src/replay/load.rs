@@ -7,14 +7,14 @@
 //! benchmark read traces the same way.
 
 use serde::de::IgnoredAny;
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use streamalloc_allocator::trace::{TraceAction, TraceEntry};
 use streamalloc_allocator::{DevicePtr, StreamId};
+use streamalloc_viz::limits::Budget;
 use streamalloc_viz::limits::{range_within, MAX_ADDRESS_END};
 use streamalloc_viz::model::{DeviceSnapshot, Snapshot};
 use streamalloc_viz::sniff::Content;
-use streamalloc_viz::{input, pytorch};
+use streamalloc_viz::{files, input, json};
 
 /// Where the test PyTorch traces are for a checkout at `workspace_root`: `tests/data/traces`
 /// in the repository, so a clone runs the same tests and benchmark without anything beside it.
@@ -56,12 +56,12 @@ pub fn traces_from_bytes(path: &Path, raw: Vec<u8>) -> Result<Vec<LoadedTrace>, 
     );
     // The viewer's bounded gunzip, sniffing and snapshot readers, so replay has the same
     // limits (sizes, memory, devices, addresses) and tells formats apart the same way.
-    let (content, bytes) = input::open(path, raw).map_err(|e| LoadError(e.to_string()))?;
-    if content == Content::Pickle {
-        let snapshot = pytorch::read_model(path, &bytes).map_err(|e| LoadError(e.to_string()))?;
-        drop(bytes);
+    if input::peek_content(&raw) == Content::Pickle {
+        // A gzip-compressed pickle is decompressed while it is decoded, never held whole.
+        let snapshot = files::from_bytes(path, raw).map_err(|e| LoadError(e.to_string()))?;
         return from_model(&file_name, path, &snapshot);
     }
+    let (content, bytes) = input::open(path, raw).map_err(|e| LoadError(e.to_string()))?;
     from_json(&file_name, path, content, &bytes)
 }
 
@@ -117,31 +117,42 @@ fn from_json(
             entries,
         }])
     };
+    // The entries are read within the input's memory budget, as every reader's are.
+    let within = |e: json::ParseError| match e {
+        json::ParseError::Json(e) => bad_entry(e),
+        json::ParseError::Over(over) => LoadError(format!("{}: {over}", path.display())),
+    };
     match content {
         Content::JsonArray => {
             // Checked as JSON first, so that broken syntax is not blamed on an entry.
             serde_json::from_slice::<IgnoredAny>(bytes).map_err(not_json)?;
-            one(serde_json::from_slice(bytes).map_err(bad_entry)?)
+            #[derive(serde::Deserialize)]
+            #[serde(transparent)]
+            struct Entries(#[serde(deserialize_with = "json::vec")] Vec<TraceEntry>);
+            let (Entries(entries), _) =
+                json::parse_within(bytes, Budget::for_input(bytes.len())).map_err(within)?;
+            one(entries)
         }
         Content::JsonObject => {
-            let keys: BTreeMap<String, IgnoredAny> =
-                serde_json::from_slice(bytes).map_err(not_json)?;
-            if keys.contains_key("format") {
+            let keys = json::ObjectKeys::of(bytes).map_err(not_json)?;
+            if keys.format {
                 let snapshot = streamalloc_viz::model::parse_json(path, bytes)
                     .map_err(|e| LoadError(e.to_string()))?;
                 from_model(file_name, path, &snapshot)
-            } else if keys.contains_key("trace") {
+            } else if keys.trace {
                 #[derive(serde::Deserialize)]
                 struct WithTrace {
+                    #[serde(deserialize_with = "json::vec")]
                     trace: Vec<TraceEntry>,
                 }
-                let with: WithTrace = serde_json::from_slice(bytes).map_err(bad_entry)?;
+                let (with, _): (WithTrace, _) =
+                    json::parse_within(bytes, Budget::for_input(bytes.len())).map_err(within)?;
                 one(with.trace)
             } else {
                 Err(LoadError(format!(
                     "{}: a JSON object with keys [{}], not a snapshot with a trace",
                     path.display(),
-                    key_list(keys.keys())
+                    key_list(&keys)
                 )))
             }
         }
@@ -161,13 +172,16 @@ fn from_json(
     }
 }
 
-/// The first few `keys`, quoted and shortened, for an error message: the file may be
+/// The first few keys, quoted and shortened, for an error message: the file may be
 /// anyone's, so its keys may be many, long, or hold control characters.
-fn key_list<'a>(keys: impl ExactSizeIterator<Item = &'a String>) -> String {
-    const SHOWN: usize = 8;
+fn key_list(keys: &json::ObjectKeys) -> String {
+    const SHOWN: usize = json::ObjectKeys::SHOWN;
     const LONGEST: usize = 40;
-    let count = keys.len();
-    let mut shown: Vec<String> = keys
+    let count = keys.count;
+    let mut sorted = keys.first.clone();
+    sorted.sort();
+    let mut shown: Vec<String> = sorted
+        .iter()
         .take(SHOWN)
         .map(|key| {
             let short: String = key.chars().take(LONGEST).collect();

@@ -61,3 +61,29 @@ export async function openViewer(context, url) {
   if (error || errors.length) throw new Error(`viewer failed: ${error || errors.join('; ')}`);
   return { page, ms };
 }
+
+// The peak resident memory (VmHWM, MiB) of the largest renderer process among this
+// process's descendants: the page's memory, as the operating system counts it.
+export function rendererPeakMiB() {
+  const parent = new Map();
+  for (const pid of fs.readdirSync('/proc').filter(p => /^\d+$/.test(p))) {
+    try {
+      const stat = fs.readFileSync(`/proc/${pid}/stat`, 'utf8');
+      parent.set(Number(pid), Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]));
+    } catch { /* gone */ }
+  }
+  const descends = pid => {
+    for (let p = pid; p > 1; p = parent.get(p)) if (p === process.pid) return true;
+    return false;
+  };
+  let peak = 0;
+  for (const pid of parent.keys()) {
+    if (!descends(pid)) continue;
+    try {
+      if (!fs.readFileSync(`/proc/${pid}/cmdline`, 'utf8').includes('--type=renderer')) continue;
+      const m = fs.readFileSync(`/proc/${pid}/status`, 'utf8').match(/VmHWM:\s+(\d+) kB/);
+      if (m) peak = Math.max(peak, Number(m[1]) / 1024);
+    } catch { /* gone */ }
+  }
+  return peak;
+}

@@ -6,7 +6,8 @@ import assert from 'node:assert/strict';
 import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
-import { ARTIFACTS, BIN, CHROMIUM, launch, openViewer, sharedTrace, startViewer } from './lib.mjs';
+import { ARTIFACTS, BIN, CHROMIUM, launch, openViewer, rendererPeakMiB, sharedTrace, startViewer } from './lib.mjs';
+import { writeStreams } from './gen_streams.mjs';
 
 function missing() {
   if (!fs.existsSync(BIN)) return `streamalloc binary not found at ${BIN} (set STREAMALLOC_BIN)`;
@@ -124,6 +125,37 @@ test('file names and call stacks that look like markup stay text', async t => {
     assert.equal(await page.locator('#file option').first().textContent(), `${markup}.json`);
     assert.ok((await page.locator('#summary').textContent()).includes(markup), 'call site shown as text');
     assert.ok((await page.locator('#legend').textContent()).includes(markup), 'legend shows it as text');
+  } finally {
+    await browser.close();
+    proc.kill();
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+});
+
+// The page is linear in streams: 20,000 streams of 200,000 events open, draw their lanes
+// (the streams with the most cached bytes, the rest together) and name a few in the
+// legend, within 600 MB of renderer memory (one array per stream and event would be 30 GB).
+// How fast it opens is measured by bench_open.mjs, not asserted here.
+test('twenty thousand streams open within bounded memory', async t => {
+  if (!fs.existsSync(BIN)) { t.skip(`streamalloc binary not found at ${BIN}`); return; }
+  if (!fs.existsSync(CHROMIUM)) { t.skip(`chromium not found at ${CHROMIUM}`); return; }
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'sa-streams-'));
+  const file = path.join(dir, 'streams.json');
+  const events = writeStreams(file, 20000, 200000);
+  const { url, proc } = await startViewer([file]);
+  const browser = await launch();
+  try {
+    const { page, ms } = await openViewer(browser.context, url);
+    const peak = rendererPeakMiB();
+    console.log(`20,000 streams, ${events} events: opened and drawn in ${ms} ms, renderer peak ${peak.toFixed(0)} MiB`);
+    assert.ok(peak > 0 && peak <= 600, `renderer peak ${peak.toFixed(0)} MiB`);
+    assert.match(await page.locator('#status').textContent(), /200000 events, \d+ allocations, 20000 streams/);
+    const lanes = await page.evaluate(() => document.getElementById('lanes').height);
+    assert.ok(lanes < 22 * 16, `lanes canvas ${lanes} px high`);
+    const legend = await page.locator('#legend').textContent();
+    assert.match(legend, /and 19980 more streams/);
+    fs.mkdirSync(ARTIFACTS, { recursive: true });
+    await page.screenshot({ path: path.join(ARTIFACTS, 'viewer-streams.png') });
   } finally {
     await browser.close();
     proc.kill();

@@ -1,6 +1,7 @@
 // streamalloc memory viewer. No dependencies, no network beyond the local server.
 //
-// Data arrive as typed-array columns (see viz/src/wire.rs). Drawing is per pixel column
+// Data arrive as typed-array columns (see viz/src/wire.rs), turned into what drawing needs
+// by prepare.js (decodeBlob, prepareData), linear in events and streams. Drawing is per pixel column
 // (level of detail): for each column the allocations live at its right edge are stacked
 // in allocation order into an ImageData, so the cost is O(visible events + width × live),
 // whatever the number of events; allocations that lived and died inside one column show
@@ -8,6 +9,8 @@
 'use strict';
 
 const $ = id => document.getElementById(id);
+/** Streams named in the legend; the others are counted. */
+const LEGEND_STREAMS = 20;
 const PALETTE = ['#4e79a7', '#f28e2c', '#e15759', '#76b7b2', '#59a14f', '#edc949', '#af7aa1',
   '#ff9da7', '#9c755f', '#bab0ab'];
 // State for tests and for the curious: window.__viz.
@@ -46,86 +49,12 @@ const hex = v => '0x' + v.toString(16);
 
 async function fetchData(f, d) {
   const resp = await fetch(`/api/data?f=${f}&d=${d}`);
-  if (!resp.ok) throw new Error(`server answered ${resp.status} for file ${f} device ${d}`);
-  const buf = await resp.arrayBuffer();
-  const len = new DataView(buf).getUint32(0, true);
-  const h = JSON.parse(new TextDecoder().decode(new Uint8Array(buf, 4, len)));
-  const base = (4 + len + 7) & ~7;
-  const types = {f64: Float64Array, i32: Int32Array, u32: Uint32Array, u16: Uint16Array, u8: Uint8Array};
-  const c = {};
-  for (const [name, col] of Object.entries(h.columns)) {
-    c[name] = new types[col.type](buf, base + col.offset, col.len);
+  if (!resp.ok) {
+    const why = (await resp.text()).trim();
+    throw new Error(`server answered ${resp.status} for file ${f} device ${d}${why ? `: ${why}` : ''}`);
   }
-  return prepare(h, c);
-}
-
-// Derives what drawing needs: counters per event, start/end lookups, call-site labels.
-function prepare(h, c) {
-  const n = h.events, m = h.allocs, k = h.segments, ns = h.streams.length;
-  const d = {h, c, n, m};
-  // Stacks arrive as frame indices (each frame is sent once): resolve them to the frames.
-  h.stacks = h.stacks.map(st => st.map(i => h.frames[i]));
-  const dAct = new Float64Array(n), dPend = new Float64Array(n), dRes = new Float64Array(n);
-  const dStag = new Float64Array(n);
-  const cachedD = Array.from({length: ns}, () => null);
-  const cachedInit = new Float64Array(ns);
-  const cd = s => cachedD[s] || (cachedD[s] = new Float64Array(n));
-  let act0 = 0, pend0 = 0, res0 = 0;
-  d.startAt = new Int32Array(n).fill(-1);
-  d.endAt = new Int32Array(n).fill(-1);
-  for (let a = 0; a < m; a++) {
-    const s = c.al_start[a], e = c.al_end[a], fr = c.al_fr[a], size = c.al_size[a];
-    const o = c.al_owner[a];
-    if (s >= 0) { dAct[s] += size; d.startAt[s] = a; cd(o)[s] -= size; } else { act0 += size; cachedInit[o] -= size; }
-    if (e >= 0) { dAct[e] -= size; d.endAt[e] = a; cd(o)[e] += size; }
-    if (fr >= 0) { dPend[fr] += size; if (e >= 0) dPend[e] -= size; }
-  }
-  for (let g = 0; g < k; g++) {
-    const s = c.sg_start[g], e = c.sg_end[g], size = c.sg_size[g], st = c.sg_stream[g];
-    if (s >= 0) { dRes[s] += size; cd(st)[s] += size; } else { res0 += size; cachedInit[st] += size; }
-    if (e >= 0) { dRes[e] -= size; cd(st)[e] -= size; }
-  }
-  const A = h.actions;
-  const code = name => A.indexOf(name);
-  const cWait = code('cross_stream_wait'), cOom = code('oom');
-  const cSA = code('staging_acquire'), cSR = code('staging_release');
-  d.waits = []; d.ooms = [];
-  for (let i = 0; i < n; i++) {
-    const a = c.ev_action[i];
-    if (a === cWait) d.waits.push(i);
-    else if (a === cOom) d.ooms.push(i);
-    else if (a === cSA) dStag[i] += c.ev_size[i];
-    else if (a === cSR) dStag[i] -= c.ev_size[i];
-  }
-  const prefix = (delta, init) => {
-    let v = init;
-    for (let i = 0; i < n; i++) { v += delta[i]; delta[i] = v; }
-    return delta;
-  };
-  d.active = prefix(dAct, act0); d.pending = prefix(dPend, pend0);
-  d.reserved = prefix(dRes, res0); d.staging = prefix(dStag, 0);
-  d.init = {active: act0, pending: pend0, reserved: res0, staging: 0};
-  d.cached = [];
-  for (let s = 0; s < ns; s++) {
-    if (!cachedD[s] && cachedInit[s] === 0) continue;
-    const arr = new Float32Array(n);
-    let v = cachedInit[s];
-    const dl = cachedD[s];
-    for (let i = 0; i < n; i++) { if (dl) v += dl[i]; arr[i] = v; }
-    d.cached.push({stream: s, arr, init: cachedInit[s]});
-  }
-  // Call-site label of each stack: the innermost frame outside torch's own modules.
-  d.site = h.stacks.map(st => {
-    const f = st.find(fr => !/torch\/(nn|_|autograd|utils|optim|cuda)/.test(fr[1])) || st[0];
-    return f ? `${f[1]}:${f[2]} ${f[0]}` : '?';
-  });
-  d.siteIds = new Map();
-  d.siteOf = d.site.map(s => {
-    if (!d.siteIds.has(s)) d.siteIds.set(s, d.siteIds.size);
-    return d.siteIds.get(s);
-  });
-  d.tEnd = n ? c.ev_time[n - 1] : 1;
-  return d;
+  const {h, c} = decodeBlob(await resp.arrayBuffer());
+  return prepareData(h, c);
 }
 
 // ---- Coordinates ----
@@ -394,7 +323,10 @@ function drawLanes() {
   const W = CW - PAD_L;
   const bnd = d.last ? d.last.bnd : boundaries(d, W, view.x0, view.x1);
   const lanes = [];
-  for (const s of d.cached) lanes.push({label: `cached ${d.h.streams[s.stream]}`, arr: s.arr, init: s.init, colr: PALETTE[s.stream % 10]});
+  // The streams with the most cached bytes get a lane each; the others share one.
+  const cs = d.cached;
+  for (const s of cs.lanes) lanes.push({label: `cached ${d.h.streams[s]}`, max: b => cachedColumnMax(cs, s, b), colr: PALETTE[s % 10]});
+  if (cs.others) lanes.push({label: `cached, ${cs.others} more`, arr: cs.rest, init: cs.rest0, colr: '#bab0ab'});
   lanes.push({label: 'pending frees', arr: d.pending, init: d.init.pending, colr: '#e15759'});
   lanes.push({label: 'staging', arr: d.staging, init: 0, colr: '#59a14f'});
   lanes.push({label: 'waits / OOM', ticks: true});
@@ -420,7 +352,7 @@ function drawLanes() {
       for (const i of d.ooms) tick(i, '#c00');
       return;
     }
-    const mx = columnMax(d, lane.arr, lane.init, bnd);
+    const mx = lane.max ? lane.max(bnd) : columnMax(d, lane.arr, lane.init, bnd);
     let top = 0;
     for (let i = 0; i < W; i++) top = Math.max(top, mx[i]);
     ctx.fillStyle = lane.colr;
@@ -656,7 +588,10 @@ function drawLegend() {
   if (V.colour === 'site') {
     [...d.siteIds.keys()].slice(0, 10).forEach((s, i) => item(PALETTE[i % 10], s));
   } else {
-    d.h.streams.forEach((s, i) => item(PALETTE[i % 10], `stream ${s}`));
+    // A trace may have thousands of streams: the first few name their colours.
+    const shown = Math.min(d.h.streams.length, LEGEND_STREAMS);
+    d.h.streams.slice(0, shown).forEach((s, i) => item(PALETTE[i % 10], `stream ${s}`));
+    if (d.h.streams.length > shown) box.append(el('div', null, `… and ${d.h.streams.length - shown} more streams (colours repeat every 10)`));
   }
   item('#dcdce1', 'short-lived (within one pixel)');
   box.append(el('div', null, 'dashed line: reserved' + (C ? '; red: compared snapshot (active, reserved dotted)' : '')));

@@ -17,7 +17,9 @@ fn main() {
     }
     let events: usize = loaded.iter().map(|(_, s)| s.event_count()).sum();
     let viewer = Arc::new(server::Viewer::new(loaded));
-    viewer.warm();
+    if let Err(err) = viewer.warm() {
+        eprintln!("{err}");
+    }
     eprintln!(
         "{events} events opened and encoded in {:.2} s",
         started.elapsed().as_secs_f64()

@@ -87,6 +87,18 @@ impl VizError {
         }
     }
 
+    /// A budget error ([`VizError::Limit`]) of a stage that writes an output names the
+    /// output; the budget is the input's, so the message names `input` instead.
+    pub fn naming_input(self, input: &std::path::Path) -> Self {
+        match self {
+            VizError::Limit { what, .. } => VizError::Limit {
+                path: input.into(),
+                what,
+            },
+            other => other,
+        }
+    }
+
     pub(crate) fn format(path: impl Into<PathBuf>, what: impl Into<String>) -> Self {
         VizError::Format {
             path: path.into(),

@@ -9,8 +9,10 @@
 
 use crate::error::VizError;
 use crate::input::{self, UNRECOGNISED};
+use crate::limits::{Budget, OverBudget};
 use crate::model::{parse_json, write_json, Snapshot};
-use crate::sniff::Content;
+use crate::sniff::{sniff, Content};
+use std::cell::RefCell;
 use std::io::Write;
 use std::path::Path;
 
@@ -25,6 +27,10 @@ pub fn load(path: &Path) -> Result<Snapshot, VizError> {
 /// [`load`] of a file's content already in memory: `raw` is what the file `path` holds
 /// (`path` only names it in errors).
 pub fn from_bytes(path: &Path, raw: Vec<u8>) -> Result<Snapshot, VizError> {
+    if sniff(&raw) == Content::Gzip && input::peek_content(&raw) == Content::Pickle {
+        // The usual large file: decompressed while it is decoded, never held whole.
+        return crate::pytorch::read_model_gzip(path, &raw);
+    }
     let (content, bytes) = input::open(path, raw)?;
     match content {
         Content::Pickle => crate::pytorch::read_model(path, &bytes),
@@ -47,35 +53,40 @@ pub enum OutputFormat {
     Perfetto,
 }
 
-/// Whether `a` and `b` name the same file (same device and inode), however they are
-/// spelt (links, `..`, hard links). False when either does not exist.
-pub fn same_file(a: &Path, b: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    match (std::fs::metadata(a), std::fs::metadata(b)) {
-        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-        _ => false,
-    }
-}
-
-/// Refuses to write `output` when it is `input`: the input would be destroyed.
-pub fn check_distinct(input: &Path, output: &Path) -> Result<(), VizError> {
-    if same_file(input, output) {
-        return Err(VizError::Write {
-            path: output.into(),
-            what: format!(
-                "is the input file {}: choose another output name",
-                input.display()
-            ),
-        });
-    }
-    Ok(())
-}
+pub use crate::output::{check_distinct, check_output, same_file};
 
 /// Writes `snapshot` to `path` in `format`, gzip-compressed when the name ends in `.gz`.
 /// The file appears whole or not at all ([`crate::output::write_whole`]): on failure `path`
-/// is untouched. Every error names `path`.
+/// is untouched. What writing builds (the timeline of a Perfetto trace, PyTorch's shape of
+/// the snapshot) and the bytes written are charged to what is left of the snapshot's
+/// budget ([`Snapshot::budget`]): a file that would write more is refused in one line.
+/// Every error names `path`.
 pub fn save(snapshot: &Snapshot, path: &Path, format: OutputFormat) -> Result<(), VizError> {
-    crate::output::write_whole(path, |out| write_to(snapshot, out, path, format))
+    let budget = RefCell::new(snapshot.budget.clone());
+    crate::output::write_whole(path, |out| write_to(snapshot, out, path, format, &budget))
+}
+
+/// What the budget calls writing a file.
+const WRITING: &str = "writing the output";
+
+/// A writer that charges every byte written to a budget.
+struct Charged<'a, W: Write> {
+    out: W,
+    budget: &'a RefCell<Budget>,
+}
+
+impl<W: Write> Write for Charged<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.budget
+            .borrow_mut()
+            .charge_for(WRITING, buf.len() as u64)
+            .map_err(|over| std::io::Error::other(over.to_string()))?;
+        self.out.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
 }
 
 fn write_to(
@@ -83,7 +94,14 @@ fn write_to(
     out: &mut impl Write,
     path: &Path,
     format: OutputFormat,
+    budget: &RefCell<Budget>,
 ) -> Result<(), VizError> {
+    let over = |o: OverBudget| VizError::Limit {
+        path: path.into(),
+        what: o.to_string(),
+    };
+    let refused_before = budget.borrow().refused();
+    let mut out = Charged { out, budget };
     // Errors of the writers name the format; the file is added here.
     let named = |e: VizError| match e {
         VizError::Unrepresentable { format, what } => VizError::Write {
@@ -92,26 +110,39 @@ fn write_to(
         },
         other => other,
     };
-    let io = |e: std::io::Error| VizError::io(path, e);
     let write = |w: &mut dyn Write| -> Result<(), VizError> {
         let mut w = w;
         match format {
             OutputFormat::Json => write_json(snapshot, &mut w),
             OutputFormat::Pickle => {
-                crate::pytorch::write_pickle(&crate::pytorch::to_torch(snapshot), &mut w)
+                let torch = crate::pytorch::to_torch_within(snapshot, &mut budget.borrow_mut())
+                    .map_err(over)?;
+                crate::pytorch::write_pickle(&torch, &mut w)
             }
-            OutputFormat::Perfetto => crate::perfetto::write_perfetto(snapshot, &mut w),
+            OutputFormat::Perfetto => {
+                crate::perfetto::write_perfetto_within(snapshot, &mut w, budget)
+            }
         }
     };
-    if path.extension().is_some_and(|e| e == "gz") {
+    let result = if path.extension().is_some_and(|e| e == "gz") {
         // The writers emit many tiny writes: buffer them before the compressor.
-        let enc = flate2::write::GzEncoder::new(out, flate2::Compression::default());
+        let enc = flate2::write::GzEncoder::new(&mut out, flate2::Compression::default());
         let mut buffered = std::io::BufWriter::with_capacity(1 << 16, enc);
-        write(&mut buffered).map_err(named)?;
-        let enc = buffered.into_inner().map_err(|e| io(e.into_error()))?;
-        enc.finish().map_err(io)?;
+        write(&mut buffered).and_then(|()| {
+            let enc = buffered
+                .into_inner()
+                .map_err(|e| VizError::io(path, e.into_error()))?;
+            enc.finish().map(drop).map_err(|e| VizError::io(path, e))
+        })
     } else {
-        write(out).map_err(named)?;
+        write(&mut out)
+    };
+    // A charge refused while writing (the bytes written, or what a writer builds) is the
+    // budget's error, whatever error the writer turned it into.
+    let refused = budget.borrow().refused();
+    match (result, refused) {
+        (Ok(()), _) => Ok(()),
+        (Err(_), Some(o)) if Some(o) != refused_before => Err(over(o)),
+        (Err(e), _) => Err(named(e)),
     }
-    Ok(())
 }

@@ -15,7 +15,9 @@
 //!   shared by all readers, the replayer's included.
 //! - [`sniff`]: which of those formats a file holds, told from its content.
 //! - [`input`]: reading a file within the size limits, gunzipping it within its own.
+//! - [`json`]: reading JSON within the memory budget.
 //! - [`output`]: writing a file whole or not at all.
+//! - [`stacks`]: call stacks held once, frames and stacks by index.
 //! - [`model`]: the one model every format converts through, which is also our versioned
 //!   JSON format (schema in the module docs).
 //! - [`files`]: [`files::load`] opens any supported file, [`files::save`] writes one
@@ -25,7 +27,8 @@
 //! - [`overlay`]: a replayed allocator's reserved memory over a recorded timeline, with
 //!   its legend (`view --replay`, `plot --replay`).
 //! - [`plot`]: the timeline as SVG or PNG, without a browser ([`plot_svg`] writes the SVG,
-//!   [`plot_png`] draws the PNG's pixels with [`font`]'s bitmap font).
+//!   [`plot_png`] draws the PNG's pixels with [`font`]'s bitmap font; `plot_axes` their
+//!   ticks and units).
 //! - [`server`]: the viewer, a page compiled into the binary served on 127.0.0.1, fed by
 //!   [`wire`]'s typed-array columns.
 //!
@@ -45,13 +48,14 @@
 
 //! ## Layers
 //! A module uses only modules listed before it here: `error`, `limits`, `sniff`, `input`,
-//! `output`, `pickle`, `model`, `timeline`, `pytorch`, `perfetto`, `overlay`, `font`, `plot`,
-//! `plot_svg`, `plot_png`, `wire`, `files`, `server`.
+//! `output`, `pickle`, `json`, `stacks`, `model`, `timeline`, `pytorch`, `perfetto`,
+//! `overlay`, `font`, `plot_axes`, `plot`, `plot_svg`, `plot_png`, `wire`, `files`, `server`.
 
 mod error;
 pub mod files;
 pub mod font;
 pub mod input;
+pub mod json;
 pub mod limits;
 pub mod model;
 pub mod output;
@@ -59,11 +63,13 @@ pub mod overlay;
 pub mod perfetto;
 pub mod pickle;
 pub mod plot;
+mod plot_axes;
 pub mod plot_png;
 pub mod plot_svg;
 pub mod pytorch;
 pub mod server;
 pub mod sniff;
+pub mod stacks;
 pub mod timeline;
 pub mod wire;
 

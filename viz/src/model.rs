@@ -48,12 +48,11 @@
 //! its time.
 
 use crate::error::VizError;
-use crate::limits::range_within;
+use crate::limits::{range_within, Budget, OverBudget};
 pub use crate::limits::{MAX_ADDRESS_END, MAX_DEVICE_INDEX};
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
-use std::collections::HashMap;
+pub use crate::stacks::{Frame, Stacks};
+use serde::{Deserialize, Serialize};
 use std::path::Path;
-use std::sync::Arc;
 use streamalloc_records::PoolKind;
 pub use streamalloc_records::{BlockState, TraceAction};
 
@@ -67,167 +66,6 @@ pub const FORMAT: &str = "streamalloc-snapshot";
 pub const SCHEMA_VERSION: u32 = 1;
 
 // ---- Types ----
-
-/// One frame of a call stack. Its strings are shared by every frame that names the same
-/// function or file.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Frame {
-    /// Function name.
-    pub name: Arc<str>,
-    /// Source file.
-    pub filename: Arc<str>,
-    /// Line number.
-    pub line: i64,
-}
-
-/// The call stacks of a snapshot, innermost frame first. Each distinct frame is stored
-/// once and stacks hold frame indices: traces repeat a few hundred frames in millions of
-/// stacks, so a stack costs four bytes a frame, not a copy of each. Serialised, it is the
-/// schema's `stacks` (a list of lists of frame objects).
-#[derive(Clone, Debug, Default)]
-pub struct Stacks {
-    frames: Vec<Frame>,
-    stacks: Vec<Box<[u32]>>,
-    /// Index of each frame in `frames`.
-    frame_ids: HashMap<Frame, u32>,
-    /// Each distinct string of `frames`, shared.
-    strings: std::collections::HashSet<Arc<str>>,
-}
-
-impl PartialEq for Stacks {
-    fn eq(&self, other: &Self) -> bool {
-        self.len() == other.len()
-            && (0..self.len() as u32).all(|i| self.frames_of(i).eq(other.frames_of(i)))
-    }
-}
-
-impl Stacks {
-    /// Number of stacks.
-    pub fn len(&self) -> usize {
-        self.stacks.len()
-    }
-
-    /// Whether there are no stacks.
-    pub fn is_empty(&self) -> bool {
-        self.stacks.is_empty()
-    }
-
-    /// Every distinct frame; [`Stacks::frame_ids`] index it.
-    pub fn frames(&self) -> &[Frame] {
-        &self.frames
-    }
-
-    /// The frame indices of stack `i` (empty if there is no such stack).
-    pub fn frame_ids(&self, i: u32) -> &[u32] {
-        self.stacks.get(i as usize).map_or(&[], |s| s)
-    }
-
-    /// The frames of stack `i`, innermost first (none if there is no such stack).
-    pub fn frames_of(&self, i: u32) -> impl ExactSizeIterator<Item = &Frame> + '_ {
-        self.frame_ids(i).iter().map(|&f| &self.frames[f as usize])
-    }
-
-    /// `text`, shared with every equal string already in these stacks.
-    pub fn string(&mut self, text: &str) -> Arc<str> {
-        if let Some(s) = self.strings.get(text) {
-            return s.clone();
-        }
-        let s: Arc<str> = Arc::from(text);
-        self.strings.insert(s.clone());
-        s
-    }
-
-    /// The index of `frame`, added if new.
-    pub fn frame(&mut self, frame: Frame) -> u32 {
-        if let Some(&i) = self.frame_ids.get(&frame) {
-            return i;
-        }
-        let frame = Frame {
-            name: self.string(&frame.name),
-            filename: self.string(&frame.filename),
-            line: frame.line,
-        };
-        let i = self.frames.len() as u32;
-        self.frames.push(frame.clone());
-        self.frame_ids.insert(frame, i);
-        i
-    }
-
-    /// Adds a stack of the frames at `ids` (indices from [`Stacks::frame`]) and returns
-    /// its index.
-    pub fn push_ids(&mut self, ids: Box<[u32]>) -> u32 {
-        debug_assert!(ids.iter().all(|&f| (f as usize) < self.frames.len()));
-        self.stacks.push(ids);
-        (self.stacks.len() - 1) as u32
-    }
-
-    /// Adds a stack of `frames`, innermost first, and returns its index.
-    pub fn push(&mut self, frames: impl IntoIterator<Item = Frame>) -> u32 {
-        let ids: Box<[u32]> = frames.into_iter().map(|f| self.frame(f)).collect();
-        self.push_ids(ids)
-    }
-}
-
-impl Serialize for Stacks {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeSeq;
-        struct One<'a>(&'a Stacks, u32);
-        impl Serialize for One<'_> {
-            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-                serializer.collect_seq(self.0.frames_of(self.1))
-            }
-        }
-        let mut seq = serializer.serialize_seq(Some(self.len()))?;
-        for i in 0..self.len() as u32 {
-            seq.serialize_element(&One(self, i))?;
-        }
-        seq.end()
-    }
-}
-
-impl<'de> Deserialize<'de> for Stacks {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        /// Reads the stacks one frame at a time into the tables, so equal frames and
-        /// strings are kept once while reading.
-        struct StacksVisitor;
-        struct StackSeed<'a>(&'a mut Stacks);
-        impl<'de> serde::de::DeserializeSeed<'de> for StackSeed<'_> {
-            type Value = ();
-            fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-                d.deserialize_seq(self)
-            }
-        }
-        impl<'de> serde::de::Visitor<'de> for StackSeed<'_> {
-            type Value = ();
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a list of frames")
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-                let mut ids = Vec::new();
-                while let Some(frame) = seq.next_element::<Frame>()? {
-                    ids.push(self.0.frame(frame));
-                }
-                self.0.push_ids(ids.into());
-                Ok(())
-            }
-        }
-        impl<'de> serde::de::Visitor<'de> for StacksVisitor {
-            type Value = Stacks;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a list of call stacks")
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<Stacks, A::Error> {
-                let mut stacks = Stacks::default();
-                while seq.next_element_seed(StackSeed(&mut stacks))?.is_some() {}
-                Ok(stacks)
-            }
-        }
-        deserializer.deserialize_seq(StacksVisitor)
-    }
-}
 
 /// One block of a segment.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -262,6 +100,7 @@ pub struct Segment {
     /// Bytes.
     pub size: u64,
     /// `"small"` or `"large"`.
+    #[serde(deserialize_with = "crate::json::string")]
     pub pool: String,
     /// The stream whose request created it.
     pub stream: u64,
@@ -276,6 +115,7 @@ pub struct Segment {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub asleep: bool,
     /// Its blocks in address order.
+    #[serde(deserialize_with = "crate::json::vec")]
     pub blocks: Vec<Block>,
 }
 
@@ -312,13 +152,15 @@ pub struct DeviceSnapshot {
     #[serde(default)]
     pub trace_dropped: u64,
     /// Segments at the instant of the snapshot, in address order.
+    #[serde(deserialize_with = "crate::json::vec")]
     pub segments: Vec<Segment>,
     /// The event trace, oldest first.
+    #[serde(deserialize_with = "crate::json::vec")]
     pub trace: Vec<Event>,
 }
 
 /// A snapshot in our model; serialised, it is our JSON format.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Snapshot {
     /// Always [`FORMAT`].
     pub format: String,
@@ -327,16 +169,35 @@ pub struct Snapshot {
     /// `"streamalloc"` or `"pytorch"`: who recorded it.
     pub source: String,
     /// Allocator configuration.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::json::value")]
     pub config: Option<serde_json::Value>,
     /// Counters at the instant of the snapshot.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::json::value")]
     pub stats: Option<serde_json::Value>,
     /// Shared call stacks, innermost frame first.
     #[serde(default)]
     pub stacks: Stacks,
     /// Per-device segments and traces.
+    #[serde(deserialize_with = "crate::json::vec")]
     pub devices: Vec<DeviceSnapshot>,
+    /// The memory budget of the file this was read from, charged with what the snapshot
+    /// holds: what is left of it is what later stages (the timeline, the viewer's data,
+    /// plots, writers) may still build from it ([`crate::limits`]). Unlimited for a
+    /// snapshot built in code; not part of any file, nor of equality.
+    #[serde(skip)]
+    pub budget: Budget,
+}
+
+impl PartialEq for Snapshot {
+    fn eq(&self, other: &Self) -> bool {
+        self.format == other.format
+            && self.version == other.version
+            && self.source == other.source
+            && self.config == other.config
+            && self.stats == other.stats
+            && self.stacks == other.stacks
+            && self.devices == other.devices
+    }
 }
 
 impl Snapshot {
@@ -350,12 +211,30 @@ impl Snapshot {
             stats: None,
             stacks: Stacks::default(),
             devices: Vec::new(),
+            budget: Budget::default(),
         }
     }
 
     /// Number of trace events over all devices.
     pub fn event_count(&self) -> usize {
         self.devices.iter().map(|d| d.trace.len()).sum()
+    }
+
+    /// Bytes of memory the snapshot's records take (events, segments, blocks, stacks).
+    pub fn held_bytes(&self) -> u64 {
+        let frames: usize = (0..self.stacks.len() as u32)
+            .map(|i| self.stacks.frame_ids(i).len())
+            .sum();
+        let per_device: usize = self
+            .devices
+            .iter()
+            .map(|d| {
+                d.trace.len() * size_of::<Event>()
+                    + d.segments.len() * size_of::<Segment>()
+                    + d.segments.iter().map(|s| s.blocks.len()).sum::<usize>() * size_of::<Block>()
+            })
+            .sum();
+        (per_device + 4 * frames + 32 * self.stacks.len() + 100 * self.stacks.frames().len()) as u64
     }
 
     /// Checks what serde cannot: stack indices in range, device indices within
@@ -462,9 +341,19 @@ pub fn parse_json(path: &Path, bytes: &[u8]) -> Result<Snapshot, VizError> {
         source,
     };
     let probe: Probe = serde_json::from_slice(bytes).map_err(json_err)?;
+    let over = |o: OverBudget| VizError::Limit {
+        path: path.into(),
+        what: o.to_string(),
+    };
     match (probe.format.as_deref(), probe.version) {
         (Some(FORMAT), Some(v)) if v <= SCHEMA_VERSION => {
-            let snap: Snapshot = serde_json::from_slice(bytes).map_err(json_err)?;
+            let (mut snap, budget) =
+                crate::json::parse_within::<Snapshot>(bytes, Budget::for_input(bytes.len()))
+                    .map_err(|e| match e {
+                        crate::json::ParseError::Json(e) => json_err(e),
+                        crate::json::ParseError::Over(o) => over(o),
+                    })?;
+            snap.budget = budget;
             snap.validate(path)?;
             Ok(snap)
         }
@@ -487,7 +376,16 @@ pub fn parse_json(path: &Path, bytes: &[u8]) -> Result<Snapshot, VizError> {
                          snapshot",
                 )
             })?;
-            let snap = from_engine(&engine);
+            // The engine's records are of fixed size and at least 40 bytes of JSON each,
+            // so reading them builds less than the budget allows; the model made from
+            // them is what the budget keeps.
+            let mut snap = from_engine(&engine);
+            drop(engine);
+            let mut budget = Budget::for_input(bytes.len());
+            budget
+                .charge_for("reading the JSON", snap.held_bytes())
+                .map_err(over)?;
+            snap.budget = budget;
             snap.validate(path)?;
             Ok(snap)
         }

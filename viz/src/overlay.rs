@@ -120,6 +120,13 @@ impl SeriesBuilder {
     pub fn peak(&self) -> u64 {
         self.peak
     }
+
+    /// Bytes the points of a builder for `events` events take: what a budget is charged
+    /// for the series (at most [`MAX_POINTS`] of 8 bytes, whatever the trace's length).
+    pub fn points_bytes(events: u64) -> u64 {
+        let bucket = events.div_ceil(MAX_POINTS as u64).max(1);
+        events.div_ceil(bucket) * size_of::<u64>() as u64
+    }
 }
 
 /// What the recording says, for [`ReplayOverlay::new`].
@@ -181,6 +188,26 @@ impl ReplayOverlay {
         };
         overlay.legend = overlay.word_legend();
         overlay
+    }
+
+    /// The most bytes the overlay's JSON can take (every point at 20 digits and a comma,
+    /// every character of its texts escaped at 6 bytes, 1 KiB for the rest): what the
+    /// page's copy is charged before it is written.
+    pub fn json_bytes_bound(&self) -> usize {
+        let l = &self.legend;
+        let texts = [
+            &self.recorded_by,
+            &self.config,
+            &l.recorded,
+            &l.replayed,
+            &l.live,
+            &l.saving,
+            &l.cap,
+        ]
+        .iter()
+        .map(|t| t.len())
+        .sum::<usize>();
+        21 * self.reserved.len() + 6 * texts + 1024
     }
 
     /// Recorded peak reserved minus replayed peak reserved: negative when streamalloc
@@ -339,6 +366,22 @@ mod tests {
         assert!(series.points.len() <= MAX_POINTS);
         assert_eq!(series.points[1], 1000, "event 7 is in the second bucket");
         assert_eq!(series.peak(), 1000);
+    }
+
+    #[test]
+    fn the_json_bound_holds_whatever_the_values_and_texts() {
+        let mut o = overlay(&[u64::MAX; 5000]);
+        assert!(serde_json::to_vec(&o).unwrap().len() <= o.json_bytes_bound());
+        o.config = "\u{1}\"\\".repeat(500);
+        o.recorded_by = "\u{7}".repeat(100);
+        o.legend.saving = "\u{1f}".repeat(1000);
+        o.cap = Some(Cap {
+            ratio: f64::MAX,
+            bytes: u64::MAX,
+        });
+        o.cap_highest = -f64::MIN_POSITIVE;
+        o.initial_reserved = u64::MAX;
+        assert!(serde_json::to_vec(&o).unwrap().len() <= o.json_bytes_bound());
     }
 
     #[test]

@@ -12,8 +12,10 @@
 //! buffered writer.
 
 use crate::error::VizError;
+use crate::limits::Budget;
 use crate::model::{Snapshot, TraceAction};
 use crate::timeline::{Counter, Timeline};
+use std::cell::RefCell;
 use std::io::Write;
 
 /// Writes one trace event per call, with the commas between them.
@@ -40,13 +42,26 @@ impl<W: Write> Out<'_, W> {
 
 /// Writes `snapshot` as a Chrome JSON trace.
 pub fn write_perfetto(snapshot: &Snapshot, out: &mut impl Write) -> Result<(), VizError> {
-    write_inner(snapshot, out).map_err(|e| VizError::Unrepresentable {
+    write_perfetto_within(snapshot, out, &RefCell::new(Budget::default()))
+}
+
+/// [`write_perfetto`], each device's timeline charged to `budget` while it is written.
+pub fn write_perfetto_within(
+    snapshot: &Snapshot,
+    out: &mut impl Write,
+    budget: &RefCell<Budget>,
+) -> Result<(), VizError> {
+    write_inner(snapshot, out, budget).map_err(|e| VizError::Unrepresentable {
         format: "Perfetto JSON",
         what: e.to_string(),
     })
 }
 
-fn write_inner(snapshot: &Snapshot, w: &mut impl Write) -> std::io::Result<()> {
+fn write_inner(
+    snapshot: &Snapshot,
+    w: &mut impl Write,
+    budget: &RefCell<Budget>,
+) -> std::io::Result<()> {
     w.write_all(b"{\"displayTimeUnit\":\"ns\",\"traceEvents\":[\n")?;
     let mut out = Out { w, first: true };
     for device in &snapshot.devices {
@@ -57,7 +72,13 @@ fn write_inner(snapshot: &Snapshot, w: &mut impl Write) -> std::io::Result<()> {
         if device.trace.is_empty() {
             continue;
         }
-        let timeline = Timeline::build(device);
+        let (timeline, bytes) = {
+            let mut budget = budget.borrow_mut();
+            let before = budget.used();
+            let timeline = Timeline::build_within(device, &mut budget)
+                .map_err(|over| std::io::Error::other(over.to_string()))?;
+            (timeline, budget.used() - before)
+        };
         let t0 = device.trace[0].time_ns;
         let ts = |i: usize| device.trace[i].time_ns.saturating_sub(t0) as f64 / 1000.0;
         for c in [
@@ -98,6 +119,8 @@ fn write_inner(snapshot: &Snapshot, w: &mut impl Write) -> std::io::Result<()> {
                 e.stream
             ))?;
         }
+        drop(timeline);
+        budget.borrow_mut().release(bytes);
     }
     let source = serde_json::to_string(&snapshot.source).unwrap_or_else(|_| "\"\"".into());
     write!(

@@ -13,14 +13,21 @@
 //! Both renderers draw one [`Figure`]: its texts, then a layout for the image's size (the
 //! legend wraps), then the grid of the plot area: [`crate::plot_svg`] and
 //! [`crate::plot_png`] draw it.
+//!
+//! A plot is a stage built from the file like the viewer's data: its timeline and its
+//! per-event tables are charged to what is left of the file's memory budget
+//! ([`crate::limits::Budget`]); the pixels are bounded by [`MAX_PIXELS`], not by the file.
 
 use crate::error::VizError;
+use crate::limits::{Budget, OverBudget};
 use crate::model::{DeviceSnapshot, Snapshot};
 use crate::overlay::ReplayOverlay;
 use crate::timeline::{Counter, Timeline};
 use std::collections::BTreeSet;
 use std::io::Write;
 use std::path::Path;
+
+pub(crate) use crate::plot_axes::{byte_unit, count, event_ticks, spread, ticks};
 
 /// The viewer's palette (Tableau 10), by stream index.
 pub(crate) const PALETTE: [[u8; 3]; 10] = [
@@ -63,7 +70,32 @@ pub(crate) struct Grid {
     pub(crate) ymax: u64,
 }
 
-fn build_grid(t: &Timeline, w: usize, h: usize, overlay: Option<&ReplayOverlay>) -> Grid {
+/// What the budget calls drawing a plot.
+const STAGE: &str = "drawing the plot";
+/// What one allocation live in a pixel column costs in the set that stacks them (a B-tree
+/// of `u32`, its nodes at least half full).
+const LIVE_SET_ENTRY_BYTES: u64 = 16;
+
+/// The grid of a plot area `w` × `h` of `t`, its per-event tables charged to `budget` while
+/// it is drawn (and given back once it is).
+fn build_grid(
+    t: &Timeline,
+    w: usize,
+    h: usize,
+    overlay: Option<&ReplayOverlay>,
+    budget: &mut Budget,
+) -> Result<Grid, OverBudget> {
+    let n = t.len();
+    // Which allocation starts and ends at each event, and the set of those live.
+    let tables =
+        2 * size_of::<u32>() as u64 * n as u64 + LIVE_SET_ENTRY_BYTES * t.allocs.len() as u64;
+    budget.charge_for(STAGE, tables)?;
+    let grid = draw_grid(t, w, h, overlay);
+    budget.release(tables);
+    Ok(grid)
+}
+
+fn draw_grid(t: &Timeline, w: usize, h: usize, overlay: Option<&ReplayOverlay>) -> Grid {
     let n = t.len();
     let bnd: Vec<usize> = (0..=w).map(|c| (n * c).div_ceil(w)).collect();
     let counter_max = |k: Counter, initial: u64| -> Vec<u64> {
@@ -352,19 +384,6 @@ impl Figure {
     }
 }
 
-/// `n` with thousands separated by commas.
-pub(crate) fn count(n: usize) -> String {
-    let digits = n.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
-
 /// Where things go in an image of a given size.
 pub(crate) struct Layout {
     /// Legend entries' top-left corners.
@@ -429,94 +448,39 @@ impl Layout {
     }
 }
 
-/// Ticks from 0 to `max` at a round step, about `target` of them: `(value, label)`.
-pub(crate) fn ticks(max: f64, target: usize) -> Vec<(f64, String)> {
-    if max <= 0.0 || !max.is_finite() {
-        return vec![(0.0, "0".into())];
-    }
-    let raw = max / target.max(1) as f64;
-    let magnitude = 10f64.powf(raw.log10().floor());
-    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
-        .iter()
-        .map(|m| m * magnitude)
-        .find(|s| *s >= raw)
-        .unwrap_or(10.0 * magnitude);
-    // As many decimals as the step needs (2.5 needs one, 0.25 two).
-    let decimals = (0..6)
-        .find(|&d| {
-            let scaled = step * 10f64.powi(d);
-            (scaled - scaled.round()).abs() < 1e-6 * scaled.max(1.0)
-        })
-        .unwrap_or(6) as usize;
-    (0..)
-        .map(|k| k as f64 * step)
-        .take_while(|v| *v <= max * (1.0 + 1e-9))
-        .map(|v| (v, format!("{v:.decimals$}")))
-        .collect()
-}
-
-/// Ticks of the event axis: whole events from 0 to `events`.
-pub(crate) fn event_ticks(events: usize) -> Vec<usize> {
-    ticks(events as f64, 6)
-        .into_iter()
-        .filter(|(v, _)| v.fract() == 0.0)
-        .map(|(v, _)| v as usize)
-        .collect()
-}
-
-/// The unit the y axis counts in for values up to `max` bytes, and its size.
-pub(crate) fn byte_unit(max: u64) -> (&'static str, f64) {
-    let units = ["bytes", "KiB", "MiB", "GiB", "TiB"];
-    let mut i = 0;
-    while i + 1 < units.len() && max as f64 >= 1024f64.powi(i as i32 + 1) {
-        i += 1;
-    }
-    (units[i], 1024f64.powi(i as i32))
-}
-
-/// Vertical positions for labels wanted at `ys`, moved apart to at least `gap` pixels.
-pub(crate) fn spread(ys: &[f64], gap: f64) -> Vec<f64> {
-    let mut order: Vec<usize> = (0..ys.len()).collect();
-    order.sort_by(|&a, &b| ys[a].total_cmp(&ys[b]));
-    let mut out = ys.to_vec();
-    for k in 1..order.len() {
-        let (prev, cur) = (order[k - 1], order[k]);
-        if out[cur] < out[prev] + gap {
-            out[cur] = out[prev] + gap;
-        }
-    }
-    out
-}
-
 /// A figure of `snapshot`'s shown device, laid out for `width` × `height` with `metrics`,
-/// and its grid; `None` for a snapshot with no device.
+/// and its grid; `None` for a snapshot with no device. The timeline and the grid's tables
+/// are charged to `budget`.
 pub(crate) fn compose(
     snapshot: &Snapshot,
     width: usize,
     height: usize,
     options: &PlotOptions<'_>,
     metrics: &TextMetrics,
-) -> Option<(Figure, Layout, Grid, Timeline)> {
-    let device = shown_device(snapshot)?;
-    let t = Timeline::build(device);
+    budget: &mut Budget,
+) -> Result<Option<(Figure, Layout, Grid, Timeline)>, OverBudget> {
+    let Some(device) = shown_device(snapshot) else {
+        return Ok(None);
+    };
+    let t = Timeline::build_within(device, budget)?;
     let mut fig = Figure::new(device, &t, options);
     let layout = Layout::new(&fig, width, height, metrics);
-    let grid = build_grid(&t, layout.w, layout.h, options.overlay);
+    let grid = build_grid(&t, layout.w, layout.h, options.overlay, budget)?;
     fig.fill_lines(&grid);
     let (unit, _) = byte_unit(grid.ymax);
     fig.y_title = format!("memory ({unit})");
-    Some((fig, layout, grid, t))
+    Ok(Some((fig, layout, grid, t)))
 }
 
 /// The timeline as an SVG document, `width` × `height` pixels.
 pub fn render_svg(snapshot: &Snapshot, width: usize, height: usize) -> String {
-    crate::plot_svg::render_svg_with(snapshot, width, height, &PlotOptions::default())
+    render_svg_with(snapshot, width, height, &PlotOptions::default())
 }
 
 /// The timeline as RGB pixels (`width` × `height`, row-major, top row first), with its
 /// title, legend, axes and labels.
 pub fn render_rgb(snapshot: &Snapshot, width: usize, height: usize) -> Vec<u8> {
-    crate::plot_png::render_rgb_with(snapshot, width, height, &PlotOptions::default())
+    render_rgb_with(snapshot, width, height, &PlotOptions::default())
 }
 
 /// The most pixels an image may have (`width * height`): rendering holds about 16 bytes
@@ -550,16 +514,24 @@ pub fn plot_with(
         .extension()
         .and_then(|e| e.to_str())
         .map(str::to_ascii_lowercase);
+    // What a plot builds per event is charged to what is left of the file's budget.
+    let mut budget = snapshot.budget.clone();
+    let over = |over: OverBudget| VizError::Limit {
+        path: path.into(),
+        what: over.to_string(),
+    };
     match ext.as_deref() {
         Some("svg") => {
-            let svg = crate::plot_svg::render_svg_with(snapshot, width, height, options);
+            let svg =
+                render_svg_within(snapshot, width, height, options, &mut budget).map_err(over)?;
             crate::output::write_whole(path, |out| {
                 out.write_all(svg.as_bytes())
                     .map_err(|e| VizError::io(path, e))
             })
         }
         Some("png") => {
-            let rgb = crate::plot_png::render_rgb_with(snapshot, width, height, options);
+            let rgb =
+                render_rgb_within(snapshot, width, height, options, &mut budget).map_err(over)?;
             crate::output::write_whole(path, |out| {
                 let mut enc = png::Encoder::new(out, width as u32, height as u32);
                 enc.set_color(png::ColorType::Rgb);
@@ -580,5 +552,5 @@ pub fn plot_with(
     }
 }
 
-pub use crate::plot_png::render_rgb_with;
-pub use crate::plot_svg::render_svg_with;
+pub use crate::plot_png::{render_rgb_with, render_rgb_within};
+pub use crate::plot_svg::{render_svg_with, render_svg_within};

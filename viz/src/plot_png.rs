@@ -2,6 +2,7 @@
 //! with the bitmap font of [`crate::font`] (the title at twice its size).
 
 use crate::font;
+use crate::limits::{Budget, OverBudget};
 use crate::model::Snapshot;
 use crate::plot::{
     byte_unit, compose, count, event_ticks, shade, spread, ticks, Cell, Line, PlotOptions, Swatch,
@@ -70,13 +71,26 @@ pub fn render_rgb_with(
     height: usize,
     options: &PlotOptions<'_>,
 ) -> Vec<u8> {
+    render_rgb_within(snapshot, width, height, options, &mut Budget::default()).unwrap_or_default()
+}
+
+/// [`render_rgb_with`], what it builds per event charged to `budget` (the pixels are
+/// bounded by [`crate::plot::MAX_PIXELS`], not by the file).
+pub fn render_rgb_within(
+    snapshot: &Snapshot,
+    width: usize,
+    height: usize,
+    options: &PlotOptions<'_>,
+    budget: &mut Budget,
+) -> Result<Vec<u8>, OverBudget> {
     let mut cv = Canvas {
         width,
         height,
         px: vec![255u8; width * height * 3],
     };
-    let Some((fig, l, g, _)) = compose(snapshot, width, height, options, &PNG_METRICS) else {
-        return cv.px;
+    let Some((fig, l, g, _)) = compose(snapshot, width, height, options, &PNG_METRICS, budget)?
+    else {
+        return Ok(cv.px);
     };
     // The title at twice the font's size where it fits.
     let scale = if font::width(&fig.title, 2) + 16 <= width {
@@ -178,5 +192,5 @@ pub fn render_rgb_with(
         1,
         INK,
     );
-    cv.px
+    Ok(cv.px)
 }

@@ -2,6 +2,7 @@
 //! select and search, each line an element with an id (`line-replayed-reserved`, ...) and
 //! a label (`label-replayed-reserved`), so that tests and scripts can read what is drawn.
 
+use crate::limits::{Budget, OverBudget};
 use crate::model::Snapshot;
 use crate::plot::{
     byte_unit, compose, count, event_ticks, spread, ticks, Cell, Line, PlotOptions, Swatch,
@@ -31,16 +32,29 @@ pub fn render_svg_with(
     height: usize,
     options: &PlotOptions<'_>,
 ) -> String {
+    render_svg_within(snapshot, width, height, options, &mut Budget::default()).unwrap_or_default()
+}
+
+/// [`render_svg_with`], what it builds per event charged to `budget` (the document is
+/// bounded by the image's pixels, not by the file).
+pub fn render_svg_within(
+    snapshot: &Snapshot,
+    width: usize,
+    height: usize,
+    options: &PlotOptions<'_>,
+    budget: &mut Budget,
+) -> Result<String, OverBudget> {
     let mut s = String::new();
     let _ = write!(
         s,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11"><rect width="100%" height="100%" fill="white"/>"#
     );
-    let Some((fig, l, g, _)) = compose(snapshot, width, height, options, &SVG_METRICS) else {
+    let Some((fig, l, g, _)) = compose(snapshot, width, height, options, &SVG_METRICS, budget)?
+    else {
         s.push_str(
             "<title>empty snapshot</title><text x=\"10\" y=\"20\">empty snapshot</text></svg>",
         );
-        return s;
+        return Ok(s);
     };
     // The title at 14 pixels, smaller where that would not fit.
     let size = ((width.saturating_sub(16)) as f64 / (0.62 * fig.title.chars().count() as f64))
@@ -201,5 +215,5 @@ pub fn render_svg_with(
         l.y + g.h + 31,
         fig.x_title
     );
-    s
+    Ok(s)
 }

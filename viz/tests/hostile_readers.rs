@@ -115,6 +115,54 @@ fn frames_shared_between_stacks_are_kept_once() {
     assert!(frame.name.starts_with('f') && &*frame.filename == "model.py");
 }
 
+/// A PyTorch-shaped trace as `_dump_snapshot` writes it: every entry has a `frames` list of
+/// its own, each frame a memo reference to one of a few shared frame dicts. What is built
+/// is what is held: a reference costs the slot it takes, equal lists share their items, a
+/// frame and a stack are kept once. So the reader holds a small multiple of the events,
+/// however dense the references (here two bytes each, the densest a pickle writes).
+#[test]
+fn entries_with_frames_lists_of_their_own_cost_what_they_hold() {
+    // Frames memoised first, so that their references are BINGETs of two bytes.
+    let mut prelude = Vec::new();
+    for f in 0..100u8 {
+        prelude.extend([b'}', 0x94, b'(']);
+        short_str(&mut prelude, "name");
+        short_str(&mut prelude, &format!("f{f}"));
+        short_str(&mut prelude, "filename");
+        short_str(&mut prelude, "model.py");
+        short_str(&mut prelude, "line");
+        prelude.extend([b'K', f, b'u', b'0']);
+    }
+    // Frame f's dict is memo entry f.
+    let mut entries = Vec::new();
+    let events = 100_000u32;
+    for e in 0..events {
+        entries.extend([b'}', b'(']);
+        short_str(&mut entries, "action");
+        short_str(&mut entries, "alloc");
+        short_str(&mut entries, "frames");
+        entries.extend([b']', b'(']);
+        for k in 0..50u32 {
+            let f = (e % 7 + k * 3) % 36;
+            entries.extend([b'h', f as u8]);
+        }
+        entries.extend([b'e', b'u']);
+    }
+    let bytes = snapshot_pickle(&prelude, &entries);
+    let input = bytes.len() as u64;
+    let snap = files::from_bytes(Path::new("own-lists.pickle"), bytes).unwrap();
+    assert_eq!(snap.event_count(), events as usize);
+    assert_eq!(snap.stacks.frames().len(), 36);
+    assert_eq!(snap.stacks.len(), 7, "equal stacks are kept once");
+    // What the snapshot keeps: its events and a few stacks, well under one byte of memory
+    // per byte of input (events are 64 bytes; the input is about 140 bytes an entry).
+    assert!(
+        snap.budget.used() < input,
+        "{} of {input}",
+        snap.budget.used()
+    );
+}
+
 /// A budget refuses exactly past its limit (the readers' memory bound is this).
 #[test]
 fn the_byte_budget_is_proportional_to_the_input() {

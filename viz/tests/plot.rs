@@ -26,3 +26,44 @@ fn svg_and_rgb_draw_the_timeline() {
     assert!(plot::render_svg(&empty, 200, 100).contains("empty snapshot"));
     assert_eq!(plot::render_rgb(&empty, 200, 100).len(), 200 * 100 * 3);
 }
+
+/// A plot is built within the file's budget: the timeline stays charged while the picture
+/// exists, the per-event tables of the drawing are given back once it is drawn, the
+/// picture is the one drawn without a budget, and a budget that cannot afford the timeline
+/// is an error, not a panic or a partial picture.
+#[test]
+fn a_plot_is_drawn_within_the_files_budget() {
+    use streamalloc_viz::limits::Budget;
+    use streamalloc_viz::timeline::Timeline;
+    let snap = model::from_engine(&common::engine::engine_snapshot());
+    let device = plot::shown_device(&snap).unwrap();
+    let mut for_timeline = Budget::new(1 << 30);
+    Timeline::build_within(device, &mut for_timeline).unwrap();
+    let options = plot::PlotOptions::default();
+    for draw in ["svg", "png"] {
+        let mut budget = Budget::new(1 << 30);
+        let same = match draw {
+            "svg" => {
+                let svg = plot::render_svg_within(&snap, 600, 300, &options, &mut budget).unwrap();
+                svg == plot::render_svg(&snap, 600, 300)
+            }
+            _ => {
+                let rgb = plot::render_rgb_within(&snap, 600, 300, &options, &mut budget).unwrap();
+                rgb == plot::render_rgb(&snap, 600, 300)
+            }
+        };
+        assert!(
+            same,
+            "{draw}: the picture differs from the one drawn without a budget"
+        );
+        assert_eq!(
+            budget.used(),
+            for_timeline.used(),
+            "{draw}: only the timeline stays charged"
+        );
+    }
+    let over = plot::render_svg_within(&snap, 600, 300, &options, &mut Budget::new(1024));
+    assert_eq!(over.unwrap_err().stage, "building the timeline");
+    let over = plot::render_rgb_within(&snap, 600, 300, &options, &mut Budget::new(1024));
+    assert_eq!(over.unwrap_err().stage, "building the timeline");
+}

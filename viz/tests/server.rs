@@ -1,6 +1,7 @@
-//! The viewer's server over real sockets on 127.0.0.1: the bundled page and the data blob,
-//! and its limits against hostile clients (Host check, connection cap, whole-request
-//! deadline, request size cap).
+//! The viewer's server over real sockets on 127.0.0.1: the bundled page, the data blob and
+//! the replay overlay, and its limits against hostile clients (Host check, whole-request deadline, request size
+//! cap, idle connections giving up their slots). Sharing slots among many slow clients is
+//! specified in `server_fairness.rs`.
 
 mod common;
 
@@ -8,6 +9,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use streamalloc_viz::limits::Budget;
 use streamalloc_viz::{model, server};
 
 fn get(addr: std::net::SocketAddr, path: &str) -> (String, Vec<u8>) {
@@ -88,6 +90,65 @@ fn serves_page_files_and_data() {
     assert!(head.starts_with("HTTP/1.1 404"), "{head}");
     let (head, _) = get(addr, "/../../etc/passwd");
     assert!(head.starts_with("HTTP/1.1 404"), "{head}");
+}
+
+/// An overlay of `points` replayed values, for the viewer's replay route.
+fn overlay(points: usize) -> streamalloc_viz::overlay::ReplayOverlay {
+    use streamalloc_viz::overlay::{CapOutcome, Recorded, ReplayOverlay, SeriesBuilder};
+    let mut series = SeriesBuilder::new(points as u64, 0);
+    for i in 0..points as u64 {
+        series.push(i << 20);
+    }
+    ReplayOverlay::new(
+        Recorded {
+            by: "PyTorch".into(),
+            peak_reserved: 1 << 30,
+            peak_live: 1 << 29,
+            segment_events: true,
+        },
+        series,
+        CapOutcome::NotSearched,
+        "reuse_policy:stream_wait".into(),
+    )
+}
+
+/// `view --replay`: the overlay's drawing and its data are served beside the timeline's,
+/// the data only for the file and device it was set for; its JSON is charged to the file's
+/// budget, and a budget that cannot afford it is an error naming the file and the stage.
+#[test]
+fn the_replay_overlay_is_served_for_its_device_within_the_files_budget() {
+    let snap = model::from_engine(&common::engine::engine_snapshot());
+    let devices = snap.devices.len();
+    let mut viewer = server::Viewer::new(vec![("engine.json".into(), snap.clone())]);
+    let shown = overlay(1000);
+    viewer.set_replay(0, 0, &shown).unwrap();
+    let viewer = Arc::new(viewer);
+    let listener = server::bind(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || server::serve(listener, viewer));
+
+    let (head, js) = get(addr, "/replay.js");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/javascript"), "{head}");
+    assert!(String::from_utf8(js).unwrap().contains("/api/replay"));
+    let (head, body) = get(addr, "/api/replay?f=0&d=0");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let served: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(served, serde_json::to_value(&shown).unwrap());
+    for other in ["/api/replay?f=0&d=7", "/api/replay?f=1&d=0", "/api/replay"] {
+        let (head, _) = get(addr, other);
+        assert!(head.starts_with("HTTP/1.1 404"), "{other}: {head}");
+    }
+    assert_eq!(devices, 1, "the engine snapshot has one device");
+
+    let mut poor = snap;
+    poor.budget = Budget::new(4 << 10);
+    let mut viewer = server::Viewer::new(vec![("poor.json".into(), poor)]);
+    let err = viewer.set_replay(0, 0, &shown).unwrap_err().to_string();
+    assert!(
+        err.starts_with("poor.json: the replay overlay would build more than"),
+        "{err}"
+    );
 }
 
 /// A viewer of the engine snapshot on a free port, within `limits`.
@@ -179,24 +240,48 @@ fn a_trickling_client_is_cut_off_at_the_whole_request_deadline() {
     );
 }
 
+/// HEAD gets the head GET would get, its Content-Length included, and no body.
 #[test]
-fn connections_past_the_cap_get_503_and_slots_free_up() {
+fn head_answers_with_the_length_of_the_body_it_leaves_out() {
+    let addr = start(server::Limits::default());
+    let (_, body) = get(addr, "/api/data?f=0&d=0");
+    let (head, rest) = request(
+        addr,
+        &format!("HEAD /api/data?f=0&d=0 HTTP/1.1\r\nHost: {addr}\r\n\r\n"),
+    );
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.contains(&format!("\r\nContent-Length: {}\r\n", body.len())),
+        "{head}"
+    );
+    assert!(rest.is_empty());
+}
+
+/// A connection that sends nothing holds no slot against a client with a request: with
+/// both slots taken by idle connections, a third is served, in one of their slots.
+#[test]
+fn an_idle_connection_gives_its_slot_to_a_newcomer() {
     let limits = server::Limits {
         max_connections: 2,
-        request_deadline: Duration::from_millis(700),
         ..server::Limits::default()
     };
     let addr = start(limits);
-    let idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    let mut idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
     // Let the server accept both before the third arrives.
     std::thread::sleep(Duration::from_millis(150));
-    let (head, _) = get(addr, "/api/files");
-    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
-    // The idle ones are dropped at the deadline; then requests are served again.
-    std::thread::sleep(Duration::from_millis(1200));
+    let started = Instant::now();
     let (head, _) = get(addr, "/api/files");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    drop(idle);
+    assert!(started.elapsed() < Duration::from_secs(2), "served at once");
+    // The oldest idle connection was closed for it.
+    idle[0]
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let mut rest = Vec::new();
+    assert_eq!(
+        idle[0].read_to_end(&mut rest).map(|_| rest.len()).ok(),
+        Some(0)
+    );
 }
 
 #[test]
@@ -295,7 +380,11 @@ fn every_answer_forbids_scripts_from_elsewhere_sniffing_and_framing() {
 /// the CSP to have to allow.
 #[test]
 fn the_page_never_parses_file_text_as_html() {
-    let js = include_str!("../assets/app.js");
+    let js = [
+        include_str!("../assets/app.js"),
+        include_str!("../assets/prepare.js"),
+    ]
+    .concat();
     for sink in [
         "innerHTML",
         "outerHTML",

@@ -5,25 +5,60 @@ use super::torch_stats::stat_kind;
 use super::*;
 
 impl State {
-    #[inline]
+    /// Frees `ptr` within a larger operation (restoring a pool's checkpoint); a pointer
+    /// this allocator did not hand out is an invalid free.
     pub(super) fn free<B: Backend>(
         &mut self,
         backend: &B,
         ptr: DevicePtr,
         now: u64,
     ) -> Result<(), AllocError> {
+        if self.free_as(backend, ptr, now, false)? {
+            Ok(())
+        } else {
+            Err(self.invalid_free(ptr))
+        }
+    }
+
+    /// Counts a free of `ptr`, which this allocator did not hand out (or already freed).
+    #[cold]
+    pub(super) fn invalid_free(&mut self, ptr: DevicePtr) -> AllocError {
+        self.stats.invalid_frees += 1;
+        AllocError::UnknownPointer(ptr)
+    }
+
+    /// Frees `ptr` as an operation of its own ([`Allocator::free`]) if this allocator handed
+    /// it out; false, counting nothing, if not. A block no other stream used changes
+    /// PyTorch's active statistics at once, the operation's only change to them.
+    #[inline]
+    pub(super) fn free_if_owned<B: Backend>(
+        &mut self,
+        backend: &B,
+        ptr: DevicePtr,
+        now: u64,
+    ) -> Result<bool, AllocError> {
+        self.free_as(backend, ptr, now, true)
+    }
+
+    /// Frees `ptr`; false if it is no live block of this allocator. `alone`: the free is
+    /// an operation of its own.
+    #[inline]
+    fn free_as<B: Backend>(
+        &mut self,
+        backend: &B,
+        ptr: DevicePtr,
+        now: u64,
+        alone: bool,
+    ) -> Result<bool, AllocError> {
         // One map lookup; the entry stays while the block is hot (see `allocated`).
         let entry = match self.allocated.entry(ptr.0) {
             MapEntry::Occupied(entry) if self.arena.block(*entry.get()).is_allocated() => entry,
-            _ => {
-                self.stats.invalid_frees += 1;
-                return Err(AllocError::UnknownPointer(ptr));
-            }
+            _ => return Ok(false),
         };
         let key = *entry.get();
         let block = self.arena.block(key);
         if block.is_stitched() {
-            return self.free_stitched(backend, key, now);
+            return self.free_stitched(backend, key, now).map(|()| true);
         }
         let (size, requested, owner) = (block.size(), block.requested(), block.owner());
         let kind = stat_kind(block);
@@ -34,7 +69,12 @@ impl State {
         if !park {
             entry.remove();
         }
-        self.stats.returned(kind, size, requested);
+        if alone && uses.is_empty() {
+            // Nothing else this free does changes an active block.
+            self.stats.returned_alone(kind, size, requested);
+        } else {
+            self.stats.returned(kind, size, requested);
+        }
         if fence && !self.pools.capture_underway() {
             self.fence_after_free(backend, owner);
         }
@@ -51,8 +91,23 @@ impl State {
             } else {
                 self.insert_free(key);
             }
-            return Ok(());
+            return Ok(true);
         }
+        self.free_shared(backend, key, ptr, (size, kind, owner), uses, now)
+    }
+
+    /// The rest of a free of the block `key` at `ptr`, whose (size, kind, owner) are given,
+    /// after the counters: other streams used it (`uses`), so its reuse waits for their work.
+    #[inline(never)]
+    fn free_shared<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        ptr: DevicePtr,
+        (size, kind, owner): (u64, PoolKind, StreamSlot),
+        uses: thin_vec::ThinVec<StreamSlot>,
+        now: u64,
+    ) -> Result<bool, AllocError> {
         if self.trace.enabled() {
             self.trace
                 .push(TraceAction::FreeRequested, ptr.0, size, owner, now);
@@ -64,7 +119,7 @@ impl State {
             self.arena.withhold(key);
             self.stats.pending_in(kind, size);
             self.deferred_frees.push((key, ptr.0, uses));
-            return Ok(());
+            return Ok(true);
         }
         if let Err(err) = self.record_uses(backend, key, &uses) {
             // Without the events the block's reuse cannot be ordered: keep it out of
@@ -76,7 +131,7 @@ impl State {
         // One event per use stream: pending until they complete or are waited on.
         debug_assert!(!self.arena.block(key).pending().is_empty());
         self.insert_free(key);
-        Ok(())
+        Ok(true)
     }
 
     /// Frees the blocks deferred while captures were under way: records their use events

@@ -66,6 +66,7 @@ impl State {
 
     /// Moves a block taken out of its hot list out of the allocated map and into the free
     /// lists, merging it.
+    #[inline(never)]
     pub(super) fn unhot(&mut self, key: BlockKey) {
         let block = self.arena.block(key);
         let addr = block.addr();

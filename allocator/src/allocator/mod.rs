@@ -60,6 +60,7 @@ pub use sleep::{Backup, SleepReport, TagInfo, WakeReport};
 
 use crate::backend::Backend;
 use crate::config::{Config, ReusePolicy};
+use crate::counters::Counters;
 use crate::error::{AllocError, BackendError, OutOfMemory};
 use crate::lifetime::{EventKey, EventTable, PoolTable, StreamTable};
 use crate::lock::EngineLock;
@@ -72,7 +73,7 @@ use crate::pool::size::{
 use crate::pool::sleep::TagTable;
 use crate::pool::stitch::StitchTable;
 use crate::snapshot::{BlockInfo, BlockState, SegmentInfo, Snapshot};
-use crate::stats::{Stats, TorchStats};
+use crate::stats::Stats;
 use crate::trace::{CompactRing, TraceAction, NO_STREAM};
 use crate::types::{Allocation, DevicePtr, PoolId, PoolKind, StreamId};
 use crate::util::BuildAddrHasher;
@@ -124,8 +125,8 @@ struct State {
     /// [`State::allocated_key`] tells the two apart by the block's state. A quarantined
     /// block is allocated but absent.
     allocated: HashMap<u64, BlockKey, BuildAddrHasher>,
-    /// Counters.
-    stats: Stats,
+    /// Counters, read as [`Stats`].
+    stats: Counters,
     /// The pool kind each mapped stretch of the expandable segments counts in, for
     /// PyTorch's per-kind `reserved_bytes`.
     mapped_kinds: torch_stats::MappedKinds,
@@ -212,6 +213,7 @@ impl<B: Backend> Allocator<B> {
     /// An allocator over `backend`. `memory_fraction` is resolved against the backend's
     /// total memory here; the stricter of it and `memory_limit` applies.
     pub fn new(backend: B, config: Config) -> Result<Self, AllocError> {
+        backend.set_trace_clock(config.trace_clock);
         let mut limit = config.memory_limit;
         if let Some(fraction) = config.memory_fraction {
             let total = backend.total_memory()?;
@@ -245,13 +247,7 @@ impl<B: Backend> Allocator<B> {
             streams: StreamTable::default(),
             events: EventTable::default(),
             allocated: HashMap::default(),
-            stats: Stats {
-                torch: TorchStats {
-                    max_split_size: config.max_split_size.unwrap_or(u64::MAX),
-                    ..TorchStats::default()
-                },
-                ..Stats::default()
-            },
+            stats: Counters::new(config.max_split_size),
             mapped_kinds: torch_stats::MappedKinds::default(),
             trace: CompactRing::new(config.trace_capacity),
             limit,
@@ -281,6 +277,7 @@ impl<B: Backend> Allocator<B> {
     }
 
     /// Allocates at least `size` bytes for use on `stream`.
+    #[inline]
     pub fn malloc(&self, size: u64, stream: StreamId) -> Result<Allocation, AllocError> {
         if size == 0 || size > MAX_REQUEST {
             return Err(AllocError::InvalidSize(size));
@@ -352,7 +349,23 @@ impl<B: Backend> Allocator<B> {
     /// the block is reusable at once by its own stream.
     pub fn free(&self, ptr: DevicePtr) -> Result<(), AllocError> {
         let now = self.early_now();
-        self.operation(|state| state.free(&self.backend, ptr, now))
+        self.operation(|state| {
+            if state.free_if_owned(&self.backend, ptr, now)? {
+                Ok(())
+            } else {
+                Err(state.invalid_free(ptr))
+            }
+        })
+    }
+
+    /// [`Allocator::free`] if `ptr` is a live block of this allocator; `Ok(false)`, with
+    /// nothing counted, if it is not: for a caller that looks for the owner of a pointer
+    /// among several allocators (a free that names no device) and counts a pointer nobody
+    /// owns itself.
+    #[inline]
+    pub fn free_if_owned(&self, ptr: DevicePtr) -> Result<bool, AllocError> {
+        let now = self.early_now();
+        self.operation(|state| state.free_if_owned(&self.backend, ptr, now))
     }
 
     /// True if `ptr` is a block this allocator handed out and that is not yet freed.
@@ -443,7 +456,7 @@ impl<B: Backend> Allocator<B> {
 
     /// A copy of the counters.
     pub fn stats(&self) -> Stats {
-        self.state.lock().stats
+        self.state.lock().stats.read()
     }
 
     /// Sets every peak to its current value.

@@ -9,7 +9,7 @@ impl State {
         backend: &B,
         requested: u64,
         slot: StreamSlot,
-    ) -> OutOfMemory {
+    ) -> Box<OutOfMemory> {
         let (mut free_cached, mut largest) = (0, 0);
         // A sleeping pool's free blocks hold no memory.
         for state in self
@@ -44,6 +44,10 @@ impl State {
         let stitched = self.stitches.actives().map(|(_, stitch)| stitch.size).sum();
         self.stats.ooms += 1;
         self.note(backend, TraceAction::Oom, 0, requested, slot);
+        let growth = match self.growth.expandable() {
+            Some(vmm) => requested.div_ceil(vmm.page).max(1) * vmm.page,
+            None => segment_size_for(round_size(requested)),
+        };
         let report = OutOfMemory {
             requested,
             stream: self.streams.id(slot),
@@ -55,9 +59,10 @@ impl State {
             expandable: self.growth.expandable().is_some(),
             stitched,
             stranded,
+            growth,
         };
         tracing::warn!(%report, "allocation failed");
-        report
+        Box::new(report)
     }
 
     /// Records an event now. The ring keeps `slot`, turned into the stream's handle only when
@@ -151,7 +156,7 @@ impl State {
         segments.sort_by_key(|s| s.addr);
         Snapshot {
             config: config.clone(),
-            stats: self.stats,
+            stats: self.stats.read(),
             segments,
             trace: self.trace.entries(
                 |slot| self.streams.id(slot),

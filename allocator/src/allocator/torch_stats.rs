@@ -118,7 +118,8 @@ impl State {
         if !self.stats.settled() {
             return Err("an operation left net changes of PyTorch's statistics unapplied".into());
         }
-        let torch = &self.stats.torch;
+        let stats = self.stats.read();
+        let torch = &stats.torch;
         // [blocks, bytes] per kind index (1: small, 2: large) for each array checked.
         let mut allocation = [[0u64; 2]; 3];
         let mut requested = [0u64; 3];

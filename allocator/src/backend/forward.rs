@@ -87,6 +87,10 @@ macro_rules! forward_backend {
                 let $this = self;
                 $crate::backend::Clock::ticks_to_ns($inner, ticks)
             }
+            fn set_trace_clock(&self, clock: $crate::config::TraceClock) {
+                let $this = self;
+                $crate::backend::Clock::set_trace_clock($inner, clock)
+            }
         }
     };
 

@@ -42,6 +42,7 @@ pub mod sim;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use crate::config::TraceClock;
 use crate::error::BackendError;
 use crate::types::{DevicePtr, EventHandle, HostPtr, StreamId};
 use std::sync::Arc;
@@ -75,6 +76,11 @@ pub trait Clock {
 
     /// Converts a reading of [`Clock::now_ticks`] to [`Clock::now_ns`]'s time base.
     fn ticks_to_ns(&self, ticks: u64) -> u64;
+
+    /// Which clock [`Clock::now_ticks`] and [`Clock::now_ns`] read from now on; set once,
+    /// by the allocator as it is created, before any reading. A clock with one source (the
+    /// simulator's virtual time) ignores it.
+    fn set_trace_clock(&self, clock: TraceClock);
 }
 
 /// Whole segments of device memory.

@@ -8,9 +8,9 @@
 //! idle handles.
 
 use crate::backend::Backend;
+use crate::counters::Counters;
 use crate::error::BackendError;
 use crate::pool::arena::StreamSlot;
-use crate::stats::Stats;
 pub(crate) use crate::types::EventKey;
 use crate::types::{EventHandle, StreamId};
 use slab::Slab;
@@ -43,7 +43,7 @@ impl EventTable {
         backend: &B,
         slot: StreamSlot,
         stream: StreamId,
-        stats: &mut Stats,
+        stats: &mut Counters,
     ) -> Result<EventKey, BackendError> {
         let handle = match self.idle.pop() {
             Some(handle) => handle,
@@ -73,7 +73,7 @@ impl EventTable {
     }
 
     /// Drops one reference; the last one returns the object to the idle pool.
-    pub(crate) fn release(&mut self, key: EventKey, stats: &mut Stats) {
+    pub(crate) fn release(&mut self, key: EventKey, stats: &mut Counters) {
         let record = &mut self.records[key];
         record.refs -= 1;
         if record.refs == 0 {
@@ -126,7 +126,7 @@ impl EventTable {
     pub(crate) fn acquire_handle<B: Backend>(
         &mut self,
         backend: &B,
-        stats: &mut Stats,
+        stats: &mut Counters,
     ) -> Result<EventHandle, BackendError> {
         match self.idle.pop() {
             Some(handle) => Ok(handle),
@@ -142,7 +142,7 @@ impl EventTable {
     pub(crate) fn destroy_idle<B: Backend>(
         &mut self,
         backend: &B,
-        stats: &mut Stats,
+        stats: &mut Counters,
     ) -> Result<(), BackendError> {
         while let Some(handle) = self.idle.pop() {
             if let Err(err) = backend.destroy_event(handle) {

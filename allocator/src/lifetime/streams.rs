@@ -101,7 +101,11 @@ impl HotList {
             .iter()
             .rposition(|&(hot_size, _)| hot_size == size)?;
         let key = self.slots[position].1;
-        self.slots.copy_within(position + 1..self.len, position);
+        // Usually the newest: nothing to move. A loop, not `copy_within`, which calls
+        // `memmove` even for no element.
+        for index in position..self.len - 1 {
+            self.slots[index] = self.slots[index + 1];
+        }
         self.len -= 1;
         self.armed = true;
         Some(key)

@@ -91,7 +91,9 @@ impl Payload {
     /// Tensor bytes carried (the wire length less alignment padding).
     pub fn tensor_bytes(&self) -> u64 {
         match self {
-            Payload::Packed { segments, .. } => segments.iter().map(|s| s.len).sum(),
+            Payload::Packed { segments, .. } => {
+                segments.iter().map(|s| s.len).fold(0, u64::saturating_add)
+            }
             Payload::ZeroCopy { len, .. } => *len,
         }
     }
@@ -280,12 +282,13 @@ impl Plan {
     }
 
     /// Tensor bytes that cross between distinct ranks.
+    /// Saturates at `u64::MAX` rather than wrapping (tensors of 2^63 bytes are accepted).
     pub fn bytes_moved(&self) -> u64 {
         self.rounds
             .iter()
             .flat_map(|r| &r.transfers)
             .map(|t| t.payload.tensor_bytes())
-            .sum()
+            .fold(0, u64::saturating_add)
     }
 
     /// The staging buffers `rank` needs: as many as the plan can use (up to
@@ -471,6 +474,20 @@ mod tests {
 
     fn meta(bytes: u64) -> TensorMeta {
         TensorMeta { bytes, dtype: 0 }
+    }
+
+    #[test]
+    fn bytes_moved_saturates_rather_than_wrapping() {
+        let mut locals = vec![LocalDescription::empty(0, 2), LocalDescription::empty(1, 2)];
+        let huge = meta(1 << 63);
+        locals[0].sends[1] = vec![huge, huge];
+        locals[1].recvs[0] = vec![huge, huge];
+        let plan = Plan::build(
+            &Description::from_locals(&locals).unwrap(),
+            StagingConfig::default(),
+        )
+        .unwrap();
+        assert_eq!(plan.bytes_moved(), u64::MAX);
     }
 
     #[test]

@@ -31,6 +31,7 @@
 //! file descriptors ([`ipc`]); that is no allocation policy, so it lives on
 //! [`CudaBackend`], outside the [`Backend`] trait.
 
+mod clock;
 pub mod driver;
 mod host;
 pub mod ipc;
@@ -38,11 +39,12 @@ mod vmm;
 
 pub use cudarc::driver::sys;
 
+use self::clock::Clock;
 use super::{BackendResult, Events, HostMemory, Segments, Streams, VirtualMemory};
+use crate::config::TraceClock;
 use crate::error::BackendError;
 use crate::types::{DevicePtr, EventHandle, HostPtr, StreamId};
 use std::ffi::c_int;
-use std::time::Instant;
 
 pub use self::driver::DriverError;
 
@@ -230,6 +232,10 @@ impl super::Clock for CudaBackend {
 
     fn ticks_to_ns(&self, ticks: u64) -> u64 {
         self.clock.ticks_to_ns(ticks)
+    }
+
+    fn set_trace_clock(&self, clock: TraceClock) {
+        self.clock.set(clock);
     }
 }
 
@@ -456,112 +462,9 @@ impl Drop for RelaxedCapture {
     }
 }
 
-// ---- Clock ------------------------------------------------------------------------------
-
-/// Trace timestamps. A tick is, on x86-64, a raw reading of the time-stamp counter: the
-/// hot path stores it as read and [`Clock::ticks_to_ns`] scales it to nanoseconds since the
-/// backend was created, by a rate measured then, only when the trace is read. `rdtsc` costs
-/// a few ns (~16 on some hosts), against ~20 for `Instant::now`, and a malloc/free pair
-/// takes two timestamps. Elsewhere, or where the counter cannot be calibrated, a tick is a
-/// nanosecond of `Instant`.
-#[derive(Debug)]
-struct Clock {
-    start: Instant,
-    #[cfg(target_arch = "x86_64")]
-    tsc: TscRate,
-}
-
-#[cfg(target_arch = "x86_64")]
-#[derive(Debug)]
-struct TscRate {
-    start: u64,
-    /// Nanoseconds per tick, in 32.32 fixed point; 0 if the counter is unusable.
-    ns_per_tick_q32: u64,
-}
-
-impl Clock {
-    fn new() -> Self {
-        let start = Instant::now();
-        #[cfg(target_arch = "x86_64")]
-        {
-            let tsc_start = rdtsc();
-            // Calibrate over ~2 ms: one-off, next to the ~100 ms of context creation.
-            while start.elapsed().as_micros() < 2_000 {
-                std::hint::spin_loop();
-            }
-            let (ticks, ns) = (
-                rdtsc().wrapping_sub(tsc_start),
-                start.elapsed().as_nanos() as u64,
-            );
-            let ns_per_tick_q32 = if ticks > 0 {
-                ((u128::from(ns) << 32) / u128::from(ticks)) as u64
-            } else {
-                0
-            };
-            Self {
-                start,
-                tsc: TscRate {
-                    start: tsc_start,
-                    ns_per_tick_q32,
-                },
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        Self { start }
-    }
-
-    /// The raw reading: the time-stamp counter, or nanoseconds since creation.
-    #[inline]
-    fn now_ticks(&self) -> u64 {
-        #[cfg(target_arch = "x86_64")]
-        if self.tsc.ns_per_tick_q32 != 0 {
-            return rdtsc();
-        }
-        self.start.elapsed().as_nanos() as u64
-    }
-
-    /// Nanoseconds since creation at the reading `ticks`.
-    fn ticks_to_ns(&self, ticks: u64) -> u64 {
-        #[cfg(target_arch = "x86_64")]
-        if self.tsc.ns_per_tick_q32 != 0 {
-            // A core whose counter lags the creating core's reads as the start.
-            let ticks = ticks.saturating_sub(self.tsc.start);
-            return ((u128::from(ticks) * u128::from(self.tsc.ns_per_tick_q32)) >> 32) as u64;
-        }
-        ticks
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[inline]
-fn rdtsc() -> u64 {
-    // SAFETY: RDTSC is available on every x86-64 CPU and has no memory effects.
-    #[allow(unused_unsafe)]
-    unsafe {
-        core::arch::x86_64::_rdtsc()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn clock_is_monotonic_and_close_to_instant() {
-        let clock = Clock::new();
-        let a = clock.ticks_to_ns(clock.now_ticks());
-        let begin = Instant::now();
-        while begin.elapsed().as_millis() < 5 {
-            std::hint::spin_loop();
-        }
-        let b = clock.ticks_to_ns(clock.now_ticks());
-        assert!(b > a);
-        let elapsed = b - a;
-        assert!(
-            (4_000_000..50_000_000).contains(&elapsed),
-            "5 ms measured as {elapsed} ns"
-        );
-    }
 
     #[test]
     fn no_driver_is_a_typed_error_not_a_panic() {

@@ -157,18 +157,46 @@ impl PageMap {
         if !self
             .page_allocations
             .load(std::sync::atomic::Ordering::Relaxed)
-            || size == self.page_size
         {
             return self.map_one(ptr, size);
         }
-        for at in (ptr.0..ptr.0 + size).step_by(self.page_size as usize) {
-            if let Err(err) = self.map_one(DevicePtr(at), self.page_size) {
-                if at > ptr.0 {
-                    // Untouched: unmapping needs no synchronisation.
-                    self.unmap(ptr, at - ptr.0)?;
+        // Every page its own allocation, then access granted to the run at once: the
+        // driver's `cuMemSetAccess` costs ~39 µs for one page and ~285 µs for 64 (H100),
+        // so one call per run instead of per page saves most of a page's cost.
+        let mut made: Vec<(u64, sys::CUmemGenericAllocationHandle)> = Vec::new();
+        let undo = |made: &[(u64, sys::CUmemGenericAllocationHandle)]| {
+            for &(at, handle) in made {
+                // SAFETY: mapped just above, in this function, and never handed out or
+                // touched: unmapping needs no synchronisation.
+                unsafe {
+                    sys::cuMemUnmap(at, self.page_size as usize);
+                    sys::cuMemRelease(handle);
                 }
-                return Err(err);
             }
+        };
+        for at in (ptr.0..ptr.0 + size).step_by(self.page_size as usize) {
+            match self.create_and_map(DevicePtr(at), self.page_size) {
+                Ok(handle) => made.push((at, handle)),
+                Err(err) => {
+                    undo(&made);
+                    return Err(err);
+                }
+            }
+        }
+        if let Err(err) = self.grant_access(ptr, size) {
+            undo(&made);
+            return Err(err);
+        }
+        let mut mappings = self.mappings.lock();
+        for (at, handle) in made {
+            mappings.insert(
+                at,
+                Mapping {
+                    size: self.page_size,
+                    handle,
+                    fd: None,
+                },
+            );
         }
         Ok(())
     }
@@ -181,36 +209,11 @@ impl PageMap {
         self.map_one(ptr, size)
     }
 
-    /// Maps one fresh physical allocation over `[ptr, ptr + size)`; on failure, leaves
-    /// nothing mapped.
+    /// Maps one fresh physical allocation over `[ptr, ptr + size)` and makes it
+    /// accessible; on failure, leaves nothing mapped.
     fn map_one(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        let prop = allocation_prop(self.ordinal, self.exportable);
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        driver::check(
-            // SAFETY: valid out pointer and property struct; `size` is a multiple of the
-            // granularity (checked above).
-            unsafe { sys::cuMemCreate(&mut handle, size as usize, &prop, 0) },
-            "cuMemCreate",
-        )?;
-        if let Err(err) = driver::check(
-            // SAFETY: `[ptr, ptr + size)` lies in a reservation and is not mapped (the engine
-            // maps each range once); `handle` is a fresh allocation of exactly `size` bytes.
-            unsafe { sys::cuMemMap(ptr.0, size as usize, 0, handle, 0) },
-            "cuMemMap",
-        ) {
-            // SAFETY: the handle was created above and never mapped.
-            unsafe { sys::cuMemRelease(handle) };
-            return Err(err);
-        }
-        let access = sys::CUmemAccessDesc {
-            location: location(self.ordinal),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        if let Err(err) = driver::check(
-            // SAFETY: the whole range was just mapped; one valid descriptor.
-            unsafe { sys::cuMemSetAccess(ptr.0, size as usize, &access, 1) },
-            "cuMemSetAccess",
-        ) {
+        let handle = self.create_and_map(ptr, size)?;
+        if let Err(err) = self.grant_access(ptr, size) {
             // SAFETY: mapped above and never handed out.
             unsafe {
                 sys::cuMemUnmap(ptr.0, size as usize);
@@ -227,6 +230,48 @@ impl PageMap {
             },
         );
         Ok(())
+    }
+
+    /// Creates one physical allocation of `size` bytes and maps it at `ptr`, not yet
+    /// accessible; on failure, leaves nothing created or mapped.
+    fn create_and_map(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+    ) -> BackendResult<sys::CUmemGenericAllocationHandle> {
+        let prop = allocation_prop(self.ordinal, self.exportable);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        driver::check(
+            // SAFETY: valid out pointer and property struct; `size` is a multiple of the
+            // granularity (checked by the callers).
+            unsafe { sys::cuMemCreate(&mut handle, size as usize, &prop, 0) },
+            "cuMemCreate",
+        )?;
+        if let Err(err) = driver::check(
+            // SAFETY: `[ptr, ptr + size)` lies in a reservation and is not mapped (the engine
+            // maps each range once); `handle` is a fresh allocation of exactly `size` bytes.
+            unsafe { sys::cuMemMap(ptr.0, size as usize, 0, handle, 0) },
+            "cuMemMap",
+        ) {
+            // SAFETY: the handle was created above and never mapped.
+            unsafe { sys::cuMemRelease(handle) };
+            return Err(err);
+        }
+        Ok(handle)
+    }
+
+    /// Makes the mapped range `[ptr, ptr + size)` readable and writable by this device.
+    fn grant_access(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+        let access = sys::CUmemAccessDesc {
+            location: location(self.ordinal),
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        driver::check(
+            // SAFETY: the whole range is mapped (the callers mapped every allocation in it);
+            // one valid descriptor.
+            unsafe { sys::cuMemSetAccess(ptr.0, size as usize, &access, 1) },
+            "cuMemSetAccess",
+        )
     }
 
     /// Maps the pages mapped at `[src, src + size)` again at `[dst, dst + size)`: one

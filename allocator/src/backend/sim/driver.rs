@@ -25,6 +25,9 @@ impl backend::Clock for SimBackend {
     fn ticks_to_ns(&self, ticks: u64) -> u64 {
         ticks
     }
+
+    /// The virtual time is the only clock, whichever the configuration names.
+    fn set_trace_clock(&self, _clock: crate::config::TraceClock) {}
 }
 
 impl backend::Segments for SimBackend {

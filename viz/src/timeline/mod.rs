@@ -26,6 +26,7 @@
 //!
 //! and, per stream, `cached`: bytes of the stream's segments not in active blocks.
 
+use crate::limits::{Budget, OverBudget};
 use crate::model::{BlockState, DeviceSnapshot, TraceAction};
 use std::collections::{BTreeMap, HashMap};
 
@@ -125,9 +126,46 @@ impl Counter {
     }
 }
 
+mod counters;
+mod sleeping;
+
+/// What the budget calls building a timeline.
+const STAGE: &str = "building the timeline";
+/// What one entry of the maps used while pairing costs (key, value, the map's overhead).
+const MAP_ENTRY_BYTES: u64 = 48;
+
 impl Timeline {
     /// Pairs up the events of `device` and computes the counters.
     pub fn build(device: &DeviceSnapshot) -> Timeline {
+        match Timeline::build_within(device, &mut Budget::default()) {
+            Ok(t) => t,
+            Err(_) => unreachable!("an unlimited budget never runs out"),
+        }
+    }
+
+    /// [`Timeline::build`], charging what it holds to `budget` (and what it needs only
+    /// while building, given back at the end): a trace the budget cannot afford is an
+    /// error before its memory is taken.
+    pub fn build_within(
+        device: &DeviceSnapshot,
+        budget: &mut Budget,
+    ) -> Result<Timeline, OverBudget> {
+        let mut transient = 0u64;
+        let built = Timeline::pair(device, budget, &mut transient);
+        budget.release(transient);
+        built
+    }
+
+    fn pair(
+        device: &DeviceSnapshot,
+        budget: &mut Budget,
+        transient: &mut u64,
+    ) -> Result<Timeline, OverBudget> {
+        let mut charge_transient = |budget: &mut Budget, bytes: u64| {
+            budget.charge_for(STAGE, bytes)?;
+            *transient += bytes;
+            Ok::<(), OverBudget>(())
+        };
         let mut t = Timeline::default();
         let mut stream_index: HashMap<u64, u32> = HashMap::new();
         let mut stream = |s: u64, streams: &mut Vec<u64>| -> u32 {
@@ -154,6 +192,8 @@ impl Timeline {
             match e.action {
                 TraceAction::SegmentAlloc | TraceAction::SegmentMap | TraceAction::Wake => {
                     let s = stream(e.stream, &mut t.streams);
+                    budget.reserve(STAGE, &mut late_segs, 1)?;
+                    charge_transient(budget, MAP_ENTRY_BYTES)?;
                     late_segs.push(SegmentSpan {
                         start: at,
                         end: None,
@@ -178,6 +218,10 @@ impl Timeline {
                         .collect();
                     hit.reverse();
                     let mut cursor = lo;
+                    // At most two pieces left of each span hit, and one gap before it.
+                    budget.reserve(STAGE, &mut late_segs, 2 * hit.len() + 1)?;
+                    budget.reserve(STAGE, &mut early_segs, hit.len() + 1)?;
+                    charge_transient(budget, MAP_ENTRY_BYTES * 2 * hit.len() as u64)?;
                     for k in hit {
                         let (sa, se, st) = {
                             let sp = &late_segs[k];
@@ -225,7 +269,9 @@ impl Timeline {
         }
         // Segments in the snapshot that no range mapped in the trace overlaps existed
         // before it (a sleeping pool's hold no memory: they are sleeping ranges).
-        t.sleeping = sleeping_spans(device, &mut |s| stream(s, &mut t.streams));
+        t.sleeping = sleeping::sleeping_spans(device, budget, &mut charge_transient, &mut |s| {
+            stream(s, &mut t.streams)
+        })?;
         for seg in device.segments.iter().filter(|seg| !seg.asleep) {
             let end = seg.addr.saturating_add(seg.size);
             let overlapped = live_segs.range(..end).next_back().is_some_and(|(_, &k)| {
@@ -233,6 +279,7 @@ impl Timeline {
             });
             if !overlapped {
                 let s = stream(seg.stream, &mut t.streams);
+                budget.reserve(STAGE, &mut early_segs, 1)?;
                 early_segs.push(SegmentSpan {
                     start: None,
                     end: None,
@@ -255,6 +302,8 @@ impl Timeline {
             let i32_ = i as u32;
             match e.action {
                 TraceAction::Alloc => {
+                    budget.reserve(STAGE, &mut late, 1)?;
+                    charge_transient(budget, MAP_ENTRY_BYTES)?;
                     // streamalloc hands a freed block carrying pending events to another
                     // request at once (after a device-side wait), with no free_completed:
                     // the reuse ends the old lifetime.
@@ -279,6 +328,8 @@ impl Timeline {
                         late[k].free_requested = Some(i32_);
                     } else {
                         let s = stream(e.stream, &mut t.streams);
+                        budget.reserve(STAGE, &mut early, 1)?;
+                        charge_transient(budget, MAP_ENTRY_BYTES)?;
                         early.push(AllocSpan {
                             start: None,
                             free_requested: Some(i32_),
@@ -299,6 +350,7 @@ impl Timeline {
                         early[k].end = Some(i32_);
                     } else {
                         let s = stream(e.stream, &mut t.streams);
+                        budget.reserve(STAGE, &mut early, 1)?;
                         early.push(AllocSpan {
                             start: None,
                             free_requested: None,
@@ -327,6 +379,7 @@ impl Timeline {
                     continue;
                 }
                 let s = stream(b.stream, &mut t.streams);
+                budget.reserve(STAGE, &mut early, 1)?;
                 early.push(AllocSpan {
                     start: None,
                     free_requested: None,
@@ -339,11 +392,19 @@ impl Timeline {
                 });
             }
         }
+        budget.reserve(STAGE, &mut early, late.len())?;
         early.append(&mut late);
         t.allocs = early;
+        // Streams: a few bytes each, in the per-stream tables below.
+        budget.charge_for(STAGE, 64 * t.streams.len() as u64)?;
+        // Sorting the allocations and segments by time.
+        charge_transient(
+            budget,
+            (t.allocs.len() * size_of::<usize>() + t.segments.len() * 24) as u64,
+        )?;
         t.assign_owners(n);
-        t.compute_counters(trace);
-        t
+        t.compute_counters(trace, budget, &mut charge_transient)?;
+        Ok(t)
     }
 
     /// The sleeping ranges at the instant before event `at`, as `(address, bytes)`.
@@ -398,104 +459,6 @@ impl Timeline {
         }
     }
 
-    fn compute_counters(&mut self, trace: &[crate::model::Event]) {
-        let n = trace.len();
-        let streams = self.streams.len();
-        // Deltas per event, then prefix sums.
-        let mut delta: [Vec<i128>; 5] = Default::default();
-        for d in delta.iter_mut() {
-            d.resize(n, 0);
-        }
-        let mut initial = [0i128; 5];
-        let mut cached_delta: Vec<BTreeMap<u32, i128>> = vec![BTreeMap::new(); streams];
-        let mut cached_initial = vec![0i128; streams];
-        let mut add = |k: Counter, at: Option<u32>, v: i128, initial: &mut [i128; 5]| match at {
-            Some(i) => delta[k as usize][i as usize] += v,
-            None => initial[k as usize] += v,
-        };
-        for a in &self.allocs {
-            let size = a.size as i128;
-            add(Counter::Active, a.start, size, &mut initial);
-            add(Counter::Allocated, a.start, size, &mut initial);
-            match (a.free_requested, a.end) {
-                (Some(fr), end) => {
-                    add(Counter::Allocated, Some(fr), -size, &mut initial);
-                    add(Counter::Pending, Some(fr), size, &mut initial);
-                    if let Some(e) = end {
-                        add(Counter::Pending, Some(e), -size, &mut initial);
-                    }
-                }
-                (None, Some(e)) => add(Counter::Allocated, Some(e), -size, &mut initial),
-                (None, None) => {}
-            }
-            if let Some(e) = a.end {
-                add(Counter::Active, Some(e), -size, &mut initial);
-            }
-            let owner = a.owner as usize;
-            match a.start {
-                Some(s) => *cached_delta[owner].entry(s).or_default() -= size,
-                None => cached_initial[owner] -= size,
-            }
-            if let Some(e) = a.end {
-                *cached_delta[owner].entry(e).or_default() += size;
-            }
-        }
-        for s in &self.segments {
-            let size = s.size as i128;
-            add(Counter::Reserved, s.start, size, &mut initial);
-            if let Some(e) = s.end {
-                add(Counter::Reserved, Some(e), -size, &mut initial);
-            }
-            let st = s.stream as usize;
-            match s.start {
-                Some(at) => *cached_delta[st].entry(at).or_default() += size,
-                None => cached_initial[st] += size,
-            }
-            if let Some(e) = s.end {
-                *cached_delta[st].entry(e).or_default() -= size;
-            }
-        }
-        for (i, e) in trace.iter().enumerate() {
-            match e.action {
-                TraceAction::StagingAcquire => {
-                    delta[Counter::Staging as usize][i] += e.size as i128
-                }
-                TraceAction::StagingRelease => {
-                    delta[Counter::Staging as usize][i] -= e.size as i128
-                }
-                _ => {}
-            }
-        }
-        let clamp = |v: i128| v.clamp(0, u64::MAX as i128) as u64;
-        for k in 0..5 {
-            self.initial[k] = clamp(initial[k]);
-            let mut v = initial[k];
-            self.counters[k] = delta[k]
-                .iter()
-                .map(|d| {
-                    v += d;
-                    clamp(v)
-                })
-                .collect();
-        }
-        self.cached_initial = cached_initial.iter().map(|&v| clamp(v)).collect();
-        self.cached_changes = cached_delta
-            .into_iter()
-            .zip(&cached_initial)
-            .map(|(deltas, &init)| {
-                let mut v = init;
-                deltas
-                    .into_iter()
-                    .filter(|(_, d)| *d != 0)
-                    .map(|(at, d)| {
-                        v += d;
-                        (at, clamp(v))
-                    })
-                    .collect()
-            })
-            .collect();
-    }
-
     /// Number of events.
     pub fn len(&self) -> usize {
         self.counters[0].len()
@@ -534,263 +497,5 @@ impl Timeline {
             .collect();
         v.sort_by_key(|a| std::cmp::Reverse(a.size));
         v
-    }
-}
-
-/// The ranges sleeping memory pools gave back over `device`'s trace: each `sleep` opens
-/// one, the `wake` that maps any of it closes it; a sleeping segment of the snapshot that
-/// no `sleep` of the trace explains was asleep before it.
-fn sleeping_spans(device: &DeviceSnapshot, stream: &mut dyn FnMut(u64) -> u32) -> Vec<SegmentSpan> {
-    let mut spans: Vec<SegmentSpan> = Vec::new();
-    let mut open: BTreeMap<u64, usize> = BTreeMap::new();
-    for (i, e) in device.trace.iter().enumerate() {
-        match e.action {
-            TraceAction::Sleep => {
-                spans.push(SegmentSpan {
-                    start: Some(i as u32),
-                    end: None,
-                    addr: e.addr,
-                    size: e.size,
-                    stream: stream(e.stream),
-                });
-                open.insert(e.addr, spans.len() - 1);
-            }
-            TraceAction::Wake => {
-                let hi = e.addr.saturating_add(e.size);
-                let woken: Vec<u64> = open
-                    .range(..hi)
-                    .filter(|(_, &k)| spans[k].addr.saturating_add(spans[k].size) > e.addr)
-                    .map(|(&addr, _)| addr)
-                    .collect();
-                for addr in woken {
-                    let k = open.remove(&addr).expect("listed");
-                    spans[k].end = Some(i as u32);
-                }
-            }
-            _ => {}
-        }
-    }
-    let mut early = Vec::new();
-    for seg in device.segments.iter().filter(|seg| seg.asleep) {
-        let hi = seg.addr.saturating_add(seg.size);
-        let explained = open
-            .range(..hi)
-            .any(|(_, &k)| spans[k].addr.saturating_add(spans[k].size) > seg.addr);
-        if !explained {
-            early.push(SegmentSpan {
-                start: None,
-                end: None,
-                addr: seg.addr,
-                size: seg.size,
-                stream: stream(seg.stream),
-            });
-        }
-    }
-    early.append(&mut spans);
-    early
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::{Block, Event, Segment};
-
-    fn ev(action: TraceAction, addr: u64, size: u64, stream: u64) -> Event {
-        Event {
-            action,
-            addr,
-            size,
-            stream,
-            time_ns: 0,
-            stack: None,
-            device_free: None,
-        }
-    }
-
-    fn device(segments: Vec<Segment>, trace: Vec<Event>) -> DeviceSnapshot {
-        DeviceSnapshot {
-            device: 0,
-            time_ns: None,
-            trace_dropped: 0,
-            segments,
-            trace,
-        }
-    }
-
-    #[test]
-    fn pairs_lifetimes_and_counts_pending() {
-        use TraceAction::*;
-        let d = device(
-            vec![],
-            vec![
-                ev(SegmentAlloc, 0x1000, 100, 7),
-                ev(Alloc, 0x1000, 40, 7),
-                ev(Alloc, 0x1028, 60, 9), // another stream, in stream 7's segment
-                ev(FreeRequested, 0x1000, 40, 7),
-                ev(FreeCompleted, 0x1000, 40, 7),
-                ev(FreeRequested, 0x1028, 60, 9),
-                ev(FreeCompleted, 0x1028, 60, 9),
-                ev(SegmentFree, 0x1000, 100, 7),
-            ],
-        );
-        let t = Timeline::build(&d);
-        assert_eq!(t.allocs.len(), 2);
-        assert_eq!(t.allocs[0].start, Some(1));
-        assert_eq!(t.allocs[0].free_requested, Some(3));
-        assert_eq!(t.allocs[0].end, Some(4));
-        let col = |k: Counter| t.counters[k as usize].clone();
-        assert_eq!(col(Counter::Active), vec![0, 40, 100, 100, 60, 60, 0, 0]);
-        assert_eq!(col(Counter::Allocated), vec![0, 40, 100, 60, 60, 0, 0, 0]);
-        assert_eq!(col(Counter::Pending), vec![0, 0, 0, 40, 0, 60, 0, 0]);
-        assert_eq!(
-            col(Counter::Reserved),
-            vec![100, 100, 100, 100, 100, 100, 100, 0]
-        );
-        assert_eq!(t.peak(Counter::Active), Some((2, 100)));
-        // The stream-9 block lies in stream 7's segment: its bytes are not stream 7's cache.
-        let s7 = t.streams.iter().position(|&s| s == 7).unwrap();
-        assert_eq!(t.allocs[1].owner as usize, s7);
-        let cached7: Vec<(u32, u64)> = t.cached_changes[s7].clone();
-        assert_eq!(
-            cached7,
-            vec![(0, 100), (1, 60), (2, 0), (4, 40), (6, 100), (7, 0)]
-        );
-    }
-
-    #[test]
-    fn before_the_trace_and_reuse_without_free_completed() {
-        use TraceAction::*;
-        let seg = Segment {
-            addr: 0x1000,
-            size: 100,
-            pool: "large".into(),
-            stream: 1,
-            expandable: false,
-            tag: None,
-            asleep: false,
-            blocks: vec![
-                Block {
-                    addr: 0x1000,
-                    size: 50,
-                    requested: 50,
-                    state: BlockState::ActiveAllocated,
-                    stream: 1,
-                    pending_events: 0,
-                    stack: None,
-                    lent_to: None,
-                },
-                Block {
-                    addr: 0x1032,
-                    size: 50,
-                    requested: 0,
-                    state: BlockState::Inactive,
-                    stream: 1,
-                    pending_events: 0,
-                    stack: None,
-                    lent_to: None,
-                },
-            ],
-        };
-        let d = device(
-            vec![seg],
-            vec![
-                // A block allocated before the trace is freed.
-                ev(FreeRequested, 0x1032, 50, 1),
-                ev(FreeCompleted, 0x1032, 50, 1),
-                // A block freed with pending events, reused by another stream at once.
-                ev(Alloc, 0x1032, 50, 1),
-                ev(FreeRequested, 0x1032, 50, 1),
-                ev(CrossStreamWait, 0x1032, 50, 2),
-                ev(Alloc, 0x1032, 50, 2),
-            ],
-        );
-        let t = Timeline::build(&d);
-        // Before the trace: the freed block and the block still allocated at the end.
-        assert_eq!(t.initial[Counter::Active as usize], 100);
-        assert_eq!(t.initial[Counter::Reserved as usize], 100);
-        assert_eq!(t.segments.len(), 1);
-        assert_eq!(t.segments[0].start, None);
-        assert_eq!(
-            t.counters[Counter::Active as usize],
-            vec![100, 50, 100, 100, 100, 100]
-        );
-        assert_eq!(
-            t.counters[Counter::Pending as usize],
-            vec![50, 0, 0, 50, 50, 0]
-        );
-        let reused = &t.allocs[t.allocs.len() - 2];
-        assert_eq!((reused.start, reused.end), (Some(2), Some(5)));
-        assert_eq!(t.active_at(5).len(), 2);
-    }
-
-    #[test]
-    fn expandable_unmaps_split_and_join_mappings() {
-        use TraceAction::*;
-        let d = device(
-            vec![],
-            vec![
-                ev(SegmentMap, 0x1000, 0x200, 3),
-                ev(SegmentMap, 0x1200, 0x200, 3),
-                // Part of the first mapping and part of the second, in one call.
-                ev(SegmentUnmap, 0x1100, 0x200, 3),
-                // A range mapped before the trace.
-                ev(SegmentUnmap, 0x9000, 0x100, 3),
-                ev(SegmentUnmap, 0x1000, 0x100, 3),
-            ],
-        );
-        let t = Timeline::build(&d);
-        assert_eq!(
-            t.counters[Counter::Reserved as usize],
-            // 0x100 mapped before the trace is counted from the start.
-            vec![0x300, 0x500, 0x300, 0x200, 0x100]
-        );
-        assert_eq!(t.initial[Counter::Reserved as usize], 0x100);
-        let live: Vec<(u64, u64)> = t
-            .segments
-            .iter()
-            .filter(|s| s.end.is_none())
-            .map(|s| (s.addr, s.size))
-            .collect();
-        assert_eq!(live, vec![(0x1300, 0x100)]);
-    }
-
-    #[test]
-    fn a_sleep_gives_reserved_memory_back_until_its_wake_and_is_a_sleeping_span() {
-        use TraceAction::*;
-        let asleep_before = Segment {
-            addr: 0x9000,
-            size: 0x100,
-            pool: "large".into(),
-            stream: 3,
-            expandable: true,
-            tag: Some("weights".into()),
-            asleep: true,
-            blocks: vec![],
-        };
-        let d = device(
-            vec![asleep_before],
-            vec![
-                ev(SegmentMap, 0x1000, 0x400, 3),
-                ev(Alloc, 0x1000, 0x300, 3),
-                ev(Sleep, 0x1000, 0x400, 3),
-                ev(Wake, 0x1000, 0x400, 3),
-                ev(FreeRequested, 0x1000, 0x300, 3),
-            ],
-        );
-        let t = Timeline::build(&d);
-        assert_eq!(
-            t.counters[Counter::Reserved as usize],
-            vec![0x400, 0x400, 0, 0x400, 0x400],
-            "the sleeping segment of the snapshot holds no memory"
-        );
-        assert_eq!(
-            t.counters[Counter::Allocated as usize],
-            vec![0, 0x300, 0x300, 0x300, 0],
-            "a sleeping block stays allocated"
-        );
-        assert_eq!(t.sleeping.len(), 2);
-        assert_eq!(t.sleeping_at(0), vec![(0x9000, 0x100)]);
-        assert_eq!(t.sleeping_at(3), vec![(0x9000, 0x100), (0x1000, 0x400)]);
-        assert_eq!(t.sleeping_at(4), vec![(0x9000, 0x100)]);
     }
 }
