@@ -26,12 +26,10 @@ use std::hint::black_box;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 use streamalloc_allocator::backend::sim::SimBackend;
-use streamalloc_allocator::backend::BackendResult;
+use streamalloc_allocator::backend::Clock;
 use streamalloc_allocator::config::format_bytes;
 use streamalloc_allocator::scenarios::record_stream_pipeline;
-use streamalloc_allocator::{
-    Allocator, Backend, Config, DevicePtr, EventHandle, ReusePolicy, StreamId,
-};
+use streamalloc_allocator::{Allocator, Backend, Config, ReusePolicy, StreamId};
 
 fn sim_allocator(config: Config) -> (SimBackend, Allocator<SimBackend>) {
     let device = SimBackend::new(1 << 40);
@@ -137,6 +135,11 @@ fn cached_same_stream(c: &mut Criterion) {
         let stream = device.create_stream();
         let warm = allocator.malloc(1 << 20, stream).unwrap();
         allocator.free(warm.ptr).unwrap();
+        // The default configuration, as on the GPU: pages mapped into expandable segments.
+        assert!(
+            allocator.stats().page_map_bytes > 0,
+            "the clocked device must run expandable segments as the default configuration does"
+        );
         group.bench_function("cached_same_stream_tsc_clock", |b| {
             b.iter(|| {
                 let block = allocator.malloc(black_box(1 << 20), stream).unwrap();
@@ -303,37 +306,13 @@ fn rdtsc() -> u64 {
 }
 
 #[cfg(target_arch = "x86_64")]
-impl Backend for TscClocked {
-    fn total_memory(&self) -> BackendResult<u64> {
-        self.device.total_memory()
-    }
-    fn alloc_segment(&self, size: u64) -> BackendResult<DevicePtr> {
-        self.device.alloc_segment(size)
-    }
-    fn free_segment(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        self.device.free_segment(ptr, size)
-    }
-    fn create_event(&self) -> BackendResult<EventHandle> {
-        self.device.create_event()
-    }
-    fn destroy_event(&self, event: EventHandle) -> BackendResult<()> {
-        self.device.destroy_event(event)
-    }
-    fn record_event(&self, event: EventHandle, stream: StreamId) -> BackendResult<()> {
-        self.device.record_event(event, stream)
-    }
-    fn query_event(&self, event: EventHandle) -> BackendResult<bool> {
-        self.device.query_event(event)
-    }
-    fn synchronize_event(&self, event: EventHandle) -> BackendResult<()> {
-        self.device.synchronize_event(event)
-    }
-    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> BackendResult<()> {
-        self.device.stream_wait_event(stream, event)
-    }
-    fn synchronize_device(&self) -> BackendResult<()> {
-        self.device.synchronize_device()
-    }
+streamalloc_allocator::forward_backend! {
+    impl[] for TscClocked as this => &this.device, SimBackend;
+    Segments, Events, Streams, VirtualMemory, HostMemory
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Clock for TscClocked {
     fn now_ns(&self) -> u64 {
         self.ticks_to_ns(self.now_ticks())
     }
@@ -345,6 +324,8 @@ impl Backend for TscClocked {
         let ticks = ticks.saturating_sub(self.start);
         ((u128::from(ticks) * u128::from(self.ns_per_tick_q32)) >> 32) as u64
     }
+    /// Always the time-stamp counter: this device exists to measure it.
+    fn set_trace_clock(&self, _clock: streamalloc_allocator::TraceClock) {}
 }
 
 /// The 64-bit Mersenne Twister (`std::mt19937_64`), so the workload matches the C++ one

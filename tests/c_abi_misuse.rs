@@ -8,7 +8,7 @@ use std::ffi::{c_int, c_void, CStr};
 use streamalloc::ffi::pools::{
     self, StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo,
 };
-use streamalloc::ffi::{self, error, p2p, stats, StreamallocStats};
+use streamalloc::ffi::{self, error, introspect, p2p, stats, StreamallocStats};
 use streamalloc::registry::Registry;
 use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::Config;
@@ -98,17 +98,17 @@ fn device_calls() -> Vec<DeviceCall> {
         ("cache_info", |r, d| {
             let mut largest = 0;
             // SAFETY: a valid out pointer.
-            unsafe { pools::cache_info(r, d, &mut largest) != 0 }
+            unsafe { introspect::cache_info(r, d, &mut largest) != 0 }
         }),
         ("memory_limit", |r, d| {
-            pools::memory_limit(r, d);
+            introspect::memory_limit(r, d);
             !last_error().is_empty()
         }),
         ("snapshot_segments", |r, d| {
             let (mut segments, mut blocks) = (0usize, 0usize);
             // SAFETY: null arrays with capacity 0, valid count pointers.
             unsafe {
-                pools::snapshot_segments(
+                introspect::snapshot_segments(
                     r,
                     d,
                     std::ptr::null_mut(),
@@ -258,7 +258,10 @@ fn null_out_pointers_are_refused_or_skipped_as_documented() {
     unsafe {
         assert_eq!(stats::get_stats(&registry, 0, std::ptr::null_mut()), -1);
         assert!(last_error().contains("out is null"), "{}", last_error());
-        assert_eq!(pools::cache_info(&registry, 0, std::ptr::null_mut()), -1);
+        assert_eq!(
+            introspect::cache_info(&registry, 0, std::ptr::null_mut()),
+            -1
+        );
         assert!(last_error().contains("largest is null"));
         assert_eq!(ffi::dump_snapshot(&registry, std::ptr::null(), 0), -1);
         assert!(last_error().contains("path is null"));
@@ -290,7 +293,7 @@ fn null_out_pointers_are_refused_or_skipped_as_documented() {
         // Null outs are skipped where the function allows them.
         use std::ptr::null_mut;
         assert_eq!(
-            pools::block_info(
+            introspect::block_info(
                 &registry,
                 block,
                 null_mut(),
@@ -307,7 +310,7 @@ fn null_out_pointers_are_refused_or_skipped_as_documented() {
             "counted without an array"
         );
         let (mut segments, mut blocks) = (0usize, 0usize);
-        let fitted = pools::snapshot_segments(
+        let fitted = introspect::snapshot_segments(
             &registry,
             0,
             null_mut(),
@@ -320,7 +323,7 @@ fn null_out_pointers_are_refused_or_skipped_as_documented() {
         assert_eq!((fitted, segments > 0, blocks > 0), (1, true, true));
         let mut rows = vec![StreamallocSegmentInfo::default(); segments];
         let mut block_rows = vec![StreamallocBlockState::default(); blocks];
-        let fitted = pools::snapshot_segments(
+        let fitted = introspect::snapshot_segments(
             &registry,
             0,
             rows.as_mut_ptr(),
@@ -335,7 +338,7 @@ fn null_out_pointers_are_refused_or_skipped_as_documented() {
 
         // block_info of something that is not a live allocation.
         assert_eq!(
-            pools::block_info(
+            introspect::block_info(
                 &registry,
                 ptr(0x1000),
                 null_mut(),
@@ -559,13 +562,13 @@ fn every_call_clears_the_last_error_when_it_succeeds() {
         ("cache_info", Box::new(|| {
             let mut largest = 0u64;
             // SAFETY: a valid out pointer.
-            unsafe { pools::cache_info(&registry, 0, &mut largest) == 0 }
+            unsafe { introspect::cache_info(&registry, 0, &mut largest) == 0 }
         })),
-        ("memory_limit", Box::new(|| pools::memory_limit(&registry, 0) > 0)),
+        ("memory_limit", Box::new(|| introspect::memory_limit(&registry, 0) > 0)),
         // SAFETY: null outs are allowed.
         ("block_info", Box::new(|| unsafe {
             use std::ptr::null_mut;
-            pools::block_info(&registry, block, null_mut(), null_mut(), null_mut(), null_mut())
+            introspect::block_info(&registry, block, null_mut(), null_mut(), null_mut(), null_mut())
         } == 0)),
         ("begin_allocate_to_pool", Box::new(|| {
             pools::begin_allocate_to_pool(&registry, 0, 5, 0, null());

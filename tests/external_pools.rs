@@ -6,8 +6,9 @@
 
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::Mutex;
-use streamalloc::ffi::external::{pool_set_segment_source, WithSources};
+use streamalloc::ffi::pool_rules::pool_set_segment_source;
 use streamalloc::ffi::{self, pools};
+use streamalloc::registry::sources::WithSources;
 use streamalloc::registry::{simulated_device, Registry};
 use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::Config;

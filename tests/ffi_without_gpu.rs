@@ -157,6 +157,7 @@ fn pool_and_introspection_entry_points_fail_cleanly_without_cuda() {
     if !no_gpu() {
         return;
     }
+    use streamalloc::ffi::introspect::*;
     use streamalloc::ffi::pools::*;
     let stream = std::ptr::null_mut::<c_void>();
     assert!(streamalloc_malloc_in_pool(1 << 20, 0, stream, 1, 0).is_null());
@@ -223,7 +224,7 @@ fn pytorch_statistics_and_pool_source_entry_points_fail_cleanly_without_cuda() {
     if !no_gpu() {
         return;
     }
-    use streamalloc::ffi::{external, fallback, stats};
+    use streamalloc::ffi::{pool_rules, stats};
     let mut values = [0i64; 4];
     // SAFETY: `values` has room for 4 values.
     let n = unsafe { stats::streamalloc_torch_stats(0, values.as_mut_ptr(), 4) };
@@ -251,10 +252,10 @@ fn pytorch_statistics_and_pool_source_entry_points_fail_cleanly_without_cuda() {
         "{}",
         last_error()
     );
-    assert_eq!(fallback::streamalloc_pool_set_use_on_oom(0, 1, 0, 1), -1);
+    assert_eq!(pool_rules::streamalloc_pool_set_use_on_oom(0, 1, 0, 1), -1);
     // SAFETY: null callbacks are refused before anything is called.
     let source = unsafe {
-        external::streamalloc_pool_set_segment_source(0, 1, 0, None, None, std::ptr::null_mut())
+        pool_rules::streamalloc_pool_set_segment_source(0, 1, 0, None, None, std::ptr::null_mut())
     };
     assert_eq!(source, -1);
     assert!(last_error().contains("null"), "{}", last_error());

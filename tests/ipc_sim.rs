@@ -18,7 +18,8 @@
 use streamalloc::ffi::ipc::{close_import, export_allocation, open_handle};
 use streamalloc_allocator::backend::ipc::{IpcBackend, IpcError};
 use streamalloc_allocator::backend::sim::{Access, RaceKind, SimBackend};
-use streamalloc_allocator::{Allocation, Allocator, Backend, Config, DevicePtr, StreamId};
+use streamalloc_allocator::backend::{Events, Streams};
+use streamalloc_allocator::{Allocation, Allocator, Config, DevicePtr, StreamId};
 
 const MIB: u64 = 1 << 20;
 

@@ -11,11 +11,12 @@ use common::{allocation_op, block_op};
 use proptest::prelude::*;
 use streamalloc::replay::{entry, replay_on};
 use streamalloc_allocator::backend::sim::{Access, RaceKind, SimBackend};
+use streamalloc_allocator::backend::{Streams, VirtualMemory};
 use streamalloc_allocator::testing::{proptest_cases, Harness, Op};
 
 mod common;
 use streamalloc_allocator::trace::{TraceAction, TraceEntry};
-use streamalloc_allocator::{Allocation, Allocator, Backend, Config, DevicePtr, ReusePolicy};
+use streamalloc_allocator::{Allocation, Allocator, Config, DevicePtr, ReusePolicy};
 
 const MIB: u64 = 1 << 20;
 
@@ -249,70 +250,13 @@ fn stitched_pages_of_another_stream_wait_on_the_device_not_the_host() {
 
 #[test]
 fn without_virtual_memory_the_allocator_falls_back_to_whole_segments() {
-    /// A backend that keeps the trait's "unsupported" defaults for virtual memory.
+    /// The simulator without virtual memory, said explicitly.
     #[derive(Debug)]
     struct NoVmm(SimBackend);
-    impl Backend for NoVmm {
-        fn total_memory(&self) -> streamalloc_allocator::backend::BackendResult<u64> {
-            self.0.total_memory()
-        }
-        fn alloc_segment(
-            &self,
-            size: u64,
-        ) -> streamalloc_allocator::backend::BackendResult<DevicePtr> {
-            self.0.alloc_segment(size)
-        }
-        fn free_segment(
-            &self,
-            ptr: DevicePtr,
-            size: u64,
-        ) -> streamalloc_allocator::backend::BackendResult<()> {
-            self.0.free_segment(ptr, size)
-        }
-        fn create_event(
-            &self,
-        ) -> streamalloc_allocator::backend::BackendResult<streamalloc_allocator::EventHandle>
-        {
-            self.0.create_event()
-        }
-        fn destroy_event(
-            &self,
-            e: streamalloc_allocator::EventHandle,
-        ) -> streamalloc_allocator::backend::BackendResult<()> {
-            self.0.destroy_event(e)
-        }
-        fn record_event(
-            &self,
-            e: streamalloc_allocator::EventHandle,
-            s: streamalloc_allocator::StreamId,
-        ) -> streamalloc_allocator::backend::BackendResult<()> {
-            self.0.record_event(e, s)
-        }
-        fn query_event(
-            &self,
-            e: streamalloc_allocator::EventHandle,
-        ) -> streamalloc_allocator::backend::BackendResult<bool> {
-            self.0.query_event(e)
-        }
-        fn synchronize_event(
-            &self,
-            e: streamalloc_allocator::EventHandle,
-        ) -> streamalloc_allocator::backend::BackendResult<()> {
-            self.0.synchronize_event(e)
-        }
-        fn stream_wait_event(
-            &self,
-            s: streamalloc_allocator::StreamId,
-            e: streamalloc_allocator::EventHandle,
-        ) -> streamalloc_allocator::backend::BackendResult<()> {
-            self.0.stream_wait_event(s, e)
-        }
-        fn synchronize_device(&self) -> streamalloc_allocator::backend::BackendResult<()> {
-            self.0.synchronize_device()
-        }
-        fn now_ns(&self) -> u64 {
-            self.0.now_ns()
-        }
+    streamalloc_allocator::forward_backend! {
+        impl[] for NoVmm as this => &this.0, SimBackend;
+        Clock, Segments, Events, Streams, HostMemory;
+        unsupported VirtualMemory
     }
     let sim = SimBackend::new(1 << 30);
     let backend = NoVmm(sim.clone());

@@ -4,6 +4,7 @@
 //! misuse is refused with a one-line error and changes nothing.
 
 use streamalloc_allocator::backend::sim::{Access, RaceKind, SimBackend};
+use streamalloc_allocator::backend::{Events, Streams};
 use streamalloc_allocator::trace::TraceAction;
 use streamalloc_allocator::{
     AllocError, Allocation, Allocator, Backup, Config, PoolId, SleepError, StreamId,
@@ -131,9 +132,9 @@ fn sleep_waits_for_the_streams_that_use_the_pool_and_not_for_the_rest() {
     let (reader, other) = (device.create_stream(), device.create_stream());
     let block = written(&device, &allocator, stream, KV, 4 * MIB);
     // Another stream reads it, ordered after the write and recorded (record_stream).
-    let event = streamalloc_allocator::Backend::create_event(&device).unwrap();
-    streamalloc_allocator::Backend::record_event(&device, event, stream).unwrap();
-    streamalloc_allocator::Backend::stream_wait_event(&device, reader, event).unwrap();
+    let event = device.create_event().unwrap();
+    device.record_event(event, stream).unwrap();
+    device.stream_wait_event(reader, event).unwrap();
     device.launch(
         reader,
         &[Access::read(block.ptr, 4 * MIB)],

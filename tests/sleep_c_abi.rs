@@ -8,7 +8,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use streamalloc::ffi::sleep::{self, StreamallocSleepReport, BACKUP_HOST, BACKUP_NONE};
-use streamalloc::ffi::{self, pools, stats, StreamallocStats};
+use streamalloc::ffi::{self, introspect, pools, stats, StreamallocStats};
 use streamalloc::registry::Registry;
 use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::Config;
@@ -97,7 +97,7 @@ fn a_tag_sleeps_and_wakes_through_the_c_abi_with_its_report_and_counters() {
     assert_eq!(json[0]["backed_up"], true);
     // The PyTorch-shaped snapshot lists reserved memory only: the sleeping pool is not in it.
     let (segments, _) =
-        pools::snapshot_rows(&registry.device(DEVICE).unwrap().allocator().snapshot());
+        introspect::snapshot_rows(&registry.device(DEVICE).unwrap().allocator().snapshot());
     assert!(segments.iter().all(|s| s.pool_id1 != 1));
     let mut woken = StreamallocSleepReport::default();
     // SAFETY: as in `wake_with`, with a report.

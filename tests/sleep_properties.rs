@@ -22,11 +22,12 @@
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 use streamalloc_allocator::backend::sim::{Access, SimBackend};
-use streamalloc_allocator::backend::BackendResult;
+use streamalloc_allocator::backend::{BackendResult, HostMemory};
+use streamalloc_allocator::backend::{Events, Streams};
 use streamalloc_allocator::testing::proptest_cases;
 use streamalloc_allocator::{
-    AllocError, Allocator, Backend, Backup, Config, DevicePtr, EventHandle, HostPtr, PoolId,
-    ReusePolicy, SleepError, StreamId,
+    AllocError, Allocator, Backend, Backup, Config, DevicePtr, HostPtr, PoolId, ReusePolicy,
+    SleepError, StreamId,
 };
 
 const MIB: u64 = 1 << 20;
@@ -634,64 +635,12 @@ prop_state_machine! {
 /// A device whose copies back from the host go nowhere: a wake that loses the backup.
 struct LosesRestores(SimBackend);
 
-impl Backend for LosesRestores {
-    fn total_memory(&self) -> BackendResult<u64> {
-        self.0.total_memory()
-    }
-    fn alloc_segment(&self, size: u64) -> BackendResult<DevicePtr> {
-        self.0.alloc_segment(size)
-    }
-    fn free_segment(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        self.0.free_segment(ptr, size)
-    }
-    fn create_event(&self) -> BackendResult<EventHandle> {
-        self.0.create_event()
-    }
-    fn destroy_event(&self, event: EventHandle) -> BackendResult<()> {
-        self.0.destroy_event(event)
-    }
-    fn record_event(&self, event: EventHandle, stream: StreamId) -> BackendResult<()> {
-        self.0.record_event(event, stream)
-    }
-    fn query_event(&self, event: EventHandle) -> BackendResult<bool> {
-        self.0.query_event(event)
-    }
-    fn synchronize_event(&self, event: EventHandle) -> BackendResult<()> {
-        self.0.synchronize_event(event)
-    }
-    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> BackendResult<()> {
-        self.0.stream_wait_event(stream, event)
-    }
-    fn synchronize_device(&self) -> BackendResult<()> {
-        self.0.synchronize_device()
-    }
-    fn now_ns(&self) -> u64 {
-        self.0.now_ns()
-    }
-    fn supports_virtual_memory(&self) -> bool {
-        true
-    }
-    fn reserve_address_space(&self, size: u64) -> BackendResult<DevicePtr> {
-        self.0.reserve_address_space(size)
-    }
-    fn release_address_space(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        self.0.release_address_space(ptr, size)
-    }
-    fn map_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        self.0.map_pages(ptr, size)
-    }
-    fn set_page_allocations(&self, on: bool) {
-        self.0.set_page_allocations(on)
-    }
-    fn alias_pages(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
-        self.0.alias_pages(dst, src, size)
-    }
-    fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        self.0.unmap_pages(ptr, size)
-    }
-    fn map_pages_whole(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        self.0.map_pages_whole(ptr, size)
-    }
+streamalloc_allocator::forward_backend! {
+    impl[] for LosesRestores as this => &this.0, SimBackend;
+    Clock, Segments, Events, Streams, VirtualMemory
+}
+
+impl HostMemory for LosesRestores {
     fn alloc_host(&self, size: u64) -> BackendResult<HostPtr> {
         self.0.alloc_host(size)
     }
@@ -702,7 +651,7 @@ impl Backend for LosesRestores {
         self.0.copy_to_host(dst, src, size)
     }
     fn copy_to_device(&self, _dst: DevicePtr, _src: HostPtr, _size: u64) -> BackendResult<()> {
-        Ok(())
+        Ok(()) // the planted loss
     }
     fn synchronize_copies(&self) -> BackendResult<()> {
         self.0.synchronize_copies()

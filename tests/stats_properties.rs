@@ -20,8 +20,9 @@
 
 use proptest::prelude::*;
 use streamalloc_allocator::backend::sim::{Access, SimBackend};
+use streamalloc_allocator::backend::{Events, Streams};
 use streamalloc_allocator::testing::proptest_cases;
-use streamalloc_allocator::{Allocator, Backend, Config, DevicePtr, Gauge, Stats, StreamId};
+use streamalloc_allocator::{Allocator, Config, DevicePtr, Gauge, Stats, StreamId};
 
 const MIB: u64 = 1 << 20;
 const STREAMS: usize = 3;

@@ -4,7 +4,7 @@
 //! other pools, the out-of-memory error stands.
 
 use std::ffi::{c_void, CStr};
-use streamalloc::ffi::{self, fallback, pools};
+use streamalloc::ffi::{self, pool_rules, pools};
 use streamalloc::registry::Registry;
 use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::Config;
@@ -57,7 +57,7 @@ fn a_default_pool_request_without_memory_is_served_from_a_marked_pools_cache() {
     assert!(last_error().contains("out of memory"), "{}", last_error());
 
     assert_eq!(
-        fallback::pool_set_use_on_oom(&registry, 0, POOL.0, POOL.1, 1),
+        pool_rules::pool_set_use_on_oom(&registry, 0, POOL.0, POOL.1, 1),
         0
     );
     let served = malloc(&registry, 600 * MIB, (0, 0));
@@ -81,7 +81,7 @@ fn a_default_pool_request_without_memory_is_served_from_a_marked_pools_cache() {
     assert_eq!(malloc(&registry, 600 * MIB, (9, 9)), 0);
 
     assert_eq!(
-        fallback::pool_set_use_on_oom(&registry, 0, POOL.0, POOL.1, 0),
+        pool_rules::pool_set_use_on_oom(&registry, 0, POOL.0, POOL.1, 0),
         0
     );
     assert_eq!(malloc(&registry, 600 * MIB, (0, 0)), 0, "unmarked");
@@ -90,11 +90,11 @@ fn a_default_pool_request_without_memory_is_served_from_a_marked_pools_cache() {
 #[test]
 fn only_an_existing_pool_other_than_the_default_can_be_marked() {
     let registry = registry();
-    assert_eq!(fallback::pool_set_use_on_oom(&registry, 0, 0, 0, 1), -1);
-    assert_eq!(fallback::pool_set_use_on_oom(&registry, 0, 7, 7, 1), -1);
+    assert_eq!(pool_rules::pool_set_use_on_oom(&registry, 0, 0, 0, 1), -1);
+    assert_eq!(pool_rules::pool_set_use_on_oom(&registry, 0, 7, 7, 1), -1);
     assert!(last_error().contains("does not exist"), "{}", last_error());
     assert_eq!(
-        fallback::pool_set_use_on_oom(&registry, 99, POOL.0, POOL.1, 1),
+        pool_rules::pool_set_use_on_oom(&registry, 99, POOL.0, POOL.1, 1),
         -1
     );
 }

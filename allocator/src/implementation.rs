@@ -1,7 +1,7 @@
 //! How the engine works, for readers of the code (this module holds no code).
 //!
 //! # The map
-//! - A **segment** is one range from the device ([`crate::Backend::alloc_segment`]),
+//! - A **segment** is one range from the device ([`crate::backend::Segments::alloc_segment`]),
 //!   tiled exactly by **blocks** linked in address order (`pool::arena`).
 //! - A free block is in exactly one place: its owner stream's **hot list** (recently
 //!   freed, ready, unmerged), its owner's **ready** list for its pool, or its owner's

@@ -2,7 +2,7 @@
 //! that each figure is produced by one piece of code.
 
 use crate::backend::sim::{Access, SimBackend};
-use crate::backend::Backend;
+use crate::backend::{Events, Streams};
 use crate::config::{Config, ReusePolicy};
 use crate::error::AllocError;
 use crate::Allocator;

@@ -2,8 +2,8 @@
 //!
 //! Every state change the engine makes (a block handed out or returned, a segment
 //! obtained or released, a cross-stream wait, an out-of-memory) is pushed here with a
-//! timestamp from [`crate::Backend::now_ticks`], converted to nanoseconds by
-//! [`crate::Backend::ticks_to_ns`] when the ring is read. The ring has a fixed capacity set by
+//! timestamp from [`crate::backend::Clock::now_ticks`], converted to nanoseconds by
+//! [`crate::backend::Clock::ticks_to_ns`] when the ring is read. The ring has a fixed capacity set by
 //! `trace_capacity` in the configuration: when full, the oldest record is overwritten and
 //! counted in [`TraceRing::dropped`], so tracing never grows memory and never fails.
 //!
@@ -162,7 +162,7 @@ pub(crate) const NO_STREAM: u32 = u32::MAX;
 struct Record {
     addr: u64,
     size: u64,
-    /// The backend clock's raw reading ([`crate::Backend::now_ticks`]).
+    /// The backend clock's raw reading ([`crate::backend::Clock::now_ticks`]).
     ticks: u64,
     /// The stream's slot in the allocator's stream table, or [`NO_STREAM`].
     slot: u32,

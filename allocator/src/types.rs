@@ -3,13 +3,14 @@
 //!
 //! Handles are plain integers so the engine stays free of FFI types: a `CUstream` or
 //! `CUevent` is carried as its address, a simulated one as a counter. Only a backend ever
-//! interprets them. [`StreamId`] and [`DevicePtr`] appear in trace records, so they are
-//! defined with them in `streamalloc-records` and re-exported here.
+//! interprets them. [`StreamId`] and [`DevicePtr`] appear in trace records, [`PoolId`] and
+//! [`PoolKind`] in snapshots, so they are defined with them in `streamalloc-records` and
+//! re-exported here.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-pub use streamalloc_records::{DevicePtr, StreamId};
+pub use streamalloc_records::{DevicePtr, PoolId, PoolKind, StreamId};
 
 /// An event object owned by a backend (`CUevent`). Created, recorded, queried, waited on
 /// and destroyed only through [`crate::Backend`].
@@ -22,7 +23,7 @@ impl fmt::Debug for EventHandle {
     }
 }
 
-/// Page-locked host memory owned by a backend ([`crate::Backend::alloc_host`]): the
+/// Page-locked host memory owned by a backend ([`crate::backend::HostMemory::alloc_host`]): the
 /// address, carried as an integer like every handle (the simulator's is a counter).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct HostPtr(pub u64);
@@ -31,45 +32,6 @@ impl fmt::Debug for HostPtr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "host:{:#x}", self.0)
     }
-}
-
-/// A memory pool: a set of segments whose blocks serve only allocations made for the same
-/// pool (PyTorch's `MempoolId_t`: CUDA graphs' private pools and `torch.cuda.MemPool`).
-/// [`PoolId::DEFAULT`] is the pool every ordinary allocation uses.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, Serialize, Deserialize)]
-pub struct PoolId(pub u64, pub u64);
-
-impl PoolId {
-    /// The pool of ordinary allocations: `(0, 0)`, as in PyTorch.
-    pub const DEFAULT: PoolId = PoolId(0, 0);
-
-    /// True for [`PoolId::DEFAULT`].
-    pub fn is_default(&self) -> bool {
-        *self == Self::DEFAULT
-    }
-}
-
-impl fmt::Debug for PoolId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "pool({}, {})", self.0, self.1)
-    }
-}
-
-impl fmt::Display for PoolId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(self, f)
-    }
-}
-
-/// Which pool a block lives in. Small requests are packed into small segments so that
-/// they never fragment the large ones (PyTorch makes the same split, at the same 1 MiB).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PoolKind {
-    /// Requests of at most [`crate::pool::SMALL_REQUEST_LIMIT`] bytes.
-    Small = 0,
-    /// Everything larger.
-    Large = 1,
 }
 
 /// One allocation handed to a caller.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Reproduces the goal table (docs/benchmarks.md) on one machine with 2 GPUs, native PyTorch next to
-# streamalloc, in one run:
+# Prints the goal table (its runs: benches/gpu/results.md; the latest: docs/benchmarks.md) on one
+# machine with 2 GPUs, native PyTorch next to streamalloc, in one run:
 #   benches/gpu/run.sh [OUTDIR]
 # Needs: python3 with PyTorch (transformers, torchvision), nvcc, torchrun; libstreamalloc.so
 # where python/streamalloc finds it (next to the package, STREAMALLOC_LIB, or

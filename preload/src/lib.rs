@@ -91,10 +91,11 @@ use std::fmt::Display;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Once, OnceLock};
 use streamalloc::ffi::error;
-use streamalloc::ffi::external::WithSources;
+use streamalloc::registry::sources::WithSources;
 use streamalloc::registry::{self, CudaAllocator, Device};
 use streamalloc_allocator::backend::cuda::CudaBackend;
-use streamalloc_allocator::{Backend, Config, DevicePtr, StreamId};
+use streamalloc_allocator::backend::Streams;
+use streamalloc_allocator::{Config, DevicePtr, StreamId};
 
 /// A device of the process's registry.
 type CudaDevice = Device<WithSources<CudaBackend>>;

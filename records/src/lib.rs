@@ -2,7 +2,9 @@
 //!
 //! The records that the engine writes and every snapshot format reads: what happened
 //! ([`TraceAction`]), one trace event ([`TraceEntry`]), the state of a block
-//! ([`BlockState`]), and the two handles they name ([`DevicePtr`], [`StreamId`]).
+//! ([`BlockState`]), the two handles they name ([`DevicePtr`], [`StreamId`]), and a
+//! picture of an allocator at one instant ([`Snapshot`], with its segments and blocks, the
+//! pools they belong to: [`PoolId`], [`PoolKind`]).
 //!
 //! The engine (`streamalloc-allocator`), the viewer and its formats (`streamalloc-viz`:
 //! our JSON, PyTorch's pickles, Perfetto) and the trace replayer all speak of the same
@@ -20,6 +22,10 @@
     unreachable_pub,
     rust_2018_idioms
 )]
+
+mod snapshot;
+
+pub use snapshot::{BlockInfo, PoolId, PoolKind, SegmentInfo, Snapshot};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

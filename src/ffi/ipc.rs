@@ -154,7 +154,7 @@ pub unsafe fn ipc_export<B: Backend + IpcBackend>(
 ) -> i64 {
     let address = ptr as usize as u64;
     error::call(-1, || {
-        let exported = match super::pools::allocation_owner(registry, address) {
+        let exported = match super::introspect::allocation_owner(registry, address) {
             Some((device, _)) => device
                 .run(|allocator| export_allocation(allocator, address))
                 .map_err(|err| super::unavailable_message(device.ordinal(), &err))

@@ -10,9 +10,8 @@
 //! files. `tests/c_header.rs` fails when a checked-in region differs from what is
 //! generated, and rewrites both with `STREAMALLOC_BLESS=1`.
 
-use super::pools::{StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo};
-use super::sleep::StreamallocSleepReport;
-use super::stats::StreamallocStats;
+#[cfg(doc)]
+use streamalloc_allocator::Stats;
 
 /// One field of a struct shared with C.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -79,7 +78,153 @@ macro_rules! c_struct {
         }
     };
 }
-pub(crate) use c_struct;
+
+c_struct! {
+/// `streamalloc_stats_t`: the engine's [`Stats`], flattened. Byte gauges come as
+/// `*_current` / `*_peak` pairs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamallocStats as "streamalloc_stats_t" {
+    /// Bytes in blocks handed out (rounded sizes), now.
+    pub allocated_current: u64,
+    /// Peak of `allocated_current`.
+    pub allocated_peak: u64,
+    /// Bytes callers asked for, now.
+    pub requested_current: u64,
+    /// Peak of `requested_current`.
+    pub requested_peak: u64,
+    /// Bytes obtained from the device, now.
+    pub reserved_current: u64,
+    /// Peak of `reserved_current`.
+    pub reserved_peak: u64,
+    /// Allocated plus freed-but-pending bytes, now.
+    pub active_current: u64,
+    /// Peak of `active_current`.
+    pub active_peak: u64,
+    /// Free bytes still carrying other streams' events, now.
+    pub pending_free_current: u64,
+    /// Peak of `pending_free_current`.
+    pub pending_free_peak: u64,
+    /// Blocks handed out.
+    pub allocs: u64,
+    /// Blocks returned.
+    pub frees: u64,
+    /// Segments obtained from the device.
+    pub segment_allocs: u64,
+    /// Segments returned to the device.
+    pub segment_frees: u64,
+    /// Device-side waits made to reuse blocks across streams.
+    pub cross_stream_waits: u64,
+    /// Events recorded.
+    pub events_recorded: u64,
+    /// Event queries.
+    pub event_queries: u64,
+    /// Events recorded and still referenced.
+    pub events_outstanding: u64,
+    /// Event objects created.
+    pub events_created: u64,
+    /// Event objects destroyed.
+    pub events_destroyed: u64,
+    /// Requests that failed for lack of memory.
+    pub ooms: u64,
+    /// Requests served only after releasing cached memory.
+    pub retries: u64,
+    /// Frees of unknown or already freed pointers.
+    pub invalid_frees: u64,
+    /// Reserved-bytes limit in force (0: none).
+    pub memory_limit: u64,
+    /// Device-wide synchronisations made (to release memory or to unmap pages).
+    pub device_syncs: u64,
+    /// Bytes mapped into expandable segments, in all.
+    pub page_map_bytes: u64,
+    /// Bytes unmapped from expandable segments, in all.
+    pub page_unmap_bytes: u64,
+    /// Stitched ranges made (free pages mapped a second time into one range).
+    pub stitches: u64,
+    /// Bytes mapped into stitched ranges (no memory reserved by them).
+    pub stitched_map_bytes: u64,
+    /// Stitched ranges taken again without mapping.
+    pub stitch_revivals: u64,
+    /// Stitched ranges unmapped.
+    pub stitch_evictions: u64,
+    /// Bytes sleeping memory pools gave back to the device, addresses kept.
+    pub sleeping_bytes: u64,
+    /// Bytes of page-locked host memory held for sleeping pools' backups.
+    pub host_backup_bytes: u64,
+}
+}
+
+c_struct! {
+/// `streamalloc_pool_block_t`: one live allocation of a pool checkpoint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamallocPoolBlock as "streamalloc_pool_block_t" {
+    /// First byte.
+    pub address: u64,
+    /// Bytes reserved (rounded).
+    pub size: u64,
+    /// Bytes asked for.
+    pub requested: u64,
+    /// The `cudaStream_t` it belongs to.
+    pub stream: u64,
+}
+}
+
+c_struct! {
+/// `streamalloc_segment_info_t`: one segment of a snapshot; an expandable segment
+/// appears as one of these per run of mapped pages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamallocSegmentInfo as "streamalloc_segment_info_t" {
+    /// First byte.
+    pub address: u64,
+    /// Bytes.
+    pub total_size: u64,
+    /// The `cudaStream_t` whose request created it.
+    pub stream: u64,
+    /// Its pool's id, first half.
+    pub pool_id0: u64,
+    /// Its pool's id, second half.
+    pub pool_id1: u64,
+    /// 0: small pool, 1: large.
+    pub is_large: u32,
+    /// 1 for memory mapped into an expandable segment.
+    pub is_expandable: u32,
+    /// Index of its first block in the blocks array.
+    pub first_block: u64,
+    /// Its blocks.
+    pub block_count: u64,
+}
+}
+
+c_struct! {
+/// `streamalloc_block_state_t`: one block of a snapshot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamallocBlockState as "streamalloc_block_state_t" {
+    /// First byte.
+    pub address: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Bytes asked for (0 unless allocated).
+    pub requested_size: u64,
+    /// Owning `cudaStream_t`.
+    pub stream: u64,
+    /// 0 inactive (free), 1 active_allocated, 2 active_pending_free.
+    pub state: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+}
+
+c_struct! {
+/// `streamalloc_sleep_report_t`: what one `streamalloc_sleep` or `streamalloc_wake` did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamallocSleepReport as "streamalloc_sleep_report_t" {
+    /// Bytes of device memory given back (sleep) or mapped again (wake).
+    pub bytes: u64,
+    /// Bytes copied to host memory (sleep) or back from it (wake).
+    pub copied: u64,
+    /// Copies made.
+    pub copies: u64,
+}
+}
 
 /// Every struct the C ABI shares with C.
 pub const SHARED: [CLayout; 5] = [

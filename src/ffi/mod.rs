@@ -5,7 +5,10 @@
 //! simulated devices too (`Registry::simulated`): the misuse tests and the `c_abi` fuzz
 //! target drive it there. Every call goes through [`error::call`] (the last error cleared
 //! on entry, no panic across the boundary) and every engine call through the registry's
-//! `Device::run` (a panic inside makes that device unusable, see [`crate::registry`]).
+//! `Device::run` (a panic inside makes that device unusable, see [`crate::registry`]). No
+//! policy lives here: which pool a request goes to, where its segments come from and what
+//! serves it at out-of-memory are the registry's (`registry::Device`); an export checks
+//! its C arguments, calls the registry and translates the answer.
 //! Failures are a null pointer or a negative return code, with the message in
 //! `streamalloc_last_error()`.
 //!
@@ -23,7 +26,8 @@
 //! const char* streamalloc_last_error(void);
 //! ```
 //!
-//! Memory pools and introspection are in [`pools`], sleep and wake of tagged pools in
+//! Memory pools are in [`pools`] and [`pool_rules`], looking inside in [`introspect`],
+//! sleep and wake of tagged pools in
 //! [`sleep`], counters in [`stats`], CUDA IPC of
 //! expandable-segment memory (`streamalloc_ipc_*`, CUDA only) in [`ipc`], the p2p planner
 //! in [`p2p`], the structs shared with C in [`layout`].
@@ -38,17 +42,17 @@
 //! reported once and not counted. Neither ever crashes or touches memory.
 //!
 //! # Cost
-//! `malloc`/`free` (and the native door's default-pool `streamalloc_malloc_in_pool`) do
-//! one registry lookup (an array index and an atomic load, then the device's poison flag),
-//! then the engine's fast path under the device's one guard (`Device::run`, which no panic
+//! `malloc`/`free` (and the native door's `streamalloc_malloc_in_pool`) do one registry
+//! lookup (an array index and an atomic load, then the device's poison flag), then the
+//! request's way through the registry (for the default pool, one load of the routing state
+//! and the engine's fast path) under the device's one guard (`Device::run`, which no panic
 //! leaves); clearing the last error is one load of a process-wide flag until some thread
 //! has set one. Nothing allocates or formats unless something fails, and every failure,
 //! like every call that must create a device or look for a pointer's owner, goes to an
 //! out-of-line path under the full guard.
 
 pub mod error;
-pub mod external;
-pub mod fallback;
+pub mod introspect;
 pub mod ipc;
 pub mod ipc_handle;
 pub mod layout;
@@ -62,7 +66,7 @@ pub mod stats;
 pub mod testing;
 
 use self::error::{warn_once, Once};
-use crate::registry::{self, CallError, Freed, Registry, RegistryError};
+use crate::registry::{self, CallError, DeviceError, Freed, Registry, RegistryError};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::fmt::Display;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -120,6 +124,12 @@ pub(crate) fn device_call<B: Backend, T: Copy>(
     })
 }
 
+/// The value of a registry call, or, for its error, `fallback` plus the message.
+#[inline]
+pub(crate) fn or_fail<T>(fallback: T, result: Result<T, DeviceError>) -> T {
+    result.unwrap_or_else(|err| fail(fallback, format_args!("streamalloc: {err}")))
+}
+
 /// The engine's error on `device`, as a C caller reads it.
 #[cold]
 pub(crate) fn engine_message(device: c_int, err: AllocError) -> String {
@@ -139,13 +149,20 @@ fn unavailable(device: c_int, err: &RegistryError) {
     error::set(unavailable_message(device, err));
 }
 
+/// Reports a failed `streamalloc_malloc` and returns null. Printed too (an unavailable
+/// device once): without a registered thrower, PyTorch's pluggable hook turns a null
+/// pointer into a tensor at address 0, and the user would never see this report.
 #[cold]
 #[inline(never)]
-fn malloc_failed(device: c_int, err: &AllocError) {
-    error::set(format_args!("streamalloc: device {device}: {err}"));
-    // Printed too: without a registered thrower, PyTorch's pluggable hook turns a null
-    // pointer into a tensor at address 0, and the user would never see this report.
-    eprintln!("streamalloc: device {device}: {err}");
+fn malloc_failed(err: &DeviceError) -> *mut c_void {
+    match &err.error {
+        CallError::Unavailable(unusable) => unavailable(err.ordinal, unusable),
+        _ => {
+            error::set(format_args!("streamalloc: {err}"));
+            eprintln!("streamalloc: {err}");
+        }
+    }
+    std::ptr::null_mut()
 }
 
 /// A function that raises the caller's own error with a message and does not return,
@@ -217,7 +234,8 @@ pub extern "C-unwind" fn streamalloc_malloc(
     ptr
 }
 
-/// [`streamalloc_malloc`] on `registry`, without the thrower.
+/// [`streamalloc_malloc`] on `registry`, without the thrower. Where the memory comes from
+/// is the registry's to say (`registry::Device`); this translates.
 #[inline]
 pub fn malloc<B: Backend>(
     registry: &Registry<B>,
@@ -225,20 +243,18 @@ pub fn malloc<B: Backend>(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    // The fast path: a device in use and no pool routing. Nothing in it can panic but
-    // the engine, which `Device::run` guards.
+    // The fast path: a device in use. Nothing in it can panic but the request's way
+    // through the registry (route, source, engine, fallback), which `Device::run` guards.
     error::clear();
-    if size != 0 && !pools::routing(registry) {
+    if size != 0 {
         if let Some(on) = registry.get(device) {
-            return match on.run(|allocator| allocator.malloc(size as u64, stream_id(stream))) {
-                Ok(Ok(block)) => block.ptr.0 as usize as *mut c_void,
-                Ok(Err(err)) => guarded(std::ptr::null_mut(), || {
-                    malloc_failed(device, &err);
-                    std::ptr::null_mut()
-                }),
-                Err(err) => guarded(std::ptr::null_mut(), || {
-                    unavailable(device, &err);
-                    std::ptr::null_mut()
+            return match on.malloc(size as u64, stream_id(stream)) {
+                Ok(block) => block.ptr.0 as usize as *mut c_void,
+                Err(error) => guarded(std::ptr::null_mut(), || {
+                    malloc_failed(&DeviceError {
+                        ordinal: device,
+                        error,
+                    })
                 }),
             };
         }
@@ -253,7 +269,7 @@ pub(crate) fn guarded<T>(on_panic: T, report: impl FnOnce() -> T) -> T {
     error::call(on_panic, report)
 }
 
-/// [`malloc`] in full: a device to create, a zero size, a routed request.
+/// [`malloc`] in full: a device to create, or a zero size.
 #[cold]
 #[inline(never)]
 fn malloc_guarded<B: Backend>(
@@ -264,61 +280,13 @@ fn malloc_guarded<B: Backend>(
 ) -> *mut c_void {
     error::call(std::ptr::null_mut(), || {
         if size == 0 {
-            std::ptr::null_mut()
-        } else if pools::routing(registry) {
-            malloc_routed(registry, size, device, stream)
-        } else {
-            malloc_unrouted(registry, size, device, stream)
+            return std::ptr::null_mut();
+        }
+        match registry.malloc(device, size as u64, stream_id(stream)) {
+            Ok(block) => block.ptr.0 as usize as *mut c_void,
+            Err(err) => malloc_failed(&err),
         }
     })
-}
-
-/// A request while the pluggable door allocates to a pool: to that pool if the routing
-/// rule says so (see [`pools`]), else as usual.
-#[cold]
-fn malloc_routed<B: Backend>(
-    registry: &Registry<B>,
-    size: usize,
-    device: c_int,
-    stream: *mut c_void,
-) -> *mut c_void {
-    match pools::routed_pool(registry, device, stream_id(stream)) {
-        Ok(Some(pool)) => {
-            let ptr = pools::malloc_in_pool(registry, size, device, stream, pool.0, pool.1);
-            if ptr.is_null() {
-                eprintln!("{}", error::last_string());
-            }
-            ptr
-        }
-        Ok(None) => malloc_unrouted(registry, size, device, stream),
-        Err(message) => {
-            eprintln!("{message}");
-            fail(std::ptr::null_mut(), message)
-        }
-    }
-}
-
-#[inline]
-fn malloc_unrouted<B: Backend>(
-    registry: &Registry<B>,
-    size: usize,
-    device: c_int,
-    stream: *mut c_void,
-) -> *mut c_void {
-    let served = registry
-        .device(device)
-        .and_then(|d| d.run(|allocator| allocator.malloc(size as u64, stream_id(stream))));
-    match served {
-        Ok(Ok(block)) => block.ptr.0 as usize as *mut c_void,
-        Ok(Err(err)) => {
-            malloc_failed(device, &err);
-            std::ptr::null_mut()
-        }
-        Err(err) => {
-            unavailable(device, &err);
-            std::ptr::null_mut()
-        }
-    }
 }
 
 /// Returns `ptr` (PyTorch's pluggable `free`). `size` and `stream` are ignored: the
@@ -545,6 +513,20 @@ pub unsafe fn dump_snapshot<B: Backend>(
             Err(message) => fail(-1, message),
         }
     })
+}
+
+/// Copies `items` into `out` (room for `capacity`) and returns how many there are.
+///
+/// # Safety
+/// `out` must be null or writable for `capacity` elements.
+pub(crate) unsafe fn copy_out<T: Copy>(items: &[T], out: *mut T, capacity: usize) -> i64 {
+    if !out.is_null() {
+        let count = items.len().min(capacity);
+        // SAFETY: `out` is writable for `capacity >= count` elements (see # Safety), and
+        // `items` cannot overlap memory the caller owns.
+        unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), out, count) };
+    }
+    items.len() as i64
 }
 
 /// Writes `value` as JSON to the file `path`, by the rule of every output

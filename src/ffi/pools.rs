@@ -1,6 +1,7 @@
-//! Memory pools and introspection across the C ABI: what a full PyTorch allocator needs
-//! beyond malloc and free (the native door, `python/streamalloc/csrc/`), and the pool
-//! hooks of PyTorch's pluggable allocator.
+//! Memory pools across the C ABI: what a full PyTorch allocator needs of pools beyond
+//! malloc and free (the native door, `python/streamalloc/csrc/`), and the pool hooks of
+//! PyTorch's pluggable allocator. Looking inside (cache, blocks, snapshots) is in
+//! [`introspect`](super::introspect).
 //!
 //! ```c
 //! void*   streamalloc_malloc_in_pool(size_t size, int device, cudaStream_t stream, uint64_t id0, uint64_t id1);
@@ -13,10 +14,6 @@
 //! int64_t streamalloc_pool_checkpoint(int device, uint64_t id0, uint64_t id1, streamalloc_pool_block_t* out, size_t capacity);
 //! int64_t streamalloc_pool_restore(int device, uint64_t id0, uint64_t id1, const streamalloc_pool_block_t* blocks, size_t count, uint64_t* freed, size_t freed_capacity);
 //! int     streamalloc_empty_cache_pool(int device, uint64_t id0, uint64_t id1);
-//! int     streamalloc_cache_info(int device, uint64_t* largest);
-//! int     streamalloc_block_info(void* ptr, int* device, uint64_t* base, uint64_t* size, int* expandable);
-//! int     streamalloc_snapshot_segments(int device, streamalloc_segment_info_t* segments, size_t segment_capacity, size_t* segment_count, streamalloc_block_state_t* blocks, size_t block_capacity, size_t* block_count);
-//! uint64_t streamalloc_memory_limit(int device);
 //! // PyTorch's pluggable hooks (set_begin_allocate_to_pool, set_end_allocate_to_pool_fn, set_release_pool):
 //! void    streamalloc_begin_allocate_to_pool(int device, MempoolId_t id, std::function<bool(cudaStream_t)> filter);
 //! void    streamalloc_end_allocate_to_pool(int device, MempoolId_t id);
@@ -28,83 +25,15 @@
 //! C++ signatures and these agree).
 //!
 //! # The pluggable hooks' routing
-//! PyTorch hands `beginAllocateToPool` a C++ `std::function` filter that C cannot call.
-//! The pluggable door therefore routes by what the filter stands for: while a pool is
-//! being allocated to, a request from the thread that began it, or on any stream being
-//! captured into a graph, goes to that pool. That covers graph capture (the capturing
-//! thread; side streams joined to the capture) and `torch.cuda.use_mem_pool` (the thread),
-//! and errs towards the pool: an allocation wrongly kept in a pool costs memory, one
-//! wrongly kept out of a graph's pool costs data. The native door evaluates the real
-//! filters.
+//! PyTorch hands `beginAllocateToPool` a C++ `std::function` filter that C cannot call;
+//! the registry routes by what the filter stands for (`registry::routes` says how and
+//! why). The native door evaluates the real filters.
 
-use super::layout::c_struct;
-use super::{device_call, engine_message, error, fail, on_device};
-use crate::registry::{self, Device, Registry, RegistryError, Route};
+pub use super::layout::{StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo};
+use super::{copy_out, device_call, engine_message, error, fail, guarded, or_fail};
+use crate::registry::{self, DeviceError, Registry};
 use std::ffi::{c_int, c_void};
-use streamalloc_allocator::snapshot::{BlockState, Snapshot};
-use streamalloc_allocator::{
-    AllocError, Allocation, AllocationSite, Backend, DevicePtr, PoolBlock, PoolId, StreamId,
-};
-
-c_struct! {
-/// `streamalloc_pool_block_t`: one live allocation of a pool checkpoint.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocPoolBlock as "streamalloc_pool_block_t" {
-    /// First byte.
-    pub address: u64,
-    /// Bytes reserved (rounded).
-    pub size: u64,
-    /// Bytes asked for.
-    pub requested: u64,
-    /// The `cudaStream_t` it belongs to.
-    pub stream: u64,
-}
-}
-
-c_struct! {
-/// `streamalloc_segment_info_t`: one segment of a snapshot; an expandable segment
-/// appears as one of these per run of mapped pages.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocSegmentInfo as "streamalloc_segment_info_t" {
-    /// First byte.
-    pub address: u64,
-    /// Bytes.
-    pub total_size: u64,
-    /// The `cudaStream_t` whose request created it.
-    pub stream: u64,
-    /// Its pool's id, first half.
-    pub pool_id0: u64,
-    /// Its pool's id, second half.
-    pub pool_id1: u64,
-    /// 0: small pool, 1: large.
-    pub is_large: u32,
-    /// 1 for memory mapped into an expandable segment.
-    pub is_expandable: u32,
-    /// Index of its first block in the blocks array.
-    pub first_block: u64,
-    /// Its blocks.
-    pub block_count: u64,
-}
-}
-
-c_struct! {
-/// `streamalloc_block_state_t`: one block of a snapshot.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocBlockState as "streamalloc_block_state_t" {
-    /// First byte.
-    pub address: u64,
-    /// Bytes.
-    pub size: u64,
-    /// Bytes asked for (0 unless allocated).
-    pub requested_size: u64,
-    /// Owning `cudaStream_t`.
-    pub stream: u64,
-    /// 0 inactive (free), 1 active_allocated, 2 active_pending_free.
-    pub state: u32,
-    /// Zero.
-    pub reserved: u32,
-}
-}
+use streamalloc_allocator::{Backend, DevicePtr, PoolBlock, PoolId, StreamId};
 
 /// Allocates `size` bytes on `device` for `stream` from pool `(id0, id1)`; `(0, 0)` is
 /// the default pool. Null for `size == 0` and on failure (see `streamalloc_last_error`);
@@ -130,52 +59,29 @@ pub fn malloc_in_pool<B: Backend>(
     id0: u64,
     id1: u64,
 ) -> *mut c_void {
-    // The fast path (the native door's every allocation outside graphs and `MemPool`s):
-    // the default pool of a device in use. Nothing in it can panic but the engine, which
-    // `Device::run` guards.
+    // The fast path (the native door's every allocation): a device in use. Nothing in it
+    // can panic but the request's way through the registry (source, engine, fallback),
+    // which `Device::run` guards.
     error::clear();
-    if size != 0 && (id0, id1) == (0, 0) {
+    if size != 0 {
         if let Some(on) = registry.get(device) {
             let stream = StreamId(stream as usize as u64);
-            return match on.run(|allocator| allocator.malloc(size as u64, stream)) {
-                Ok(Ok(block)) => block.ptr.0 as usize as *mut c_void,
-                failed => default_pool_failed(registry, size, device, stream, failed),
+            return match on.malloc_in(size as u64, stream, PoolId(id0, id1)) {
+                Ok(block) => block.ptr.0 as usize as *mut c_void,
+                Err(error) => guarded(std::ptr::null_mut(), || {
+                    let failed = Err(DeviceError {
+                        ordinal: device,
+                        error,
+                    });
+                    or_fail(std::ptr::null_mut(), failed)
+                }),
             };
         }
     }
     malloc_in_pool_guarded(registry, size, device, stream, id0, id1)
 }
 
-/// A request of the default pool the engine refused: served by the pools marked to back it
-/// at out-of-memory, if one can, or the failure reported.
-#[cold]
-#[inline(never)]
-fn default_pool_failed<B: Backend>(
-    registry: &Registry<B>,
-    size: usize,
-    device: c_int,
-    stream: StreamId,
-    failed: Result<Result<Allocation, AllocError>, RegistryError>,
-) -> *mut c_void {
-    error::call(std::ptr::null_mut(), || {
-        let served = failed
-            .map_err(|err| super::unavailable_message(device, &err))
-            .and_then(|result| {
-                on_device(registry, device, |allocator| {
-                    let request = (size as u64, stream, PoolId::DEFAULT);
-                    super::fallback::or_marked_pools(registry, device, allocator, request, result)
-                        .map_err(|err| engine_message(device, err))
-                })
-            });
-        match served {
-            Ok(block) => block.ptr.0 as usize as *mut c_void,
-            Err(message) => fail(std::ptr::null_mut(), message),
-        }
-    })
-}
-
-/// [`malloc_in_pool`] in full: a device to create, a zero size, a pool other than the
-/// default one.
+/// [`malloc_in_pool`] in full: a device to create, or a zero size.
 #[cold]
 #[inline(never)]
 fn malloc_in_pool_guarded<B: Backend>(
@@ -186,19 +92,16 @@ fn malloc_in_pool_guarded<B: Backend>(
     id0: u64,
     id1: u64,
 ) -> *mut c_void {
-    if size == 0 {
-        return error::call(std::ptr::null_mut(), std::ptr::null_mut);
-    }
-    let stream = StreamId(stream as usize as u64);
-    device_call(registry, device, std::ptr::null_mut(), |allocator| {
-        let pool = PoolId(id0, id1);
-        let result = super::external::with_pool_source(registry, device, id0, id1, || {
-            allocator.malloc_in(size as u64, stream, pool)
-        });
-        let request = (size as u64, stream, pool);
-        super::fallback::or_marked_pools(registry, device, allocator, request, result)
-            .map(|block| block.ptr.0 as usize as *mut c_void)
-            .map_err(|err| engine_message(device, err))
+    error::call(std::ptr::null_mut(), || {
+        if size == 0 {
+            return std::ptr::null_mut();
+        }
+        let stream = StreamId(stream as usize as u64);
+        let served = registry.malloc_in(device, size as u64, stream, PoolId(id0, id1));
+        or_fail(
+            std::ptr::null_mut(),
+            served.map(|block| block.ptr.0 as usize as *mut c_void),
+        )
     })
 }
 
@@ -305,20 +208,6 @@ pub fn pool_use_count<B: Backend>(
     device_call(registry, device, 0, |allocator| {
         Ok(use_count(allocator.pool_use_count(PoolId(id0, id1))))
     })
-}
-
-/// Copies `items` into `out` (room for `capacity`) and returns how many there are.
-///
-/// # Safety
-/// `out` must be null or writable for `capacity` elements.
-unsafe fn copy_out<T: Copy>(items: &[T], out: *mut T, capacity: usize) -> i64 {
-    if !out.is_null() {
-        let count = items.len().min(capacity);
-        // SAFETY: `out` is writable for `capacity >= count` elements (see # Safety), and
-        // `items` cannot overlap memory the caller owns.
-        unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), out, count) };
-    }
-    items.len() as i64
 }
 
 /// Writes the addresses of pool `(id0, id1)`'s live allocations (up to `capacity`) to
@@ -515,260 +404,7 @@ pub fn empty_cache_pool<B: Backend>(
     })
 }
 
-/// The largest free cached block of `device`'s default pool, in `*largest`. 0, or -1.
-///
-/// # Safety
-/// `largest` must be null or writable for one `uint64_t`.
-#[no_mangle]
-pub unsafe extern "C" fn streamalloc_cache_info(device: c_int, largest: *mut u64) -> c_int {
-    // SAFETY: forwarded from this function's # Safety.
-    unsafe { cache_info(registry::global(), device, largest) }
-}
-
-/// [`streamalloc_cache_info`] on `registry`.
-///
-/// # Safety
-/// As [`streamalloc_cache_info`].
-pub unsafe fn cache_info<B: Backend>(
-    registry: &Registry<B>,
-    device: c_int,
-    largest: *mut u64,
-) -> c_int {
-    if largest.is_null() {
-        return error::call(-1, || fail(-1, "streamalloc_cache_info: largest is null"));
-    }
-    device_call(registry, device, -1, |allocator| {
-        // SAFETY: `largest` is non-null and writable (see # Safety).
-        unsafe { largest.write(allocator.largest_free_block()) };
-        Ok(0)
-    })
-}
-
-/// The reserved-bytes limit of `device` (0: none, or the device is unavailable).
-#[no_mangle]
-pub extern "C" fn streamalloc_memory_limit(device: c_int) -> u64 {
-    memory_limit(registry::global(), device)
-}
-
-/// [`streamalloc_memory_limit`] on `registry`.
-pub fn memory_limit<B: Backend>(registry: &Registry<B>, device: c_int) -> u64 {
-    device_call(registry, device, 0, |allocator| {
-        Ok(allocator.memory_limit().unwrap_or(0))
-    })
-}
-
-/// The device that handed out the live allocation at `ptr`, and where it lies. Devices
-/// made unusable by a panic are not searched.
-pub(super) fn allocation_owner<B: Backend>(
-    registry: &Registry<B>,
-    ptr: u64,
-) -> Option<(&Device<B>, AllocationSite)> {
-    registry.initialized().find_map(|device| {
-        let site = device.run(|allocator| allocator.allocation_at(DevicePtr(ptr)));
-        Some((device, site.ok()??))
-    })
-}
-
-/// For the live allocation at `ptr`: its device and the base, size and kind of the
-/// segment it lies in. 0, or -1 if no device's allocator handed `ptr` out.
-///
-/// # Safety
-/// Each out pointer must be null or writable for one value of its type.
-#[no_mangle]
-pub unsafe extern "C" fn streamalloc_block_info(
-    ptr: *mut c_void,
-    device: *mut c_int,
-    base: *mut u64,
-    size: *mut u64,
-    expandable: *mut c_int,
-) -> c_int {
-    // SAFETY: forwarded from this function's # Safety.
-    unsafe { block_info(registry::global(), ptr, device, base, size, expandable) }
-}
-
-/// [`streamalloc_block_info`] on `registry`.
-///
-/// # Safety
-/// As [`streamalloc_block_info`].
-pub unsafe fn block_info<B: Backend>(
-    registry: &Registry<B>,
-    ptr: *mut c_void,
-    device: *mut c_int,
-    base: *mut u64,
-    size: *mut u64,
-    expandable: *mut c_int,
-) -> c_int {
-    error::call(-1, || {
-        let Some((owner, site)) = allocation_owner(registry, ptr as usize as u64) else {
-            return fail(
-                -1,
-                format_args!(
-                    "streamalloc_block_info: {ptr:p} is not a live allocation of streamalloc"
-                ),
-            );
-        };
-        // SAFETY: each pointer is null or writable for one value (see # Safety).
-        unsafe {
-            if !device.is_null() {
-                device.write(owner.ordinal());
-            }
-            if !base.is_null() {
-                base.write(site.segment.0);
-            }
-            if !size.is_null() {
-                size.write(site.segment_size);
-            }
-            if !expandable.is_null() {
-                expandable.write(c_int::from(site.expandable));
-            }
-        }
-        0
-    })
-}
-
-/// Segments and blocks of `device` as flat arrays (see the module docs). Fills up to the
-/// capacities and always writes the true counts; returns 0 if everything fitted, 1 if
-/// not, -1 on error.
-///
-/// # Safety
-/// `segments` / `blocks` must be null or writable for their capacities; the count
-/// pointers must be null or writable for one `size_t`.
-#[no_mangle]
-pub unsafe extern "C" fn streamalloc_snapshot_segments(
-    device: c_int,
-    segments: *mut StreamallocSegmentInfo,
-    segment_capacity: usize,
-    segment_count: *mut usize,
-    blocks: *mut StreamallocBlockState,
-    block_capacity: usize,
-    block_count: *mut usize,
-) -> c_int {
-    // SAFETY: forwarded from this function's # Safety.
-    unsafe {
-        snapshot_segments(
-            registry::global(),
-            device,
-            segments,
-            segment_capacity,
-            segment_count,
-            blocks,
-            block_capacity,
-            block_count,
-        )
-    }
-}
-
-/// [`streamalloc_snapshot_segments`] on `registry`.
-///
-/// # Safety
-/// As [`streamalloc_snapshot_segments`].
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn snapshot_segments<B: Backend>(
-    registry: &Registry<B>,
-    device: c_int,
-    segments: *mut StreamallocSegmentInfo,
-    segment_capacity: usize,
-    segment_count: *mut usize,
-    blocks: *mut StreamallocBlockState,
-    block_capacity: usize,
-    block_count: *mut usize,
-) -> c_int {
-    device_call(registry, device, -1, |allocator| {
-        let (segment_rows, block_rows) = snapshot_rows(&allocator.snapshot());
-        // SAFETY: forwarded from this function's # Safety.
-        unsafe {
-            copy_out(&segment_rows, segments, segment_capacity);
-            copy_out(&block_rows, blocks, block_capacity);
-            if !segment_count.is_null() {
-                segment_count.write(segment_rows.len());
-            }
-            if !block_count.is_null() {
-                block_count.write(block_rows.len());
-            }
-        }
-        let fitted = segment_rows.len() <= segment_capacity && block_rows.len() <= block_capacity;
-        Ok(if fitted { 0 } else { 1 })
-    })
-}
-
-/// The snapshot's rows: an expandable segment becomes one row per run of mapped blocks
-/// (the engine's snapshot lists only mapped blocks, so a gap in addresses ends a run); a
-/// sleeping pool's segments are left out.
-pub fn snapshot_rows(
-    snapshot: &Snapshot,
-) -> (Vec<StreamallocSegmentInfo>, Vec<StreamallocBlockState>) {
-    let (mut segment_rows, mut block_rows) = (Vec::new(), Vec::<StreamallocBlockState>::new());
-    // A sleeping pool's segments hold no memory (PyTorch's snapshot lists reserved memory).
-    for segment in snapshot.segments.iter().filter(|s| !s.asleep) {
-        let expandable = segment.expandable;
-        let row = |first: usize, address: u64| StreamallocSegmentInfo {
-            address,
-            total_size: 0,
-            stream: segment.stream.0,
-            pool_id0: segment.mempool.0,
-            pool_id1: segment.mempool.1,
-            is_large: segment.pool as u32,
-            is_expandable: u32::from(expandable),
-            first_block: first as u64,
-            block_count: 0,
-        };
-        let mut current: Option<StreamallocSegmentInfo> = None;
-        for block in &segment.blocks {
-            let continues = current
-                .as_ref()
-                .is_some_and(|c| c.address + c.total_size == block.addr.0);
-            if !continues {
-                segment_rows.extend(current.take());
-                current = Some(row(block_rows.len(), block.addr.0));
-            }
-            let run = current.as_mut().expect("a run is open");
-            run.total_size += block.size;
-            run.block_count += 1;
-            block_rows.push(StreamallocBlockState {
-                address: block.addr.0,
-                size: block.size,
-                requested_size: block.requested,
-                stream: block.stream.0,
-                state: match block.state {
-                    BlockState::Inactive => 0,
-                    BlockState::ActiveAllocated => 1,
-                    BlockState::ActivePendingFree => 2,
-                },
-                reserved: 0,
-            });
-        }
-        segment_rows.extend(current);
-    }
-    (segment_rows, block_rows)
-}
-
 // ---- The pluggable door's pool hooks ---------------------------------------------------
-
-/// True while some pool is being allocated to (then `malloc` asks [`routed_pool`]).
-#[inline]
-pub(super) fn routing<B: Backend>(registry: &Registry<B>) -> bool {
-    registry.routes.active()
-}
-
-/// The pool a request from this thread on `stream` of `device` goes to while pools are
-/// being allocated to (see the module docs), if any.
-#[cold]
-pub(super) fn routed_pool<B: Backend>(
-    registry: &Registry<B>,
-    device: c_int,
-    stream: StreamId,
-) -> Result<Option<PoolId>, String> {
-    registry
-        .routes
-        .choose(device, std::thread::current().id(), || {
-            on_device(registry, device, |allocator| {
-                allocator
-                    .backend()
-                    .is_capturing(stream)
-                    .map_err(|err| format!("streamalloc: device {device}: {err}"))
-            })
-        })
-}
 
 /// PyTorch's pluggable `beginAllocateToPool` hook: begins allocating to pool `(id0,
 /// id1)` (see [`streamalloc_pool_begin_allocate`]) and routes this thread's requests and
@@ -793,22 +429,9 @@ pub fn begin_allocate_to_pool<B: Backend>(
     _filter: *mut c_void,
 ) {
     error::call((), || {
-        let pool = PoolId(id0, id1);
-        let begun = on_device(registry, device, |allocator| {
-            allocator
-                .begin_allocate_to_pool(pool)
-                .map_err(|err| engine_message(device, err))
-        });
-        match begun {
-            Ok(_) => registry.routes.begin(Route {
-                device,
-                pool,
-                thread: std::thread::current().id(),
-            }),
-            Err(message) => {
-                eprintln!("{message}");
-                error::set(message);
-            }
+        let begun = registry.on(device, |d| d.begin_routing(PoolId(id0, id1)));
+        if or_fail(-1, begun.map(use_count)) < 0 {
+            eprintln!("{}", error::last_string());
         }
     })
 }
@@ -823,9 +446,8 @@ pub extern "C" fn streamalloc_end_allocate_to_pool(device: c_int, id0: u64, id1:
 /// [`streamalloc_end_allocate_to_pool`] on `registry`.
 pub fn end_allocate_to_pool<B: Backend>(registry: &Registry<B>, device: c_int, id0: u64, id1: u64) {
     error::call((), || {
-        let pool = PoolId(id0, id1);
-        registry.routes.end(device, pool);
-        if pool_end_allocate(registry, device, id0, id1) < 0 {
+        let ended = registry.on(device, |d| d.end_routing(PoolId(id0, id1)));
+        if or_fail(-1, ended.map(|()| 0)) < 0 {
             eprintln!("{}", error::last_string());
         }
     })
@@ -844,44 +466,4 @@ pub fn release_pool<B: Backend>(registry: &Registry<B>, device: c_int, id0: u64,
             eprintln!("{}", error::last_string());
         }
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    use streamalloc_allocator::backend::sim::SimBackend;
-    use streamalloc_allocator::{Allocator, Config};
-
-    #[test]
-    fn snapshot_rows_split_expandable_segments_into_mapped_runs_and_carry_pools() {
-        let device = SimBackend::new(1 << 30);
-        let config = Config {
-            expandable_segments: true,
-            ..Config::default()
-        };
-        let allocator = Allocator::new(device.clone(), config).unwrap();
-        let stream = device.create_stream();
-        let graph = PoolId(4, 2);
-        allocator.create_or_incref_pool(graph).unwrap();
-        let eager = allocator.malloc(200 << 20, stream).unwrap();
-        let captured = allocator.malloc_in(3 << 20, stream, graph).unwrap();
-        let (segments, blocks) = snapshot_rows(&allocator.snapshot());
-        assert!(segments.iter().all(|s| s.is_expandable == 1));
-        for segment in &segments {
-            let rows = &blocks[segment.first_block as usize..][..segment.block_count as usize];
-            assert_eq!(rows[0].address, segment.address);
-            assert_eq!(rows.iter().map(|b| b.size).sum::<u64>(), segment.total_size);
-        }
-        let owner = |ptr: DevicePtr| {
-            segments
-                .iter()
-                .find(|s| s.address <= ptr.0 && ptr.0 < s.address + s.total_size)
-                .map(|s| (s.pool_id0, s.pool_id1))
-        };
-        assert_eq!(owner(eager.ptr), Some((0, 0)));
-        assert_eq!(owner(captured.ptr), Some((4, 2)));
-        let state_of = |ptr: DevicePtr| blocks.iter().find(|b| b.address == ptr.0).map(|b| b.state);
-        assert_eq!(state_of(captured.ptr), Some(1));
-    }
 }

@@ -19,7 +19,7 @@
 //! whole segments (`expandable_segments:false`), a null or non-UTF-8 tag. A refusal changes
 //! nothing.
 
-use super::layout::c_struct;
+pub use super::layout::StreamallocSleepReport;
 use super::{device_call, engine_message, error, fail};
 use crate::registry::{self, Registry};
 use std::cell::RefCell;
@@ -34,19 +34,6 @@ pub const BACKUP_HOST: c_int = 1;
 
 /// The most tags one call may name.
 const MAX_TAGS: usize = 4096;
-
-c_struct! {
-/// `streamalloc_sleep_report_t`: what one `streamalloc_sleep` or `streamalloc_wake` did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocSleepReport as "streamalloc_sleep_report_t" {
-    /// Bytes of device memory given back (sleep) or mapped again (wake).
-    pub bytes: u64,
-    /// Bytes copied to host memory (sleep) or back from it (wake).
-    pub copied: u64,
-    /// Copies made.
-    pub copies: u64,
-}
-}
 
 /// Tags memory pool `(id0, id1)` of `device` with `tag` (a NUL-terminated UTF-8 name).
 /// Returns 0, or -1.

@@ -1,88 +1,13 @@
 //! Counters across the C ABI: a flat `#[repr(C)]` struct for C callers and a JSON string
 //! for Python (whose `memory_stats()` maps it to PyTorch's key names).
 
-use super::layout::c_struct;
+pub use super::layout::StreamallocStats;
 use super::{device_call, error, on_device};
 use crate::registry::{self, Registry};
 use std::cell::RefCell;
-use std::collections::BTreeMap;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::sync::{LazyLock, Mutex};
+use std::sync::LazyLock;
 use streamalloc_allocator::{Backend, Gauge, StatArray, Stats, TorchStats};
-
-c_struct! {
-/// `streamalloc_stats_t`: the engine's [`Stats`], flattened. Byte gauges come as
-/// `*_current` / `*_peak` pairs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamallocStats as "streamalloc_stats_t" {
-    /// Bytes in blocks handed out (rounded sizes), now.
-    pub allocated_current: u64,
-    /// Peak of `allocated_current`.
-    pub allocated_peak: u64,
-    /// Bytes callers asked for, now.
-    pub requested_current: u64,
-    /// Peak of `requested_current`.
-    pub requested_peak: u64,
-    /// Bytes obtained from the device, now.
-    pub reserved_current: u64,
-    /// Peak of `reserved_current`.
-    pub reserved_peak: u64,
-    /// Allocated plus freed-but-pending bytes, now.
-    pub active_current: u64,
-    /// Peak of `active_current`.
-    pub active_peak: u64,
-    /// Free bytes still carrying other streams' events, now.
-    pub pending_free_current: u64,
-    /// Peak of `pending_free_current`.
-    pub pending_free_peak: u64,
-    /// Blocks handed out.
-    pub allocs: u64,
-    /// Blocks returned.
-    pub frees: u64,
-    /// Segments obtained from the device.
-    pub segment_allocs: u64,
-    /// Segments returned to the device.
-    pub segment_frees: u64,
-    /// Device-side waits made to reuse blocks across streams.
-    pub cross_stream_waits: u64,
-    /// Events recorded.
-    pub events_recorded: u64,
-    /// Event queries.
-    pub event_queries: u64,
-    /// Events recorded and still referenced.
-    pub events_outstanding: u64,
-    /// Event objects created.
-    pub events_created: u64,
-    /// Event objects destroyed.
-    pub events_destroyed: u64,
-    /// Requests that failed for lack of memory.
-    pub ooms: u64,
-    /// Requests served only after releasing cached memory.
-    pub retries: u64,
-    /// Frees of unknown or already freed pointers.
-    pub invalid_frees: u64,
-    /// Reserved-bytes limit in force (0: none).
-    pub memory_limit: u64,
-    /// Device-wide synchronisations made (to release memory or to unmap pages).
-    pub device_syncs: u64,
-    /// Bytes mapped into expandable segments, in all.
-    pub page_map_bytes: u64,
-    /// Bytes unmapped from expandable segments, in all.
-    pub page_unmap_bytes: u64,
-    /// Stitched ranges made (free pages mapped a second time into one range).
-    pub stitches: u64,
-    /// Bytes mapped into stitched ranges (no memory reserved by them).
-    pub stitched_map_bytes: u64,
-    /// Stitched ranges taken again without mapping.
-    pub stitch_revivals: u64,
-    /// Stitched ranges unmapped.
-    pub stitch_evictions: u64,
-    /// Bytes sleeping memory pools gave back to the device, addresses kept.
-    pub sleeping_bytes: u64,
-    /// Bytes of page-locked host memory held for sleeping pools' backups.
-    pub host_backup_bytes: u64,
-}
-}
 
 impl StreamallocStats {
     /// Flattens `stats`.
@@ -359,31 +284,6 @@ pub fn torch_stat_values(source: &TorchSource<'_>) -> Vec<i64> {
         .collect()
 }
 
-/// A registry's counters at the last reset of PyTorch's accumulated statistics, by
-/// device (none: never reset).
-#[derive(Debug)]
-pub(crate) struct AccumulatedSince {
-    map: Mutex<BTreeMap<c_int, Stats>>,
-}
-
-impl AccumulatedSince {
-    pub(crate) const fn new() -> Self {
-        Self {
-            map: Mutex::new(BTreeMap::new()),
-        }
-    }
-
-    fn get(&self, device: c_int) -> Stats {
-        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        map.get(&device).copied().unwrap_or_default()
-    }
-
-    fn set(&self, device: c_int, stats: Stats) {
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        map.insert(device, stats);
-    }
-}
-
 /// The name of PyTorch's `i`-th statistic in the order `streamalloc_torch_stats` writes
 /// them (e.g. `"allocated_bytes.all.peak"`), or null past the last. The string is static.
 #[no_mangle]
@@ -427,18 +327,20 @@ pub unsafe fn torch_stats<B: Backend>(
             super::fail(-1, "streamalloc_torch_stats: out is null")
         });
     }
-    device_call(registry, device, -1, |allocator| {
-        let since = registry.since.get(device);
-        let source = TorchSource {
-            now: &allocator.stats(),
-            since: &since,
+    error::call(-1, || {
+        let (now, since) = match registry.on(device, |d| d.stats_since_reset()) {
+            Ok(counters) => counters,
+            Err(err) => return super::or_fail(-1, Err(err)),
         };
-        let values = torch_stat_values(&source);
+        let values = torch_stat_values(&TorchSource {
+            now: &now,
+            since: &since,
+        });
         for (i, value) in values.iter().take(capacity).enumerate() {
             // SAFETY: `out` is writable for `capacity` values (see # Safety) and i < capacity.
             unsafe { out.add(i).write(*value) };
         }
-        Ok(values.len() as i64)
+        values.len() as i64
     })
 }
 
@@ -453,9 +355,9 @@ pub extern "C" fn streamalloc_reset_accumulated_stats(device: c_int) -> c_int {
 
 /// [`streamalloc_reset_accumulated_stats`] on `registry`.
 pub fn reset_accumulated_stats<B: Backend>(registry: &Registry<B>, device: c_int) -> c_int {
-    device_call(registry, device, -1, |allocator| {
-        registry.since.set(device, allocator.stats());
-        Ok(0)
+    error::call(-1, || {
+        let reset = registry.on(device, |d| d.reset_accumulated_stats());
+        super::or_fail(-1, reset.map(|()| 0))
     })
 }
 
@@ -500,7 +402,8 @@ pub unsafe fn allocation_usage<B: Backend>(
     reserved: *mut u64,
 ) -> c_int {
     error::call(-1, || {
-        let Some((owner, site)) = super::pools::allocation_owner(registry, ptr as usize as u64)
+        let Some((owner, site)) =
+            super::introspect::allocation_owner(registry, ptr as usize as u64)
         else {
             return super::fail(
                 -1,

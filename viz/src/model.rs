@@ -1,6 +1,6 @@
 //! The snapshot model every format converts through, and our versioned JSON schema.
 //!
-//! Three sources feed the viewer: the engine's [`streamalloc_allocator::Snapshot`], PyTorch's
+//! Three sources feed the viewer: the engine's snapshot ([`EngineSnapshot`]), PyTorch's
 //! pickles ([`crate::pytorch`]) and our own JSON files. Rather than convert each into each,
 //! all of them become one [`Snapshot`], which is also exactly what our JSON holds.
 //!
@@ -53,8 +53,12 @@ pub use crate::limits::{MAX_ADDRESS_END, MAX_DEVICE_INDEX};
 pub use crate::stacks::{Frame, Stacks};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-use streamalloc_allocator::PoolKind;
+use streamalloc_records::PoolKind;
 pub use streamalloc_records::{BlockState, TraceAction};
+
+/// The engine's snapshot as the formats read it: its configuration and counters kept as
+/// the JSON they were written as.
+pub type EngineSnapshot = streamalloc_records::Snapshot<serde_json::Value, serde_json::Value>;
 
 /// The value of the `format` key.
 pub const FORMAT: &str = "streamalloc-snapshot";
@@ -365,14 +369,13 @@ pub fn parse_json(path: &Path, bytes: &[u8]) -> Result<Snapshot, VizError> {
         )),
         (None, _) => {
             // Perhaps the engine's own snapshot, serialised as is.
-            let engine: streamalloc_allocator::Snapshot =
-                serde_json::from_slice(bytes).map_err(|_| {
-                    VizError::format(
-                        path,
-                        "JSON without \"format\": neither a streamalloc snapshot nor an engine \
+            let engine: EngineSnapshot = serde_json::from_slice(bytes).map_err(|_| {
+                VizError::format(
+                    path,
+                    "JSON without \"format\": neither a streamalloc snapshot nor an engine \
                          snapshot",
-                    )
-                })?;
+                )
+            })?;
             // The engine's records are of fixed size and at least 40 bytes of JSON each,
             // so reading them builds less than the budget allows; the model made from
             // them is what the budget keeps.
@@ -391,8 +394,11 @@ pub fn parse_json(path: &Path, bytes: &[u8]) -> Result<Snapshot, VizError> {
 
 // ---- Conversions ----
 
-/// Our model of the engine's snapshot (device 0).
-pub fn from_engine(s: &streamalloc_allocator::Snapshot) -> Snapshot {
+/// Our model of the engine's snapshot (device 0), whatever its configuration and counters
+/// are read as (the engine's own types, or JSON values: [`EngineSnapshot`]).
+pub fn from_engine<Config: Serialize, Stats: Serialize>(
+    s: &streamalloc_records::Snapshot<Config, Stats>,
+) -> Snapshot {
     let mut out = Snapshot::new("streamalloc");
     // The engine's segment records do not say whether a segment is expandable; one whose
     // pages the trace shows being mapped is.
@@ -403,7 +409,7 @@ pub fn from_engine(s: &streamalloc_allocator::Snapshot) -> Snapshot {
         .map(|e| e.addr.0)
         .collect();
     out.config = serde_json::to_value(&s.config).ok();
-    out.stats = serde_json::to_value(s.stats).ok();
+    out.stats = serde_json::to_value(&s.stats).ok();
     let segments = s
         .segments
         .iter()

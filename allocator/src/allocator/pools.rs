@@ -1,5 +1,6 @@
-//! Memory pools, the policy side: what a pool's blocks are, checkpoints of a pool and
-//! putting a pool back to one, and forgetting pools that hold nothing.
+//! Memory pools, the policy side: the engine's pool calls (uses, rules, checkpoints),
+//! what a pool's blocks are, checkpoints of a pool and putting a pool back to one, and
+//! forgetting pools that hold nothing.
 //!
 //! The isolation itself needs no code here: a slot is a stream in one pool, blocks stay
 //! with slots of their segment's pool, and releases skip pools with uses left
@@ -18,6 +19,145 @@ pub struct PoolBlock {
     pub requested: u64,
     /// The stream it belongs to.
     pub stream: StreamId,
+}
+
+/// The engine's memory-pool calls (PyTorch's `MempoolId_t` API).
+impl<B: Backend> Allocator<B> {
+    /// Creates memory pool `pool` with one use, or adds a use to it (PyTorch's
+    /// `createOrIncrefPool`; a graph capture into the pool adds one too). Returns the new
+    /// use count.
+    pub fn create_or_incref_pool(&self, pool: PoolId) -> Result<u32, AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("created or referenced"));
+        }
+        Ok(self.state.lock().pools.incref(pool))
+    }
+
+    /// A graph capture into `pool`, or a `use_mem_pool` context, begins (PyTorch's
+    /// `beginAllocateToPool`): creates the pool or adds a use, as PyTorch does. Until the
+    /// matching [`Allocator::end_allocate_to_pool`], a capture may be under way on any
+    /// stream, and in CUDA's global capture mode that forbids event queries, waits on a
+    /// capturing stream's events and synchronisation everywhere: the engine makes none of
+    /// them, reuses no block across streams, releases no cached memory, and defers the
+    /// events of blocks freed with other-stream uses. Returns the pool's use count.
+    pub fn begin_allocate_to_pool(&self, pool: PoolId) -> Result<u32, AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("allocated to as a pool"));
+        }
+        Ok(self.state.lock().pools.begin(pool))
+    }
+
+    /// Ends the newest [`Allocator::begin_allocate_to_pool`] of `pool` (PyTorch's
+    /// `endAllocateToPool`); the pool keeps its use until released. When no capture is
+    /// under way any more, frees deferred during captures get their events.
+    pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<(), AllocError> {
+        self.operation(|state| {
+            if !state.pools.end(pool) {
+                return Err(AllocError::UnknownPool(pool));
+            }
+            if !state.pools.capture_underway() {
+                state.complete_deferred_frees(&self.backend)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Drops a use of `pool` (PyTorch's `releasePool`). At zero its memory stops being
+    /// reserved for it: [`Allocator::empty_cache`] returns its wholly free segments, and
+    /// blocks still allocated in it follow once freed. Returns the remaining use count.
+    pub fn release_pool(&self, pool: PoolId) -> Result<u32, AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("released"));
+        }
+        self.state
+            .lock()
+            .pools
+            .release(pool)
+            .ok_or(AllocError::UnknownPool(pool))
+    }
+
+    /// Makes `pool` grow by whole segments from [`Segments::alloc_segment`](crate::backend::Segments::alloc_segment) (given back with
+    /// [`Segments::free_segment`](crate::backend::Segments::free_segment)) whatever `expandable_segments` says: what a pool whose
+    /// segments come from another allocator needs (PyTorch's `MemPool(allocator=...)`,
+    /// whose segments its allocator makes whole whatever the default pool does). Set
+    /// before the pool allocates; the pool keeps the rule until it is forgotten.
+    pub fn set_pool_whole_segments(&self, pool: PoolId) -> Result<(), AllocError> {
+        self.set_pool_rule(
+            pool,
+            "growing by whole segments",
+            PoolTable::set_whole_segments,
+        )
+    }
+
+    /// Makes `pool` never split a block (PyTorch's `MemPool(no_split=True)`): each block is
+    /// a whole segment, sized to its request rounded to 2 MiB, handed out whole. Set
+    /// before the pool allocates.
+    pub fn set_pool_no_split(&self, pool: PoolId) -> Result<(), AllocError> {
+        self.set_pool_rule(pool, "no_split", PoolTable::set_no_split)
+    }
+
+    fn set_pool_rule(
+        &self,
+        pool: PoolId,
+        rule: &'static str,
+        set: fn(&mut PoolTable, PoolId),
+    ) -> Result<(), AllocError> {
+        if pool.is_default() {
+            return Err(AllocError::DefaultPool("given a rule of its own"));
+        }
+        let mut state = self.state.lock();
+        if !state.pools.is_live(pool) {
+            return Err(AllocError::UnknownPool(pool));
+        }
+        if state.holds_memory(pool) {
+            return Err(AllocError::PoolHoldsMemory { pool, rule });
+        }
+        set(&mut state.pools, pool);
+        Ok(())
+    }
+
+    /// The use count of `pool`; 0 for a pool that does not exist or was released.
+    pub fn pool_use_count(&self, pool: PoolId) -> u32 {
+        self.state.lock().pools.uses(pool)
+    }
+
+    /// The addresses of `pool`'s live allocations, ascending.
+    pub fn pool_live_allocations(&self, pool: PoolId) -> Vec<DevicePtr> {
+        self.state.lock().pool_blocks(pool).map(|b| b.ptr).collect()
+    }
+
+    /// `pool`'s live allocations with their sizes and streams, ascending: what
+    /// [`Allocator::restore_pool`] can put back.
+    pub fn pool_checkpoint(&self, pool: PoolId) -> Vec<PoolBlock> {
+        self.state.lock().pool_blocks(pool).collect()
+    }
+
+    /// Puts `pool` back to `checkpoint` (PyTorch's `setCheckpointPoolState`, used by CUDA
+    /// graph trees): synchronises the device, frees every live allocation of the pool and
+    /// allocates exactly the checkpoint's blocks again, at their addresses. Returns the
+    /// addresses freed. Checked before anything changes: every checkpoint block must lie in
+    /// the pool's memory, without overlapping another.
+    pub fn restore_pool(
+        &self,
+        pool: PoolId,
+        checkpoint: &[PoolBlock],
+    ) -> Result<Vec<DevicePtr>, AllocError> {
+        let now = self.early_now();
+        self.operation(|state| state.restore_pool(&self.backend, pool, checkpoint, now))
+    }
+
+    /// Synchronises the device and returns `pool`'s wholly free segments (and free
+    /// mappings) to it, whatever its use count: a `torch.cuda.MemPool`'s own empty_cache.
+    /// With the default pool, the same as [`Allocator::empty_cache`]. Returns the bytes
+    /// released.
+    pub fn empty_pool_cache(&self, pool: PoolId) -> Result<u64, AllocError> {
+        let which = if pool.is_default() {
+            Release::Unpinned
+        } else {
+            Release::Pool(pool)
+        };
+        Ok(self.operation(|state| state.release_cached_where(&self.backend, which))?)
+    }
 }
 
 impl State {

@@ -23,7 +23,7 @@
 //!   (if the device or the limit refuses, what was mapped is unmapped, untouched, and the
 //!   tags stay asleep), then copy the backup back and wait for the copies.
 //! - **Mapped whole.** A tagged pool's memory is never stitched, and its mappings are made
-//!   with one physical allocation each (`Backend::map_pages_whole`), whatever stitching or
+//!   with one physical allocation each (`VirtualMemory::map_pages_whole`), whatever stitching or
 //!   a limit ask of other pools: unmapping and mapping cost a driver call per allocation,
 //!   so pages mapped one by one would make a 40 GiB sleep take seconds.
 

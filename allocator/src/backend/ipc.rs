@@ -116,21 +116,6 @@ pub trait IpcBackend {
     fn ipc_close(&self, ptr: DevicePtr) -> Result<(), IpcError>;
 }
 
-impl<B: IpcBackend + ?Sized> IpcBackend for std::sync::Arc<B> {
-    fn ipc_export(&self, ptr: DevicePtr, size: u64) -> Result<Vec<ExportedMapping>, IpcError> {
-        (**self).ipc_export(ptr, size)
-    }
-    fn ipc_import(&self, pid: i32, mappings: &[ForeignMapping]) -> Result<DevicePtr, IpcError> {
-        (**self).ipc_import(pid, mappings)
-    }
-    fn ipc_import_size(&self, ptr: DevicePtr) -> Option<u64> {
-        (**self).ipc_import_size(ptr)
-    }
-    fn ipc_close(&self, ptr: DevicePtr) -> Result<(), IpcError> {
-        (**self).ipc_close(ptr)
-    }
-}
-
 /// Checks the allocations of an import against the device's `granularity` and returns
 /// their total bytes.
 pub fn check_import(mappings: &[ForeignMapping], granularity: u64) -> Result<u64, IpcError> {

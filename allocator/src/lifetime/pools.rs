@@ -23,7 +23,7 @@ pub(crate) struct PoolTable {
     /// Pools being allocated to (a graph capture or `use_mem_pool` under way), one entry per
     /// begin not yet ended.
     underway: Vec<PoolId>,
-    /// Pools that grow by whole segments from `Backend::alloc_segment` whatever the
+    /// Pools that grow by whole segments from `Segments::alloc_segment` whatever the
     /// allocator's growth: a pool whose segments come from another allocator
     /// (`MemPool(allocator=...)`), and every pool that never splits.
     whole_segments: HashSet<PoolId>,

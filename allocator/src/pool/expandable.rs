@@ -95,7 +95,7 @@ pub(crate) struct ExpandableTable {
     /// Every mapping (one physical allocation each): address → bytes. Unmapping must take
     /// whole mappings (`cuMemUnmap`'s rule).
     mappings: BTreeMap<u64, u64>,
-    /// Every page is its own physical allocation (`Backend::set_page_allocations`), so any
+    /// Every page is its own physical allocation (`VirtualMemory::set_page_allocations`), so any
     /// whole free page can be unmapped alone: on while stitching is on or a memory limit
     /// is in force. Off, runs are mapped in pieces of up to [`ExpandableTable::chunk`].
     pub(crate) page_granular: bool,

@@ -4,7 +4,7 @@
 //! already mapped instead of from new memory.
 //!
 //! # Representation
-//! A stitch is its own address reservation, mapped with `Backend::alias_pages` from
+//! A stitch is its own address reservation, mapped with `VirtualMemory::alias_pages` from
 //! *sources*: runs of whole pages of expandable segments, in the order they appear in the
 //! stitched range. The physical pages stay where they are; only a second address reaches
 //! them. So a stitch costs no memory, and memory is counted once, where the pages are

@@ -6,6 +6,8 @@
 //! ranks); one concatenated buffer per peer doubles memory. This module moves any such
 //! exchange through a fixed budget of staging memory, in rounds that every rank agrees on.
 //!
+//! - [`description`]: every rank's lists, encoded to travel and checked against each other.
+//! - [`config`]: the staging budget and what it implies.
 //! - [`plan`]: the deterministic planner (rounds, packing, zero-copy, splitting, circle
 //!   pairing) and the plan digest.
 //! - [`pool`]: the staging buffers, drawn from and returned to the engine's
@@ -31,6 +33,8 @@
 //! assert_eq!(plan.bytes_moved(), 3);
 //! ```
 
+pub mod config;
+pub mod description;
 pub mod plan;
 pub mod pool;
 

@@ -19,8 +19,8 @@
 //! it unmaps a page any stream may still touch.
 
 use super::driver;
-use super::ipc::{ExportedMapping, IpcError};
 use super::sys;
+use crate::backend::ipc::{ExportedMapping, IpcError};
 use crate::backend::BackendResult;
 use crate::error::BackendError;
 use crate::types::DevicePtr;
@@ -50,7 +50,7 @@ pub(super) struct PageMap {
     /// Mapping address → its mapping.
     mappings: Mutex<BTreeMap<u64, Mapping>>,
     /// Each `map` backs every page with its own allocation (see
-    /// `Backend::set_page_allocations`).
+    /// `VirtualMemory::set_page_allocations`).
     page_allocations: std::sync::atomic::AtomicBool,
     /// Second mappings of pages already mapped (stitched ranges): address → bytes. Each is
     /// one `cuMemMap` of part of one allocation; the allocation is released with its own
@@ -144,7 +144,7 @@ impl PageMap {
         )
     }
 
-    /// See `Backend::set_page_allocations`.
+    /// See `VirtualMemory::set_page_allocations`.
     pub(super) fn set_page_allocations(&self, on: bool) {
         self.page_allocations
             .store(on, std::sync::atomic::Ordering::Relaxed);
@@ -202,7 +202,7 @@ impl PageMap {
     }
 
     /// Maps one fresh physical allocation over `[ptr, ptr + size)` whatever
-    /// `set_page_allocations` says (`Backend::map_pages_whole`); on failure, leaves nothing
+    /// `set_page_allocations` says (`VirtualMemory::map_pages_whole`); on failure, leaves nothing
     /// mapped.
     pub(super) fn map_whole(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.check_range(ptr, size, "cuMemMap")?;

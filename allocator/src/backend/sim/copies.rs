@@ -1,5 +1,5 @@
 //! Page-locked host memory and the copies between it and device memory: the simulator's
-//! side of `Backend::alloc_host`, `copy_to_host`, `copy_to_device` and
+//! side of `HostMemory::alloc_host`, `copy_to_host`, `copy_to_device` and
 //! `synchronize_copies` (the backup of a sleeping memory pool), and what tests read of
 //! memory's contents ([`SimBackend::contents`]).
 //!

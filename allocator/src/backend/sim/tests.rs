@@ -1,6 +1,7 @@
 //! Graph capture and replay as the race detector sees them.
 
 use super::*;
+use crate::backend::{Events, Segments, Streams, VirtualMemory};
 
 const MIB: u64 = 1 << 20;
 

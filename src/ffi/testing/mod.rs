@@ -24,14 +24,18 @@
 //!   exists) and in the registry; `record_stream` and `block_info` know exactly the live
 //!   pointers.
 
-use super::p2p;
+mod args;
+mod calls;
+mod model;
+
+use self::args::Reader;
 use super::pools::{self, StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo};
-use super::{error, stats, StreamallocStats};
+use super::{error, introspect, stats, StreamallocStats};
 use crate::registry::Registry;
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void, CStr};
 use streamalloc_allocator::backend::sim::{SimBackend, INJECTED_PANIC};
-use streamalloc_allocator::{Config, DevicePtr, Stats};
+use streamalloc_allocator::{Config, Stats};
 
 /// What the last error holds before each call; no call may leave it there.
 const SENTINEL: &str = "(sentinel: the call neither cleared nor set the last error)";
@@ -53,32 +57,6 @@ const PANIC_SITES: [&str; 8] = [
     "record_event",
     "synchronize_device",
 ];
-
-/// Reads the program's bytes; past the end, every read is 0.
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl Reader<'_> {
-    fn done(&self) -> bool {
-        self.at >= self.bytes.len()
-    }
-
-    fn u8(&mut self) -> u8 {
-        let byte = self.bytes.get(self.at).copied().unwrap_or(0);
-        self.at += 1;
-        byte
-    }
-
-    fn u64(&mut self) -> u64 {
-        (0..8).fold(0, |word, _| (word << 8) | u64::from(self.u8()))
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        usize::from(self.u8()) % n
-    }
-}
 
 /// Installs a panic hook that passes the panics [`run_bytes`] plants and hands every other
 /// one to the hook installed before it. libFuzzer's hook aborts at any panic, caught or not,
@@ -198,67 +176,6 @@ impl Harness {
     /// not once a panic was planted anywhere.
     fn exact(&self) -> bool {
         self.planted.is_empty()
-    }
-
-    fn device(&self, r: &mut Reader<'_>) -> c_int {
-        DEVICES[r.below(DEVICES.len())]
-    }
-
-    fn size(&self, r: &mut Reader<'_>) -> usize {
-        match r.below(8) {
-            0 => 0,
-            1 => 1 + r.u8() as usize * 16,
-            2 | 3 => 1 + (r.u64() as usize % (4 << 20)),
-            4 => (1 + r.below(64)) << 20,
-            5 => (1 + r.below(4)) << 30,
-            6 => usize::MAX - r.u8() as usize,
-            _ => (1usize << 40) + r.u8() as usize,
-        }
-    }
-
-    fn stream(&self, r: &mut Reader<'_>) -> *mut c_void {
-        let id = match r.below(6) {
-            0 => 0,
-            1..=3 => r.below(4) as u64 + 1,
-            4 => u64::MAX,
-            _ => r.u64(),
-        };
-        id as usize as *mut c_void
-    }
-
-    fn pool(&self, r: &mut Reader<'_>) -> (u64, u64) {
-        match r.below(6) {
-            0 => (0, 0),
-            1 | 2 => (1, 0),
-            3 => (0, 2),
-            4 => (u64::MAX, u64::MAX),
-            _ => (u64::from(r.u8()), u64::from(r.u8())),
-        }
-    }
-
-    fn pointer(&self, r: &mut Reader<'_>) -> u64 {
-        let pick = r.below(8);
-        let nth = r.u8() as usize;
-        match pick {
-            0..=3 if !self.live.is_empty() => *self.live.keys().nth(nth % self.live.len()).unwrap(),
-            4 if !self.dead.is_empty() => self.dead[nth % self.dead.len()],
-            6 if !self.live.is_empty() => {
-                self.live.keys().nth(nth % self.live.len()).unwrap() + 1 + r.u8() as u64
-            }
-            7 => r.u64(),
-            5 => 0,
-            _ => 0x1000,
-        }
-    }
-
-    /// Invalid frees counted on each created device, and in the registry.
-    fn invalid_frees(&self) -> (BTreeMap<c_int, u64>, u64) {
-        let per_device = self
-            .registry
-            .initialized()
-            .map(|d| (d.ordinal(), d.allocator().stats().invalid_frees))
-            .collect();
-        (per_device, self.registry.invalid_frees())
     }
 
     /// Makes one call chosen by the reader, and says what it expects of it.
@@ -461,12 +378,12 @@ impl Harness {
                     &mut largest as *mut u64
                 };
                 // SAFETY: null or a valid out pointer.
-                failed = Some(unsafe { pools::cache_info(registry, device, out) } != 0);
+                failed = Some(unsafe { introspect::cache_info(registry, device, out) } != 0);
                 format!("cache_info({device}, {out:p})")
             }
             22 => {
                 let device = self.device(r);
-                let limit = pools::memory_limit(registry, device);
+                let limit = introspect::memory_limit(registry, device);
                 if limit != 0 && !last_error().is_empty() {
                     expect = Err(format!("memory_limit failed yet returned {limit}"));
                 }
@@ -479,7 +396,7 @@ impl Harness {
                 // SAFETY: each out pointer is null or valid.
                 let result = unsafe {
                     if with_outs {
-                        pools::block_info(
+                        introspect::block_info(
                             registry,
                             ptr as usize as *mut c_void,
                             &mut device,
@@ -489,7 +406,7 @@ impl Harness {
                         )
                     } else {
                         use std::ptr::null_mut;
-                        pools::block_info(
+                        introspect::block_info(
                             registry,
                             ptr as usize as *mut c_void,
                             null_mut(),
@@ -529,7 +446,7 @@ impl Harness {
                 // SAFETY: null or room for the capacities.
                 let result = unsafe {
                     if nulls {
-                        pools::snapshot_segments(
+                        introspect::snapshot_segments(
                             registry,
                             device,
                             std::ptr::null_mut(),
@@ -540,7 +457,7 @@ impl Harness {
                             std::ptr::null_mut(),
                         )
                     } else {
-                        pools::snapshot_segments(
+                        introspect::snapshot_segments(
                             registry,
                             device,
                             segments.as_mut_ptr(),
@@ -610,297 +527,5 @@ impl Harness {
             failed,
             expect,
         }
-    }
-
-    /// Notes a pointer `malloc` returned, if any; it must be new.
-    fn allocated(&mut self, ptr: u64, device: c_int, size: usize) -> Result<(), String> {
-        if ptr == 0 {
-            return if size == 0 && !last_error().is_empty() {
-                Err("malloc of 0 bytes set an error".to_string())
-            } else {
-                Ok(())
-            };
-        }
-        if let Some(live) = self.live.insert(ptr, Live { device }) {
-            return Err(format!(
-                "{ptr:#x} handed out again while live (device {})",
-                live.device
-            ));
-        }
-        self.dead.retain(|&p| p != ptr);
-        match self.registry.get(device) {
-            Some(d) if d.allocator().owns(DevicePtr(ptr)) => Ok(()),
-            _ => Err(format!("{ptr:#x} is not a live block of device {device}")),
-        }
-    }
-
-    /// Updates the model after `free(ptr, device)` and says whether it went as it should.
-    fn freed(
-        &mut self,
-        ptr: u64,
-        device: c_int,
-        (before, registry_before): (BTreeMap<c_int, u64>, u64),
-    ) -> Result<(), String> {
-        let live = self.live.remove(&ptr);
-        if live.is_some() {
-            self.dead.push(ptr);
-        }
-        if ptr == 0 || !self.exact() {
-            return Ok(());
-        }
-        let (after, registry_after) = self.invalid_frees();
-        let error = last_error();
-        let mut expected = before.clone();
-        let mut registry_expected = registry_before;
-        if live.is_some() {
-            if !error.is_empty() {
-                return Err(format!("freeing a live pointer failed: {error}"));
-            }
-        } else {
-            if !error.contains("unknown pointer") {
-                return Err(format!("freeing a dead pointer: error {error:?}"));
-            }
-            if let Some(count) = expected.get_mut(&device) {
-                *count += 1;
-            }
-            registry_expected += 1;
-        }
-        // A device created by this call (none is) would be missing from `before`.
-        if after != expected || registry_after != registry_expected {
-            return Err(format!(
-                "invalid frees per device {before:?} -> {after:?} (expected {expected:?}), registry {registry_before} -> {registry_after} (expected {registry_expected})"
-            ));
-        }
-        Ok(())
-    }
-
-    /// `pool_restore` with a checkpoint taken earlier, or junk.
-    fn restore(&mut self, r: &mut Reader<'_>) -> Outcome {
-        let (mut device, mut pool) = (self.device(r), self.pool(r));
-        let mut blocks: Vec<StreamallocPoolBlock> = match r.below(4) {
-            0 | 1 if !self.checkpoints.is_empty() => {
-                let (d, p, blocks) = &self.checkpoints[r.u8() as usize % self.checkpoints.len()];
-                if r.below(2) == 0 {
-                    (device, pool) = (*d, *p);
-                }
-                blocks.clone()
-            }
-            2 => (0..r.below(3))
-                .map(|_| StreamallocPoolBlock {
-                    address: self.pointer(r),
-                    size: self.size(r) as u64,
-                    requested: r.u64() % 4096,
-                    stream: r.u64() % 4,
-                })
-                .collect(),
-            _ => Vec::new(),
-        };
-        if r.below(8) == 0 {
-            if let Some(first) = blocks.first_mut() {
-                first.size = first.size.wrapping_add(1 << 21);
-            }
-        }
-        let null_blocks = r.below(8) == 0;
-        let capacity = r.below(9);
-        let mut freed = [0u64; 8];
-        let live_before = self.pool_live(device, pool);
-        // SAFETY: `blocks` readable for its length (or null, which is refused when the
-        // count is not 0); `freed` has room for `capacity` <= 8 addresses.
-        let n = unsafe {
-            pools::pool_restore(
-                &self.registry,
-                device,
-                pool.0,
-                pool.1,
-                if null_blocks {
-                    std::ptr::null()
-                } else {
-                    blocks.as_ptr()
-                },
-                blocks.len(),
-                freed.as_mut_ptr(),
-                capacity,
-            )
-        };
-        let call = format!(
-            "pool_restore({device}, {pool:?}, {} blocks, room {capacity}) = {n}",
-            blocks.len()
-        );
-        let mut expect = Ok(());
-        if n >= 0 {
-            for address in &freed[..(n as usize).min(capacity)] {
-                if self.live.remove(address).is_some() {
-                    self.dead.push(*address);
-                } else if self.exact() {
-                    expect = Err(format!("restore freed {address:#x}, which was not live"));
-                }
-            }
-            for block in &blocks {
-                if let Err(err) = self.allocated(block.address, device, block.size as usize) {
-                    expect = expect.and(Err(format!("after restore: {err}")));
-                }
-            }
-        } else if self.exact() && self.pool_live(device, pool) != live_before {
-            expect = Err("a failed restore changed the pool's live allocations".to_string());
-        }
-        Outcome {
-            call,
-            failed: Some(n < 0),
-            expect,
-        }
-    }
-
-    /// A pool's live allocations, read without going through the C ABI (none on a device
-    /// not created yet).
-    fn pool_live(&self, device: c_int, pool: (u64, u64)) -> Vec<DevicePtr> {
-        self.registry.get(device).map_or_else(Vec::new, |d| {
-            d.allocator()
-                .pool_live_allocations(streamalloc_allocator::PoolId(pool.0, pool.1))
-        })
-    }
-
-    /// The p2p planner on junk descriptions, then its readers on what came back, each
-    /// checked as a call of its own.
-    fn p2p(&mut self, r: &mut Reader<'_>) -> Outcome {
-        let world = r.below(4) as u32;
-        let descriptions: Vec<Vec<u8>> = (0..world)
-            .map(|_| (0..r.below(48)).map(|_| r.u8()).collect())
-            .collect();
-        let pointers: Vec<*const u8> = descriptions.iter().map(|d| d.as_ptr()).collect();
-        let lengths: Vec<usize> = descriptions.iter().map(Vec::len).collect();
-        let (budget, buffers, zero_copy_min) = (r.u64(), u32::from(r.u8()), r.u64());
-        let rank = u32::from(r.u8() % 4);
-        let mut expect = Ok(());
-        let mut step = |name: &str, failed: bool| {
-            let error = last_error();
-            if error == SENTINEL || failed == error.is_empty() {
-                expect = expect.clone().and(Err(format!(
-                    "{name}: failed {failed} with last error {error:?}"
-                )));
-            }
-            error::set(SENTINEL);
-        };
-        // SAFETY: `world` entries, each readable for its length.
-        let plan = unsafe {
-            p2p::streamalloc_p2p_plan_new(
-                world,
-                pointers.as_ptr(),
-                lengths.as_ptr(),
-                budget,
-                buffers,
-                zero_copy_min,
-            )
-        };
-        step("streamalloc_p2p_plan_new", plan.is_null());
-        let mut rows = [0i64; 4 * p2p::ROW_COLUMNS];
-        let mut summary = [0u64; 8];
-        // SAFETY: a live plan or null; buffers sized as documented.
-        unsafe {
-            let n = p2p::streamalloc_p2p_plan_rows(plan, rank, rows.as_mut_ptr(), 4);
-            step("streamalloc_p2p_plan_rows", n < 0);
-            let n = p2p::streamalloc_p2p_plan_summary(plan, rank, summary.as_mut_ptr());
-            step("streamalloc_p2p_plan_summary", n < 0);
-            let digest = p2p::streamalloc_p2p_plan_digest(plan);
-            step("streamalloc_p2p_plan_digest", plan.is_null() && digest == 0);
-            p2p::streamalloc_p2p_plan_free(plan);
-        }
-        Outcome {
-            call: format!("p2p plan of {world} junk descriptions for rank {rank}, then free"),
-            failed: Some(false),
-            expect,
-        }
-    }
-
-    /// The checks after every call (see the module docs).
-    fn check(&mut self, outcome: &Outcome) -> Result<(), String> {
-        let call = &outcome.call;
-        let error = last_error();
-        if error == SENTINEL {
-            return Err(format!("{call}: the last error is stale"));
-        }
-        outcome
-            .expect
-            .clone()
-            .map_err(|why| format!("{call}: {why}"))?;
-        if let Some(failed) = outcome.failed {
-            if failed == error.is_empty() {
-                return Err(format!(
-                    "{call}: {} with last error {error:?}",
-                    if failed { "failed" } else { "succeeded" }
-                ));
-            }
-        }
-        if error.contains("internal error (panic)") {
-            return Err(format!("{call}: a panic was caught: {error}"));
-        }
-        for device in self.registry.initialized() {
-            let ordinal = device.ordinal();
-            let backend = device.allocator().backend();
-            match device.poisoned() {
-                Some(poisoned) => {
-                    let message = poisoned.to_string();
-                    if !self.planted.contains(&ordinal) || !message.contains(INJECTED_PANIC) {
-                        return Err(format!("{call}: device {ordinal} poisoned by a panic nobody planted: {message}"));
-                    }
-                    let now = (device.allocator().stats(), driver_calls(backend));
-                    match self.poisoned.get(&ordinal) {
-                        None => {
-                            self.poisoned.insert(ordinal, now);
-                        }
-                        Some(then) if *then != now => {
-                            return Err(format!(
-                                "{call}: the engine of poisoned device {ordinal} was used"
-                            ));
-                        }
-                        Some(_) => {}
-                    }
-                }
-                None => {
-                    device
-                        .allocator()
-                        .check_invariants()
-                        .map_err(|why| format!("{call}: device {ordinal}: {why}"))?;
-                    if let Some(race) = backend.races().first() {
-                        return Err(format!("{call}: device {ordinal}: {race}"));
-                    }
-                }
-            }
-        }
-        if error.contains("unusable after an internal panic") && self.poisoned.is_empty() {
-            return Err(format!("{call}: {error}, yet no device is poisoned"));
-        }
-        Ok(())
-    }
-
-    /// Frees everything and checks that the devices end empty.
-    fn finish(mut self) -> Result<(), String> {
-        let live: Vec<(u64, Live)> = self.live.iter().map(|(p, l)| (*p, *l)).collect();
-        for (ptr, Live { device }) in live {
-            error::set(SENTINEL);
-            let before = self.invalid_frees();
-            super::free(
-                &self.registry,
-                ptr as usize as *mut c_void,
-                0,
-                device,
-                std::ptr::null_mut(),
-            );
-            let outcome = Outcome {
-                call: format!("final free({ptr:#x}, {device})"),
-                failed: None,
-                expect: self.freed(ptr, device, before),
-            };
-            self.check(&outcome)?;
-        }
-        for device in self.registry.initialized() {
-            let allocated = device.allocator().stats().allocated_bytes.current;
-            if self.exact() && allocated != 0 {
-                return Err(format!(
-                    "device {}: {allocated} bytes still allocated after every live pointer was freed",
-                    device.ordinal()
-                ));
-            }
-        }
-        Ok(())
     }
 }

@@ -2,12 +2,23 @@
 //!
 //! The C ABI (PyTorch's hooks, the native door, a C program), the LD_PRELOAD interposer and
 //! in-process Rust callers name a device by ordinal on every call. Which devices exist,
-//! which failed to start, which were made unusable by a panic, and which memory pools the
-//! pluggable door routes to are the shim's state, not any backend's: so the registry is
-//! generic over the engine's [`Backend`], and the code behind the C ABI runs unchanged on
-//! simulated devices ([`Registry::simulated`], for tests and the fuzz target) and on CUDA
+//! which failed to start, which were made unusable by a panic, and where each request's
+//! memory comes from (the pool the pluggable door routes to, a pool's segment source, the
+//! pools that back the default one at out-of-memory: see [`Device`]) are the process's
+//! state, not any backend's and not any door's: so the registry is generic over the
+//! engine's [`Backend`], the doors only translate, and the same code runs on simulated
+//! devices ([`Registry::simulated`], for tests, `replay` and the fuzz target) and on CUDA
 //! ([`global`], the process's `Registry<WithSources<CudaBackend>>`: CUDA, with the pools
-//! whose segments come from another allocator, see `ffi::external`).
+//! whose segments come from another allocator, see [`sources`]).
+//!
+//! | file | what it decides |
+//! | --- | --- |
+//! | `mod.rs` | which devices exist; frees and `record_stream`, which may name no device |
+//! | `device.rs` | one device: poisoning, and a request's way to memory |
+//! | `routes.rs` | the pool a pluggable-door request goes to |
+//! | `sources.rs` | where a pool's segments come from |
+//! | `fallback.rs` | which pools serve the default pool's requests it has no memory for |
+//! | `baseline.rs` | where PyTorch's accumulated statistics count from |
 //!
 //! # Cost
 //! A fixed array of [`OnceLock`]s indexed by ordinal, each filled on first use with a
@@ -33,18 +44,21 @@
 //! A wrong-device free that finds its block is served where the block lives and counted
 //! nowhere as invalid. Poisoned devices are not searched.
 
-use crate::ffi::external::{Sources, WithSources};
-use crate::ffi::fallback::MarkedPools;
-use crate::ffi::stats::AccumulatedSince;
-use std::any::Any;
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
-use std::thread::ThreadId;
+mod baseline;
+mod device;
+mod fallback;
+mod routes;
+pub mod sources;
+
+pub use self::device::{panic_message, Device};
+
+use self::sources::WithSources;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 use streamalloc_allocator::backend::cuda::CudaBackend;
 use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::{
-    AllocError, Allocator, Backend, Config, ConfigError, DevicePtr, PoolId, StreamId,
+    AllocError, Allocation, Allocator, Backend, Config, ConfigError, DevicePtr, PoolId, StreamId,
 };
 
 /// Device ordinals a registry can hold (`0..MAX_DEVICES`).
@@ -92,6 +106,34 @@ pub enum CallError {
     Engine(#[from] AllocError),
 }
 
+/// A call on one device that failed: the device, and why. Displayed as a caller is told:
+/// `device N: <why>`, or the poisoning message alone (it names the device).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{}", self.describe())]
+pub struct DeviceError {
+    /// The device named.
+    pub ordinal: i32,
+    /// Why it failed.
+    pub error: CallError,
+}
+
+impl DeviceError {
+    fn describe(&self) -> String {
+        match &self.error {
+            CallError::Unavailable(poisoned @ RegistryError::Poisoned { .. }) => {
+                poisoned.to_string()
+            }
+            error => format!("device {}: {error}", self.ordinal),
+        }
+    }
+
+    /// True when the device itself cannot serve calls (rather than the engine refusing
+    /// this one).
+    pub fn unavailable(&self) -> bool {
+        matches!(self.error, CallError::Unavailable(_))
+    }
+}
+
 /// Where a free went. See [`Registry::free`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Freed {
@@ -99,75 +141,6 @@ pub enum Freed {
     Here,
     /// Another device's allocator owned it (the caller named the wrong device).
     OnDevice(i32),
-}
-
-/// One device's allocator and whether a panic made it unusable.
-#[derive(Debug)]
-pub struct Device<B: Backend> {
-    ordinal: i32,
-    allocator: Allocator<B>,
-    poison: OnceLock<RegistryError>,
-}
-
-impl<B: Backend> Device<B> {
-    /// The device's ordinal.
-    pub fn ordinal(&self) -> i32 {
-        self.ordinal
-    }
-
-    /// The allocator, for in-process Rust callers. Unlike [`Device::run`], this neither
-    /// checks nor sets the poison flag.
-    pub fn allocator(&self) -> &Allocator<B> {
-        &self.allocator
-    }
-
-    /// Runs `body` on the allocator, unless the device is poisoned. A panic in `body` is
-    /// caught and poisons the device; this call and every later one get
-    /// [`RegistryError::Poisoned`]. No panic leaves this function, so a C export may call
-    /// it outside any other guard.
-    #[inline]
-    pub fn run<T>(&self, body: impl FnOnce(&Allocator<B>) -> T) -> Result<T, RegistryError> {
-        if let Some(poisoned) = self.poison.get() {
-            return Err(self.refusal(poisoned));
-        }
-        catch_unwind(AssertUnwindSafe(|| body(&self.allocator)))
-            .map_err(|payload| self.poison_with(payload))
-    }
-
-    /// The error of a call on the poisoned device.
-    #[cold]
-    #[inline(never)]
-    fn refusal(&self, poisoned: &RegistryError) -> RegistryError {
-        poisoned.clone()
-    }
-
-    /// Poisons the device with the panic `payload` carried; returns the error calls get.
-    #[cold]
-    #[inline(never)]
-    fn poison_with(&self, payload: Box<dyn Any + Send>) -> RegistryError {
-        let poison = || {
-            let message = panic_message(payload.as_ref());
-            self.poison
-                .get_or_init(|| {
-                    tracing::error!(ordinal = self.ordinal, %message, "streamalloc: device poisoned by a panic");
-                    RegistryError::Poisoned {
-                        ordinal: self.ordinal,
-                        message,
-                    }
-                })
-                .clone()
-        };
-        // Even a panic while reporting the first one stays here.
-        catch_unwind(AssertUnwindSafe(poison)).unwrap_or_else(|_| RegistryError::Poisoned {
-            ordinal: self.ordinal,
-            message: "a panic while reporting a panic".to_string(),
-        })
-    }
-
-    /// The error every call gets once a panic made the device unusable, if one did.
-    pub fn poisoned(&self) -> Option<&RegistryError> {
-        self.poison.get()
-    }
 }
 
 /// One allocator per device, created on first use. See the module docs.
@@ -184,14 +157,6 @@ pub struct Registry<B: Backend> {
     invalid_frees: AtomicU64,
     /// `record_stream` calls on pointers no allocator knows.
     unknown_record_streams: AtomicU64,
-    /// Pools the pluggable door routes requests to (see [`Routes`]).
-    pub(crate) routes: Routes,
-    /// Pools whose segments come from another allocator (see `ffi::external`).
-    pub(crate) sources: Sources,
-    /// Pools that back the default pool at out-of-memory (see `ffi::fallback`).
-    pub(crate) marked: MarkedPools,
-    /// Counters at the last reset of PyTorch's accumulated statistics (see `ffi::stats`).
-    pub(crate) since: AccumulatedSince,
 }
 
 /// The registry of this process: one CUDA allocator per device.
@@ -245,10 +210,6 @@ impl<B: Backend> Registry<B> {
             live: AtomicU64::new(0),
             invalid_frees: AtomicU64::new(0),
             unknown_record_streams: AtomicU64::new(0),
-            routes: Routes::new(),
-            sources: Sources::new(),
-            marked: MarkedPools::new(),
-            since: AccumulatedSince::new(),
         }
     }
 
@@ -296,11 +257,7 @@ impl<B: Backend> Registry<B> {
         let allocator = Allocator::new(backend, config)?;
         tracing::info!(ordinal, "streamalloc allocator ready");
         self.live.fetch_or(bit(ordinal), Ordering::AcqRel);
-        Ok(Device {
-            ordinal,
-            allocator,
-            poison: OnceLock::new(),
-        })
+        Ok(Device::new(ordinal, allocator))
     }
 
     /// Device `ordinal` if its allocator was already created (poisoned or not); never
@@ -337,6 +294,45 @@ impl<B: Backend> Registry<B> {
             .filter_map(|slot| slot.get()?.as_ref().ok())
     }
 
+    /// Runs `body` on device `ordinal` (created on first use); a failure, the device's or
+    /// `body`'s, names the device.
+    #[inline]
+    pub fn on<T>(
+        &self,
+        ordinal: i32,
+        body: impl FnOnce(&Device<B>) -> Result<T, CallError>,
+    ) -> Result<T, DeviceError> {
+        self.device(ordinal)
+            .map_err(CallError::from)
+            .and_then(body)
+            .map_err(|error| DeviceError { ordinal, error })
+    }
+
+    /// Allocates at least `size` bytes on device `ordinal` for `stream`, for a door that
+    /// names no pool: see [`Device::malloc`].
+    #[inline]
+    pub fn malloc(
+        &self,
+        ordinal: i32,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<Allocation, DeviceError> {
+        self.on(ordinal, |device| device.malloc(size, stream))
+    }
+
+    /// Allocates at least `size` bytes on device `ordinal` for `stream` in `pool`: see
+    /// [`Device::malloc_in`].
+    #[inline]
+    pub fn malloc_in(
+        &self,
+        ordinal: i32,
+        size: u64,
+        stream: StreamId,
+        pool: PoolId,
+    ) -> Result<Allocation, DeviceError> {
+        self.on(ordinal, |device| device.malloc_in(size, stream, pool))
+    }
+
     /// Frees `ptr`, which the caller says belongs to device `ordinal`. A pointer that is
     /// not the named device's is looked for on the other devices: a wrong-device free is
     /// served there and reported as [`Freed::OnDevice`], and counts as invalid nowhere. A
@@ -355,10 +351,10 @@ impl<B: Backend> Registry<B> {
             }
         }
         for device in self.initialized() {
-            if device.ordinal != ordinal && device.run(|a| a.owns(ptr)).unwrap_or(false) {
+            if device.ordinal() != ordinal && device.run(|a| a.owns(ptr)).unwrap_or(false) {
                 return self
                     .free_on(device, ptr)
-                    .map(|()| Freed::OnDevice(device.ordinal));
+                    .map(|()| Freed::OnDevice(device.ordinal()));
             }
         }
         match named {
@@ -389,7 +385,7 @@ impl<B: Backend> Registry<B> {
         for device in self.initialized() {
             match device.run(|allocator| allocator.record_use(ptr, stream)) {
                 Ok(Err(AllocError::UnknownPointer(_))) | Err(_) => continue,
-                Ok(result) => return result.map(|()| device.ordinal).map_err(Into::into),
+                Ok(result) => return result.map(|()| device.ordinal()).map_err(Into::into),
             }
         }
         self.unknown_record_streams.fetch_add(1, Ordering::Relaxed);
@@ -407,149 +403,9 @@ impl<B: Backend> Registry<B> {
     }
 }
 
-// ---- The pluggable door's pool routes -------------------------------------------------
-
-/// One pool being allocated to through the pluggable door: begun on `device` by `thread`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Route {
-    pub(crate) device: i32,
-    pub(crate) pool: PoolId,
-    pub(crate) thread: ThreadId,
-}
-
-/// The pools a registry's pluggable door is allocating to, oldest first. PyTorch's
-/// pluggable hooks say "allocate to this pool" and "stop", not which requests: where a
-/// request goes is the registry's state (see `ffi::pools` for the rule's reasons).
-#[derive(Debug)]
-pub(crate) struct Routes {
-    list: Mutex<Vec<Route>>,
-    /// `list.len()`, read without the lock by every malloc.
-    active: AtomicUsize,
-}
-
-impl Routes {
-    const fn new() -> Self {
-        Self {
-            list: Mutex::new(Vec::new()),
-            active: AtomicUsize::new(0),
-        }
-    }
-
-    /// True while some pool is being allocated to.
-    #[inline]
-    pub(crate) fn active(&self) -> bool {
-        self.active.load(Ordering::Acquire) != 0
-    }
-
-    /// Starts routing to `route.pool` (the newest route wins).
-    pub(crate) fn begin(&self, route: Route) {
-        let mut list = self.lock();
-        list.push(route);
-        self.active.store(list.len(), Ordering::Release);
-    }
-
-    /// Stops the newest route to `pool` on `device`, if any.
-    pub(crate) fn end(&self, device: i32, pool: PoolId) {
-        let mut list = self.lock();
-        if let Some(index) = list
-            .iter()
-            .rposition(|route| route.device == device && route.pool == pool)
-        {
-            list.remove(index);
-        }
-        self.active.store(list.len(), Ordering::Release);
-    }
-
-    /// The pool a request of `thread` on `device` goes to, if any: see [`choose_route`].
-    /// `capturing` says whether the request's stream is capturing a graph.
-    pub(crate) fn choose(
-        &self,
-        device: i32,
-        thread: ThreadId,
-        capturing: impl FnOnce() -> Result<bool, String>,
-    ) -> Result<Option<PoolId>, String> {
-        choose_route(&self.lock(), device, thread, capturing)
-    }
-
-    /// The routes; a panic while they were held cannot have left them half-updated (each
-    /// change is one push or remove), so a poisoned lock is used as it is.
-    fn lock(&self) -> MutexGuard<'_, Vec<Route>> {
-        self.list
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-}
-
-/// The routing rule: the newest route of `device` begun by `thread`; otherwise, if the
-/// stream is capturing (asked only then: it is a driver call), the newest route of
-/// `device`.
-fn choose_route(
-    routes: &[Route],
-    device: i32,
-    thread: ThreadId,
-    capturing: impl FnOnce() -> Result<bool, String>,
-) -> Result<Option<PoolId>, String> {
-    let on_device = || routes.iter().filter(|route| route.device == device);
-    if let Some(route) = on_device().rfind(|route| route.thread == thread) {
-        return Ok(Some(route.pool));
-    }
-    let Some(newest) = on_device().next_back() else {
-        return Ok(None);
-    };
-    Ok(capturing()?.then_some(newest.pool))
-}
-
-/// The message a panic was raised with.
-#[cold]
-pub fn panic_message(payload: &(dyn Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".to_string())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_pluggable_door_routes_the_beginning_thread_and_capturing_streams() {
-        let here = std::thread::current().id();
-        let elsewhere = std::thread::spawn(|| std::thread::current().id())
-            .join()
-            .unwrap();
-        let (graph, user) = (PoolId(1, 0), PoolId(0, 2));
-        let routes = [
-            Route {
-                device: 0,
-                pool: graph,
-                thread: elsewhere,
-            },
-            Route {
-                device: 0,
-                pool: user,
-                thread: here,
-            },
-            Route {
-                device: 1,
-                pool: PoolId(9, 9),
-                thread: here,
-            },
-        ];
-        let never = || -> Result<bool, String> { panic!("asked the driver needlessly") };
-        assert_eq!(choose_route(&routes, 0, here, never), Ok(Some(user)));
-        assert_eq!(
-            choose_route(&routes[..1], 0, here, || Ok(true)),
-            Ok(Some(graph))
-        );
-        assert_eq!(choose_route(&routes[..1], 0, here, || Ok(false)), Ok(None));
-        assert_eq!(choose_route(&routes, 2, here, never), Ok(None));
-        assert_eq!(
-            choose_route(&routes[..1], 0, here, || Err("no driver".into())),
-            Err("no driver".into())
-        );
-    }
 
     const MIB: u64 = 1 << 20;
 
