@@ -36,6 +36,8 @@ import sys
 import time
 
 from . import _lib
+from ._install_state import device as _device
+from ._install_state import installed as _installed
 
 BACKUPS = {"none": 0, "cpu": 1}
 
@@ -98,16 +100,8 @@ def _c_tags(names: list[bytes]):
     return (ctypes.c_char_p * len(names))(*names)
 
 
-def _device(device) -> int:
-    from .torch import _device as resolve
-
-    return resolve(device)
-
-
 def _require_installed() -> None:
-    from . import torch as st
-
-    if not st.installed():
+    if not _installed():
         raise SleepError(
             "streamalloc is not PyTorch's allocator in this process: call "
             "streamalloc.torch.install() first (or run under `streamalloc run`)"

@@ -39,10 +39,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import warnings
 
+from . import _install_state as _state
 from . import _lib
+from ._install_state import InstallError, TorchNotFound, door, installed
+from ._install_state import device as _device
+from ._install_state import import_torch as _import_torch
 from ._sleep import SleepError, region, region_pool, release_host_backup, sleep, tags, wake
 
 __all__ = [
@@ -76,44 +79,6 @@ _POOL_HOOKS = {
 
 DOORS = ("auto", "native", "pluggable")
 
-_allocator = None  # the pluggable wrapper (keeps its function pointers alive) or the door module
-_door_in_use = None  # "native" or "pluggable" once installed
-
-
-class InstallError(RuntimeError):
-    """streamalloc could not become PyTorch's allocator."""
-
-
-class TorchNotFound(InstallError, ImportError):
-    """PyTorch is not installed in this Python. Also an ``ImportError``, so code that
-    guards ``import torch`` with ``except ImportError`` keeps working."""
-
-
-def _import_torch():
-    """``torch``, or :class:`TorchNotFound` saying in one line how to get it. A PyTorch
-    that is installed but fails to import (a missing dependency of its own) keeps its own
-    error."""
-    try:
-        import torch
-    except ModuleNotFoundError as err:
-        if err.name != "torch":
-            raise
-        raise TorchNotFound(
-            f"streamalloc: PyTorch is not installed for {sys.executable}: pip install torch"
-        ) from None
-    return torch
-
-
-def installed() -> bool:
-    """True once :func:`install` succeeded in this process."""
-    return _allocator is not None
-
-
-def door() -> str | None:
-    """``"native"`` or ``"pluggable"``: the door :func:`install` used (None before)."""
-    return _door_in_use
-
-
 def install(
     door: str | None = None,
     path: str | os.PathLike | None = None,
@@ -128,8 +93,7 @@ def install(
     replaces ``torch.cuda``'s memory statistics functions with this module's; the native
     door never needs it. Calling it again is a no-op.
     """
-    global _allocator, _door_in_use
-    if _allocator is not None:
+    if _state.allocator is not None:
         return
     if door is None:
         door = os.environ.get("STREAMALLOC_DOOR") or "auto"
@@ -149,15 +113,15 @@ def install(
                 raise InstallError(f"streamalloc: the native PyTorch door is unavailable: {err}") from err
             native_unavailable = _one_line(err)
         else:
-            _allocator, _door_in_use = module, "native"
+            _state.allocator, _state.door_in_use = module, "native"
             return
     try:
-        _allocator = _install_pluggable(torch)
+        _state.allocator = _install_pluggable(torch)
     except InstallError as err:
         if native_unavailable is None:
             raise
         raise InstallError(f"{err} (and the native door is unavailable: {native_unavailable})") from err
-    _door_in_use = "pluggable"
+    _state.door_in_use = "pluggable"
     if native_unavailable is not None:
         warnings.warn(
             f"streamalloc: using the pluggable door (native door unavailable: {native_unavailable})",
@@ -245,20 +209,6 @@ def _patch_torch(torch) -> None:
         for module in (torch.cuda, torch.cuda.memory):
             if hasattr(module, name):
                 setattr(module, name, mine[name])
-
-
-def _device(device=None) -> int:
-    torch = _import_torch()
-
-    if device is None:
-        return torch.cuda.current_device()
-    if isinstance(device, int):
-        return device
-    if isinstance(device, str):
-        device = torch.device(device)
-    if isinstance(device, torch.device):
-        return device.index if device.index is not None else torch.cuda.current_device()
-    raise TypeError(f"not a CUDA device: {device!r}")
 
 
 def raw_stats(device=None) -> dict:

@@ -53,7 +53,7 @@ with_region = lambda: st.region("kv").__enter__()  # noqa: E731
 expect(st.SleepError, "call streamalloc.torch.install() first", with_region)
 
 # Past the Python checks, the library answers; its message becomes the SleepError's.
-st.installed = lambda: True
+sleep_module._installed = lambda: True
 sleep_module._device = lambda device: 0
 for call in (lambda: st.sleep(["kv_cache", "weights"], backup="cpu"), lambda: st.wake("kv_cache"),
              lambda: st.tags(), lambda: st.release_host_backup(["kv_cache"])):
