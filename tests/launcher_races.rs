@@ -60,6 +60,17 @@ fn launch(marker: &str, own_group: bool) -> Child {
     if own_group {
         command.process_group(0);
     }
+    // As a shell starts a foreground job: Ctrl-C and Ctrl-\ at their default actions, even
+    // when these tests run where they are ignored (a background job of a script, nohup),
+    // which the launcher, like any program, would rightly keep ignoring.
+    // SAFETY: signal(2) is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            libc::signal(libc::SIGQUIT, libc::SIG_DFL);
+            Ok(())
+        })
+    };
     command.spawn().unwrap()
 }
 
