@@ -101,19 +101,15 @@ fn plot_writes_svg_and_png() {
     assert!(String::from_utf8_lossy(&o.stderr).contains(".svg or .png"));
 }
 
-/// PyTorch's reference script (shared/baselines/trace_stats.py) reads a pickle we wrote
-/// and finds the same numbers as in the original trace.
+/// The reference script (tests/data/trace_stats.py: plain pickle, as PyTorch's tooling
+/// reads snapshots) reads a pickle we wrote and finds the same numbers as in the original
+/// trace.
 #[test]
 fn trace_stats_reads_our_pickle_like_the_original() {
     let input = shared_trace("tp_allreduce_0.pickle.gz");
-    // The script is PyTorch tooling kept beside the checkout, not test input: optional.
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .ancestors()
-        .map(|dir| dir.join("shared/baselines/trace_stats.py"))
-        .find(|p| p.exists())
-        .unwrap_or_default();
-    if !script.exists() || Command::new("python3").arg("--version").output().is_err() {
-        eprintln!("skipping: python3 or trace_stats.py not found");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/trace_stats.py");
+    if Command::new("python3").arg("--version").output().is_err() {
+        eprintln!("skipping: python3 not found");
         return;
     }
     let json = tmp("stats.json");

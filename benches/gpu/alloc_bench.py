@@ -1,6 +1,6 @@
-# What a PyTorch user gets from each allocator on the same work (adapted from
-# shared/baselines/alloc_bench.py: adds streamalloc through streamalloc.torch.install(),
-# fixed seeds and the training losses, so allocators can be compared loss for loss).
+# What a PyTorch user gets from each allocator on the same work: a common allocator
+# benchmark's workloads with streamalloc added through streamalloc.torch.install(), fixed
+# seeds and the training losses, so allocators can be compared loss for loss.
 #   python alloc_bench.py ALLOC WORK OUT.json
 # ALLOC: native | async | streamalloc | so:PATH:MALLOC:FREE (a bare pluggable .so, e.g. the hook floor)
 # WORK:  micro (random alloc/free mix, host ns per op) | gpt2 | resnet (step ms, peak memory, losses)
@@ -21,7 +21,7 @@ elif ALLOC.startswith("so:"):
 
 def micro():
     rng = random.Random(7)
-    sizes = micro_sizes(rng)  # then rng picks which tensor each free takes, as in shared/baselines
+    sizes = micro_sizes(rng)  # then rng picks which tensor each free takes
     passes = []
     for rep in range(6):  # the first pass warms the cache; the best of the other five counts
         ns_per_op, ops = micro_pass(torch, sizes, rng)

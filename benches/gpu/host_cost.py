@@ -1,13 +1,12 @@
 # Host cost of malloc+free in C++ (no Python in the loop): PyTorch's native caching
-# allocator next to streamalloc's C ABI (dlopen'ed libstreamalloc.so), same patterns as
-# shared/baselines/alloc_cpp.py: same-size pairs (the cached fast path) and mixed sizes with
-# a window of 64 live blocks.
+# allocator next to streamalloc's C ABI (dlopen'ed libstreamalloc.so): same-size pairs (the
+# cached fast path) and mixed sizes with a window of 64 live blocks.
 #   python host_cost.py LIBSTREAMALLOC.so OUT.json
 #   python host_cost.py --build-only     # compile (and cache) the loops, measure nothing
 # The loops are compiled with OPT (default -O2). torch's load_inline adds no optimisation
-# flag of its own, so shared/baselines/alloc_cpp.py's loops run at -O0, and its unoptimised
-# std::mt19937_64 and std::vector add ~30 ns to every mixed-size operation of either
-# allocator; OPT=-O0 reproduces that harness.
+# flag of its own, so a harness written with load_inline alone runs its loops at -O0, where
+# the unoptimised std::mt19937_64 and std::vector add ~30 ns to every mixed-size operation of
+# either allocator; OPT=-O0 reproduces such a harness.
 import json, os, sys, torch
 from torch.utils.cpp_extension import load_inline
 BUILD_ONLY = sys.argv[1:] == ["--build-only"]

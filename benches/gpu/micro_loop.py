@@ -1,4 +1,4 @@
-# The Python alloc/free loop (shared/baselines/alloc_bench.py, micro), in one place for
+# The Python alloc/free loop (alloc_bench.py's micro workload), in one place for
 # alloc_bench.py and loop_ab.py so that both time the same loop.
 import time
 

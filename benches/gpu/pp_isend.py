@@ -1,4 +1,4 @@
-# record_stream bloat on a pipeline stage (adapted from shared/baselines/pp_isend.py): rank 0
+# record_stream bloat on a pipeline stage: rank 0
 # computes a 64 MiB activation, isends it to rank 1 and drops it, 32 times; rank 1 is slow.
 # With STREAMALLOC=1 every rank installs streamalloc first. With STAGED=MiB rank 0 sends
 # through streamalloc.bounded_send.BoundedSender(budget_mib=MiB) instead of dist.isend (the

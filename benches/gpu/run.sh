@@ -33,7 +33,7 @@ nvcc -shared -Xcompiler -fPIC -o "$OUT/pluggable_bump.so" "$HERE/pluggable_bump.
 # tracks, so it cannot disturb the Python micro benchmark.
 step host_cost 1 python3 "$HERE/host_cost.py" "$LIB" "$OUT/host_cost.json"
 step host_cost_notrace 1 env STREAMALLOC_CONF=trace_capacity:0 python3 "$HERE/host_cost.py" "$LIB" "$OUT/host_cost_notrace.json"
-# The same loops unoptimised, as shared/baselines/alloc_cpp.py compiles them (its anchors).
+# The same loops unoptimised, as a harness built with load_inline alone compiles them.
 step host_cost_O0 1 env OPT=-O0 python3 "$HERE/host_cost.py" "$LIB" "$OUT/host_cost_O0.json"
 
 (   # track A, GPU 0

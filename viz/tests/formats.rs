@@ -139,7 +139,8 @@ fn gpt2_timeline_peaks_match_trace_stats() {
     let ours = files::load(&path).unwrap();
     let t = Timeline::build(&ours.devices[0]);
     let mib = |v: u64| format!("{:.1}", v as f64 / (1u64 << 20) as f64);
-    // shared/baselines/results.md: peak live 15044.8 MiB, native peak reserved 15754.0 MiB.
+    // The trace's reference figures (tests/data/trace_stats.py): peak live 15044.8 MiB,
+    // native peak reserved 15754.0 MiB.
     assert_eq!(mib(t.peak(Counter::Active).unwrap().1), "15044.8");
     assert_eq!(mib(t.peak(Counter::Reserved).unwrap().1), "15754.0");
     assert_eq!(t.allocs.iter().filter(|a| a.start.is_some()).count(), 4716);

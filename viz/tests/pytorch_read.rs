@@ -6,7 +6,8 @@ use std::io::Write;
 use streamalloc_viz::pytorch::{read_snapshot, TraceAction};
 use streamalloc_viz::VizError;
 
-/// Allocation counts from shared/baselines/results.md (computed by trace_stats.py).
+/// The traces' allocation counts, as the reference script counts them
+/// (tests/data/trace_stats.py).
 #[test]
 fn shared_traces_have_the_reference_allocation_counts() {
     for (name, allocs) in [("gpt2.pickle.gz", 4716), ("bert_varlen.pickle.gz", 7153)] {

@@ -1,6 +1,6 @@
 # A user's training script that knows nothing of streamalloc: GPT-2 small (12 layers,
-# 768 wide, batch 8 x 1024 tokens), 4 AdamW steps, fixed seed. Adapted from
-# /work/shared/baselines/alloc_bench.py (gpt2).
+# 768 wide, batch 8 x 1024 tokens), 4 AdamW steps, fixed seed (alloc_bench.py's gpt2
+# workload as a plain script).
 #   python3 gpt2_train.py OUT.json
 # run.sh starts it twice: plainly (PyTorch's allocator) and under `streamalloc run`.
 # It reports which allocator served it the way any program could: streamalloc's

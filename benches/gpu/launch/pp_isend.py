@@ -1,4 +1,4 @@
-# Copied unchanged (apart from this line) from /work/shared/baselines/pp_isend.py: the user program that run.sh starts with `streamalloc run -- torchrun`.
+# A user's program as its author wrote it (only this line added): run.sh starts it with `streamalloc run -- torchrun`.
 # Anchor: record_stream bloat that PyTorch >= 2.8 still has for point-to-point ops.
 # Pipeline-style stage: rank 0 computes an activation, isends it to rank 1 and drops it;
 # rank 1 is the slow consumer. PyTorch records the NCCL stream on every p2p tensor, so
