@@ -6,12 +6,12 @@
 
 use std::path::Path;
 
-const CHECKS: [(&str, usize); 4] = [
-    // (macro, arguments before the message)
+/// (macro, arguments before the message). "TORCH_CHECK(" does not match inside
+/// "TORCH_CHECK_WITH(": the character after the name differs.
+const CHECKS: [(&str, usize); 3] = [
     ("TORCH_CHECK_WITH(", 2),
     ("TORCH_CHECK(", 1),
     ("TORCH_WARN(", 0),
-    ("TORCH_CHECK_MSG(", 1),
 ];
 
 /// The top-level comma-separated arguments of the call whose '(' ends `text[..open]`.
@@ -65,10 +65,6 @@ fn streamed_messages(name: &str, text: &str) -> Vec<String> {
         while let Some(at) = text[from..].find(check) {
             let start = from + at;
             from = start + check.len();
-            // TORCH_CHECK( also matches inside TORCH_CHECK_WITH( ...: skip those.
-            if check == "TORCH_CHECK(" && text[..start].ends_with("C10_CUDA_") {
-                continue;
-            }
             let args = arguments(text, from);
             let message = &args[before.min(args.len())..];
             let line = text[..start].lines().count();

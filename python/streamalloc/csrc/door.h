@@ -31,7 +31,6 @@
 #include <iterator>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <stack>
 #include <stdexcept>
 #include <string>
