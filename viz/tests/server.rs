@@ -267,8 +267,8 @@ fn an_idle_connection_gives_its_slot_to_a_newcomer() {
     };
     let addr = start(limits);
     let mut idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(addr).unwrap()).collect();
-    // Let the server accept both before the third arrives.
-    std::thread::sleep(Duration::from_millis(150));
+    // Let the server accept both, and their grace pass, before the third arrives.
+    std::thread::sleep(limits.arrival_grace + Duration::from_millis(200));
     let started = Instant::now();
     let (head, _) = get(addr, "/api/files");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");

@@ -152,37 +152,71 @@ fn a_stalled_reader_gives_its_slot_to_a_newcomer() {
     );
 }
 
-/// When every slot serves a reader that keeps up, a newcomer is refused rather than
-/// taking a slot from a client in good use.
+/// Reads the answer on `s` steadily, 64 KiB every `pause`, until `done` or its end; the
+/// bytes read.
+fn read_steadily(
+    mut s: TcpStream,
+    pause: Duration,
+    done: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<usize> {
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 << 10];
+        let mut total = 0;
+        while !done.load(Ordering::Relaxed) {
+            match s.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => total += n,
+            }
+            std::thread::sleep(pause);
+        }
+        total
+    })
+}
+
+/// When every slot serves a reader that keeps up, a newcomer waits and is then refused
+/// rather than taking a slot from a client in good use.
 #[test]
 fn readers_that_keep_up_keep_their_slots() {
     let addr = start(server::Limits {
         max_connections: 1,
+        admission_wait: Duration::from_millis(200),
         ..server::Limits::default()
     });
-    let mut reader = unread_blob_request(addr);
     let done = Arc::new(AtomicBool::new(false));
-    let steady = {
-        let done = done.clone();
-        std::thread::spawn(move || {
-            // 64 KiB every 10 ms: steady, and slow enough to last the test.
-            let mut buf = vec![0u8; 64 << 10];
-            let mut total = 0;
-            while !done.load(Ordering::Relaxed) {
-                match reader.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => total += n,
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            total
-        })
-    };
+    // 1.3 MB/s: the answer is still being sent (beyond the socket buffers) at the end.
+    let pause = Duration::from_millis(50);
+    let steady = read_steadily(unread_blob_request(addr), pause, done.clone());
     std::thread::sleep(Duration::from_millis(400));
     let (status, _) = get(addr, "/api/files", Duration::from_secs(5)).unwrap();
     assert!(status.starts_with("HTTP/1.1 503"), "{status}");
     done.store(true, Ordering::Relaxed);
     assert!(steady.join().unwrap() > 0);
+}
+
+/// A newcomer that finds every slot in good use waits for one, and is served when the
+/// client in it is done, which keeps its whole answer.
+#[test]
+fn a_newcomer_waits_for_a_slot_to_come_free() {
+    let addr = start(server::Limits {
+        max_connections: 1,
+        admission_wait: Duration::from_secs(30),
+        ..server::Limits::default()
+    });
+    let (_, whole) = get(addr, "/api/data?f=0&d=0", Duration::from_secs(5)).unwrap();
+    let pause = Duration::from_millis(10);
+    let steady = read_steadily(
+        unread_blob_request(addr),
+        pause,
+        Arc::new(AtomicBool::new(false)),
+    );
+    std::thread::sleep(Duration::from_millis(400));
+    let (status, _) = get(addr, "/api/files", Duration::from_secs(30)).unwrap();
+    assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+    let read = steady.join().unwrap();
+    assert!(
+        read > whole,
+        "the reader in the slot got its whole answer ({read} bytes)"
+    );
 }
 
 /// 32 clients trickling requests and 32 requesting the blob without reading it, each

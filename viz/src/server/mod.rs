@@ -14,7 +14,8 @@
 //! answer must be read whole within [`Limits::response_deadline`]. Slots are shared fairly
 //! ([`slots`]): at most [`Limits::max_connections`] connections at once, and a newcomer
 //! takes the slot of a connection whose request is still arriving or whose reader has
-//! stalled, rather than being turned away; it gets 503 only when every slot is in good use.
+//! stalled, rather than being turned away; it waits for a slot when none can be taken, and
+//! gets 503 only when every slot stays in good use for [`Limits::admission_wait`].
 //!
 //! Routes: `/` (the page), `/app.js`, `/prepare.js`, `/style.css`, `/api/files` (JSON list
 //! of the loaded files and their devices), `/api/data?f=F&d=D` (the [`crate::wire`] blob of
@@ -33,7 +34,7 @@ use crate::limits::Budget;
 use crate::model::Snapshot;
 use crate::overlay::ReplayOverlay;
 use serde_json::json;
-use slots::{Conn, Slots};
+use slots::{Conn, Slots, WaitingRoom};
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -215,16 +216,23 @@ pub fn bind(port: u16) -> std::io::Result<TcpListener> {
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
     /// Connections handled at once; past it a newcomer takes the slot of one that does not
-    /// use it, or gets 503.
+    /// use it, or waits for one (as many newcomers as slots wait), or gets 503.
     pub max_connections: usize,
+    /// How long a newcomer waits for a slot before it gets 503.
+    pub admission_wait: Duration,
     /// Time from accepting a connection to having read its whole request.
     pub request_deadline: Duration,
     /// Bytes of request line and headers.
     pub max_request_bytes: usize,
     /// Time from the request to the last byte of the answer sent.
     pub response_deadline: Duration,
+    /// A connection whose request is still arriving this long after it came gives its slot
+    /// to a newcomer when all are taken.
+    pub arrival_grace: Duration,
     /// An answer whose reader has taken none of it for this long gives its slot to a
-    /// newcomer when all are taken.
+    /// newcomer when all are taken. Well above TCP's own pauses: a reader that takes its
+    /// answer steadily but slowly lets the window close, and the writer may then wait for
+    /// a window probe (200 ms and more) before it moves again.
     pub stall: Duration,
 }
 
@@ -232,10 +240,12 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_connections: 32,
+            admission_wait: Duration::from_secs(2),
             request_deadline: Duration::from_secs(10),
             max_request_bytes: 16 << 10,
             response_deadline: Duration::from_secs(60),
-            stall: Duration::from_millis(250),
+            arrival_grace: Duration::from_millis(250),
+            stall: Duration::from_secs(1),
         }
     }
 }
@@ -252,33 +262,58 @@ pub fn serve_with(
     limits: Limits,
 ) -> std::io::Result<()> {
     let port = listener.local_addr()?.port();
-    let slots = Arc::new(Slots::new(limits.max_connections, limits.stall));
+    let slots = Arc::new(Slots::new(
+        limits.max_connections,
+        limits.arrival_grace,
+        limits.stall,
+    ));
     let closer = slots::closer();
+    let start = {
+        let (slots, closer) = (slots.clone(), closer.clone());
+        move |stream: TcpStream, conn: Arc<Conn>| {
+            let (viewer, slots, closer) = (viewer.clone(), slots.clone(), closer.clone());
+            std::thread::spawn(move || {
+                if let Err(err) = handle(stream, &conn, &viewer, port, &limits, &closer) {
+                    tracing::debug!(%err, "connection ended");
+                }
+                slots.release(&conn);
+            });
+        }
+    };
+    let refuse = {
+        let closer = closer.clone();
+        move |mut stream: TcpStream| {
+            // A short answer fits the socket buffer: the caller does not wait on it.
+            let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+            let head = http::response_head(503, "text/plain", 21);
+            let _ = stream.write_all(format!("{head}too many connections\n").as_bytes());
+            slots::linger(&closer, stream);
+        }
+    };
+    let waiting = WaitingRoom::open(
+        slots.clone(),
+        limits.max_connections.max(1),
+        limits.admission_wait,
+        start.clone(),
+        refuse.clone(),
+    );
     for stream in listener.incoming() {
-        let mut stream = match stream {
+        let stream = match stream {
             Ok(s) => s,
             Err(err) => {
                 tracing::warn!(%err, "accept failed");
                 continue;
             }
         };
-        let Some(conn) = slots.admit(&stream) else {
-            // A short answer fits the socket buffer: the accept loop does not wait on it.
-            let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
-            let head = http::response_head(503, "text/plain", 21);
-            let _ = stream.write_all(format!("{head}too many connections\n").as_bytes());
-            slots::linger(&closer, stream);
-            continue;
-        };
-        let viewer = viewer.clone();
-        let slots = slots.clone();
-        let closer = closer.clone();
-        std::thread::spawn(move || {
-            if let Err(err) = handle(stream, &conn, &viewer, port, &limits, &closer) {
-                tracing::debug!(%err, "connection ended");
+        if waiting.is_empty() {
+            if let Some(conn) = slots.admit(&stream) {
+                start(stream, conn);
+                continue;
             }
-            slots.release(&conn);
-        });
+        }
+        if let Err(stream) = waiting.enter(stream) {
+            refuse(stream);
+        }
     }
     Ok(())
 }
@@ -290,13 +325,25 @@ struct Deadline<'a> {
     until: Instant,
 }
 
-impl Read for Deadline<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+impl Deadline<'_> {
+    /// Waits for the time left, then looks at the waiting bytes without taking them.
+    fn peek(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.wait_at_most()?;
+        self.stream.peek(buf)
+    }
+
+    fn wait_at_most(&self) -> std::io::Result<()> {
         let left = self.until.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(std::io::ErrorKind::TimedOut.into());
         }
-        self.stream.set_read_timeout(Some(left))?;
+        self.stream.set_read_timeout(Some(left))
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.wait_at_most()?;
         (&mut &*self.stream).read(buf)
     }
 }
@@ -324,13 +371,31 @@ fn handle(
         let room = (limits.max_request_bytes + 1)
             .saturating_sub(received.len())
             .min(chunk.len());
-        let n = match reader.read(&mut chunk[..room]) {
+        // Looked at before it is taken: a request whose head is now whole is marked so while
+        // its end is still in the socket, where the slots look ([`slots`]), so that a
+        // request waiting on this thread never looks like one still arriving.
+        let n = match reader.peek(&mut chunk[..room]) {
             Ok(n) => n,
             Err(err) if err.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(err) => return Err(err),
         };
         if n == 0 {
             // The client closed early, or sent an incomplete request: nothing to answer.
+            return Ok(());
+        }
+        let with_waiting = [&received[..], &chunk[..n]].concat();
+        if !matches!(
+            parse_request(&with_waiting, port, limits.max_request_bytes),
+            Err(Refusal::Incomplete)
+        ) {
+            conn.writing();
+        }
+        let n = match reader.read(&mut chunk[..n]) {
+            Ok(n) => n,
+            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(err) => return Err(err),
+        };
+        if n == 0 {
             return Ok(());
         }
         received.extend_from_slice(&chunk[..n]);
@@ -361,7 +426,7 @@ fn handle(
 }
 
 /// How much of an answer is written at a time: progress is noted between pieces.
-const WRITE_PIECE: usize = 256 << 10;
+const WRITE_PIECE: usize = 64 << 10;
 
 /// Writes `parts` by the instant `until`, noting progress on `conn` after each piece; a
 /// reader that has not taken it all by then is cut off.
