@@ -9,9 +9,9 @@
 //! succeeded it reads "" and never a stale message from an earlier failure, and which turns
 //! a panic into the call's failure value: no panic unwinds into C.
 
-use crate::registry::panic_message;
+use crate::registry::{panic_message, CallError, DeviceError, RegistryError};
 use std::cell::{Cell, RefCell};
-use std::ffi::{c_char, CString};
+use std::ffi::{c_char, c_int, c_void, CString};
 use std::fmt::Display;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -118,4 +118,61 @@ pub fn warn_once(kind: Once, message: impl Display) {
             "streamalloc: {message} (reported once; later cases are only counted in the stats)"
         );
     }
+}
+
+/// What a C caller reads when `device` cannot serve a call.
+#[cold]
+#[inline(never)]
+pub(crate) fn unavailable_message(device: c_int, err: &RegistryError) -> String {
+    match err {
+        RegistryError::Poisoned { .. } => format!("streamalloc: {err}"),
+        _ => format!("streamalloc: device {device}: {err}"),
+    }
+}
+
+/// Reports that `device` cannot serve a call: printed once per process, and the last error.
+#[cold]
+#[inline(never)]
+pub(crate) fn unavailable(device: c_int, err: &RegistryError) {
+    match err {
+        RegistryError::Poisoned { .. } => warn_once(Once::Unavailable, err),
+        _ => warn_once(
+            Once::Unavailable,
+            format_args!("device {device} unavailable: {err}"),
+        ),
+    }
+    set(unavailable_message(device, err));
+}
+
+/// Reports a failed `streamalloc_malloc` and returns null. Printed too (an unavailable
+/// device once): without a registered thrower, PyTorch's pluggable hook turns a null
+/// pointer into a tensor at address 0, and the user would never see this report.
+fn malloc_failed_unguarded(err: &DeviceError) -> *mut c_void {
+    match &err.error {
+        CallError::Unavailable(unusable) => unavailable(err.ordinal, unusable),
+        _ => {
+            set(format_args!("streamalloc: {err}"));
+            eprintln!("streamalloc: {err}");
+        }
+    }
+    std::ptr::null_mut()
+}
+
+/// [`malloc_failed_unguarded`] under the guard: the messages are formatted, and nothing
+/// may unwind into C.
+#[cold]
+#[inline(never)]
+pub(crate) fn malloc_failed(err: &DeviceError) -> *mut c_void {
+    call(std::ptr::null_mut(), || malloc_failed_unguarded(err))
+}
+
+/// A failed malloc in a memory pool, under the guard: the last error only (the native door
+/// raises it).
+#[cold]
+#[inline(never)]
+pub(crate) fn pool_malloc_failed(err: &DeviceError) -> *mut c_void {
+    call(std::ptr::null_mut(), || {
+        set(format_args!("streamalloc: {err}"));
+        std::ptr::null_mut()
+    })
 }

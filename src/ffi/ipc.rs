@@ -157,7 +157,7 @@ pub unsafe fn ipc_export<B: Backend + IpcBackend>(
         let exported = match super::introspect::allocation_owner(registry, address) {
             Some((device, _)) => device
                 .run(|allocator| export_allocation(allocator, address))
-                .map_err(|err| super::unavailable_message(device.ordinal(), &err))
+                .map_err(|err| super::error::unavailable_message(device.ordinal(), &err))
                 .and_then(|result| {
                     result.map_err(|err| format!("device {}: {err}", device.ordinal()))
                 }),

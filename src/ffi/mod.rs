@@ -66,7 +66,7 @@ pub mod stats;
 pub mod testing;
 
 use self::error::{warn_once, Once};
-use crate::registry::{self, CallError, DeviceError, Freed, Registry, RegistryError};
+use crate::registry::{self, CallError, DeviceError, Freed, Registry};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::fmt::Display;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -77,16 +77,6 @@ pub use self::stats::StreamallocStats;
 #[inline]
 fn stream_id(stream: *mut c_void) -> StreamId {
     StreamId(stream as usize as u64)
-}
-
-/// What a C caller reads when `device` cannot serve a call.
-#[cold]
-#[inline(never)]
-pub(crate) fn unavailable_message(device: c_int, err: &RegistryError) -> String {
-    match err {
-        RegistryError::Poisoned { .. } => format!("streamalloc: {err}"),
-        _ => format!("streamalloc: device {device}: {err}"),
-    }
 }
 
 /// Sets `message` as the last error and returns `fallback`.
@@ -107,7 +97,7 @@ pub(crate) fn on_device<B: Backend, T>(
     registry
         .device(device)
         .and_then(|d| d.run(body))
-        .map_err(|err| unavailable_message(device, &err))?
+        .map_err(|err| error::unavailable_message(device, &err))?
 }
 
 /// One C call on `device` ([`error::call`] around [`on_device`]): an `Err` becomes
@@ -134,35 +124,6 @@ pub(crate) fn or_fail<T>(fallback: T, result: Result<T, DeviceError>) -> T {
 #[cold]
 pub(crate) fn engine_message(device: c_int, err: AllocError) -> String {
     format!("streamalloc: device {device}: {err}")
-}
-
-#[cold]
-#[inline(never)]
-fn unavailable(device: c_int, err: &RegistryError) {
-    match err {
-        RegistryError::Poisoned { .. } => warn_once(Once::Unavailable, err),
-        _ => warn_once(
-            Once::Unavailable,
-            format_args!("device {device} unavailable: {err}"),
-        ),
-    }
-    error::set(unavailable_message(device, err));
-}
-
-/// Reports a failed `streamalloc_malloc` and returns null. Printed too (an unavailable
-/// device once): without a registered thrower, PyTorch's pluggable hook turns a null
-/// pointer into a tensor at address 0, and the user would never see this report.
-#[cold]
-#[inline(never)]
-fn malloc_failed(err: &DeviceError) -> *mut c_void {
-    match &err.error {
-        CallError::Unavailable(unusable) => unavailable(err.ordinal, unusable),
-        _ => {
-            error::set(format_args!("streamalloc: {err}"));
-            eprintln!("streamalloc: {err}");
-        }
-    }
-    std::ptr::null_mut()
 }
 
 /// A function that raises the caller's own error with a message and does not return,
@@ -243,23 +204,17 @@ pub fn malloc<B: Backend>(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    // The fast path: a device in use. Nothing in it can panic but the request's way
-    // through the registry (route, source, engine, fallback), which `Device::run` guards.
+    // Nothing here can panic: the registry contains panics in creating a device and in
+    // the request's way through it (route, source, engine, fallback), and the report of a
+    // failure guards itself.
     error::clear();
-    if size != 0 {
-        if let Some(on) = registry.get(device) {
-            return match on.malloc(size as u64, stream_id(stream)) {
-                Ok(block) => block.ptr.0 as usize as *mut c_void,
-                Err(error) => guarded(std::ptr::null_mut(), || {
-                    malloc_failed(&DeviceError {
-                        ordinal: device,
-                        error,
-                    })
-                }),
-            };
-        }
+    if size == 0 {
+        return std::ptr::null_mut();
     }
-    malloc_guarded(registry, size, device, stream)
+    match registry.malloc(device, size as u64, stream_id(stream)) {
+        Ok(block) => block.ptr.0 as usize as *mut c_void,
+        Err(err) => error::malloc_failed(&err),
+    }
 }
 
 /// Reports a failure found on a fast path under the guard: its messages are formatted.
@@ -267,26 +222,6 @@ pub fn malloc<B: Backend>(
 #[inline(never)]
 pub(crate) fn guarded<T>(on_panic: T, report: impl FnOnce() -> T) -> T {
     error::call(on_panic, report)
-}
-
-/// [`malloc`] in full: a device to create, or a zero size.
-#[cold]
-#[inline(never)]
-fn malloc_guarded<B: Backend>(
-    registry: &Registry<B>,
-    size: usize,
-    device: c_int,
-    stream: *mut c_void,
-) -> *mut c_void {
-    error::call(std::ptr::null_mut(), || {
-        if size == 0 {
-            return std::ptr::null_mut();
-        }
-        match registry.malloc(device, size as u64, stream_id(stream)) {
-            Ok(block) => block.ptr.0 as usize as *mut c_void,
-            Err(err) => malloc_failed(&err),
-        }
-    })
 }
 
 /// Returns `ptr` (PyTorch's pluggable `free`). `size` and `stream` are ignored: the
@@ -360,7 +295,7 @@ fn report_free(ptr: *mut c_void, device: c_int, freed: Result<Freed, CallError>)
                 error::set(&err);
                 warn_once(Once::InvalidFree, format_args!("free on device {device}: {err}"));
             }
-            Err(CallError::Unavailable(err)) => unavailable(device, &err),
+            Err(CallError::Unavailable(err)) => error::unavailable(device, &err),
             Err(CallError::Engine(err)) => {
                 error::set(&err);
                 eprintln!("streamalloc: free of {ptr:p} on device {device}: {err}");
@@ -412,7 +347,7 @@ pub fn empty_cache<B: Backend>(registry: &Registry<B>) {
                     ));
                     eprintln!("streamalloc: empty_cache on device {ordinal}: {err}");
                 }
-                Err(err) => unavailable(ordinal, &err),
+                Err(err) => error::unavailable(ordinal, &err),
             }
         }
     })

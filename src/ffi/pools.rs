@@ -30,8 +30,8 @@
 //! why). The native door evaluates the real filters.
 
 pub use super::layout::{StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo};
-use super::{copy_out, device_call, engine_message, error, fail, guarded, or_fail};
-use crate::registry::{self, DeviceError, Registry};
+use super::{copy_out, device_call, engine_message, error, fail, or_fail};
+use crate::registry::{self, Registry};
 use std::ffi::{c_int, c_void};
 use streamalloc_allocator::{Backend, DevicePtr, PoolBlock, PoolId, StreamId};
 
@@ -59,50 +59,18 @@ pub fn malloc_in_pool<B: Backend>(
     id0: u64,
     id1: u64,
 ) -> *mut c_void {
-    // The fast path (the native door's every allocation): a device in use. Nothing in it
-    // can panic but the request's way through the registry (source, engine, fallback),
-    // which `Device::run` guards.
+    // Nothing here can panic: the registry contains panics in creating a device and in
+    // the request's way through it (source, engine, fallback), and the report of a failure
+    // guards itself.
     error::clear();
-    if size != 0 {
-        if let Some(on) = registry.get(device) {
-            let stream = StreamId(stream as usize as u64);
-            return match on.malloc_in(size as u64, stream, PoolId(id0, id1)) {
-                Ok(block) => block.ptr.0 as usize as *mut c_void,
-                Err(error) => guarded(std::ptr::null_mut(), || {
-                    let failed = Err(DeviceError {
-                        ordinal: device,
-                        error,
-                    });
-                    or_fail(std::ptr::null_mut(), failed)
-                }),
-            };
-        }
+    if size == 0 {
+        return std::ptr::null_mut();
     }
-    malloc_in_pool_guarded(registry, size, device, stream, id0, id1)
-}
-
-/// [`malloc_in_pool`] in full: a device to create, or a zero size.
-#[cold]
-#[inline(never)]
-fn malloc_in_pool_guarded<B: Backend>(
-    registry: &Registry<B>,
-    size: usize,
-    device: c_int,
-    stream: *mut c_void,
-    id0: u64,
-    id1: u64,
-) -> *mut c_void {
-    error::call(std::ptr::null_mut(), || {
-        if size == 0 {
-            return std::ptr::null_mut();
-        }
-        let stream = StreamId(stream as usize as u64);
-        let served = registry.malloc_in(device, size as u64, stream, PoolId(id0, id1));
-        or_fail(
-            std::ptr::null_mut(),
-            served.map(|block| block.ptr.0 as usize as *mut c_void),
-        )
-    })
+    let stream = StreamId(stream as usize as u64);
+    match registry.malloc_in(device, size as u64, stream, PoolId(id0, id1)) {
+        Ok(block) => block.ptr.0 as usize as *mut c_void,
+        Err(err) => error::pool_malloc_failed(&err),
+    }
 }
 
 /// A capture into pool `(id0, id1)` (or a `use_mem_pool` context) begins: creates the

@@ -414,7 +414,9 @@ pub unsafe fn allocation_usage<B: Backend>(
         };
         let stats = match owner.run(|allocator| allocator.stats()) {
             Ok(stats) => stats,
-            Err(err) => return super::fail(-1, super::unavailable_message(owner.ordinal(), &err)),
+            Err(err) => {
+                return super::fail(-1, super::error::unavailable_message(owner.ordinal(), &err))
+            }
         };
         // SAFETY: each pointer is null or writable for one value (see # Safety).
         unsafe {

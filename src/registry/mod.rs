@@ -244,10 +244,24 @@ impl<B: Backend> Registry<B> {
         else {
             return Err(RegistryError::BadOrdinal(ordinal));
         };
-        match slot.get_or_init(|| self.create(ordinal)) {
+        match slot.get_or_init(|| self.create_contained(ordinal)) {
             Ok(device) => Ok(device),
             Err(err) => Err(err.clone()),
         }
+    }
+
+    /// [`Registry::create`] with a panic contained: the device is then unusable, as after
+    /// a panic inside its allocator, and no panic leaves the registry.
+    #[cold]
+    #[inline(never)]
+    fn create_contained(&self, ordinal: i32) -> Result<Device<B>, RegistryError> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.create(ordinal)))
+            .unwrap_or_else(|payload| {
+                Err(RegistryError::Poisoned {
+                    ordinal,
+                    message: panic_message(payload.as_ref()),
+                })
+            })
     }
 
     #[cold]
@@ -482,6 +496,25 @@ mod tests {
         assert_eq!(
             registry.device(1000).err(),
             Some(RegistryError::BadOrdinal(1000))
+        );
+    }
+
+    #[test]
+    fn a_panic_while_creating_a_device_is_contained_and_makes_it_unusable() {
+        fn panicking(_ordinal: i32) -> Result<SimBackend, String> {
+            panic!("injected panic creating the backend")
+        }
+        let registry = Registry::with_config(panicking, Config::default());
+        let poisoned = RegistryError::Poisoned {
+            ordinal: 2,
+            message: "injected panic creating the backend".to_string(),
+        };
+        assert_eq!(registry.device(2).err(), Some(poisoned.clone()));
+        // Created once: a later call is refused without trying again.
+        let later = registry.malloc(2, MIB, StreamId(0));
+        assert_eq!(
+            later.err().map(|err| err.error),
+            Some(CallError::Unavailable(poisoned))
         );
     }
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from streamalloc import p2p, _ce
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import param_sizes  # noqa: E402
+from bench_worker import param_sizes  # noqa: E402
 
 TIMES = collections.defaultdict(float)
 

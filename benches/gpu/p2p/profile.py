@@ -17,7 +17,7 @@ import torch.distributed as dist
 from streamalloc import _p2p_copy, _p2p_dropin, _p2p_native, _p2p_rounds, p2p
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import elements, pattern_T, scale_for  # noqa: E402
+from bench_worker import elements, pattern_T, scale_for  # noqa: E402
 
 HOST = collections.defaultdict(float)
 PHASES = [
