@@ -170,9 +170,13 @@ pub fn replay_steps(
             bytes_before_last = (stats.page_map_bytes, stats.page_unmap_bytes);
         }
         let offset = step * events.len();
-        pass.run(&allocator, events, step == 0, &mut |done| {
-            progress(offset + done)
-        })?;
+        pass.run(
+            &allocator,
+            events,
+            step == 0,
+            &mut |done| progress(offset + done),
+            &mut |_, _| {},
+        )?;
     }
     let mut report = pass.finish(&allocator, started);
     let [maps, unmaps, syncs, stitch_maps] = counts();
@@ -197,12 +201,12 @@ pub fn replay_on<B: Backend>(
 ) -> Result<ReplayReport, ReplayError> {
     let mut pass = Pass::new(events.len() as u64);
     let started = Instant::now();
-    pass.run(allocator, events, true, progress)?;
+    pass.run(allocator, events, true, progress, &mut |_, _| {})?;
     Ok(pass.finish(allocator, started))
 }
 
 /// The state of a replay carried from one pass over the trace to the next.
-struct Pass {
+pub(super) struct Pass {
     /// Recorded address → our block and its recorded size.
     live: HashMap<u64, (DevicePtr, u64)>,
     report: ReplayReport,
@@ -214,7 +218,7 @@ struct Pass {
 }
 
 impl Pass {
-    fn new(events: u64) -> Self {
+    pub(super) fn new(events: u64) -> Self {
         Self {
             live: HashMap::with_capacity(1024),
             report: ReplayReport {
@@ -248,12 +252,15 @@ impl Pass {
     }
 
     /// One pass over `events`; `first` passes also rebuild the native figure.
-    fn run<B: Backend>(
+    /// `observe(i, live)` is called after event `i` (every event, markers included) with
+    /// the recorded sizes of the blocks then live.
+    pub(super) fn run<B: Backend>(
         &mut self,
         allocator: &Allocator<B>,
         events: &[TraceEntry],
         first: bool,
         progress: &mut dyn FnMut(usize),
+        observe: &mut dyn FnMut(usize, u64),
     ) -> Result<(), ReplayError> {
         if self.before.is_none() {
             let stats = allocator.stats();
@@ -289,16 +296,15 @@ impl Pass {
                 }
                 TraceAction::FreeRequested | TraceAction::FreeCompleted => {
                     let due = event.action == TraceAction::FreeCompleted || free_at_request[index];
-                    if !due {
-                        continue;
-                    }
-                    match live.remove(&event.addr.0) {
-                        Some((ptr, size)) => {
-                            allocator.free(ptr).map_err(fail)?;
-                            self.live_bytes = self.live_bytes.saturating_sub(size);
-                            report.frees += 1;
+                    if due {
+                        match live.remove(&event.addr.0) {
+                            Some((ptr, size)) => {
+                                allocator.free(ptr).map_err(fail)?;
+                                self.live_bytes = self.live_bytes.saturating_sub(size);
+                                report.frees += 1;
+                            }
+                            None => report.unknown_frees += 1,
                         }
-                        None => report.unknown_frees += 1,
                     }
                 }
                 TraceAction::SegmentAlloc | TraceAction::SegmentMap if first => {
@@ -313,6 +319,7 @@ impl Pass {
                 }
                 _ => {}
             }
+            observe(index, self.live_bytes);
         }
         progress(events.len());
         Ok(())

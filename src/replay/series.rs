@@ -3,17 +3,15 @@
 //!
 //! [`super::run`] answers "what peak would streamalloc reach on this trace?"; a user
 //! looking at their own PyTorch timeline also wants to see *where* the two allocators
-//! differ, and how little memory streamalloc could be given. [`replay_series`] replays with
-//! the same semantics as [`replay_steps`]' first pass (a property test holds the two to
+//! differ, and how little memory streamalloc could be given. [`replay_series`] runs the
+//! same pass over the trace as [`replay_steps`]' first (a property test holds the two to
 //! the same peaks) and reports the figures after every event; [`lowest_completing_cap`]
 //! bisects [`replay_steps`] under `memory_limit` caps.
 
-use super::run::{frees_at_request, replay_steps, ReplayError, REPLAY_DEVICE_BYTES};
-use std::collections::HashMap;
+use super::run::{replay_steps, Pass, ReplayError, REPLAY_DEVICE_BYTES};
 use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::config::Config;
-use streamalloc_allocator::trace::{TraceAction, TraceEntry};
-use streamalloc_allocator::types::DevicePtr;
+use streamalloc_allocator::trace::TraceEntry;
 use streamalloc_allocator::Allocator;
 
 /// What the replay holds after one event.
@@ -44,55 +42,10 @@ pub fn replay_series(
                 source,
             }
         })?;
-    let free_at_request = frees_at_request(events);
-    // Recorded address → our block and its recorded size.
-    let mut live: HashMap<u64, (DevicePtr, u64)> = HashMap::with_capacity(1024);
-    let mut live_bytes = 0u64;
-    for (index, event) in events.iter().enumerate() {
-        if index % 4096 == 0 {
-            progress(index);
-        }
-        let fail = |source| ReplayError::Alloc {
-            index,
-            action: event.action.name(),
-            size: event.size,
-            source,
-        };
-        match event.action {
-            TraceAction::Alloc => {
-                if let Some((ptr, size)) = live.remove(&event.addr.0) {
-                    // Allocated again without a recorded free: the old block goes first.
-                    allocator.free(ptr).map_err(fail)?;
-                    live_bytes = live_bytes.saturating_sub(size);
-                }
-                let block = allocator
-                    .malloc(event.size.max(1), event.stream)
-                    .map_err(fail)?;
-                live.insert(event.addr.0, (block.ptr, event.size));
-                live_bytes = live_bytes.saturating_add(event.size);
-            }
-            TraceAction::FreeRequested | TraceAction::FreeCompleted => {
-                let due = event.action == TraceAction::FreeCompleted || free_at_request[index];
-                if due {
-                    if let Some((ptr, size)) = live.remove(&event.addr.0) {
-                        allocator.free(ptr).map_err(fail)?;
-                        live_bytes = live_bytes.saturating_sub(size);
-                    }
-                }
-            }
-            _ => {}
-        }
+    Pass::new(events.len() as u64).run(&allocator, events, true, progress, &mut |index, live| {
         let reserved = allocator.stats().reserved_bytes.current;
-        observe(
-            index,
-            Sample {
-                reserved,
-                live: live_bytes,
-            },
-        );
-    }
-    progress(events.len());
-    Ok(())
+        observe(index, Sample { reserved, live });
+    })
 }
 
 /// The caps [`lowest_completing_cap`] tries: `CAP_LOWEST + k * CAP_STEP` times peak live,
