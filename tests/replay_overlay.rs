@@ -11,6 +11,9 @@
 //!   the budget cannot afford it.
 
 mod cli;
+#[path = "common/trace_steps.rs"]
+mod trace_steps;
+use trace_steps::{trace_of, Step};
 
 use proptest::prelude::*;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -18,25 +21,15 @@ use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use streamalloc::replay::{
-    cap_bytes, entry, lowest_completing_cap, replay_overlay, replay_overlay_within, replay_series,
+    cap_bytes, lowest_completing_cap, replay_overlay, replay_overlay_within, replay_series,
     replay_steps, OverlayError, CAP_STEP, REPLAY_STAGE,
 };
 use streamalloc_allocator::testing::proptest_cases;
-use streamalloc_allocator::trace::{TraceAction, TraceEntry};
 use streamalloc_allocator::{Config, ReusePolicy};
 use streamalloc_viz::limits::Budget;
 use streamalloc_viz::overlay::{SeriesBuilder, MAX_POINTS};
 
 const MIB: u64 = 1 << 20;
-
-/// One step of a generated trace: allocate, free the `pick`-th live block (at completion,
-/// or at the request only), or free an address never allocated.
-#[derive(Clone, Debug)]
-enum Step {
-    Alloc { size: u64, stream: u64 },
-    Free { pick: usize, completed: bool },
-    UnknownFree,
-}
 
 fn steps(most: usize) -> impl Strategy<Value = Vec<Step>> {
     let size = prop_oneof![
@@ -44,45 +37,7 @@ fn steps(most: usize) -> impl Strategy<Value = Vec<Step>> {
         3 => 8193u64..=MIB,
         3 => (MIB + 1)..=(24 * MIB),
     ];
-    prop::collection::vec(
-        prop_oneof![
-            5 => (size, 0u64..3).prop_map(|(size, stream)| Step::Alloc { size, stream }),
-            4 => (any::<usize>(), prop::bool::weighted(0.8))
-                .prop_map(|(pick, completed)| Step::Free { pick, completed }),
-            1 => Just(Step::UnknownFree),
-        ],
-        1..most,
-    )
-}
-
-/// Trace entries for `steps`, with recorded addresses.
-fn trace_of(steps: &[Step]) -> Vec<TraceEntry> {
-    let mut events = Vec::new();
-    let mut live: Vec<(u64, u64, u64)> = Vec::new();
-    let mut next_addr = 0x1000u64;
-    for step in steps {
-        match step {
-            Step::Alloc { size, stream } => {
-                next_addr += 0x1000;
-                events.push(entry(TraceAction::Alloc, next_addr, *size, *stream));
-                live.push((next_addr, *size, *stream));
-            }
-            Step::Free { pick, completed } => {
-                if live.is_empty() {
-                    continue;
-                }
-                let (addr, size, stream) = live.swap_remove(pick % live.len());
-                events.push(entry(TraceAction::FreeRequested, addr, size, stream));
-                if *completed {
-                    events.push(entry(TraceAction::FreeCompleted, addr, size, stream));
-                }
-            }
-            Step::UnknownFree => {
-                events.push(entry(TraceAction::FreeCompleted, 0xdead_0000, 4096, 0));
-            }
-        }
-    }
-    events
+    trace_steps::steps(size, most)
 }
 
 fn config(expandable: bool, pytorch: bool, stitch: bool) -> Config {

@@ -9,14 +9,16 @@
 
 use common::{allocation_op, block_op};
 use proptest::prelude::*;
-use streamalloc::replay::{entry, replay_on};
+use streamalloc::replay::replay_on;
 use streamalloc_allocator::backend::sim::{Access, RaceKind, SimBackend};
 use streamalloc_allocator::backend::{Streams, VirtualMemory};
 use streamalloc_allocator::testing::{proptest_cases, Harness, Op};
 
 mod common;
-use streamalloc_allocator::trace::{TraceAction, TraceEntry};
+#[path = "common/trace_steps.rs"]
+mod trace_steps;
 use streamalloc_allocator::{Allocation, Allocator, Config, DevicePtr, ReusePolicy};
+use trace_steps::{trace_of, Step};
 
 const MIB: u64 = 1 << 20;
 
@@ -29,55 +31,8 @@ fn size() -> impl Strategy<Value = u64> {
     ]
 }
 
-/// One step of a generated trace: allocate, or free the `n`-th live block (at completion,
-/// or at the request only), or free an address never allocated.
-#[derive(Clone, Debug)]
-enum Step {
-    Alloc { size: u64, stream: u64 },
-    Free { pick: usize, completed: bool },
-    UnknownFree,
-}
-
 fn steps() -> impl Strategy<Value = Vec<Step>> {
-    prop::collection::vec(
-        prop_oneof![
-            5 => (size(), 0u64..3).prop_map(|(size, stream)| Step::Alloc { size, stream }),
-            4 => (any::<usize>(), prop::bool::weighted(0.8))
-                .prop_map(|(pick, completed)| Step::Free { pick, completed }),
-            1 => Just(Step::UnknownFree),
-        ],
-        1..300,
-    )
-}
-
-/// Turns steps into trace entries with recorder addresses that are reused after frees.
-fn trace_of(steps: &[Step]) -> Vec<TraceEntry> {
-    let mut events = Vec::new();
-    let mut live: Vec<(u64, u64, u64)> = Vec::new();
-    let mut next_addr = 0x1000u64;
-    for step in steps {
-        match step {
-            Step::Alloc { size, stream } => {
-                next_addr += 0x1000;
-                events.push(entry(TraceAction::Alloc, next_addr, *size, *stream));
-                live.push((next_addr, *size, *stream));
-            }
-            Step::Free { pick, completed } => {
-                if live.is_empty() {
-                    continue;
-                }
-                let (addr, size, stream) = live.swap_remove(pick % live.len());
-                events.push(entry(TraceAction::FreeRequested, addr, size, stream));
-                if *completed {
-                    events.push(entry(TraceAction::FreeCompleted, addr, size, stream));
-                }
-            }
-            Step::UnknownFree => {
-                events.push(entry(TraceAction::FreeCompleted, 0xdead_0000, 4096, 0));
-            }
-        }
-    }
-    events
+    trace_steps::steps(size(), 300)
 }
 
 proptest! {
