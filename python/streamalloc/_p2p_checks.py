@@ -137,15 +137,16 @@ def _group_rank(n, op, peer, world, group_rank) -> int:
 
 
 def translate_ops(ops, rank: int, world: int, group_rank=None, isend=None, irecv=None,
-                  addresses: bool = False) -> Lanes:
+                  addresses: bool = False, groups=None) -> Lanes:
     """Reads a P2POp list into :class:`Lanes`: each op's tensor goes to lane
     ``direction * world + peer`` (group ranks; ``group_rank`` maps ``peer``, a global rank,
     where ``group_peer`` is missing), in list order within the lane. Ops to and from this
     rank itself are kept (NCCL runs them too): the k-th isend to itself is copied into the
     k-th irecv from itself. Raises :class:`P2PError` naming the first bad op: not a
     ``P2POp``, an op that is not isend or irecv, a peer out of range, a tensor that is None
-    or not contiguous, tensors on several devices. With ``addresses``: the tensors' data
-    addresses too (the copy kernel's tables).
+    or not contiguous, tensors on several devices, and with ``groups`` (the objects that
+    name the caller's group) an op whose ``group`` is none of them. With ``addresses``: the
+    tensors' data addresses too (the copy kernel's tables).
 
     The pure-Python reader, where the native one (``_p2p_native``) cannot be had: one plain
     loop with everything it touches bound to locals."""
@@ -159,6 +160,8 @@ def translate_ops(ops, rank: int, world: int, group_rank=None, isend=None, irecv
         except AttributeError:
             raise P2PError(f"op {n} is a {type(op).__name__}, not a torch.distributed.P2POp") \
                 from None
+        if groups is not None and getattr(op, "group", None) not in groups:
+            raise P2PError("the P2POp list mixes process groups; pass one group's ops")
         if fn is isend:
             direction = 0
         elif fn is irecv:

@@ -153,10 +153,9 @@ def batch_isend_irecv(p2p_op_list, group=None, budget_mib: float = 128, *,
             budget = checks.budget_bytes(budget_mib)
             checks.check_options(1, None, transport)
             group_rank = None if group is None else (lambda p: dist.get_group_rank(group, p))
-            lanes = _p2p_native.read_ops(ops, rank, world, group_rank, dist.isend, dist.irecv)
             own = (None, world_group) if group is None else (group,)
-            if any(getattr(op, "group", None) not in own for op in ops):
-                raise P2PError("the P2POp list mixes process groups; pass one group's ops")
+            lanes = _p2p_native.read_ops(ops, rank, world, group_rank, dist.isend, dist.irecv,
+                                         groups=own)
             digest = signature_digest(lanes, budget, transport)
         except Exception as err:  # any type: it must reach the agreement
             error = checks.message_of(err)

@@ -32,15 +32,18 @@ _RECIPE = "1"  # part of the cache key: change it when the build flags change
 _STATE = {"module": None, "failure": None, "codes": None}
 
 
-def read_ops(ops, rank: int, world: int, group_rank, isend, irecv) -> Lanes:
+def read_ops(ops, rank: int, world: int, group_rank, isend, irecv, groups=None) -> Lanes:
     """The list's :class:`~streamalloc._p2p_plan.Lanes`, with the tensors' addresses where
-    read natively (raises ``P2PError`` naming the first bad op)."""
+    read natively (raises ``P2PError`` naming the first bad op; with ``groups``, also an op
+    whose ``group`` is none of them)."""
     module = load()
     if module is None:
-        return _p2p_checks.translate_ops(ops, rank, world, group_rank, isend, irecv)
+        return _p2p_checks.translate_ops(ops, rank, world, group_rank, isend, irecv,
+                                         groups=groups)
     try:
         counts, tensors, nbytes, codes, addresses, where = module.scan(
-            ops, world, isend, irecv, group_rank, _codes(module))
+            ops, world, isend, irecv, group_rank, _codes(module),
+            None if groups is None else tuple(groups))
     except ValueError as err:
         raise P2PError(str(err)) from None
     columns = []

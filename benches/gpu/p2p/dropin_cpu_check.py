@@ -231,6 +231,11 @@ def worker(rank, world, port, results):
         op.tensor = None
         return [op]
 
+    def another_group():
+        op = dist.P2POp(dist.isend, torch.ones(4), 0)
+        op.group = NotAnOp()  # stands for a process group other than the list's
+        return [op]
+
     refused = {
         "a budget of 0": (one_rank(budget=0), "budget_mib must be finite and positive (got 0)"),
         "a budget of -1": (one_rank(budget=-1), "budget_mib must be finite and positive (got -1)"),
@@ -242,6 +247,8 @@ def worker(rank, world, port, results):
                                            "rank 1: op 2 is a NotAnOp, not a torch.distributed.P2POp"),
         "an element that is an int": (one_rank(lambda: [7]), "rank 1: op 2 is a int"),
         "a None tensor": (one_rank(none_tensor), "rank 1: op 2 (peer 0): the tensor is NoneType"),
+        "an op of another group": (one_rank(another_group),
+                                   "rank 1: the P2POp list mixes process groups"),
     }
     for name, (call, needle) in refused.items():
         checks[f"{name} on rank 1: the same error everywhere"] = same_error_everywhere(

@@ -41,11 +41,14 @@ class Op:  # the fields of torch.distributed.P2POp that the readers use
         self.group_peer = peer if group_peer == "same" else group_peer
 
 
-def both(ops, world=4, group_rank=None):
-    """(Python result or message, native result or message)."""
+def both(ops, world=4, group_rank=None, groups=None):
+    """(Python result or message, native result or message); with ``groups``, every op's
+    ``group`` must be one of them."""
     out = []
-    for read in (lambda: _p2p_checks.translate_ops(ops, 0, world, group_rank, isend, irecv, True),
-                 lambda: _p2p_native.read_ops(ops, 0, world, group_rank, isend, irecv)):
+    for read in (lambda: _p2p_checks.translate_ops(ops, 0, world, group_rank, isend, irecv, True,
+                                                   groups=groups),
+                 lambda: _p2p_native.read_ops(ops, 0, world, group_rank, isend, irecv,
+                                              groups=groups)):
         try:
             out.append(read())
         except P2PError as err:
@@ -103,6 +106,17 @@ def main():
         check(isinstance(a, str) and a == b, f"{what}: the same message ({a!r} / {b!r})")
     a, b = both([Op(named, torch.ones(2), 1)])
     check(same(a, b) and b.counts[1] == 1, "an op named isend (another module's function)")
+    # Process groups: an op without `group` counts as None (the default group).
+    mine, other = object(), object()
+    in_group = Op(isend, torch.ones(2), 1)
+    in_group.group = mine
+    strayed = Op(irecv, torch.ones(2), 2)
+    strayed.group = other
+    a, b = both([in_group, Op(isend, torch.ones(1), 1)], groups=(mine, None))
+    check(same(a, b) and not isinstance(b, str), "ops of the caller's group are read")
+    a, b = both([in_group, strayed], groups=(mine,))
+    check(isinstance(a, str) and a == b and "mixes process groups" in b,
+          f"an op of another group: the same message ({a!r} / {b!r})")
     if failures:
         print(f"{len(failures)} failure(s)")
         return 1

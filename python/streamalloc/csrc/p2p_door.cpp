@@ -1,8 +1,8 @@
 // The drop-in's per-call reading of a P2POp list, in native code (streamalloc._p2p_native).
 //
-// `scan(ops, world, isend, irecv, group_rank, codes)` reads every op's `op`, `peer` (or
-// `group_peer`) and `tensor`, checks them as streamalloc._p2p_checks.translate_ops does, with
-// the same messages, and returns the list sorted into lanes (direction * world + peer, list
+// `scan(ops, world, isend, irecv, group_rank, codes, groups)` reads every op's `op`, `peer` (or
+// `group_peer`), `tensor` and, unless `groups` is None, `group` (which must be one of
+// `groups`), checks them as streamalloc._p2p_checks.translate_ops does, with the same messages, and returns the list sorted into lanes (direction * world + peer, list
 // order within a lane): (counts, tensors, nbytes, dtype codes, addresses, device), the last
 // three columns as bytes of int64. A bad op raises ValueError with the message.
 //
@@ -26,6 +26,7 @@ struct Names {
   PyObject* tensor = PyUnicode_InternFromString("tensor");
   PyObject* peer = PyUnicode_InternFromString("peer");
   PyObject* group_peer = PyUnicode_InternFromString("group_peer");
+  PyObject* group = PyUnicode_InternFromString("group");
   PyObject* name = PyUnicode_InternFromString("__name__");
 };
 
@@ -88,9 +89,10 @@ struct Entry {
 };
 
 PyObject* scan(PyObject*, PyObject* args) {
-  PyObject *ops, *isend, *irecv, *group_rank, *codes;
+  PyObject *ops, *isend, *irecv, *group_rank, *codes, *groups;
   long world;
-  if (!PyArg_ParseTuple(args, "OlOOOO", &ops, &world, &isend, &irecv, &group_rank, &codes)) {
+  if (!PyArg_ParseTuple(args, "OlOOOOO", &ops, &world, &isend, &irecv, &group_rank, &codes,
+                        &groups)) {
     return nullptr;
   }
   PyObject* seq = PySequence_Fast(ops, "ops must be a sequence");
@@ -139,7 +141,22 @@ PyObject* scan(PyObject*, PyObject* args) {
       }
     }
     Py_XDECREF(group_peer);
-    if (direction < 0) {
+    // Every op of one group (`groups`: the groups that name the caller's, None for any).
+    int in_groups = 1;
+    if (groups != Py_None) {
+      PyObject* group = PyObject_GetAttr(op, names().group);
+      if (group == nullptr) {
+        PyErr_Clear();
+        group = Py_None;
+        Py_INCREF(group);
+      }
+      in_groups = PySequence_Contains(groups, group);
+      Py_DECREF(group);
+      if (in_groups < 0) PyErr_Clear();
+    }
+    if (in_groups != 1) {
+      failure = "the P2POp list mixes process groups; pass one group's ops";
+    } else if (direction < 0) {
       failure = at + ": P2POp.op must be torch.distributed.isend or irecv, not " + text_of(fn, true);
     } else if (p < 0) {
       failure = at + ": peer " + text_of(peer, true) + " is not a rank of the group (0.." +
