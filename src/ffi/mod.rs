@@ -211,9 +211,20 @@ pub fn malloc<B: Backend>(
     if size == 0 {
         return std::ptr::null_mut();
     }
-    match registry.malloc(device, size as u64, stream_id(stream)) {
+    let Some(on) = registry.get(device) else {
+        // A device not in use yet (created now) or unusable: the registry's whole way.
+        return match registry.malloc(device, size as u64, stream_id(stream)) {
+            Ok(block) => block.ptr.0 as usize as *mut c_void,
+            Err(err) => error::malloc_failed(&err),
+        };
+    };
+    // The fast path, a device in use: no error is built unless the request fails.
+    match on.malloc(size as u64, stream_id(stream)) {
         Ok(block) => block.ptr.0 as usize as *mut c_void,
-        Err(err) => error::malloc_failed(&err),
+        Err(error) => error::malloc_failed(&DeviceError {
+            ordinal: device,
+            error,
+        }),
     }
 }
 

@@ -31,7 +31,7 @@
 
 pub use super::layout::{StreamallocBlockState, StreamallocPoolBlock, StreamallocSegmentInfo};
 use super::{copy_out, device_call, engine_message, error, fail, or_fail};
-use crate::registry::{self, Registry};
+use crate::registry::{self, DeviceError, Registry};
 use std::ffi::{c_int, c_void};
 use streamalloc_allocator::{Backend, DevicePtr, PoolBlock, PoolId, StreamId};
 
@@ -66,10 +66,22 @@ pub fn malloc_in_pool<B: Backend>(
     if size == 0 {
         return std::ptr::null_mut();
     }
-    let stream = StreamId(stream as usize as u64);
-    match registry.malloc_in(device, size as u64, stream, PoolId(id0, id1)) {
+    let (stream, pool) = (StreamId(stream as usize as u64), PoolId(id0, id1));
+    let Some(on) = registry.get(device) else {
+        // A device not in use yet (created now) or unusable: the registry's whole way.
+        return match registry.malloc_in(device, size as u64, stream, pool) {
+            Ok(block) => block.ptr.0 as usize as *mut c_void,
+            Err(err) => error::pool_malloc_failed(&err),
+        };
+    };
+    // The fast path (the native door's every allocation): no error is built unless the
+    // request fails.
+    match on.malloc_in(size as u64, stream, pool) {
         Ok(block) => block.ptr.0 as usize as *mut c_void,
-        Err(err) => error::pool_malloc_failed(&err),
+        Err(error) => error::pool_malloc_failed(&DeviceError {
+            ordinal: device,
+            error,
+        }),
     }
 }
 

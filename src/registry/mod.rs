@@ -323,8 +323,11 @@ impl<B: Backend> Registry<B> {
     }
 
     /// Allocates at least `size` bytes on device `ordinal` for `stream`, for a door that
-    /// names no pool: see [`Device::malloc`].
-    #[inline]
+    /// names no pool: see [`Device::malloc`]. The whole way, the device created on first
+    /// use: a door's fast path takes [`Registry::get`]'s device first, and comes here only
+    /// when there is none.
+    #[cold]
+    #[inline(never)]
     pub fn malloc(
         &self,
         ordinal: i32,
@@ -335,8 +338,9 @@ impl<B: Backend> Registry<B> {
     }
 
     /// Allocates at least `size` bytes on device `ordinal` for `stream` in `pool`: see
-    /// [`Device::malloc_in`].
-    #[inline]
+    /// [`Device::malloc_in`]. The whole way, as [`Registry::malloc`].
+    #[cold]
+    #[inline(never)]
     pub fn malloc_in(
         &self,
         ordinal: i32,
