@@ -211,6 +211,15 @@ class Worker:
         ok = self.check(recvs, lambda j: (self.rank + 1) * (j + 1))
         return dict(ops=n_ops, first_s=first, steady_s=first, extra_mib=extra / 2**20, ok=ok)
 
+    def m_method(self, method, sends, recvs, steps, dropin_transport="auto"):
+        """Runs one method ("merged", "dropin", "exchange_ce" or "exchange_nccl"): (seconds
+        of the first call, steady seconds, peak extra bytes, transport used)."""
+        if method == "merged":
+            return (*self.m_merged(sends, recvs, steps), "nccl")
+        if method == "dropin":
+            return self.m_dropin(sends, recvs, steps, dropin_transport)
+        return self.m_exchange(sends, recvs, steps, "ce" if method == "exchange_ce" else "nccl")
+
     def m_merged(self, sends, recvs, steps):
         torch, dist = self.torch, self.dist
         self.held, self.packing = 0, "-"
@@ -285,16 +294,8 @@ class Worker:
         def cell(method):
             def fn():
                 self.zero(recvs)
-                if method == "merged":
-                    first, steady, extra = self.m_merged(sends, recvs, steps)
-                    transport = "nccl"
-                elif method == "dropin":
-                    first, steady, extra, transport = self.m_dropin(
-                        sends, recvs, steps, "nccl" if network else "auto")
-                elif method == "exchange_ce":
-                    first, steady, extra, transport = self.m_exchange(sends, recvs, steps, "ce")
-                else:
-                    first, steady, extra, transport = self.m_exchange(sends, recvs, steps, "nccl")
+                first, steady, extra, transport = self.m_method(
+                    method, sends, recvs, steps, "nccl" if network else "auto")
                 return dict(ops=n_ops, scale=scale, bytes_sent=nbytes, first_s=first,
                             steady_s=steady, extra_mib=extra / 2**20, transport=transport,
                             staging_mib=self.held / 2**20, packing=self.packing,
@@ -324,13 +325,7 @@ class Worker:
         def cell(method):
             def fn():
                 self.zero(recvs)
-                if method == "merged":
-                    first, steady, extra = self.m_merged(sends, recvs, steps)
-                    transport = "nccl"
-                elif method == "exchange_ce":
-                    first, steady, extra, transport = self.m_exchange(sends, recvs, steps, "ce")
-                else:
-                    first, steady, extra, transport = self.m_exchange(sends, recvs, steps, "nccl")
+                first, steady, extra, transport = self.m_method(method, sends, recvs, steps)
                 ok = all(bool((t == fill(src, rank)).all()) for t in recvs[src])
                 return dict(tensors=len(sends[dst]), bytes_sent=nbytes, first_s=first,
                             steady_s=steady, gb_per_s=nbytes / steady / 1e9,
