@@ -21,7 +21,8 @@ Per row (workloads.py says what each trains):
 Phase dist runs fsdp2_gpt2, fsdp2_ckpt and ddp_gpt2 (CAPS_ROWS) on every GPU, one after the
 other; phase single runs gpt2_varlen and generate, each on its own GPU of --gpus (two).
 
-Knobs: CAPS_ROWS, CAPS_REPEATS (3), CAPS_PROBES (4), DIST_WARMUP (2), DIST_STEPS (8, the same
+Knobs: CAPS_ROWS, CAPS_SEARCH (the allocators whose lowest cap is searched: pt_expandable,sa),
+CAPS_REPEATS (3), CAPS_PROBES (4), DIST_WARMUP (2), DIST_STEPS (8, the same
 in every launch of a row so that its sequence lengths and its peak are the same),
 DIST_TIMEOUT (s per launch, 150), TOTAL_S (no launch starts after it, 540). Results in
 OUT/caps_PHASE.json, logs in OUT/logs, the table printed last and saved as
@@ -86,13 +87,17 @@ class Runner:
             return None, "dry run", False, 0.0
         if time.monotonic() - self.t0 > self.total_s:
             self.log(f"skip {name} (TOTAL_S={self.total_s:.0f})")
-            return None, "skipped (TOTAL_S)", False, 0.0
+            return None, SKIPPED, False, 0.0
         self.log(f"start {name}")
         launch.run(dict(os.environ))
         ranks, why = collect(launch, nproc)
         oom = why is not None and out_of_memory(why)
         self.log(f"done {name} in {launch.seconds:.1f}s: {'out of memory' if oom else why or 'ok'}")
         return ranks, why, oom, launch.seconds
+
+
+# The failure of a launch that never started: the script's time budget (TOTAL_S) ran out.
+SKIPPED = "skipped (TOTAL_S)"
 
 
 def worst(ranks, key):
@@ -126,10 +131,14 @@ def sum_counters(ranks):
 def lowest_cap(runner, row, col, gpus, live, result):
     """Bisects CAPS from 1.020 for the lowest cap under which `col` trains."""
     probes, low_fail, high_ok, index = {}, -1, None, FIRST_CAP
+    unfinished = False
     for _ in range(env_int("CAPS_PROBES", 4)):
         cap = CAPS[index]
         ranks, why, oom, _ = runner.launch(row, col, f"{row}__{col}__cap{cap:.3f}", gpus,
                                            {"DIST_CAP_RATIO": f"{cap}", "DIST_LIVE_BYTES": str(live)})
+        if why == SKIPPED:
+            unfinished = True  # a probe not made is neither a pass nor a failure
+            break
         if ranks is not None:
             probes[cap] = {"trains": True, "step_ms": next(r for r in ranks if r["rank"] == 0)["step_ms_median"],
                            "reserved": worst(ranks, "reserved"), "sa_timed": sum_counters(ranks)}
@@ -150,6 +159,7 @@ def lowest_cap(runner, row, col, gpus, live, result):
         "lowest": CAPS[high_ok] if high_ok is not None else None,
         # Exact when the step below was tried and failed (or the lowest cap trains).
         "exact": high_ok is not None and (high_ok == 0 or CAPS[high_ok - 1] in probes),
+        "unfinished": unfinished,
     }
 
 
@@ -160,8 +170,10 @@ def run_row(runner, row, gpus, results):
     if live is None:
         runner.log(f"{row}: no uncapped launch trained: no caps tried")
         return
+    search = os.environ.get("CAPS_SEARCH", ",".join(ALLOCATORS)).split(",")
     for col in ALLOCATORS:
-        lowest_cap(runner, row, col, gpus, live, result)
+        if col in search:
+            lowest_cap(runner, row, col, gpus, live, result)
 
 
 def med(values):
@@ -170,12 +182,19 @@ def med(values):
 
 def cap_text(c):
     if not c:
-        return "n/a"
+        return "not reached"
     if c["lowest"] is None:
+        if not c["probes"]:
+            return "not reached"
         tried = ", ".join(f"{k:.3f}" for k in sorted(c["probes"]))
-        oom = all(p.get("oom") for p in c["probes"].values())
-        return f"none of {tried}" + ("" if oom else f" (fail: {clean(next(iter(c['probes'].values()))['failure'])[:80]})")
-    return f"{c['lowest']:.3f}" + ("" if c["exact"] else " (below untried)")
+        failures = [p for p in c["probes"].values() if not p.get("oom")]
+        text = f"none of {tried}"
+        if failures:
+            text += f" (fail: {clean(failures[0]['failure'])[:80]})"
+        return text + ("; higher caps not reached" if c.get("unfinished") else "")
+    if c["exact"]:
+        return f"{c['lowest']:.3f}"
+    return f"{c['lowest']:.3f} (" + ("lower caps not reached" if c.get("unfinished") else "below untried") + ")"
 
 
 def table(results, rows, header):
@@ -202,10 +221,14 @@ def table(results, rows, header):
         caps = r.get("caps", {})
         cells += [cap_text(caps.get("pt_expandable")), cap_text(caps.get("sa"))]
         at = caps.get("sa", {}).get("probes", {}).get(1.02)
-        if at and at.get("trains") and ms["sa"]:
+        if at is None:
+            cells.append("not reached" if r.get("caps", {}).get("sa", {}).get("unfinished", True) else "not tried")
+        elif at.get("trains") and ms["sa"]:
             cells.append(f"{at['step_ms']:.1f} ms ({at['step_ms'] / ms['sa']:.3f}x)")
+        elif at.get("trains"):
+            cells.append(f"{at['step_ms']:.1f} ms")
         else:
-            cells.append("out of memory" if at else "not tried")
+            cells.append("out of memory" if at.get("oom") else clean(at.get("failure") or "failed")[:80])
         if ok["sa"] and ok["pt_expandable"]:
             cells.append(loss_diff(ok["sa"][0]["losses"], ok["pt_expandable"][0]["losses"]))
         else:
