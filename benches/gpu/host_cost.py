@@ -1,6 +1,7 @@
 # Host cost of malloc+free in C++ (no Python in the loop): PyTorch's native caching
 # allocator next to streamalloc's C ABI (dlopen'ed libstreamalloc.so): same-size pairs (the
-# cached fast path) and mixed sizes with a window of 64 live blocks.
+# cached fast path) and mixed sizes with a window of 64 live blocks, with what streamalloc did
+# with the device during the mixed loops (per 1000 operations; bytes in MiB).
 #   python host_cost.py LIBSTREAMALLOC.so OUT.json
 #   python host_cost.py --build-only     # compile (and cache) the loops, measure nothing
 # The loops are compiled with OPT (default -O2). torch's load_inline adds no optimisation
@@ -27,12 +28,15 @@ using clk = std::chrono::steady_clock;
 static double ns(clk::time_point a, clk::time_point b, long n) { return std::chrono::duration<double, std::nano>(b - a).count() / n; }
 typedef void* (*malloc_fn)(size_t, int, cudaStream_t);
 typedef void (*free_fn)(void*, size_t, int, cudaStream_t);
-static malloc_fn sa_malloc; static free_fn sa_free;
+typedef const char* (*stats_fn)(int);
+static malloc_fn sa_malloc; static free_fn sa_free; static stats_fn sa_stats_json;
 void sa_load(std::string path) {
   void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
   if (!h) throw std::runtime_error(dlerror());
   sa_malloc = (malloc_fn)dlsym(h, "streamalloc_malloc"); sa_free = (free_fn)dlsym(h, "streamalloc_free");
+  sa_stats_json = (stats_fn)dlsym(h, "streamalloc_stats_json");
 }
+std::string sa_stats() { const char* s = sa_stats_json ? sa_stats_json(0) : nullptr; return s ? s : "{}"; }
 struct Sizes { std::mt19937_64 g{7}; long operator()() { double r = (g() % 1000) / 1000.0; if (r < .6) return (long)(g() % (1 << 20)) + 1; if (r < .95) return (long)(g() % (63 << 20)) + (1 << 20); return (long)(g() % (192 << 20)) + (64 << 20); } };
 double native_pair(long n, long size) {
   auto s = c10::cuda::getCurrentCUDAStream().stream();
@@ -71,7 +75,7 @@ double sa_mixed(long n) {
 '''
 OPT = os.environ.get("OPT", "-O2")
 m = load_inline("sa_host_cost" + OPT.replace("-", "_"), cpp_sources=src,
-                functions=["sa_load", "native_pair", "sa_pair", "native_mixed", "sa_mixed"],
+                functions=["sa_load", "sa_stats", "native_pair", "sa_pair", "native_mixed", "sa_mixed"],
                 extra_cflags=[OPT], extra_ldflags=["-lcudart", "-ldl"], with_cuda=True, verbose=False)
 if BUILD_ONLY:
     sys.exit(0)
@@ -87,10 +91,21 @@ for sz in (4096, 1 << 20, 64 << 20):
         native.append(m.native_pair(200000, sz)); ours.append(m.sa_pair(200000, sz))
     r[f"native_pair_{sz}"], r[f"streamalloc_pair_{sz}"] = min(native), min(ours)
 m.native_mixed(20000); m.sa_mixed(20000)
+# What streamalloc did with the device during the timed mixed loops, per 1000 operations:
+# mapping and synchronising (µs each) would dwarf the host path itself.
+WORK = ("page_map_bytes", "page_unmap_bytes", "device_syncs", "segment_allocs", "segment_frees",
+        "retries", "stitches", "stitch_revivals", "cross_stream_waits", "events_recorded")
+before = json.loads(m.sa_stats()).get("stats", {})
 native, ours = [], []
 for _ in range(REPS):
     native.append(m.native_mixed(100000)); ours.append(m.sa_mixed(100000))
 r["native_mixed"], r["streamalloc_mixed"] = min(native), min(ours)
+after = json.loads(m.sa_stats()).get("stats", {})
+ops = (after.get("allocs", 0) - before.get("allocs", 0)) + (after.get("frees", 0) - before.get("frees", 0))
+for key in WORK:
+    if key in after and ops:
+        delta = after[key] - before.get(key, 0)
+        r[f"streamalloc_mixed_{key}_per_1000_ops"] = delta * 1000 / ops / ((1 << 20) if key.endswith("_bytes") else 1)
 r = {k: round(v, 1) for k, v in r.items()}
 r["harness"] = OPT
 json.dump(r, open(OUT, "w")); print(json.dumps(r))
