@@ -184,6 +184,142 @@ prop_state_machine! {
     fn a_request_fails_only_when_the_limit_cannot_hold_it(sequential 1..100 => PressureMachine);
 }
 
+/// A program the property above once failed on, as it shrank. Under the limit, stream 1's
+/// last request takes over free blocks of streams 1 and 2 whose boundary cuts a page and
+/// joins them, so that stitching can use the page; the joined run is then stream 1's, ready,
+/// beside a free block of stream 1's own, and must be merged with it, as every listed free
+/// block is merged with the neighbours it may merge with.
+#[test]
+fn a_run_joined_across_streams_merges_with_its_own_free_neighbours() {
+    use Op::{Free, Malloc, PoolMalloc, Use};
+    let config = Config {
+        reuse_policy: ReusePolicy::StreamWait,
+        event_batch: 1,
+        reclaim: false,
+        stitch: true,
+        memory_limit: Some(64 * MIB),
+        ..Config::default()
+    };
+    let mut harness = Harness::new(config, 1 << 30).unwrap();
+    harness.check_pressure_bound();
+    let program = [
+        PoolMalloc {
+            stream: 0,
+            size: 1,
+            duration: 0,
+        },
+        Free { block: 0 },
+        PoolMalloc {
+            stream: 0,
+            size: 4194305,
+            duration: 0,
+        },
+        Malloc {
+            stream: 1,
+            size: 1,
+            duration: 0,
+        },
+        Malloc {
+            stream: 1,
+            size: 2414081,
+            duration: 0,
+        },
+        Malloc {
+            stream: 1,
+            size: 8849921,
+            duration: 0,
+        },
+        Malloc {
+            stream: 3,
+            size: 6908417,
+            duration: 0,
+        },
+        Malloc {
+            stream: 3,
+            size: 4150273,
+            duration: 0,
+        },
+        Use {
+            block: 21101,
+            stream: 0,
+            duration: 1,
+        },
+        Free { block: 52046 },
+        Free { block: 4017 },
+        Malloc {
+            stream: 0,
+            size: 20971521,
+            duration: 0,
+        },
+        Use {
+            block: 54288,
+            stream: 0,
+            duration: 0,
+        },
+        Malloc {
+            stream: 3,
+            size: 5717505,
+            duration: 0,
+        },
+        Malloc {
+            stream: 1,
+            size: 1,
+            duration: 0,
+        },
+        Free { block: 1483 },
+        PoolMalloc {
+            stream: 0,
+            size: 1,
+            duration: 0,
+        },
+        Free { block: 5739 },
+        Malloc {
+            stream: 2,
+            size: 573953,
+            duration: 0,
+        },
+        Malloc {
+            stream: 0,
+            size: 513,
+            duration: 0,
+        },
+        Malloc {
+            stream: 0,
+            size: 1,
+            duration: 0,
+        },
+        Free { block: 1977 },
+        Malloc {
+            stream: 0,
+            size: 1,
+            duration: 0,
+        },
+        Malloc {
+            stream: 0,
+            size: 1,
+            duration: 0,
+        },
+        Malloc {
+            stream: 0,
+            size: 1,
+            duration: 0,
+        },
+        Free { block: 2195 },
+        Free { block: 38703 },
+        Malloc {
+            stream: 1,
+            size: 12582913,
+            duration: 0,
+        },
+    ];
+    for op in &program {
+        if let Err(violation) = harness.apply(op) {
+            panic!("{violation}");
+        }
+    }
+    harness.finish().unwrap();
+}
+
 /// Free memory in two runs around a live block, neither holding the next request, and a
 /// limit with no room to map it beside them.
 fn split_free_memory() -> Vec<Op> {

@@ -230,7 +230,9 @@ impl State {
                 }
                 self.merge_into(start, next);
             }
-            self.list(start);
+            // Taken over, the run may now merge with a free block of `need.slot` on either
+            // side (one that was already its own, ready): listed merged, as every free block.
+            self.insert_free(start);
         }
         Ok(!starts.is_empty())
     }
