@@ -28,6 +28,7 @@ from . import _p2p_checks
 from ._p2p_plan import Lanes, P2PError, dtype_code
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "p2p_door.cpp"
+HEADERS = (SOURCE.with_name("p2p_ops.h"),)  # included by SOURCE: part of the cache key
 _RECIPE = "1"  # part of the cache key: change it when the build flags change
 _STATE = {"module": None, "failure": None, "codes": None}
 
@@ -101,7 +102,8 @@ def _paths():
     h = hashlib.sha256()
     for part in (torch.__version__, sys.version, _RECIPE):
         h.update(part.encode() + b"\0")
-    h.update(SOURCE.read_bytes())
+    for path in (SOURCE, *HEADERS):
+        h.update(path.read_bytes())
     name = f"streamalloc_p2p_{h.hexdigest()[:16]}"
     folder = _door.cache_dir() / f"torch-{torch.__version__}" / name
     return name, folder, folder / f"{name}.so"
