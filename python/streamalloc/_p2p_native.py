@@ -42,13 +42,13 @@ def read_ops(ops, rank: int, world: int, group_rank, isend, irecv, groups=None) 
         return _p2p_checks.translate_ops(ops, rank, world, group_rank, isend, irecv,
                                          groups=groups)
     try:
-        counts, tensors, nbytes, codes, addresses, where = module.scan(
+        counts, tensors, nbytes, codes, addresses, where, not_flat = module.scan(
             ops, world, isend, irecv, group_rank, _codes(module),
             None if groups is None else tuple(groups))
     except ValueError as err:
         raise P2PError(str(err)) from None
     columns = []
-    for raw in (nbytes, codes, addresses):
+    for raw in (nbytes, codes, addresses, not_flat):
         column = array.array("q")
         column.frombytes(raw)
         columns.append(column)
@@ -57,7 +57,7 @@ def read_ops(ops, rank: int, world: int, group_rank, isend, irecv, groups=None) 
         import torch
 
         device = torch.device(where)
-    return Lanes(world, counts, tensors, columns[0], columns[1], device, columns[2])
+    return Lanes(world, counts, tensors, columns[0], columns[1], device, columns[2], columns[3])
 
 
 def _codes(module) -> list:

@@ -1,9 +1,10 @@
 # The native P2POp reader (python/streamalloc/csrc/p2p_door.cpp) against the Python one
 # (streamalloc._p2p_checks.translate_ops), on CPU tensors: random lists of ops with several
 # peers, directions, dtypes and shapes read into the same lanes (tensors, bytes, dtype codes,
-# addresses, device), and every invalid input refused with the same message. Then both timed
-# on the reproduction's pattern at ~58,000 ops. Builds the reader if needed (a C++ compiler,
-# ninja, Python's headers); prints SKIP and exits 0 without torch.
+# addresses, device, the 1-D views PyTorch's packing uses), and every invalid input refused
+# with the same message. Then both timed on the reproduction's pattern at ~58,000 ops.
+# Builds the reader if needed (a C++ compiler, ninja, Python's headers); prints SKIP and
+# exits 0 without torch.
 #   PYTHONPATH=python python3 benches/gpu/p2p/native_check.py
 import random
 import sys
@@ -62,7 +63,8 @@ def same(a, b):
     return (a.counts == b.counts and len(a.tensors) == len(b.tensors)
             and all(x is y for x, y in zip(a.tensors, b.tensors))
             and list(a.nbytes) == list(b.nbytes) and list(a.codes) == list(b.codes)
-            and list(a.addresses) == list(b.addresses) and a.device == b.device)
+            and list(a.addresses) == list(b.addresses) and a.device == b.device
+            and [t.shape for t in a.flat_tensors()] == [t.shape for t in b.flat_tensors()])
 
 
 def main():

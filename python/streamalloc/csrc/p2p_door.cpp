@@ -4,8 +4,10 @@
 // `group_peer`), `tensor` and, unless `groups` is None, `group` (which must be one of
 // `groups`), checks them as streamalloc._p2p_checks.translate_ops does, with the same
 // messages, and returns the list sorted into lanes (direction * world + peer, list order
-// within a lane): (counts, tensors, nbytes, dtype codes, addresses, device), the last three
-// columns as bytes of int64. A bad op raises ValueError with the message.
+// within a lane): (counts, tensors, nbytes, dtype codes, addresses, device, not flat), the
+// columns as bytes of int64, the last the lane-order indices of the tensors that are not
+// 1-D (what packing with PyTorch views, and no more). A bad op raises ValueError with the
+// message.
 //
 // Why native: this runs over every op of every call (58,000 in the reproduction's pattern at
 // scale); Python's attribute reads and tensor method calls cost 1-3 µs per op, these reads
@@ -18,6 +20,7 @@
 // stage, `kAhead` ops apart (p2p_ops.h finds the op's links).
 #include <Python.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -92,6 +95,7 @@ long rank_in(PyObject* value, long world) {
 
 struct Entry {
   int lane;
+  bool flat;         // 1-D
   PyObject* tensor;  // owned: the reference the attribute read returned goes to the result
   int64_t nbytes, code, address;
 };
@@ -249,7 +253,7 @@ struct Scan {
     }
     const int64_t address =
         t.is_meta() ? 0 : static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
-    entries.push_back(Entry{static_cast<int>(direction * world + p), r.tensor,
+    entries.push_back(Entry{static_cast<int>(direction * world + p), t.dim() == 1, r.tensor,
                             static_cast<int64_t>(t.nbytes()), code, address});
     r.tensor = nullptr;  // the entry holds it now
   }
@@ -331,6 +335,7 @@ PyObject* scan(PyObject*, PyObject* args) {
   auto* nb = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(nbytes));
   auto* cd = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(dtypes));
   auto* ad = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(addresses));
+  std::vector<int64_t> not_flat;
   for (Entry& e : sc.entries) {
     const Py_ssize_t k = next[e.lane]++;
     PyList_SET_ITEM(tensors, k, e.tensor);  // the entry's reference
@@ -338,7 +343,9 @@ PyObject* scan(PyObject*, PyObject* args) {
     nb[k] = e.nbytes;
     cd[k] = e.code;
     ad[k] = e.address;
+    if (!e.flat) not_flat.push_back(k);
   }
+  std::sort(not_flat.begin(), not_flat.end());
   for (size_t l = 0; l < lanes; ++l) {
     PyList_SET_ITEM(count_list, static_cast<Py_ssize_t>(l), PyLong_FromSsize_t(counts[l]));
   }
@@ -348,7 +355,9 @@ PyObject* scan(PyObject*, PyObject* args) {
   } else {
     Py_INCREF(Py_None);
   }
-  return Py_BuildValue("(NNNNNN)", count_list, tensors, nbytes, dtypes, addresses, where);
+  PyObject* bent = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(not_flat.data()),
+                                             static_cast<Py_ssize_t>(not_flat.size() * 8));
+  return Py_BuildValue("(NNNNNNN)", count_list, tensors, nbytes, dtypes, addresses, where, bent);
 }
 
 // The index of a torch.dtype in c10::ScalarType (the table `scan` reads dtype codes from).
