@@ -106,15 +106,16 @@ struct Record {
            *group = nullptr;
   bool readable = false;  // op, peer and tensor were all there
 
-  void read(PyObject* op, const Layout& layout, bool want_group) {
+  void read(PyObject* op, Layout& layout, bool want_group) {
     using namespace p2p_ops;
-    fn = layout.get(op, kOp);
-    peer = fn ? layout.get(op, kPeer) : nullptr;
-    tensor = peer ? layout.get(op, kTensor) : nullptr;
+    const char* values = layout.values_of(op);
+    fn = layout.get(op, kOp, values);
+    peer = fn ? layout.get(op, kPeer, values) : nullptr;
+    tensor = peer ? layout.get(op, kTensor, values) : nullptr;
     readable = tensor != nullptr;
     if (!readable) return;
-    group_peer = layout.get(op, kGroupPeer);
-    if (want_group) group = layout.get(op, kGroup);
+    group_peer = layout.get(op, kGroupPeer, values);
+    if (want_group) group = layout.get(op, kGroup, values);
   }
   void release() {
     Py_CLEAR(fn);
@@ -132,13 +133,15 @@ struct Record {
   return THPVariable_Unpack(tensor).unsafeGetTensorImpl();
 }
 
-// What the checks read of a TensorImpl: its storage pointer near the start; its offset,
-// size, dtype, device, flags and key set at the end. (always_inline: GCC drops calls to a
-// function that only prefetches, as if it did nothing.)
+// What the checks read of a TensorImpl: its storage pointer near the start, its number of
+// dimensions (the size of its sizes and strides, after them), its offset, size, dtype,
+// device, flags and key set at the end. (always_inline: GCC drops calls to a function that
+// only prefetches, as if it did nothing.)
 [[gnu::always_inline]] inline void fetch_impl(PyObject* tensor) {
   if (const c10::TensorImpl* impl = impl_of(tensor)) {
     const char* p = reinterpret_cast<const char*>(impl);
     prefetch(p + 16);
+    prefetch(p + 64);
     prefetch_span(p + sizeof(c10::TensorImpl) - 32, 32);
   }
 }
@@ -177,8 +180,8 @@ struct Scan {
   Layout layout;       // of the last op type met (a list has one, as a rule)
   Record ring[kRing];  // the ops between reading and checking
 
-  const Layout& layout_of(PyObject* op) {
-    if (!layout.fits(Py_TYPE(op))) layout = Layout(Py_TYPE(op));
+  Layout& layout_of(PyObject* op) {
+    if (!layout.fits(Py_TYPE(op))) layout = Layout(Py_TYPE(op), op);
     return layout;
   }
 
