@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from . import _p2p_checks
-from ._p2p_plan import Lanes, P2PError, dtype_code
+from ._p2p_plan import Lanes, P2PError, _flat, dtype_code
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "p2p_door.cpp"
 HEADERS = (SOURCE.with_name("p2p_ops.h"),)  # included by SOURCE: part of the cache key
@@ -42,13 +42,13 @@ def read_ops(ops, rank: int, world: int, group_rank, isend, irecv, groups=None) 
         return _p2p_checks.translate_ops(ops, rank, world, group_rank, isend, irecv,
                                          groups=groups)
     try:
-        counts, tensors, nbytes, codes, addresses, where, not_flat = module.scan(
+        counts, tensors, nbytes, codes, addresses, where = module.scan(
             ops, world, isend, irecv, group_rank, _codes(module),
             None if groups is None else tuple(groups))
     except ValueError as err:
         raise P2PError(str(err)) from None
     columns = []
-    for raw in (nbytes, codes, addresses, not_flat):
+    for raw in (nbytes, codes, addresses):
         column = array.array("q")
         column.frombytes(raw)
         columns.append(column)
@@ -57,7 +57,23 @@ def read_ops(ops, rank: int, world: int, group_rank, isend, irecv, groups=None) 
         import torch
 
         device = torch.device(where)
-    return Lanes(world, counts, tensors, columns[0], columns[1], device, columns[2], columns[3])
+    return Lanes(world, counts, tensors, columns[0], columns[1], device, columns[2])
+
+
+def flat_tensors(tensors: list) -> list:
+    """``tensors``, each 1-D (a view where it is not): what PyTorch's packing copies. The
+    native module, where already loaded, finds the few that are not 1-D: one Python call
+    per tensor is most of the cost of a rebind at tens of thousands. (It is not built here:
+    the drop-in's reading has loaded it, or found that it cannot be had.)"""
+    module = _STATE["module"]
+    if module is None:
+        return [_flat(t) for t in tensors]
+    bent = array.array("q")
+    bent.frombytes(module.bent(tensors))
+    out = list(tensors)
+    for i in bent:
+        out[i] = out[i].view(-1)
+    return out
 
 
 def _codes(module) -> list:

@@ -305,8 +305,7 @@ class Lanes:
     """One rank's send and receive lists, lane-major (see the module doc): ``tensors`` in
     lane order, ``counts[lane]`` of them per lane, and their bytes and dtype codes alike.
     ``addresses`` (device addresses, lane order) is filled where the copy kernel needs
-    them; ``device`` is the tensors' device (None: no tensor); ``not_flat``, where the
-    reader knows it, the lane-order indices of the tensors that are not 1-D."""
+    them; ``device`` is the tensors' device (None: no tensor)."""
     world: int
     counts: list
     tensors: list
@@ -314,18 +313,6 @@ class Lanes:
     codes: array.array
     device: object = None
     addresses: array.array = None
-    not_flat: array.array = None
-
-    def flat_tensors(self) -> list:
-        """``tensors``, each 1-D (a view where it is not): what PyTorch's packing copies.
-        With ``not_flat`` only those tensors are visited (one Python call per tensor is most
-        of the cost of a rebind at tens of thousands)."""
-        if self.not_flat is None:
-            return [_flat(t) for t in self.tensors]
-        out = list(self.tensors)
-        for i in self.not_flat:
-            out[i] = out[i].view(-1)
-        return out
 
     def starts(self) -> list:
         out, at = [], 0

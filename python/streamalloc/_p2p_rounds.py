@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from . import _ce
 from . import _p2p_copy
+from . import _p2p_native
 from ._p2p_plan import _ROW, P2PError, _flat
 
 
@@ -203,7 +204,7 @@ class _Rounds:
         w, me = self.world, self.rank
         starts, counts = lanes.starts(), lanes.counts
         torch_mode = self._pack_mode == "torch"
-        tensors = lanes.flat_tensors() if torch_mode else lanes.tensors
+        tensors = _p2p_native.flat_tensors(lanes.tensors) if torch_mode else lanes.tensors
         lane = lambda d, p: tensors[starts[d * w + p]:starts[d * w + p] + counts[d * w + p]]
         at = lambda d, p, i: tensors[starts[d * w + p] + i]
         ce = self.transport == "ce" and self._buffers is not None

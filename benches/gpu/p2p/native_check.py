@@ -16,7 +16,7 @@ except ImportError:
     print("SKIP: torch is not installed")
     sys.exit(0)
 
-from streamalloc import _p2p_checks, _p2p_native
+from streamalloc import _p2p_checks, _p2p_native, _p2p_plan
 from streamalloc.p2p import P2PError
 
 failures = []
@@ -64,7 +64,8 @@ def same(a, b):
             and all(x is y for x, y in zip(a.tensors, b.tensors))
             and list(a.nbytes) == list(b.nbytes) and list(a.codes) == list(b.codes)
             and list(a.addresses) == list(b.addresses) and a.device == b.device
-            and [t.shape for t in a.flat_tensors()] == [t.shape for t in b.flat_tensors()])
+            and [t.shape for t in _p2p_native.flat_tensors(b.tensors)]
+            == [_p2p_plan._flat(t).shape for t in a.tensors])
 
 
 def main():

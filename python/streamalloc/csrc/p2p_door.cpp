@@ -4,10 +4,9 @@
 // `group_peer`), `tensor` and, unless `groups` is None, `group` (which must be one of
 // `groups`), checks them as streamalloc._p2p_checks.translate_ops does, with the same
 // messages, and returns the list sorted into lanes (direction * world + peer, list order
-// within a lane): (counts, tensors, nbytes, dtype codes, addresses, device, not flat), the
-// columns as bytes of int64, the last the lane-order indices of the tensors that are not
-// 1-D (what packing with PyTorch views, and no more). A bad op raises ValueError with the
-// message.
+// within a lane): (counts, tensors, nbytes, dtype codes, addresses, device), the last three
+// columns as bytes of int64. A bad op raises ValueError with the message. `bent(tensors)`:
+// the indices of the tensors of a list that are not 1-D.
 //
 // Why native: this runs over every op of every call (58,000 in the reproduction's pattern at
 // scale); Python's attribute reads and tensor method calls cost 1-3 µs per op, these reads
@@ -20,7 +19,6 @@
 // stage, `kAhead` ops apart (p2p_ops.h finds the op's links).
 #include <Python.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -95,7 +93,6 @@ long rank_in(PyObject* value, long world) {
 
 struct Entry {
   int lane;
-  bool flat;         // 1-D
   PyObject* tensor;  // owned: the reference the attribute read returned goes to the result
   int64_t nbytes, code, address;
 };
@@ -133,15 +130,13 @@ struct Record {
   return THPVariable_Unpack(tensor).unsafeGetTensorImpl();
 }
 
-// What the checks read of a TensorImpl: its storage pointer near the start, its number of
-// dimensions (the size of its sizes and strides, after them), its offset, size, dtype,
-// device, flags and key set at the end. (always_inline: GCC drops calls to a function that
-// only prefetches, as if it did nothing.)
+// What the checks read of a TensorImpl: its storage pointer near the start; its offset,
+// size, dtype, device, flags and key set at the end. (always_inline: GCC drops calls to a
+// function that only prefetches, as if it did nothing.)
 [[gnu::always_inline]] inline void fetch_impl(PyObject* tensor) {
   if (const c10::TensorImpl* impl = impl_of(tensor)) {
     const char* p = reinterpret_cast<const char*>(impl);
     prefetch(p + 16);
-    prefetch(p + 64);
     prefetch_span(p + sizeof(c10::TensorImpl) - 32, 32);
   }
 }
@@ -256,7 +251,7 @@ struct Scan {
     }
     const int64_t address =
         t.is_meta() ? 0 : static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
-    entries.push_back(Entry{static_cast<int>(direction * world + p), t.dim() == 1, r.tensor,
+    entries.push_back(Entry{static_cast<int>(direction * world + p), r.tensor,
                             static_cast<int64_t>(t.nbytes()), code, address});
     r.tensor = nullptr;  // the entry holds it now
   }
@@ -338,7 +333,6 @@ PyObject* scan(PyObject*, PyObject* args) {
   auto* nb = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(nbytes));
   auto* cd = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(dtypes));
   auto* ad = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(addresses));
-  std::vector<int64_t> not_flat;
   for (Entry& e : sc.entries) {
     const Py_ssize_t k = next[e.lane]++;
     PyList_SET_ITEM(tensors, k, e.tensor);  // the entry's reference
@@ -346,9 +340,7 @@ PyObject* scan(PyObject*, PyObject* args) {
     nb[k] = e.nbytes;
     cd[k] = e.code;
     ad[k] = e.address;
-    if (!e.flat) not_flat.push_back(k);
   }
-  std::sort(not_flat.begin(), not_flat.end());
   for (size_t l = 0; l < lanes; ++l) {
     PyList_SET_ITEM(count_list, static_cast<Py_ssize_t>(l), PyLong_FromSsize_t(counts[l]));
   }
@@ -358,9 +350,38 @@ PyObject* scan(PyObject*, PyObject* args) {
   } else {
     Py_INCREF(Py_None);
   }
-  PyObject* bent = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(not_flat.data()),
-                                             static_cast<Py_ssize_t>(not_flat.size() * 8));
-  return Py_BuildValue("(NNNNNNN)", count_list, tensors, nbytes, dtypes, addresses, where, bent);
+  return Py_BuildValue("(NNNNNN)", count_list, tensors, nbytes, dtypes, addresses, where);
+}
+
+// The indices (bytes of int64) of the tensors of a list that are not 1-D: the few that
+// packing with PyTorch views must flatten. Apart from `scan`, which does not read the
+// dimensions (one more cache line per tensor, wanted by that packing alone); pipelined
+// likewise: the tensor object, then the lines of its TensorImpl that dim() reads.
+PyObject* bent(PyObject*, PyObject* tensors) {
+  if (!PyList_Check(tensors)) {
+    PyErr_SetString(PyExc_TypeError, "expected a list of tensors");
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(tensors);
+  PyObject* const* items = PySequence_Fast_ITEMS(tensors);
+  std::vector<int64_t> out;
+  for (Py_ssize_t i = 0; i < n + 2 * kAhead; ++i) {
+    if (i < n) prefetch_span(items[i], 24);
+    if (const Py_ssize_t j = i - kAhead; j >= 0 && j < n) {
+      if (const c10::TensorImpl* impl = impl_of(items[j])) {
+        const char* p = reinterpret_cast<const char*>(impl);
+        prefetch(p + 64);  // the number of sizes
+        prefetch_span(p + sizeof(c10::TensorImpl) - 32, 32);  // the sizes policy
+      }
+    }
+    if (const Py_ssize_t j = i - 2 * kAhead; j >= 0 && j < n) {
+      if (impl_of(items[j]) != nullptr && THPVariable_Unpack(items[j]).dim() != 1) {
+        out.push_back(j);
+      }
+    }
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()),
+                                   static_cast<Py_ssize_t>(out.size() * sizeof(int64_t)));
 }
 
 // The index of a torch.dtype in c10::ScalarType (the table `scan` reads dtype codes from).
@@ -374,6 +395,7 @@ PyObject* scalar_type(PyObject*, PyObject* dtype) {
 
 PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "Reads a P2POp list into lanes (see the file's comment)."},
+    {"bent", bent, METH_O, "The indices of the tensors of a list that are not 1-D."},
     {"scalar_type", scalar_type, METH_O, "The c10::ScalarType index of a torch.dtype."},
     {nullptr, nullptr, 0, nullptr},
 };
