@@ -6,7 +6,8 @@
 # one getattr returns; on 3.11 to 3.13 the fast reads must be in use (prefetch targets, the
 # value slots and the members), elsewhere getattr serves alone.
 #   python3 benches/gpu/p2p/ops_layout_check.py [PYTHON ...]
-# Needs a C++ compiler (c++) and each interpreter's headers; exits non-zero on any failure.
+# Needs a C++ compiler (c++) and each interpreter's headers (skipped without them); exits
+# non-zero on any failure.
 import os
 import random
 import shutil
@@ -167,6 +168,9 @@ def build_and_run(python, work):
              "print(sysconfig.get_config_var('EXT_SUFFIX'))")
     include, suffix = subprocess.run([python, "-c", query], check=True, capture_output=True,
                                      text=True).stdout.split()
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        print(f"SKIP: {python} has no headers (Python.h) to build against")
+        return 0
     folder = os.path.join(work, os.path.basename(python) + suffix.replace(".", "_"))
     os.makedirs(folder, exist_ok=True)
     source = os.path.join(folder, "ops_layout.cpp")
