@@ -256,8 +256,8 @@ struct Scan {
     r.tensor = nullptr;  // the entry holds it now
   }
 
-  // Every op through the pipeline, in list order; false at the first bad op. Ops after it
-  // may have been read (attribute reads, no Python code run) but none is checked.
+  // Every op through the pipeline, in list order; false at the first bad op. The attributes
+  // of the few ops after it may have been read (plain lookups for a P2POp), none checked.
   bool read_all(PyObject* const* items, Py_ssize_t n) {
     const bool want_group = groups != Py_None;
     for (Py_ssize_t i = 0; i < n + kStages * kAhead && failure.empty(); ++i) {
