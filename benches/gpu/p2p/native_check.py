@@ -107,6 +107,12 @@ def main():
     for what, ops in bad.items():
         a, b = both(ops)
         check(isinstance(a, str) and a == b, f"{what}: the same message ({a!r} / {b!r})")
+    class Sub(torch.Tensor):
+        pass
+
+    a, b = both([Op(isend, torch.zeros(2, 3).as_subclass(Sub), 1), Op(irecv, torch.zeros(4, 1), 2),
+                 Op(isend, torch.zeros(5), 3)])
+    check(same(a, b), "a tensor subclass and 2-D tensors: the same lanes and 1-D views")
     a, b = both([Op(named, torch.ones(2), 1)])
     check(same(a, b) and b.counts[1] == 1, "an op named isend (another module's function)")
     # Process groups: an op without `group` counts as None (the default group).

@@ -375,7 +375,7 @@ PyObject* bent(PyObject*, PyObject* tensors) {
       }
     }
     if (const Py_ssize_t j = i - 2 * kAhead; j >= 0 && j < n) {
-      if (impl_of(items[j]) != nullptr && THPVariable_Unpack(items[j]).dim() != 1) {
+      if (THPVariable_Check(items[j]) && THPVariable_Unpack(items[j]).dim() != 1) {
         out.push_back(j);
       }
     }
