@@ -81,6 +81,12 @@ class CopyTable:
         self.ranges = ranges
         chunks = (lengths + (CHUNK_BYTES - 1)) // CHUNK_BYTES
         self.first = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(chunks, 0)])
+        # The pieces that read (write) a tensor, and which: fixed for the table, so binding
+        # new tensors is one gather and one add per side.
+        self._src_at = torch.nonzero(src_slot >= 0).flatten()
+        self._src_slots = src_slot[self._src_at]
+        self._dst_at = torch.nonzero(dst_slot >= 0).flatten()
+        self._dst_slots = dst_slot[self._dst_at]
         self.src = self.dst = None  # bound addresses (:meth:`bind`)
 
     def __len__(self):
@@ -94,18 +100,18 @@ class CopyTable:
         a, b = self.ranges[key]
         return int(self.first[b] - self.first[a])
 
-    def bind(self, addresses) -> None:
-        """Addresses of every piece for the tensors at ``addresses`` (int64, lane-major)."""
+    def bind(self, addresses, out=None) -> None:
+        """Addresses of every piece for the tensors at ``addresses`` (int64, lane-major),
+        into ``out`` (two int64 tensors of the table's length) where given."""
         import torch
 
-        if addresses.numel() == 0:
-            addresses = torch.zeros(1, dtype=torch.int64)
-        self.src = torch.where(self.src_slot >= 0,
-                               addresses[self.src_slot.clamp(min=0)] + self.src_fixed,
-                               self.src_fixed)
-        self.dst = torch.where(self.dst_slot >= 0,
-                               addresses[self.dst_slot.clamp(min=0)] + self.dst_fixed,
-                               self.dst_fixed)
+        src, dst = out if out is not None else (torch.empty_like(self.src_fixed),
+                                                 torch.empty_like(self.dst_fixed))
+        for side, fixed, at, slots in ((src, self.src_fixed, self._src_at, self._src_slots),
+                                       (dst, self.dst_fixed, self._dst_at, self._dst_slots)):
+            side.copy_(fixed)
+            side.index_add_(0, at, addresses.index_select(0, slots))
+        self.src, self.dst = src, dst
 
 
 def build_table(rows, row_columns: int, lane_starts, world: int, message_base: dict,
@@ -178,7 +184,7 @@ class HostCopier:
 
     def __init__(self, table: CopyTable):
         self.table = table
-        self._src = self._dst = None
+        self._src = self._dst = self._len = None
 
     @property
     def device_bytes(self) -> int:
@@ -187,7 +193,8 @@ class HostCopier:
     def bind(self, addresses) -> None:
         self.table.bind(addresses)
         self._src, self._dst = self.table.src.tolist(), self.table.dst.tolist()
-        self._len = self.table.lengths.tolist()
+        if self._len is None:
+            self._len = self.table.lengths.tolist()
 
     def upload(self, stream=None) -> None:
         pass
@@ -238,12 +245,10 @@ class DeviceCopier:
         return 8 * (4 * self._n + 1)
 
     def bind(self, addresses) -> None:
-        self.table.bind(addresses)
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload has read the pinned memory
         n = self._n
-        self._host[:n] = self.table.src
-        self._host[n:2 * n] = self.table.dst
+        self.table.bind(addresses, out=(self._host[:n], self._host[n:2 * n]))
         self._pending = True
 
     def upload(self, stream) -> None:

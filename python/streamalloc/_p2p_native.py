@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 
 from . import _p2p_checks
-from ._p2p_plan import Lanes, P2PError, dtype_code
+from ._p2p_plan import Lanes, P2PError, _flat, dtype_code
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "p2p_door.cpp"
+HEADERS = (SOURCE.with_name("p2p_ops.h"),)  # included by SOURCE: part of the cache key
 _RECIPE = "1"  # part of the cache key: change it when the build flags change
 _STATE = {"module": None, "failure": None, "codes": None}
 
@@ -57,6 +58,22 @@ def read_ops(ops, rank: int, world: int, group_rank, isend, irecv, groups=None) 
 
         device = torch.device(where)
     return Lanes(world, counts, tensors, columns[0], columns[1], device, columns[2])
+
+
+def flat_tensors(tensors: list) -> list:
+    """``tensors``, each 1-D (a view where it is not): what PyTorch's packing copies. The
+    native module, where already loaded, finds the few that are not 1-D: one Python call
+    per tensor is most of the cost of a rebind at tens of thousands. (It is not built here:
+    the drop-in's reading has loaded it, or found that it cannot be had.)"""
+    module = _STATE["module"]
+    if module is None:
+        return [_flat(t) for t in tensors]
+    bent = array.array("q")
+    bent.frombytes(module.bent(tensors))
+    out = list(tensors)
+    for i in bent:
+        out[i] = out[i].view(-1)
+    return out
 
 
 def _codes(module) -> list:
@@ -101,7 +118,8 @@ def _paths():
     h = hashlib.sha256()
     for part in (torch.__version__, sys.version, _RECIPE):
         h.update(part.encode() + b"\0")
-    h.update(SOURCE.read_bytes())
+    for path in (SOURCE, *HEADERS):
+        h.update(path.read_bytes())
     name = f"streamalloc_p2p_{h.hexdigest()[:16]}"
     folder = _door.cache_dir() / f"torch-{torch.__version__}" / name
     return name, folder, folder / f"{name}.so"

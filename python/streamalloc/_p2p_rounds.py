@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from . import _ce
 from . import _p2p_copy
+from . import _p2p_native
 from ._p2p_plan import _ROW, P2PError, _flat
 
 
@@ -193,36 +194,41 @@ class _Rounds:
 
     def _rebind(self, lanes):
         """Points the agreed plan at new tensors of the same shapes, dtypes and order per
-        lane. With the copy kernel: one vectorised recomputation of the table's addresses
-        (uploaded at the next run); zero-copy messages take their new tensors. With
-        ``"torch"`` packing: a few slices per message."""
-        lists = (lanes.lists(0), lanes.lists(1))
+        lane. With the copy kernel (or its host twin): one vectorised recomputation of the
+        table's addresses (uploaded at the next run); zero-copy messages take their new
+        tensors. With ``"torch"`` packing: a few slices per message.
+
+        Nothing here visits every tensor in Python: at tens of thousands of tensors, one
+        Python call per tensor costs more than the rest of a cached call's host work."""
         self._lanes = lanes
+        w, me = self.world, self.rank
+        starts, counts = lanes.starts(), lanes.counts
         torch_mode = self._pack_mode == "torch"
-        if torch_mode:
-            lists = tuple([[_flat(t) for t in ts] for ts in side] for side in lists)
+        tensors = _p2p_native.flat_tensors(lanes.tensors) if torch_mode else lanes.tensors
+        lane = lambda d, p: tensors[starts[d * w + p]:starts[d * w + p] + counts[d * w + p]]
+        at = lambda d, p, i: tensors[starts[d * w + p] + i]
         ce = self.transport == "ce" and self._buffers is not None
         for pair in self._rounds:
             for msg in pair:
                 if msg is None:
                     continue
                 if msg.zero_copy_source is not None:
-                    d, p, i = msg.zero_copy_source
-                    msg.zero_copy = _bytes_of(lists[d][p][i])
+                    msg.zero_copy = _bytes_of(at(*msg.zero_copy_source))
                 if not torch_mode:
                     continue
                 for run in msg.runs:
                     d, p, first = run.source
-                    run.tensors = lists[d][p][first:first + len(run.tensors)]
+                    base = starts[d * w + p] + first
+                    run.tensors = tensors[base:base + len(run.tensors)]
                 if msg.piece_sources:
-                    msg.pieces = [(_bytes_of(lists[d][p][i])[o:o + n], b, n)
+                    msg.pieces = [(_bytes_of(at(d, p, i))[o:o + n], b, n)
                                   for (d, p, i, o), (_, b, n) in zip(msg.piece_sources,
                                                                      msg.pieces)]
                 if ce and msg is pair[0] and msg.buffer < 0:
                     msg.src = self._direct_source(msg)[0].data_ptr()
                 if ce and msg is pair[1] and msg.unpack_dst:
                     msg.unpack_dst = self._direct_source(msg)[0].data_ptr()
-        self._self_copies = (lists[1][self.rank], lists[0][self.rank])
+        self._self_copies = (lane(1, me), lane(0, me))
         if self._copier is not None:
             self._copier.bind(self._addresses())
 

@@ -138,28 +138,33 @@ def worker(rank, world, port, results):
     # 3. Mixed dtypes, 2-D tensors, a tensor larger than a staging buffer, leaves that
     #    require grad, several ops to the same peer in both directions.
     dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8, torch.float64]
-    ops, expect = [], []
-    for j in range(world):
-        if j == rank:
-            continue
-        for k in range(12):
-            dtype, n = dtypes[k % len(dtypes)], 1 + (k * 37 + rank + j) % 90
-            shape = (n,) if k % 2 else (n, 3)
-            if k == 5:
-                shape = (300_000,)  # 2.4 MB of float64: split across 1 MiB buffers
-            value = lambda src, dst: (src * 5 + dst * 3 + k) % 2 if dtype == torch.bool else src * 5 + dst * 3 + k
-            src = torch.full(shape, value(rank, j), dtype=dtype)
-            if dtype.is_floating_point and k % 3 == 0:
-                src.requires_grad_(True)
-            dst = torch.empty(shape, dtype=dtype)
-            if dtype.is_floating_point and k % 4 == 0:
-                dst.requires_grad_(True)
-            ops += [dist.P2POp(dist.isend, src, j), dist.P2POp(dist.irecv, dst, j)]
-            expect.append((dst, value(j, rank)))
-    for w in batch_isend_irecv(ops, budget_mib=1):
-        w.wait()
-    checks["mixed dtypes, shapes, split tensors and leaves requiring grad land"] = all(
-        bool((d.detach() == v).all()) for d, v in expect)
+
+    def mixed():
+        ops, expect = [], []
+        for j in range(world):
+            if j == rank:
+                continue
+            for k in range(12):
+                dtype, n = dtypes[k % len(dtypes)], 1 + (k * 37 + rank + j) % 90
+                shape = (n,) if k % 2 else (n, 3)
+                if k == 5:
+                    shape = (300_000,)  # 2.4 MB of float64: split across 1 MiB buffers
+                value = lambda src, dst: (src * 5 + dst * 3 + k) % 2 if dtype == torch.bool else src * 5 + dst * 3 + k
+                src = torch.full(shape, value(rank, j), dtype=dtype)
+                if dtype.is_floating_point and k % 3 == 0:
+                    src.requires_grad_(True)
+                dst = torch.empty(shape, dtype=dtype)
+                if dtype.is_floating_point and k % 4 == 0:
+                    dst.requires_grad_(True)
+                ops += [dist.P2POp(dist.isend, src, j), dist.P2POp(dist.irecv, dst, j)]
+                expect.append((dst, value(j, rank)))
+        for w in batch_isend_irecv(ops, budget_mib=1):
+            w.wait()
+        return all(bool((d.detach() == v).all()) for d, v in expect)
+
+    checks["mixed dtypes, shapes, split tensors and leaves requiring grad land"] = mixed()
+    # The same shapes with new tensors: the cached exchange is rebound to them.
+    checks["... and land again through the rebound exchange"] = mixed()
 
     # 4. Empty lists: everywhere (nothing to do), and on some ranks only.
     checks["empty lists everywhere"] = batch_isend_irecv([]) == []

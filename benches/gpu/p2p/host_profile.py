@@ -6,14 +6,18 @@
 #     python3 benches/gpu/p2p/host_profile.py [WORLD] [SCALE] [BUDGET_MIB]   (default 4 1000 128)
 # Prints one line per phase: seconds, and per op or per round where that is the unit. (The
 # rounds' packing is device work: benches/gpu/p2p/profile.py times it on GPUs.) Builds the
-# native P2POp reader if it can (streamalloc._p2p_native).
+# native P2POp reader if it can (streamalloc._p2p_native). The ops are read twice natively:
+# as objects with __slots__, and with a __dict__ (as torch.distributed.P2POp keeps its fields)
+# and their group checked, as the drop-in reads them. The last line is the drop-in's host
+# work on a cached shape: reading the list, its digest, and rebinding the agreed exchange
+# (kernel packing: its copy table's addresses, written to host memory here).
 import random
 import sys
 import time
 
 import torch
 
-from streamalloc import _ce, _p2p_checks, _p2p_copy, _p2p_native, p2p
+from streamalloc import _ce, _p2p_checks, _p2p_copy, _p2p_native, _p2p_rounds, p2p
 
 torch.set_num_threads(1)  # as under torchrun (OMP_NUM_THREADS=1)
 
@@ -45,10 +49,19 @@ class Op:  # the fields of torch.distributed.P2POp that the drop-in reads
         self.op, self.tensor, self.peer, self.group_peer = op, tensor, peer, peer
 
 
-def ops_of(rank):
-    sends = [Op(isend, torch.empty(size(rank, j), device="meta"), j)
+GROUP = object()  # the ops' process group
+
+
+class DictOp:  # P2POp's fields, in a __dict__ as P2POp keeps them
+    def __init__(self, op, tensor, peer):
+        self.op, self.tensor, self.group, self.peer = op, tensor, GROUP, peer
+        self.tag, self.group_peer = 0, peer
+
+
+def ops_of(rank, cls=Op):
+    sends = [cls(isend, torch.empty(size(rank, j), device="meta"), j)
              for j in range(WORLD) for _ in range(T[rank][j])]
-    recvs = [Op(irecv, torch.empty(size(j, rank), device="meta"), j)
+    recvs = [cls(irecv, torch.empty(size(j, rank), device="meta"), j)
              for j in range(WORLD) for _ in range(T[j][rank])]
     rng = random.Random(rank)
     rng.shuffle(sends)
@@ -78,6 +91,10 @@ native = _p2p_native.load()
 if native is not None:
     read = timed("read the P2POp list (native)", lambda: _p2p_native.read_ops(
         ops, RANK, WORLD, None, isend, irecv), "op", n_ops)
+    dict_ops = ops_of(RANK, DictOp)
+    timed("read it (native), ops with __dict__, group", lambda: _p2p_native.read_ops(
+        dict_ops, RANK, WORLD, None, isend, irecv, groups=(None, GROUP)), "op", n_ops)
+    del dict_ops
 else:
     print(f"(no native reader: {_p2p_native.failure()})")
     read = read_py
@@ -106,11 +123,30 @@ addresses = torch.arange(n_ops, dtype=torch.int64) * 4096
 timed("bind the table to new tensors", lambda: table.bind(addresses), "round", len(rounds))
 
 
+
+
+def exchange_like():
+    """What ``_rebind`` reads of an agreed Exchange (kernel packing over NCCL), host side:
+    the copy table's addresses go to plain host memory where a GPU run has pinned memory."""
+    ex = _p2p_rounds._Rounds()
+    ex.rank, ex.world, ex.transport, ex._pack_mode = RANK, WORLD, "nccl", "kernel"
+    ex._rounds, ex._lanes, ex._buffers = rounds, read, ([], [])
+    copier = _p2p_copy.DeviceCopier.__new__(_p2p_copy.DeviceCopier)
+    copier.table, copier._n, copier._uploaded = table, len(table), None
+    copier._host = torch.empty(4 * len(table) + 1, dtype=torch.int64)
+    ex._copier = copier
+    return ex
+
+
+ex = exchange_like()
+timed("rebind the cached exchange (_rebind)", lambda: ex._rebind(read), "op", n_ops)
+
+
 def cached_call():
     lanes = _p2p_native.read_ops(ops, RANK, WORLD, None, isend, irecv) if native else \
         _p2p_checks.translate_ops(ops, RANK, WORLD, None, isend, irecv, True)
     p2p.signature_digest(lanes, budget_bytes)
-    table.bind(torch.frombuffer(lanes.addresses, dtype=torch.int64) if len(lanes.addresses) else addresses)
+    ex._rebind(lanes)
 
 
 timed("drop-in call, cached shape, before the run", cached_call, "op", n_ops)

@@ -1,9 +1,10 @@
 # The native P2POp reader (python/streamalloc/csrc/p2p_door.cpp) against the Python one
 # (streamalloc._p2p_checks.translate_ops), on CPU tensors: random lists of ops with several
 # peers, directions, dtypes and shapes read into the same lanes (tensors, bytes, dtype codes,
-# addresses, device), and every invalid input refused with the same message. Then both timed
-# on the reproduction's pattern at ~58,000 ops. Builds the reader if needed (a C++ compiler,
-# ninja, Python's headers); prints SKIP and exits 0 without torch.
+# addresses, device, the 1-D views PyTorch's packing uses), and every invalid input refused
+# with the same message. Then both timed on the reproduction's pattern at ~58,000 ops.
+# Builds the reader if needed (a C++ compiler, ninja, Python's headers); prints SKIP and
+# exits 0 without torch.
 #   PYTHONPATH=python python3 benches/gpu/p2p/native_check.py
 import random
 import sys
@@ -15,7 +16,7 @@ except ImportError:
     print("SKIP: torch is not installed")
     sys.exit(0)
 
-from streamalloc import _p2p_checks, _p2p_native
+from streamalloc import _p2p_checks, _p2p_native, _p2p_plan
 from streamalloc.p2p import P2PError
 
 failures = []
@@ -62,7 +63,9 @@ def same(a, b):
     return (a.counts == b.counts and len(a.tensors) == len(b.tensors)
             and all(x is y for x, y in zip(a.tensors, b.tensors))
             and list(a.nbytes) == list(b.nbytes) and list(a.codes) == list(b.codes)
-            and list(a.addresses) == list(b.addresses) and a.device == b.device)
+            and list(a.addresses) == list(b.addresses) and a.device == b.device
+            and [t.shape for t in _p2p_native.flat_tensors(b.tensors)]
+            == [_p2p_plan._flat(t).shape for t in a.tensors])
 
 
 def main():
@@ -104,6 +107,12 @@ def main():
     for what, ops in bad.items():
         a, b = both(ops)
         check(isinstance(a, str) and a == b, f"{what}: the same message ({a!r} / {b!r})")
+    class Sub(torch.Tensor):
+        pass
+
+    a, b = both([Op(isend, torch.zeros(2, 3).as_subclass(Sub), 1), Op(irecv, torch.zeros(4, 1), 2),
+                 Op(isend, torch.zeros(5), 3)])
+    check(same(a, b), "a tensor subclass and 2-D tensors: the same lanes and 1-D views")
     a, b = both([Op(named, torch.ones(2), 1)])
     check(same(a, b) and b.counts[1] == 1, "an op named isend (another module's function)")
     # Process groups: an op without `group` counts as None (the default group).

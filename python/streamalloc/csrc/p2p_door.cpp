@@ -2,13 +2,21 @@
 //
 // `scan(ops, world, isend, irecv, group_rank, codes, groups)` reads every op's `op`, `peer` (or
 // `group_peer`), `tensor` and, unless `groups` is None, `group` (which must be one of
-// `groups`), checks them as streamalloc._p2p_checks.translate_ops does, with the same messages, and returns the list sorted into lanes (direction * world + peer, list
-// order within a lane): (counts, tensors, nbytes, dtype codes, addresses, device), the last
-// three columns as bytes of int64. A bad op raises ValueError with the message.
+// `groups`), checks them as streamalloc._p2p_checks.translate_ops does, with the same
+// messages, and returns the list sorted into lanes (direction * world + peer, list order
+// within a lane): (counts, tensors, nbytes, dtype codes, addresses, device), the last three
+// columns as bytes of int64. A bad op raises ValueError with the message. `bent(tensors)`:
+// the indices of the tensors of a list that are not 1-D.
 //
 // Why native: this runs over every op of every call (58,000 in the reproduction's pattern at
 // scale); Python's attribute reads and tensor method calls cost 1-3 µs per op, these reads
 // a fraction of that. Plain CPython API with PyTorch's tensor unpacking: no pybind11.
+//
+// Why a pipeline: read cold, as a shuffled list of that size is, the memory of each op
+// arrives only when asked for, one link of a chain at a time (the op, its attribute
+// values, the tensor object, its TensorImpl, its storage), and that waiting was most of the
+// cost. So op i is checked while the links of the ops after it are fetched, one link per
+// stage, `kAhead` ops apart (p2p_ops.h finds the op's links).
 #include <Python.h>
 
 #include <cstdint>
@@ -19,20 +27,21 @@
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "p2p_ops.h"
+
 namespace {
 
-struct Names {
-  PyObject* op = PyUnicode_InternFromString("op");
-  PyObject* tensor = PyUnicode_InternFromString("tensor");
-  PyObject* peer = PyUnicode_InternFromString("peer");
-  PyObject* group_peer = PyUnicode_InternFromString("group_peer");
-  PyObject* group = PyUnicode_InternFromString("group");
-  PyObject* name = PyUnicode_InternFromString("__name__");
-};
+using p2p_ops::Layout;
+using p2p_ops::prefetch;
+using p2p_ops::prefetch_span;
 
-const Names& names() {
-  static Names* n = new Names();
-  return *n;
+constexpr Py_ssize_t kAhead = 4;   // ops between two stages of the pipeline
+constexpr Py_ssize_t kStages = 6;  // fetch: op, values, their targets; read; impl; storage
+constexpr Py_ssize_t kRing = 32;   // records between reading and checking (> 3 * kAhead)
+
+PyObject* name_attribute() {
+  static PyObject* name = PyUnicode_InternFromString("__name__");
+  return name;
 }
 
 std::string text_of(PyObject* obj, bool repr) {
@@ -57,7 +66,7 @@ PyObject* refuse(const std::string& message) {
 int direction_of(PyObject* fn, PyObject* isend, PyObject* irecv) {
   if (fn == isend) return 0;
   if (fn == irecv) return 1;
-  PyObject* name = PyObject_GetAttr(fn, names().name);
+  PyObject* name = PyObject_GetAttr(fn, name_attribute());
   if (name == nullptr) {
     PyErr_Clear();
     return -1;
@@ -84,8 +93,200 @@ long rank_in(PyObject* value, long world) {
 
 struct Entry {
   int lane;
-  PyObject* tensor;  // borrowed: the op holds it for the call
+  PyObject* tensor;  // owned: the reference the attribute read returned goes to the result
   int64_t nbytes, code, address;
+};
+
+// One op's attributes, as read (new references, or null where the op lacks them).
+struct Record {
+  PyObject *fn = nullptr, *peer = nullptr, *tensor = nullptr, *group_peer = nullptr,
+           *group = nullptr;
+  bool readable = false;  // op, peer and tensor were all there
+
+  void read(PyObject* op, Layout& layout, bool want_group) {
+    using namespace p2p_ops;
+    const char* values = layout.values_of(op);
+    fn = layout.get(op, kOp, values);
+    peer = fn ? layout.get(op, kPeer, values) : nullptr;
+    tensor = peer ? layout.get(op, kTensor, values) : nullptr;
+    readable = tensor != nullptr;
+    if (!readable) return;
+    group_peer = layout.get(op, kGroupPeer, values);
+    if (want_group) group = layout.get(op, kGroup, values);
+  }
+  void release() {
+    Py_CLEAR(fn);
+    Py_CLEAR(peer);
+    Py_CLEAR(tensor);
+    Py_CLEAR(group_peer);
+    Py_CLEAR(group);
+    readable = false;
+  }
+};
+
+// A torch.Tensor's TensorImpl (unpacking reads the tensor object, fetched a stage earlier).
+[[gnu::always_inline]] inline const c10::TensorImpl* impl_of(PyObject* tensor) {
+  if (tensor == nullptr || !THPVariable_CheckExact(tensor)) return nullptr;
+  return THPVariable_Unpack(tensor).unsafeGetTensorImpl();
+}
+
+// What the checks read of a TensorImpl: its storage pointer near the start; its offset,
+// size, dtype, device, flags and key set at the end. (always_inline: GCC drops calls to a
+// function that only prefetches, as if it did nothing.)
+[[gnu::always_inline]] inline void fetch_impl(PyObject* tensor) {
+  if (const c10::TensorImpl* impl = impl_of(tensor)) {
+    const char* p = reinterpret_cast<const char*>(impl);
+    prefetch(p + 16);
+    prefetch_span(p + sizeof(c10::TensorImpl) - 32, 32);
+  }
+}
+
+// The storage's data pointer (a tensor's address) and the flags checked before reading it.
+[[gnu::always_inline]] inline void fetch_storage(PyObject* tensor) {
+  if (const c10::TensorImpl* impl = impl_of(tensor)) {
+    if (const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl()) {
+      prefetch_span(reinterpret_cast<const char*>(storage) + 16, 48);
+    }
+  }
+}
+
+// Whether `group` is one of `groups`: identity first (what the process groups compare by
+// anyway; the general comparison costs a rich compare per element).
+int in_groups(PyObject* group, PyObject* groups) {
+  if (PyTuple_CheckExact(groups)) {
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(groups); ++k) {
+      if (PyTuple_GET_ITEM(groups, k) == group) return 1;
+    }
+  }
+  const int found = PySequence_Contains(groups, group);
+  if (found < 0) PyErr_Clear();
+  return found;
+}
+
+struct Scan {
+  long world;
+  PyObject *isend, *irecv, *group_rank, *groups;
+  std::vector<int64_t> codes;  // codes[c10::ScalarType index], -1 where unknown
+  std::vector<Entry> entries;
+  std::unordered_map<long, long> mapped;  // peer (global) -> group rank, through group_rank
+  bool have_device = false;
+  c10::Device device{c10::DeviceType::CPU};
+  std::string failure;
+  Layout layout;       // of the last op type met (a list has one, as a rule)
+  Record ring[kRing];  // the ops between reading and checking
+
+  Layout& layout_of(PyObject* op) {
+    if (!layout.fits(Py_TYPE(op))) layout = Layout(Py_TYPE(op), op);
+    return layout;
+  }
+
+  // The group rank an op names, or -1.
+  long peer_of(const Record& r) {
+    if (r.group_peer != nullptr && r.group_peer != Py_None) return rank_in(r.group_peer, world);
+    if (group_rank == Py_None) return rank_in(r.peer, world);
+    if (!PyLong_Check(r.peer) || PyBool_Check(r.peer)) return -1;
+    const long g = PyLong_AsLong(r.peer);
+    if (g == -1 && PyErr_Occurred()) PyErr_Clear();  // out of range: refused below
+    auto found = mapped.find(g);
+    if (found != mapped.end()) return found->second;
+    PyObject* mapped_rank = g >= 0 ? PyObject_CallOneArg(group_rank, r.peer) : nullptr;
+    if (mapped_rank == nullptr) PyErr_Clear();
+    const long p = rank_in(mapped_rank, world);
+    Py_XDECREF(mapped_rank);
+    mapped.emplace(g, p);
+    return p;
+  }
+
+  // Checks op i and adds its entry (taking the record's tensor), or sets `failure`.
+  void take(Py_ssize_t i, PyObject* op, Record& r) {
+    const auto at = [i] { return "op " + std::to_string(i); };
+    if (!r.readable) {
+      failure = at() + " is a " + Py_TYPE(op)->tp_name + ", not a torch.distributed.P2POp";
+      return;
+    }
+    const int direction = direction_of(r.fn, isend, irecv);
+    const long p = peer_of(r);
+    if (groups != Py_None && in_groups(r.group ? r.group : Py_None, groups) != 1) {
+      failure = "the P2POp list mixes process groups; pass one group's ops";
+      return;
+    }
+    if (direction < 0) {
+      failure = at() + ": P2POp.op must be torch.distributed.isend or irecv, not " +
+                text_of(r.fn, true);
+      return;
+    }
+    if (p < 0) {
+      failure = at() + ": peer " + text_of(r.peer, true) + " is not a rank of the group (0.." +
+                std::to_string(world - 1) + ")";
+      return;
+    }
+    const auto about = [&] { return at() + " (peer " + text_of(r.peer, false) + ")"; };
+    if (!THPVariable_Check(r.tensor)) {
+      failure = about() + ": the tensor is " + Py_TYPE(r.tensor)->tp_name +
+                ", not a torch.Tensor";
+      return;
+    }
+    const at::Tensor& t = THPVariable_Unpack(r.tensor);
+    if (!t.is_contiguous()) {
+      failure = about() +
+                ": the tensor is not contiguous; pass t.contiguous() and copy the result "
+                "back after wait()";
+      return;
+    }
+    if (have_device && t.device() != device) {
+      failure = about() + ": the tensor is on " + t.device().str() + ", the first op's is on " +
+                device.str() + "; use one device";
+      return;
+    }
+    if (!have_device) {
+      device = t.device();
+      have_device = true;
+    }
+    const auto type = static_cast<size_t>(t.scalar_type());
+    const int64_t code = type < codes.size() ? codes[type] : -1;
+    if (code < 0) {
+      failure = at() + ": a tensor of dtype " + std::string(c10::toString(t.scalar_type())) +
+                " that streamalloc does not know";
+      return;
+    }
+    const int64_t address =
+        t.is_meta() ? 0 : static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
+    entries.push_back(Entry{static_cast<int>(direction * world + p), r.tensor,
+                            static_cast<int64_t>(t.nbytes()), code, address});
+    r.tensor = nullptr;  // the entry holds it now
+  }
+
+  // Every op through the pipeline, in list order; false at the first bad op. The attributes
+  // of the few ops after it may have been read (plain lookups for a P2POp), none checked.
+  bool read_all(PyObject* const* items, Py_ssize_t n) {
+    const bool want_group = groups != Py_None;
+    for (Py_ssize_t i = 0; i < n + kStages * kAhead && failure.empty(); ++i) {
+      // Stage s works on op i - s * kAhead.
+      const auto op = [&](Py_ssize_t s) -> Py_ssize_t {
+        const Py_ssize_t j = i - s * kAhead;
+        return j >= 0 && j < n ? j : -1;
+      };
+      if (i < n) p2p_ops::fetch_op(items[i]);
+      if (const Py_ssize_t j = op(1); j >= 0) layout_of(items[j]).fetch_values(items[j]);
+      if (const Py_ssize_t j = op(2); j >= 0) layout_of(items[j]).fetch_targets(items[j]);
+      if (const Py_ssize_t j = op(3); j >= 0) {
+        ring[j % kRing].read(items[j], layout_of(items[j]), want_group);
+      }
+      if (const Py_ssize_t j = op(4); j >= 0) fetch_impl(ring[j % kRing].tensor);
+      if (const Py_ssize_t j = op(5); j >= 0) fetch_storage(ring[j % kRing].tensor);
+      if (const Py_ssize_t j = op(6); j >= 0) {
+        Record& r = ring[j % kRing];
+        take(j, items[j], r);
+        r.release();
+      }
+    }
+    return failure.empty();
+  }
+
+  ~Scan() {
+    for (Record& r : ring) r.release();  // the ops read ahead of a bad one
+    for (Entry& e : entries) Py_XDECREF(e.tensor);
+  }
 };
 
 PyObject* scan(PyObject*, PyObject* args) {
@@ -98,115 +299,24 @@ PyObject* scan(PyObject*, PyObject* args) {
   PyObject* seq = PySequence_Fast(ops, "ops must be a sequence");
   if (seq == nullptr) return nullptr;
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
-  const Py_ssize_t known = PyList_Check(codes) ? PyList_GET_SIZE(codes) : 0;
-  std::vector<Entry> entries;
-  entries.reserve(n);
-  std::unordered_map<long, long> mapped;  // peer (global) -> group rank, through group_rank
-  bool have_device = false;
-  c10::Device device(c10::DeviceType::CPU);
-  std::string failure;
-  for (Py_ssize_t i = 0; i < n && failure.empty(); ++i) {
-    PyObject* op = items[i];
-    const std::string at = "op " + std::to_string(i);
-    PyObject* fn = PyObject_GetAttr(op, names().op);
-    PyObject* peer = fn ? PyObject_GetAttr(op, names().peer) : nullptr;
-    PyObject* tensor = peer ? PyObject_GetAttr(op, names().tensor) : nullptr;
-    if (tensor == nullptr) {
-      PyErr_Clear();
-      Py_XDECREF(fn);
-      Py_XDECREF(peer);
-      failure = at + " is a " + Py_TYPE(op)->tp_name + ", not a torch.distributed.P2POp";
-      break;
+  Scan sc{world, isend, irecv, group_rank, groups};
+  if (PyList_Check(codes)) {
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(codes); ++k) {
+      const int64_t code = PyLong_AsLongLong(PyList_GET_ITEM(codes, k));
+      sc.codes.push_back(code == -1 && PyErr_Occurred() ? -1 : code);
     }
-    const int direction = direction_of(fn, isend, irecv);
-    long p = -1;
-    PyObject* group_peer = PyObject_GetAttr(op, names().group_peer);
-    if (group_peer == nullptr) PyErr_Clear();
-    if (group_peer != nullptr && group_peer != Py_None) {
-      p = rank_in(group_peer, world);
-    } else if (group_rank == Py_None) {
-      p = rank_in(peer, world);
-    } else if (PyLong_Check(peer) && !PyBool_Check(peer)) {
-      long g = PyLong_AsLong(peer);
-      auto found = mapped.find(g);
-      if (found != mapped.end()) {
-        p = found->second;
-      } else {
-        PyObject* r = g >= 0 ? PyObject_CallOneArg(group_rank, peer) : nullptr;
-        if (r == nullptr) PyErr_Clear();
-        p = rank_in(r, world);
-        Py_XDECREF(r);
-        mapped.emplace(g, p);
-      }
-    }
-    Py_XDECREF(group_peer);
-    // Every op of one group (`groups`: the groups that name the caller's, None for any).
-    int in_groups = 1;
-    if (groups != Py_None) {
-      PyObject* group = PyObject_GetAttr(op, names().group);
-      if (group == nullptr) {
-        PyErr_Clear();
-        group = Py_None;
-        Py_INCREF(group);
-      }
-      in_groups = PySequence_Contains(groups, group);
-      Py_DECREF(group);
-      if (in_groups < 0) PyErr_Clear();
-    }
-    if (in_groups != 1) {
-      failure = "the P2POp list mixes process groups; pass one group's ops";
-    } else if (direction < 0) {
-      failure = at + ": P2POp.op must be torch.distributed.isend or irecv, not " + text_of(fn, true);
-    } else if (p < 0) {
-      failure = at + ": peer " + text_of(peer, true) + " is not a rank of the group (0.." +
-                std::to_string(world - 1) + ")";
-    } else if (!THPVariable_Check(tensor)) {
-      failure = at + " (peer " + text_of(peer, false) + "): the tensor is " +
-                Py_TYPE(tensor)->tp_name + ", not a torch.Tensor";
-    } else {
-      const at::Tensor& t = THPVariable_Unpack(tensor);
-      if (!t.is_contiguous()) {
-        failure = at + " (peer " + text_of(peer, false) +
-                  "): the tensor is not contiguous; pass t.contiguous() and copy the result "
-                  "back after wait()";
-      } else if (have_device && t.device() != device) {
-        failure = at + " (peer " + text_of(peer, false) + "): the tensor is on " +
-                  t.device().str() + ", the first op's is on " + device.str() + "; use one device";
-      } else {
-        if (!have_device) {
-          device = t.device();
-          have_device = true;
-        }
-        const auto type = static_cast<Py_ssize_t>(t.scalar_type());
-        int64_t code = -1;
-        if (type < known) code = PyLong_AsLongLong(PyList_GET_ITEM(codes, type));
-        if (code < 0) {
-          PyErr_Clear();
-          failure = at + ": a tensor of dtype " + std::string(c10::toString(t.scalar_type())) +
-                    " that streamalloc does not know";
-        } else {
-          const int64_t address =
-              t.is_meta() ? 0 : static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
-          entries.push_back(Entry{static_cast<int>(direction * world + p), tensor,
-                                  static_cast<int64_t>(t.nbytes()), code, address});
-        }
-      }
-    }
-    Py_DECREF(fn);
-    Py_DECREF(peer);
-    Py_DECREF(tensor);
+    PyErr_Clear();
   }
-  if (!failure.empty()) {
-    Py_DECREF(seq);
-    return refuse(failure);
-  }
+  sc.entries.reserve(n);
+  const bool ok = sc.read_all(PySequence_Fast_ITEMS(seq), n);
+  Py_DECREF(seq);
+  if (!ok) return refuse(sc.failure);
   // Counting sort into lanes, stable: list order within each lane.
   const size_t lanes = static_cast<size_t>(2 * world);
   std::vector<Py_ssize_t> counts(lanes, 0), next(lanes, 0);
-  for (const Entry& e : entries) counts[e.lane]++;
+  for (const Entry& e : sc.entries) counts[e.lane]++;
   for (size_t l = 1; l < lanes; ++l) next[l] = next[l - 1] + counts[l - 1];
-  const Py_ssize_t m = static_cast<Py_ssize_t>(entries.size());
+  const Py_ssize_t m = static_cast<Py_ssize_t>(sc.entries.size());
   PyObject* tensors = PyList_New(m);
   PyObject* nbytes = PyBytes_FromStringAndSize(nullptr, m * 8);
   PyObject* dtypes = PyBytes_FromStringAndSize(nullptr, m * 8);
@@ -218,16 +328,15 @@ PyObject* scan(PyObject*, PyObject* args) {
     Py_XDECREF(dtypes);
     Py_XDECREF(addresses);
     Py_XDECREF(count_list);
-    Py_DECREF(seq);
     return nullptr;
   }
   auto* nb = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(nbytes));
   auto* cd = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(dtypes));
   auto* ad = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(addresses));
-  for (const Entry& e : entries) {
+  for (Entry& e : sc.entries) {
     const Py_ssize_t k = next[e.lane]++;
-    Py_INCREF(e.tensor);
-    PyList_SET_ITEM(tensors, k, e.tensor);
+    PyList_SET_ITEM(tensors, k, e.tensor);  // the entry's reference
+    e.tensor = nullptr;
     nb[k] = e.nbytes;
     cd[k] = e.code;
     ad[k] = e.address;
@@ -235,14 +344,44 @@ PyObject* scan(PyObject*, PyObject* args) {
   for (size_t l = 0; l < lanes; ++l) {
     PyList_SET_ITEM(count_list, static_cast<Py_ssize_t>(l), PyLong_FromSsize_t(counts[l]));
   }
-  Py_DECREF(seq);
   PyObject* where = Py_None;
-  if (have_device) {
-    where = PyUnicode_FromString(device.str().c_str());
+  if (sc.have_device) {
+    where = PyUnicode_FromString(sc.device.str().c_str());
   } else {
     Py_INCREF(Py_None);
   }
   return Py_BuildValue("(NNNNNN)", count_list, tensors, nbytes, dtypes, addresses, where);
+}
+
+// The indices (bytes of int64) of the tensors of a list that are not 1-D: the few that
+// packing with PyTorch views must flatten. Apart from `scan`, which does not read the
+// dimensions (one more cache line per tensor, wanted by that packing alone); pipelined
+// likewise: the tensor object, then the lines of its TensorImpl that dim() reads.
+PyObject* bent(PyObject*, PyObject* tensors) {
+  if (!PyList_Check(tensors)) {
+    PyErr_SetString(PyExc_TypeError, "expected a list of tensors");
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(tensors);
+  PyObject* const* items = PySequence_Fast_ITEMS(tensors);
+  std::vector<int64_t> out;
+  for (Py_ssize_t i = 0; i < n + 2 * kAhead; ++i) {
+    if (i < n) prefetch_span(items[i], 24);
+    if (const Py_ssize_t j = i - kAhead; j >= 0 && j < n) {
+      if (const c10::TensorImpl* impl = impl_of(items[j])) {
+        const char* p = reinterpret_cast<const char*>(impl);
+        prefetch(p + 64);  // the number of sizes
+        prefetch_span(p + sizeof(c10::TensorImpl) - 32, 32);  // the sizes policy
+      }
+    }
+    if (const Py_ssize_t j = i - 2 * kAhead; j >= 0 && j < n) {
+      if (THPVariable_Check(items[j]) && THPVariable_Unpack(items[j]).dim() != 1) {
+        out.push_back(j);
+      }
+    }
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()),
+                                   static_cast<Py_ssize_t>(out.size() * sizeof(int64_t)));
 }
 
 // The index of a torch.dtype in c10::ScalarType (the table `scan` reads dtype codes from).
@@ -256,6 +395,7 @@ PyObject* scalar_type(PyObject*, PyObject* dtype) {
 
 PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "Reads a P2POp list into lanes (see the file's comment)."},
+    {"bent", bent, METH_O, "The indices of the tensors of a list that are not 1-D."},
     {"scalar_type", scalar_type, METH_O, "The c10::ScalarType index of a torch.dtype."},
     {nullptr, nullptr, 0, nullptr},
 };
