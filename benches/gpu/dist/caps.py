@@ -222,7 +222,7 @@ def table(results, rows, header):
         cells += [cap_text(caps.get("pt_expandable")), cap_text(caps.get("sa"))]
         at = caps.get("sa", {}).get("probes", {}).get(1.02)
         if at is None:
-            cells.append("not reached" if r.get("caps", {}).get("sa", {}).get("unfinished", True) else "not tried")
+            cells.append("not reached" if caps.get("sa", {}).get("unfinished", True) else "not tried")
         elif at.get("trains") and ms["sa"]:
             cells.append(f"{at['step_ms']:.1f} ms ({at['step_ms'] / ms['sa']:.3f}x)")
         elif at.get("trains"):
