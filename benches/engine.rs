@@ -324,6 +324,9 @@ impl Clock for TscClocked {
         let ticks = ticks.saturating_sub(self.start);
         ((u128::from(ticks) * u128::from(self.ns_per_tick_q32)) >> 32) as u64
     }
+    fn precise_ns(&self) -> u64 {
+        self.now_ns()
+    }
     /// Always the time-stamp counter: this device exists to measure it.
     fn set_trace_clock(&self, _clock: streamalloc_allocator::TraceClock) {}
 }

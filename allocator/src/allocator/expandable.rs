@@ -21,22 +21,28 @@ pub(super) const RECLAIM_SLACK_BP: u64 = 100;
 /// 1.036–1.039.
 const MAX_RECLAIM_SLACK_BP: u64 = 150;
 
-/// Reclaims (the driver's unmapping and mapping again, not the wait for the device) may
-/// take at most this fraction (1/n) of the host time since the first reservation, plus
-/// [`RECLAIM_TIME_ALLOWANCE_NS`]; past it, a reclaim that the slack calls
-/// for is skipped and the slack doubles (up to [`MAX_THROTTLED_SLACK_BP`]). Measured on an
-/// H200: a C loop of random sizes up to 256 MiB with 64 live (`benches/gpu/host_abi.cpp`)
-/// reclaimed ~115 times and remapped ~15 GB per 100,000 mallocs, 980 ns per operation
-/// against 147 with whole segments, while training and generation spend well under 1% of
-/// their time reclaiming. Memory then follows the churn less closely, only where following
-/// it costs more time than it is worth.
-const RECLAIM_TIME_SHARE: u64 = 50;
+/// Remapping memory already reserved (reclaims: the driver's unmapping and mapping again,
+/// not the wait for the device; new stitches: mapping free pages a second time, and
+/// unmapping the range when it is evicted) may take at most this fraction (1/n) of the
+/// host time since the first reservation, plus [`REMAP_TIME_ALLOWANCE_NS`]; past it, a
+/// reclaim or a new stitch that growing within a wider slack can replace is skipped and
+/// the slack doubles (up to [`MAX_THROTTLED_SLACK_BP`]). Measured on an H200: a C loop of
+/// random sizes up to 256 MiB with 64 live (`benches/gpu/host_abi.cpp`) reclaimed ~115
+/// times and remapped ~15 GB per 100,000 mallocs, 980 ns per operation against 147 with
+/// whole segments; with stitching, the same loop inside PyTorch (`benches/gpu/host_cost.py`)
+/// made 38 new stitches and evicted 38 per 100,000 operations, 3 ms each way (about 100
+/// pages mapped, then unmapped, one call per page), 1,213 ns per operation with a median
+/// of 194. Training and generation spend well under 1% of their time remapping. Memory
+/// then follows the churn less closely, only where following it costs more time than it
+/// is worth.
+const REMAP_TIME_SHARE: u64 = 50;
 
-/// Reclaim time allowed before [`RECLAIM_TIME_SHARE`] applies: a few reclaims while a
-/// program warms up are worth their cost whatever the time elapsed so far.
-const RECLAIM_TIME_ALLOWANCE_NS: u64 = 20_000_000;
+/// Remapping time allowed before [`REMAP_TIME_SHARE`] applies: a few reclaims and
+/// stitches while a program warms up are worth their cost whatever the time elapsed so
+/// far.
+const REMAP_TIME_ALLOWANCE_NS: u64 = 20_000_000;
 
-/// The widest slack that skipped reclaims widen to, in 1/10,000 of the live peak.
+/// The widest slack that skipped remapping widens to, in 1/10,000 of the live peak.
 const MAX_THROTTLED_SLACK_BP: u64 = 5_000;
 
 impl State {
@@ -110,7 +116,7 @@ impl State {
             }
         };
         // Only mapping that follows a reclaim is charged to it: the clock is read for that.
-        let map_started = reclaimed.then(|| backend.now_ns());
+        let map_started = reclaimed.then(|| backend.precise_ns());
         let mapped = match self.place(backend, pool, slot, size)? {
             Some((segment, placement)) => {
                 self.map_placement(backend, segment, placement, size, slot)
@@ -118,7 +124,7 @@ impl State {
             None => Ok(None),
         };
         if let Some(started_ns) = map_started {
-            self.charge_reclaim(backend, started_ns);
+            self.charge_remap(backend, started_ns);
         }
         mapped
     }
@@ -179,20 +185,34 @@ impl State {
             .map(|placement| (segment, placement)))
     }
 
-    /// Adds the host time since `started_ns` to the time spent reclaiming: the driver's
-    /// work of unmapping and of mapping again, not the wait for the device, whose work
-    /// had to finish anyway.
-    fn charge_reclaim<B: Backend>(&mut self, backend: &B, started_ns: u64) {
-        let spent = backend.now_ns().saturating_sub(started_ns);
-        self.table_mut().reclaim_ns += spent;
+    /// Adds the host time since `started_ns` (the backend's precise clock) to the time
+    /// spent remapping: the driver's work of unmapping and of mapping again, not the wait
+    /// for the device, whose work had to finish anyway.
+    pub(super) fn charge_remap<B: Backend>(&mut self, backend: &B, started_ns: u64) {
+        let spent = backend.precise_ns().saturating_sub(started_ns);
+        self.table_mut().remap_ns += spent;
     }
 
-    /// True if reclaims so far took no more than their share of the host time since the
-    /// first reservation ([`RECLAIM_TIME_SHARE`], [`RECLAIM_TIME_ALLOWANCE_NS`]).
-    fn reclaim_affordable(&self, now_ns: u64) -> bool {
+    /// True if remapping so far took no more than its share of the host time since the
+    /// first reservation ([`REMAP_TIME_SHARE`], [`REMAP_TIME_ALLOWANCE_NS`]).
+    pub(super) fn remap_affordable<B: Backend>(&self, backend: &B) -> bool {
+        let now_ns = backend.precise_ns();
         let vmm = self.table();
         let elapsed = now_ns.saturating_sub(vmm.clock_start_ns.unwrap_or(now_ns));
-        vmm.reclaim_ns <= elapsed / RECLAIM_TIME_SHARE + RECLAIM_TIME_ALLOWANCE_NS
+        vmm.remap_ns <= elapsed / REMAP_TIME_SHARE + REMAP_TIME_ALLOWANCE_NS
+    }
+
+    /// Remapping costs more than its share of time: memory should follow the churn less
+    /// closely. Doubles the slack (at least to [`MAX_RECLAIM_SLACK_BP`], at most to
+    /// [`MAX_THROTTLED_SLACK_BP`]).
+    pub(super) fn widen_throttled_slack(&mut self, skipped: &'static str) {
+        let vmm = self.table_mut();
+        vmm.slack_bp = (vmm.slack_bp * 2).clamp(MAX_RECLAIM_SLACK_BP, MAX_THROTTLED_SLACK_BP);
+        tracing::debug!(
+            slack_bp = vmm.slack_bp,
+            skipped,
+            "remapping over its share of time"
+        );
     }
 
     /// With `reclaim` on: if mapping `size` more bytes would take reserved memory past the
@@ -223,24 +243,19 @@ impl State {
         if !self.reclaim || after <= budget || !self.has_unmappable_pages(Release::Unpinned) {
             return Ok(Reclaim::NotNeeded);
         }
-        if !self.reclaim_affordable(backend.now_ns()) {
+        if !self.remap_affordable(backend) {
             // Free memory moves faster than reclaims can follow at a sensible cost: map, and
             // widen the slack so that reclaims become rarer.
-            let vmm = table_in(&mut self.growth);
-            vmm.slack_bp = (vmm.slack_bp * 2).clamp(MAX_RECLAIM_SLACK_BP, MAX_THROTTLED_SLACK_BP);
-            tracing::debug!(
-                slack_bp = vmm.slack_bp,
-                "reclaim skipped: over its share of time"
-            );
+            self.widen_throttled_slack("reclaim");
             return Ok(Reclaim::NotNeeded);
         }
         self.synchronize(backend)?;
         if let Some(key) = self.take_ready(need) {
             return Ok(Reclaim::Served(key));
         }
-        let unmap_started = backend.now_ns();
+        let unmap_started = backend.precise_ns();
         self.unmap_free_pages_upto(backend, after - budget, Release::Unpinned, &[])?;
-        self.charge_reclaim(backend, unmap_started);
+        self.charge_remap(backend, unmap_started);
         let vmm = table_in(&mut self.growth);
         if vmm.slack_bp < MAX_RECLAIM_SLACK_BP {
             vmm.slack_bp = (vmm.slack_bp * 5 / 4 + 1).min(MAX_RECLAIM_SLACK_BP);
@@ -445,7 +460,8 @@ impl State {
         let vmm = table_in(&mut self.growth);
         let size = vmm.reservation.max(at_least.div_ceil(vmm.page) * vmm.page);
         let ptr = backend.reserve_address_space(size)?;
-        vmm.clock_start_ns.get_or_insert_with(|| backend.now_ns());
+        vmm.clock_start_ns
+            .get_or_insert_with(|| backend.precise_ns());
         let head = self.arena.add_segment(ptr.0, size, pool, slot, true);
         let segment = self.arena.block(head).segment();
         self.arena.mark_unmapped(head);

@@ -130,6 +130,15 @@ impl State {
         if let Some(index) = self.revivable(need, memory_pool, page, pages) {
             return self.revive(backend, index, need).map(Some);
         }
+        if effort != Effort::Synchronised && !self.remap_affordable(backend) {
+            // New stitches (mapped now, unmapped when evicted) cost more than their share
+            // of time: sizes churn faster than kept ranges can serve them. Grow within a
+            // wider slack instead, where the limit allows.
+            self.widen_throttled_slack("stitch");
+            if self.within_budget(self.page_rounded(need.size)) {
+                return Ok(None);
+            }
+        }
         for _ in 0..SHORTFALL_TRIES {
             let Shortfall {
                 bytes: shortfall,
@@ -423,6 +432,7 @@ impl State {
         memory_pool: PoolId,
         picks: Vec<Pick>,
     ) -> Result<Option<BlockKey>, AllocError> {
+        let started_ns = backend.precise_ns();
         let size: u64 = picks.iter().map(|pick| pick.len).sum();
         let addr = match backend.reserve_address_space(size) {
             Ok(ptr) => ptr.0,
@@ -459,6 +469,7 @@ impl State {
         }
         self.stats.stitches += 1;
         self.stats.stitched_map_bytes += size;
+        self.charge_remap(backend, started_ns);
         self.note(backend, TraceAction::Stitch, addr, size, need.slot);
         tracing::debug!(addr, size, sources = sources.len(), "free pages stitched");
         let stitch = Stitch {

@@ -143,6 +143,9 @@ impl Clock for QuarterTicks {
     fn ticks_to_ns(&self, ticks: u64) -> u64 {
         (ticks - 1000) / 4
     }
+    fn precise_ns(&self) -> u64 {
+        self.0.now_ns()
+    }
     fn set_trace_clock(&self, _clock: crate::config::TraceClock) {}
 }
 

@@ -188,8 +188,10 @@ impl State {
             .last_use
             .iter()
             .all(|&event| self.events.is_complete(event)));
+        let started_ns = backend.precise_ns();
         backend.unmap_pages(DevicePtr(stitch.addr), stitch.size)?;
         backend.release_address_space(DevicePtr(stitch.addr), stitch.size)?;
+        self.charge_remap(backend, started_ns);
         for event in stitch.last_use {
             self.events.release(event, &mut self.stats);
         }

@@ -87,6 +87,11 @@ macro_rules! forward_backend {
                 let $this = self;
                 $crate::backend::Clock::ticks_to_ns($inner, ticks)
             }
+            #[inline]
+            fn precise_ns(&self) -> u64 {
+                let $this = self;
+                $crate::backend::Clock::precise_ns($inner)
+            }
             fn set_trace_clock(&self, clock: $crate::config::TraceClock) {
                 let $this = self;
                 $crate::backend::Clock::set_trace_clock($inner, clock)

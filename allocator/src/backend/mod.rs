@@ -77,6 +77,12 @@ pub trait Clock {
     /// Converts a reading of [`Clock::now_ticks`] to [`Clock::now_ns`]'s time base.
     fn ticks_to_ns(&self, ticks: u64) -> u64;
 
+    /// A monotonic clock in nanoseconds precise enough to time the engine's slow paths
+    /// (driver calls of microseconds to milliseconds), whatever clock the trace uses: the
+    /// trace's default clock ticks only every few milliseconds. Read off the hot path
+    /// only. The simulator returns its virtual host time.
+    fn precise_ns(&self) -> u64;
+
     /// Which clock [`Clock::now_ticks`] and [`Clock::now_ns`] read from now on; set once,
     /// by the allocator as it is created, before any reading. A clock with one source (the
     /// simulator's virtual time) ignores it.

@@ -87,11 +87,13 @@ pub(crate) struct ExpandableTable {
     pub(crate) live_peak_at_growth: u64,
     /// How far (in 1/10,000) mapping may go past the live peak before a reclaim.
     pub(crate) slack_bp: u64,
-    /// Host time (backend clock, ns) when the first reservation was made: reclaims are
-    /// measured against the time since.
+    /// Host time (the backend's precise clock, ns) when the first reservation was made:
+    /// remapping is measured against the time since.
     pub(crate) clock_start_ns: Option<u64>,
-    /// Host time spent in reclaims: synchronising, unmapping, and mapping right after.
-    pub(crate) reclaim_ns: u64,
+    /// Host time spent remapping memory that is already reserved: reclaims (unmapping,
+    /// and mapping right after) and stitches (mapping free pages a second time, and
+    /// unmapping the range when it is evicted).
+    pub(crate) remap_ns: u64,
     /// Every mapping (one physical allocation each): address → bytes. Unmapping must take
     /// whole mappings (`cuMemUnmap`'s rule).
     mappings: BTreeMap<u64, u64>,
@@ -115,7 +117,7 @@ impl ExpandableTable {
             live_peak_at_growth: 0,
             slack_bp,
             clock_start_ns: None,
-            reclaim_ns: 0,
+            remap_ns: 0,
             mappings: BTreeMap::new(),
             page_granular: false,
         }

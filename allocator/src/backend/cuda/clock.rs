@@ -111,6 +111,11 @@ impl Clock {
         self.start.elapsed().as_nanos() as u64
     }
 
+    /// Nanoseconds since creation, read from `Instant` whatever the trace clock.
+    pub(super) fn precise_ns(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+
     /// Nanoseconds since creation at the reading `ticks`.
     pub(super) fn ticks_to_ns(&self, ticks: u64) -> u64 {
         if !self.precise.load(Ordering::Relaxed) {

@@ -234,6 +234,10 @@ impl super::Clock for CudaBackend {
         self.clock.ticks_to_ns(ticks)
     }
 
+    fn precise_ns(&self) -> u64 {
+        self.clock.precise_ns()
+    }
+
     fn set_trace_clock(&self, clock: TraceClock) {
         self.clock.set(clock);
     }

@@ -26,6 +26,10 @@ impl backend::Clock for SimBackend {
         ticks
     }
 
+    fn precise_ns(&self) -> u64 {
+        self.now_ns()
+    }
+
     /// The virtual time is the only clock, whichever the configuration names.
     fn set_trace_clock(&self, _clock: crate::config::TraceClock) {}
 }
