@@ -131,9 +131,9 @@ impl State {
             return self.revive(backend, index, need).map(Some);
         }
         if effort != Effort::Synchronised && !self.remap_affordable(backend) {
-            // New stitches (mapped now, unmapped when evicted) cost more than their share
-            // of time: sizes churn faster than kept ranges can serve them. Grow within a
-            // wider slack instead, where the limit allows.
+            // Remapping costs more than its share of time (stitches evicted before they
+            // were ever revived among it): sizes churn faster than kept ranges can serve
+            // them. Grow within a wider slack instead, where the limit allows.
             self.widen_throttled_slack("stitch");
             if self.within_budget(self.page_rounded(need.size)) {
                 return Ok(None);
@@ -469,7 +469,6 @@ impl State {
         }
         self.stats.stitches += 1;
         self.stats.stitched_map_bytes += size;
-        self.charge_remap(backend, started_ns);
         self.note(backend, TraceAction::Stitch, addr, size, need.slot);
         tracing::debug!(addr, size, sources = sources.len(), "free pages stitched");
         let stitch = Stitch {
@@ -480,6 +479,8 @@ impl State {
             lent,
             last_use: ThinVec::new(),
             idle_since: 0,
+            map_ns: backend.precise_ns().saturating_sub(started_ns),
+            revived: false,
         };
         Ok(Some(self.activate_stitch(stitch, need)))
     }
@@ -514,6 +515,7 @@ impl State {
             lent.push(self.lend_pages(backend, block, source.addr, source.len, need.slot)?);
         }
         stitch.lent = lent;
+        stitch.revived = true;
         self.stats.stitch_revivals += 1;
         self.note(
             backend,

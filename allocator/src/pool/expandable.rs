@@ -91,8 +91,8 @@ pub(crate) struct ExpandableTable {
     /// remapping is measured against the time since.
     pub(crate) clock_start_ns: Option<u64>,
     /// Host time spent remapping memory that is already reserved: reclaims (unmapping,
-    /// and mapping right after) and stitches (mapping free pages a second time, and
-    /// unmapping the range when it is evicted).
+    /// and mapping right after) and stitches evicted without ever having been revived
+    /// (mapping free pages a second time, and unmapping them again).
     pub(crate) remap_ns: u64,
     /// Every mapping (one physical allocation each): address → bytes. Unmapping must take
     /// whole mappings (`cuMemUnmap`'s rule).

@@ -63,6 +63,11 @@ pub(crate) struct Stitch {
     /// While dormant: when it was last freed (the table's own clock), to evict the least
     /// recently used first.
     pub(crate) idle_since: u64,
+    /// Host time its mapping took (the backend's precise clock, ns): remapping that was
+    /// wasted if the range is evicted without ever having been revived.
+    pub(crate) map_ns: u64,
+    /// It has been revived at least once: its mapping served more than one request.
+    pub(crate) revived: bool,
 }
 
 /// Active and dormant stitches of one allocator.
@@ -178,6 +183,8 @@ mod tests {
             lent: Vec::new(),
             last_use: ThinVec::new(),
             idle_since: 0,
+            map_ns: 0,
+            revived: false,
         };
         table.park(stitch(0x2000_0000));
         table.park(stitch(0x3000_0000));
