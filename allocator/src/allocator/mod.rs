@@ -15,7 +15,8 @@
 //!    other stream: the caller's stream waits for it on the device;
 //! 4. (expandable segments, `stitch`) revive a kept stitched range, or stitch free pages
 //!    that need no device wait (the stream's own), growing only the shortfall and only
-//!    within the growth budget;
+//!    within the growth budget; a new stitch is skipped for growth while remapping takes
+//!    more than its share of time (`expandable`'s `REMAP_TIME_SHARE`);
 //! 5. grow within the growth budget (the live peak plus a slack) and the limit: a new
 //!    segment, or pages mapped into the stream's address reservation;
 //! 6. (`stitch`) stitch free pages of every stream of the memory pool, the caller's stream
