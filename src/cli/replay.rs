@@ -15,7 +15,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use streamalloc::replay::{
-    cap_bytes, load_traces, peak_live_bytes, replay_steps, LoadedTrace, ReplayReport,
+    cap_bytes, load_traces, peak_live_bytes, replay_steps_paced, LoadedTrace, Pacing, ReplayReport,
 };
 use streamalloc_allocator::Config;
 
@@ -73,6 +73,13 @@ pub(crate) struct ReplayArgs {
     /// memory. Exits 1 if any trace does not complete.
     #[arg(long, value_name = "R", value_parser = parse_limit_ratio)]
     limit_ratio: Option<f64>,
+    /// Pace the replay as a GPU run: the simulated host clock follows the trace's own
+    /// timestamps, and each driver call that maps or unmaps pages takes US microseconds
+    /// (an H200 takes tens: `benches/gpu/vmm_cost/vmm_cost.py` measures them), so that
+    /// remapping's share of time is weighed as on the device. Without it, time stands
+    /// still.
+    #[arg(long, value_name = "US", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    driver_call_us: Option<u32>,
 }
 
 /// A `--limit-ratio`: a finite number of at least 1 (below 1 no trace can complete).
@@ -153,7 +160,19 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
             }
             None => &config,
         };
-        let result = replay_steps(&trace.entries, config, args.steps as usize, &mut progress);
+        let pacing = match args.driver_call_us {
+            Some(us) => Pacing::Recorded {
+                driver_call_ns: u64::from(us) * 1000,
+            },
+            None => Pacing::Still,
+        };
+        let result = replay_steps_paced(
+            &trace.entries,
+            config,
+            args.steps as usize,
+            pacing,
+            &mut progress,
+        );
         if let Some(bar) = bar {
             bar.finish_and_clear();
         }

@@ -19,6 +19,11 @@
 //! - Peak live sums the recorded sizes of blocks allocated and not yet freed, at each
 //!   event. The native peak reserved sums `segment_alloc`/`segment_map` minus
 //!   `segment_free`/`segment_unmap`, as `trace_stats.py` does.
+//! - Host time stands still unless the replay is paced ([`Pacing`]): then the simulated
+//!   host clock moves by the recorded gap between consecutive events (the program's own
+//!   work), and every driver call that maps or unmaps pages costs a fixed time on top, so
+//!   that policies that weigh the driver's time against the program's (remapping's share
+//!   of time) decide as they would on a GPU.
 
 use serde::Serialize;
 use std::collections::HashMap;
@@ -117,6 +122,20 @@ pub enum ReplayError {
     },
 }
 
+/// How a replay moves the simulated host clock (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Pacing {
+    /// The clock stands still: the driver's calls and the program's work take no time.
+    #[default]
+    Still,
+    /// The clock follows the trace's own timestamps, and each driver call that maps or
+    /// unmaps pages (a mapping made, a second mapping, an unmapping) takes this many ns.
+    Recorded {
+        /// Host time of one mapping call, in ns (on an H200, tens of microseconds).
+        driver_call_ns: u64,
+    },
+}
+
 /// Replays `events` through a fresh allocator configured by `config` on a simulated device
 /// of [`REPLAY_DEVICE_BYTES`]. `progress` is called now and then with the number of events
 /// done.
@@ -140,6 +159,17 @@ pub fn replay_steps(
     steps: usize,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ReplayReport, ReplayError> {
+    replay_steps_paced(events, config, steps, Pacing::Still, progress)
+}
+
+/// [`replay_steps`], with the simulated host clock moved as `pacing` says.
+pub fn replay_steps_paced(
+    events: &[TraceEntry],
+    config: &Config,
+    steps: usize,
+    pacing: Pacing,
+    progress: &mut dyn FnMut(usize),
+) -> Result<ReplayReport, ReplayError> {
     let steps = steps.max(1);
     let allocator =
         Allocator::new(SimBackend::new(REPLAY_DEVICE_BYTES), config.clone()).map_err(|source| {
@@ -151,6 +181,20 @@ pub fn replay_steps(
             }
         })?;
     let device = allocator.backend();
+    let paced = match pacing {
+        Pacing::Still => false,
+        Pacing::Recorded { driver_call_ns } => {
+            device.set_mapping_cost(driver_call_ns);
+            true
+        }
+    };
+    // After event `i`, the program's own time until the next one (none past a pass's end:
+    // the next pass starts at once).
+    let pace = |index: usize| {
+        if let (true, Some(next)) = (paced, events.get(index + 1)) {
+            device.advance_host(next.time_ns.saturating_sub(events[index].time_ns));
+        }
+    };
     let counts = || {
         [
             device.calls("map_pages"),
@@ -175,7 +219,7 @@ pub fn replay_steps(
             events,
             step == 0,
             &mut |done| progress(offset + done),
-            &mut |_, _| {},
+            &mut |index, _| pace(index),
         )?;
     }
     let mut report = pass.finish(&allocator, started);
