@@ -140,6 +140,12 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
         }
         outln!("{}", table.header())?;
     }
+    let pacing = match args.driver_call_us {
+        Some(us) => Pacing::Recorded {
+            driver_call_ns: u64::from(us) * 1000,
+        },
+        None => Pacing::Still,
+    };
     let mut failed = false;
     for trace in traces {
         let bar = progress_bar(trace.entries.len() * args.steps as usize);
@@ -159,12 +165,6 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
                 &capped
             }
             None => &config,
-        };
-        let pacing = match args.driver_call_us {
-            Some(us) => Pacing::Recorded {
-                driver_call_ns: u64::from(us) * 1000,
-            },
-            None => Pacing::Still,
         };
         let result = replay_steps_paced(
             &trace.entries,

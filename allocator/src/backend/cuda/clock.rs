@@ -108,7 +108,7 @@ impl Clock {
         if self.tsc.ns_per_tick_q32 != 0 {
             return rdtsc();
         }
-        self.start.elapsed().as_nanos() as u64
+        self.precise_ns()
     }
 
     /// Nanoseconds since creation, read from `Instant` whatever the trace clock.
