@@ -151,7 +151,7 @@ fn bert_varlen_with_stitching_stays_near_the_peak_and_never_synchronises() {
         report.last_step_page_map_bytes <= report.peak_live_bytes / 100,
         "{report:?}"
     );
-    assert!(report.ratio() <= 1.01, "ratio {:.4}", report.ratio());
+    assert!(report.ratio() <= 1.015, "ratio {:.4}", report.ratio());
 }
 
 /// Replays a trace recorded on an H200 by benches/gpu/alloc_bench.py (`CAPTURE=...`) under
@@ -170,15 +170,15 @@ fn gpt2_recorded_on_h200_steady_state_does_not_remap() {
     check_recorded_on_h200("gpt2_native_steps2-3.pickle.gz", GOAL);
 }
 
-/// Paced as on an H200 (each mapping call 80 µs, the program's own time between events as
-/// recorded), a training loop keeps the memory it keeps unpaced: its stitches are revived
+/// Paced as on an H200 (each physical allocation mapped or unmapped 50 µs, the program's
+/// own time between events as recorded), a training loop keeps the memory it keeps unpaced: its stitches are revived
 /// step after step, and revived stitches never count against remapping's share of time.
 /// (Charging every new stitch instead widened the slack during the first steps: GPT-2
 /// small then reserved 1.040 of its peak, here as on the GPU, and ResNet-50 1.021.)
 #[test]
 fn training_loops_paced_as_on_a_gpu_keep_their_stitches() {
     let h200 = Pacing::Recorded {
-        driver_call_ns: 80_000,
+        driver_call_ns: 50_000,
     };
     let traces = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/gpu/traces");
     for path in [
@@ -199,7 +199,46 @@ fn training_loops_paced_as_on_a_gpu_keep_their_stitches() {
             paced.peak_reserved_bytes, still.peak_reserved_bytes,
             "{paced:?}"
         );
-        assert!(paced.ratio() <= 1.005, "{:.4}", paced.ratio());
+        assert!(paced.ratio() <= 1.012, "{:.4}", paced.ratio());
+    }
+}
+
+/// Stitching costs the driver about what growing alone would: stitches map whole pieces of
+/// memory a second time, and while no limit is in force memory is mapped in pieces, not
+/// page by page. The driver's time goes by physical allocations (on an H200, ~55 µs each
+/// to grow and ~37 to stitch, whatever their size); with one allocation per page, stitching
+/// made 6-8 times as many as growing alone on these traces, and FSDP2 steps that stitched
+/// 4.6 GB spent half a second in the driver.
+#[test]
+fn stitching_costs_the_driver_about_what_growing_alone_does() {
+    let traces = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/gpu/traces");
+    for path in [
+        shared_trace("gpt2.pickle.gz"),
+        shared_trace("bert_varlen.pickle.gz"),
+        shared_trace("fsdp2_gpt2_rank0.pickle.gz"),
+        traces.join("resnet50_native_steps2-4.pickle.gz"),
+    ] {
+        let traces = load_traces(&path).unwrap();
+        let entries = &traces[0].entries;
+        let grown = replay_steps(
+            entries,
+            &Config::parse("stitch:false").unwrap(),
+            3,
+            &mut |_| {},
+        )
+        .unwrap();
+        let stitched = replay_steps(entries, &Config::default(), 3, &mut |_| {}).unwrap();
+        let name = path.file_name().unwrap().to_string_lossy();
+        println!(
+            "{name}: {} driver allocations stitching, {} growing alone",
+            stitched.driver_allocations, grown.driver_allocations
+        );
+        assert!(
+            stitched.driver_allocations * 2 <= grown.driver_allocations * 3,
+            "{name}: {} driver allocations stitching, {} growing alone",
+            stitched.driver_allocations,
+            grown.driver_allocations
+        );
     }
 }
 

@@ -168,6 +168,12 @@ pub struct Stats {
     pub stitch_revivals: u64,
     /// Stitched ranges unmapped.
     pub stitch_evictions: u64,
+    /// Host nanoseconds spent in the driver's virtual-memory calls (mapping pages, mapping
+    /// them a second time for a stitch, unmapping), over the allocator's life: what memory
+    /// that follows live blocks costs in time. Absent from records written before it was
+    /// kept (then zero).
+    #[serde(default)]
+    pub vmm_ns: u64,
     /// The same events in PyTorch's terms (`torch.cuda.memory_stats()`). Absent from records
     /// written before it was kept (then zeros).
     #[serde(default)]

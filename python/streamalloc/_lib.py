@@ -60,6 +60,7 @@ class StreamallocStats(ctypes.Structure):
         ("stitched_map_bytes", ctypes.c_uint64),
         ("stitch_revivals", ctypes.c_uint64),
         ("stitch_evictions", ctypes.c_uint64),
+        ("vmm_ns", ctypes.c_uint64),
         ("sleeping_bytes", ctypes.c_uint64),
         ("host_backup_bytes", ctypes.c_uint64),
     ]

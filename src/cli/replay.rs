@@ -74,10 +74,10 @@ pub(crate) struct ReplayArgs {
     #[arg(long, value_name = "R", value_parser = parse_limit_ratio)]
     limit_ratio: Option<f64>,
     /// Pace the replay as a GPU run: the simulated host clock follows the trace's own
-    /// timestamps, and each driver call that maps or unmaps pages takes US microseconds
-    /// (an H200 takes tens: `benches/gpu/vmm_cost/vmm_cost.py` measures them), so that
-    /// remapping's share of time is weighed as on the device. Without it, time stands
-    /// still.
+    /// timestamps, and each physical allocation a driver call creates, maps (a second time
+    /// too) or unmaps takes US microseconds (an H200 takes 40-70 to map one, 20-30 to
+    /// unmap: `benches/gpu/vmm_cost/vmm_cost.py` measures them), so that remapping's share
+    /// of time is weighed as on the device. Without it, time stands still.
     #[arg(long, value_name = "US", value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     driver_call_us: Option<u32>,
 }
@@ -272,25 +272,27 @@ impl Table {
         }
         outln!(
             "  {} page maps, {} page unmaps, {} device syncs, {} segment allocs/frees, \
-             {} stitched ranges made, {} reused",
+             {} stitched ranges made, {} reused, {} driver allocations",
             report.page_maps,
             report.page_unmaps,
             report.device_syncs,
             report.segment_events,
             report.stitches,
-            report.stitch_revivals
+            report.stitch_revivals,
+            report.driver_allocations
         )?;
         if report.steps > 1 {
             outln!(
                 "  last of {} steps: {} page maps ({}), {} page unmaps ({}), {} device syncs, \
-                 {} stitch maps",
+                 {} stitch maps, {} driver allocations",
                 report.steps,
                 report.last_step_page_maps,
                 mib(report.last_step_page_map_bytes),
                 report.last_step_page_unmaps,
                 mib(report.last_step_page_unmap_bytes),
                 report.last_step_device_syncs,
-                report.last_step_stitch_maps
+                report.last_step_stitch_maps,
+                report.last_step_driver_allocations
             )?;
         }
         if report.unknown_frees > 0 {

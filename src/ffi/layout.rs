@@ -146,6 +146,8 @@ pub struct StreamallocStats as "streamalloc_stats_t" {
     pub stitch_revivals: u64,
     /// Stitched ranges unmapped.
     pub stitch_evictions: u64,
+    /// Host nanoseconds spent in the driver's virtual-memory calls (map, second map, unmap).
+    pub vmm_ns: u64,
     /// Bytes sleeping memory pools gave back to the device, addresses kept.
     pub sleeping_bytes: u64,
     /// Bytes of page-locked host memory held for sleeping pools' backups.

@@ -44,6 +44,7 @@ impl StreamallocStats {
             stitched_map_bytes: stats.stitched_map_bytes,
             stitch_revivals: stats.stitch_revivals,
             stitch_evictions: stats.stitch_evictions,
+            vmm_ns: stats.vmm_ns,
             sleeping_bytes: stats.sleeping_bytes,
             host_backup_bytes: stats.host_backup_bytes,
         }

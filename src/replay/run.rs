@@ -89,6 +89,12 @@ pub struct ReplayReport {
     /// Second mappings made for stitched ranges in the last pass (one per physical
     /// allocation a stitch spans): non-zero in a steady state means remapping too.
     pub last_step_stitch_maps: u64,
+    /// Physical allocations the driver created, mapped (a second time too) or unmapped,
+    /// over all passes: its time on a GPU is proportional to these (40-70 µs each to map
+    /// on an H200), not to the calls' count or bytes.
+    pub driver_allocations: u64,
+    /// `driver_allocations` of the last pass alone.
+    pub last_step_driver_allocations: u64,
     /// Host nanoseconds per replayed operation (malloc or free), engine calls only.
     pub ns_per_op: f64,
 }
@@ -128,10 +134,10 @@ pub enum Pacing {
     /// The clock stands still: the driver's calls and the program's work take no time.
     #[default]
     Still,
-    /// The clock follows the trace's own timestamps, and each driver call that maps or
-    /// unmaps pages (a mapping made, a second mapping, an unmapping) takes this many ns.
+    /// The clock follows the trace's own timestamps, and each physical allocation a driver
+    /// call creates, maps (a second time too) or unmaps takes this many ns.
     Recorded {
-        /// Host time of one mapping call, in ns (on an H200, tens of microseconds).
+        /// Host time per allocation, in ns (on an H200, tens of microseconds).
         driver_call_ns: u64,
     },
 }
@@ -201,10 +207,11 @@ pub fn replay_steps_paced(
             device.calls("unmap_pages"),
             device.calls("synchronize_device"),
             device.calls("alias_pages"),
+            device.driver_allocations(),
         ]
     };
     let mut pass = Pass::new(events.len() as u64 * steps as u64);
-    let mut before_last = [0; 4];
+    let mut before_last = [0; 5];
     let mut bytes_before_last = (0, 0);
     let started = Instant::now();
     for step in 0..steps {
@@ -223,13 +230,15 @@ pub fn replay_steps_paced(
         )?;
     }
     let mut report = pass.finish(&allocator, started);
-    let [maps, unmaps, syncs, stitch_maps] = counts();
+    let [maps, unmaps, syncs, stitch_maps, allocations] = counts();
     report.steps = steps as u64;
     (report.page_maps, report.page_unmaps, report.device_syncs) = (maps, unmaps, syncs);
     report.last_step_page_maps = maps - before_last[0];
     report.last_step_page_unmaps = unmaps - before_last[1];
     report.last_step_device_syncs = syncs - before_last[2];
     report.last_step_stitch_maps = stitch_maps - before_last[3];
+    report.driver_allocations = allocations;
+    report.last_step_driver_allocations = allocations - before_last[4];
     let stats = allocator.stats();
     report.last_step_page_map_bytes = stats.page_map_bytes - bytes_before_last.0;
     report.last_step_page_unmap_bytes = stats.page_unmap_bytes - bytes_before_last.1;
@@ -287,6 +296,8 @@ impl Pass {
                 stitches: 0,
                 stitch_revivals: 0,
                 last_step_stitch_maps: 0,
+                driver_allocations: 0,
+                last_step_driver_allocations: 0,
                 ns_per_op: 0.0,
             },
             live_bytes: 0,

@@ -51,7 +51,7 @@ impl State {
     /// The expandable segments' table. Everything in this file runs only after an entry
     /// point found expandable segments (`grow_expandable`, the reclaims and releases each
     /// return early without them), so a missing table here is a bug in the engine.
-    fn table(&self) -> &ExpandableTable {
+    pub(super) fn table(&self) -> &ExpandableTable {
         self.growth
             .expandable()
             .expect("expandable-segment policy reached with whole segments")
@@ -185,6 +185,12 @@ impl State {
         Ok(self
             .placement(segment, size, slot)
             .map(|placement| (segment, placement)))
+    }
+
+    /// Adds the host time since `started_ns` (the backend's precise clock) to the time
+    /// spent in the driver's virtual-memory calls ([`crate::stats::Stats::vmm_ns`]).
+    pub(super) fn count_vmm<B: Backend>(&mut self, backend: &B, started_ns: u64) {
+        self.stats.vmm_ns += backend.precise_ns().saturating_sub(started_ns);
     }
 
     /// Adds the host time since `started_ns` (the backend's precise clock) to the time
@@ -380,6 +386,7 @@ impl State {
         } else {
             self.table().pieces(addr, map).collect()
         };
+        let vmm_started = backend.precise_ns();
         for (index, &(at, len)) in pieces.iter().enumerate() {
             let result = if whole {
                 backend.map_pages_whole(DevicePtr(at), len)
@@ -390,6 +397,7 @@ impl State {
                 for &(done, done_len) in &pieces[..index] {
                     backend.unmap_pages(DevicePtr(done), done_len)?;
                 }
+                self.count_vmm(backend, vmm_started);
                 return if err.out_of_memory {
                     Ok(None)
                 } else {
@@ -397,6 +405,7 @@ impl State {
                 };
             }
         }
+        self.count_vmm(backend, vmm_started);
         let vmm = table_in(&mut self.growth);
         for &(at, len) in &pieces {
             if whole {

@@ -33,7 +33,7 @@
 //! memory) so that a loop whose steps repeat their sizes stops mapping once warm.
 
 use super::*;
-use crate::pool::stitch::{whole_pages, Source, Stitch};
+use crate::pool::stitch::{Source, Stitch};
 use thin_vec::ThinVec;
 
 /// Requests of at most this many pages are not stitched: any free whole page fits one
@@ -354,6 +354,7 @@ impl State {
         max_sources: usize,
     ) -> Result<Vec<Pick>, Shortfall> {
         let want = need.size.div_ceil(page) * page;
+        let vmm = self.table();
         let mut runs: Vec<Pick> = Vec::new();
         for &index in self.streams.free_slots() {
             let state = self.streams.get(index);
@@ -370,8 +371,8 @@ impl State {
                     if !block.is_expandable() || !self.may_take(key, need.slot, pages) {
                         continue;
                     }
-                    let (addr, len) = whole_pages(block.addr(), block.size(), page);
-                    if len > 0 {
+                    // Whole mappings only: the driver maps nothing else a second time.
+                    if let Some((addr, len)) = vmm.whole_mapping_span(block.addr(), block.size()) {
                         runs.push(Pick {
                             block: key,
                             addr,
@@ -402,7 +403,14 @@ impl State {
             let left = want - got;
             // The smallest run that covers what is left ends the search.
             if let Some(last) = rest.iter().rev().find(|run| run.len >= left) {
-                picks.push(Pick { len: left, ..*last });
+                // Up to the end of the mapping that holds its last byte needed.
+                let end = vmm
+                    .mapping_end(last.addr + left - 1)
+                    .unwrap_or(last.addr + left);
+                picks.push(Pick {
+                    len: end - last.addr,
+                    ..*last
+                });
                 got = want;
                 break;
             }
@@ -467,6 +475,8 @@ impl State {
         for pick in &picks {
             lent.push(self.lend_pages(backend, pick.block, pick.addr, pick.len, need.slot)?);
         }
+        let map_ns = backend.precise_ns().saturating_sub(started_ns);
+        self.stats.vmm_ns += map_ns;
         self.stats.stitches += 1;
         self.stats.stitched_map_bytes += size;
         self.note(backend, TraceAction::Stitch, addr, size, need.slot);
@@ -479,7 +489,7 @@ impl State {
             lent,
             last_use: ThinVec::new(),
             idle_since: 0,
-            map_ns: backend.precise_ns().saturating_sub(started_ns),
+            map_ns,
             revived: false,
         };
         Ok(Some(self.activate_stitch(stitch, need)))

@@ -99,7 +99,9 @@ impl State {
     ) -> Result<(), BackendError> {
         // A dormant stitch would keep the pages alive through its second mapping.
         self.evict_stitches_over(backend, start, len)?;
+        let started_ns = backend.precise_ns();
         backend.unmap_pages(DevicePtr(start), len)?;
+        self.count_vmm(backend, started_ns);
         self.table_mut().remove_mappings(start, len);
         self.unlist(key);
         let (addr, size, segment, owner) = {

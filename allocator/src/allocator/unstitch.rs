@@ -191,6 +191,7 @@ impl State {
         let started_ns = backend.precise_ns();
         backend.unmap_pages(DevicePtr(stitch.addr), stitch.size)?;
         backend.release_address_space(DevicePtr(stitch.addr), stitch.size)?;
+        self.count_vmm(backend, started_ns);
         if !stitch.revived {
             // Mapped for one request and unmapped again: remapping that served nothing a
             // free block or growth could not have.

@@ -118,6 +118,8 @@ pub(crate) struct Counters {
     pub(crate) stitch_revivals: u64,
     /// See [`Stats::stitch_evictions`].
     pub(crate) stitch_evictions: u64,
+    /// See [`Stats::vmm_ns`].
+    pub(crate) vmm_ns: u64,
     /// See [`Stats::sleeping_bytes`].
     pub(crate) sleeping_bytes: u64,
     /// See [`Stats::host_backup_bytes`].
@@ -178,6 +180,7 @@ impl Counters {
             stitched_map_bytes: 0,
             stitch_revivals: 0,
             stitch_evictions: 0,
+            vmm_ns: 0,
             sleeping_bytes: 0,
             host_backup_bytes: 0,
         }
@@ -225,6 +228,7 @@ impl Counters {
             stitched_map_bytes: self.stitched_map_bytes,
             stitch_revivals: self.stitch_revivals,
             stitch_evictions: self.stitch_evictions,
+            vmm_ns: self.vmm_ns,
             sleeping_bytes: self.sleeping_bytes,
             host_backup_bytes: self.host_backup_bytes,
             torch: TorchStats {

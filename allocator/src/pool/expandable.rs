@@ -98,8 +98,9 @@ pub(crate) struct ExpandableTable {
     /// whole mappings (`cuMemUnmap`'s rule).
     mappings: BTreeMap<u64, u64>,
     /// Every page is its own physical allocation (`VirtualMemory::set_page_allocations`), so any
-    /// whole free page can be unmapped alone: on while stitching is on or a memory limit
-    /// is in force. Off, runs are mapped in pieces of up to [`ExpandableTable::chunk`].
+    /// whole free page can be unmapped (or stitched) alone: on while a memory limit is in
+    /// force, or once the device refused memory. Off, runs are mapped in pieces of up to
+    /// [`ExpandableTable::chunk`], and stitches take whole pieces.
     pub(crate) page_granular: bool,
 }
 
@@ -290,6 +291,29 @@ impl ExpandableTable {
             .map(|(&start, &len)| (start, len))
             .take_while(|&(start, len)| start + len <= end)
             .collect()
+    }
+
+    /// The stretch of whole mappings inside the mapped range `[addr, addr + size)` (a free
+    /// block's, which lies on contiguous mappings), as (first byte, bytes); `None` if no
+    /// mapping lies wholly inside. What a stitch can map a second time: the driver maps
+    /// only whole allocations again.
+    pub(crate) fn whole_mapping_span(&self, addr: u64, size: u64) -> Option<(u64, u64)> {
+        let end = addr + size;
+        let (&start, _) = self.mappings.range(addr..end).next()?;
+        let (&last, &len) = self.mappings.range(start..end).next_back()?;
+        // The last mapping starting inside may run past the range: the one before it ends
+        // where it begins (the range is contiguously mapped).
+        let stop = if last + len <= end { last + len } else { last };
+        (stop > start).then(|| (start, stop - start))
+    }
+
+    /// The first byte past the mapping that holds byte `addr`, if one does.
+    pub(crate) fn mapping_end(&self, addr: u64) -> Option<u64> {
+        self.mappings
+            .range(..=addr)
+            .next_back()
+            .map(|(&start, &len)| start + len)
+            .filter(|&end| end > addr)
     }
 
     /// True if some mapping lies wholly inside `[addr, addr + size)`.

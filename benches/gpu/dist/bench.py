@@ -6,7 +6,8 @@ allocated, step time, losses, and whether streamalloc maps or unmaps pages once 
 
 Rows: fsdp2_gpt2, fsdp2_ckpt, ddp_gpt2 and tp_allreduce of `workloads.py` (which says what
 each trains), in this order. Columns: pt (PyTorch's allocator), pt_expandable
-(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), sa (streamalloc, default configuration).
+(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), sa (streamalloc, default configuration),
+and sa_conf (streamalloc configured by DIST_SA_CONF, when that is set).
 
 Each (row, column) is its own torchrun launch of `workloads.py --worker` with a timeout; the
 columns of a row run back to back. Every rank writes OUT/results/ROW__COLUMN.rankR.json; the
@@ -269,7 +270,7 @@ def plan(out, ngpu, rows, cols):
 
 def drive(out, ngpu, dry_run):
     rows = pick("DIST_ROWS", [r for r, _, _ in ROWS])
-    cols = pick("DIST_COLUMNS", [c for c, _, _ in COLUMNS])
+    cols = pick("DIST_COLUMNS", [c for c, _, _ in COLUMNS if c != "sa_conf" or os.environ.get("DIST_SA_CONF")])
     total_s = float(os.environ.get("TOTAL_S") or 480)
     launches = plan(out, ngpu, rows, cols)
     command = os.environ.get("DIST_COMMAND") or " ".join(["python3", os.path.relpath(__file__)] + sys.argv[1:])

@@ -46,6 +46,9 @@ COLUMNS = [
     ("pt_expandable", "PyTorch expandable_segments:True",
      {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "STREAMALLOC_CONF": None}),
     ("sa", "streamalloc default", {"PYTORCH_CUDA_ALLOC_CONF": None, "STREAMALLOC_CONF": None}),
+    # A configuration other than the default, named by DIST_SA_CONF (for comparisons).
+    ("sa_conf", "streamalloc DIST_SA_CONF",
+     {"PYTORCH_CUDA_ALLOC_CONF": None, "STREAMALLOC_CONF": os.environ.get("DIST_SA_CONF") or None}),
 ]
 # NVLink multicast stays off in every launch: it is not available on every host.
 COMMON_ENV = {
@@ -55,7 +58,8 @@ COMMON_ENV = {
 }
 # streamalloc's counters of its own work, compared before and after the timed steps.
 SA_COUNTERS = ("page_map_bytes", "page_unmap_bytes", "device_syncs", "stitches", "stitch_revivals",
-               "stitched_map_bytes", "stitch_evictions", "segment_allocs", "segment_frees", "retries", "ooms")
+               "stitched_map_bytes", "stitch_evictions", "segment_allocs", "segment_frees", "retries", "ooms",
+               "cross_stream_waits", "vmm_ns")
 # Timed steps of each row unless DIST_STEPS says otherwise.
 DEFAULT_STEPS = {"fsdp2_gpt2": 12, "fsdp2_ckpt": 12, "ddp_gpt2": 12, "tp_allreduce": 30,
                  "gpt2_varlen": 12, "generate": 6}
@@ -86,6 +90,8 @@ def check_env(col):
     sa = os.environ.get("STREAMALLOC_CONF")
     if col == "sa" and sa:
         raise RuntimeError(f"column sa measures streamalloc's default: unset STREAMALLOC_CONF (found {sa!r})")
+    if col == "sa_conf" and not sa:
+        raise RuntimeError("column sa_conf needs a configuration: set DIST_SA_CONF")
     return {"PYTORCH_CUDA_ALLOC_CONF": pt, "STREAMALLOC_CONF": sa}
 
 
@@ -101,7 +107,7 @@ class Meter:
                 "allocated": self.torch.cuda.max_memory_allocated()}
 
     def counters(self):
-        if self.col != "sa":
+        if not self.col.startswith("sa"):
             return None
         import streamalloc.torch as st
         stats = st.raw_stats()["stats"]
@@ -135,6 +141,8 @@ def run_steps(torch, col, step, warmup, steps):
     """step(i) runs step i and returns its loss tensor; steps >= warmup are timed."""
     meter = Meter(torch, col)
     times, losses = [], []
+    # streamalloc's work in each step (its counters' change), to set beside each step's time.
+    per_step, before = [], meter.counters()
     for i in range(warmup + steps):
         if i == warmup:
             meter.end_warmup()
@@ -145,9 +153,16 @@ def run_steps(torch, col, step, warmup, steps):
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.item()))
         del loss
+        if before is not None:
+            after = meter.counters()
+            per_step.append({k: after[k] - before[k] for k in after
+                             if isinstance(after[k], int) and isinstance(before[k], int) and after[k] != before[k]})
+            before = after
     timed = times[warmup:]
     r = {"warmup": warmup, "steps": steps, "losses": losses, "step_ms": [round(t * 1e3, 3) for t in times],
          "step_ms_median": statistics.median(timed) * 1e3}
+    if per_step:
+        r["sa_steps"] = per_step
     r.update(meter.finish())
     return r
 
@@ -337,7 +352,7 @@ def worker(row, col, prefix):
         res["env"] = check_env(col)
         import torch
         res["torch"] = torch.__version__
-        if col == "sa":
+        if col.startswith("sa"):
             import streamalloc.torch as st
             t = time.perf_counter()
             st.install()  # before the first CUDA tensor: the door a user gets by default
@@ -354,7 +369,7 @@ def worker(row, col, prefix):
         sa_end = res.get("sa_end") or {}
         # Expandable segments map pages and allocate no segment: either shows memory came
         # from streamalloc.
-        if col == "sa" and sa_end.get("segment_allocs", 1) == 0 and sa_end.get("page_map_bytes", 1) == 0:
+        if col.startswith("sa") and sa_end.get("segment_allocs", 1) == 0 and sa_end.get("page_map_bytes", 1) == 0:
             raise RuntimeError("streamalloc obtained no memory: it did not serve this run")
     except BaseException as e:  # recorded for the table; the traceback goes to the log
         traceback.print_exc()

@@ -6,7 +6,10 @@
 Through the driver API alone (ctypes over libcuda.so.1, no PyTorch), on one GPU: the host
 time of cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap and cuMemRelease for allocations
 of 1, 8 and 64 pages (a page: the driver's minimum granularity, 2 MiB on current GPUs),
-the median of --reps repetitions each, per call and per page. Then the cost of mapping an
+the median of --reps repetitions each, per call and per page; runs of --runs pages made of
+one allocation per page, as the engine maps them while stitching is on (growth: create and
+map each page, one access call; a stitch: each page mapped again, one access call), timed
+whole (a fifth of --reps repetitions, at least 3). Then the cost of mapping an
 existing allocation a second time, whole, into another reserved range (cuMemMap +
 cuMemSetAccess): what stitching free pages into one range costs. (Drivers refuse a second
 mapping of part of an allocation or at a non-zero offset, CUDA_ERROR_NOT_SUPPORTED; the
@@ -291,6 +294,46 @@ class Bench:
                 f"{'ok' if same_while_both else 'MISMATCH'}, after unmap + release of the 1st "
                 f"{'ok' if same_after_release else 'MISMATCH'}"), same_while_both and same_after_release
 
+    def page_runs(self, pages, prop=None, label=""):
+        """What the engine does with one allocation per page: a run of `pages` pages, each
+        created and mapped on its own, access granted to the run at once (growth); the same
+        allocations mapped a second time back to back into another range, with one access
+        call (a stitch); both unmapped, the pages released. Whole runs timed, per run."""
+        nbytes = pages * self.page
+        va1, va2 = self.reserve(nbytes), self.reserve(nbytes)
+        prop = prop or self.prop
+        keys = ("grow: cuMemCreate + cuMemMap per page, one cuMemSetAccess",
+                "stitch: cuMemMap per page, one cuMemSetAccess",
+                "unmap the stitch (one cuMemUnmap)", "unmap the run (cuMemUnmap per page)",
+                "cuMemRelease per page")
+        times = {k: [] for k in keys}
+        reps = max(3, self.reps // 5)
+        for rep in range(reps + 1):  # the first is warm-up
+            handles, t = [], {}
+            t0 = time.perf_counter_ns()
+            for i in range(pages):
+                handles.append(self.create(self.page, prop))
+                self.cu("cuMemMap", va1 + i * self.page, self.page, 0, handles[-1], 0)
+            self.cu("cuMemSetAccess", va1, nbytes, ctypes.byref(self.access), 1)
+            t1 = time.perf_counter_ns()
+            for i, handle in enumerate(handles):
+                self.cu("cuMemMap", va2 + i * self.page, self.page, 0, handle, 0)
+            self.cu("cuMemSetAccess", va2, nbytes, ctypes.byref(self.access), 1)
+            t2 = time.perf_counter_ns()
+            self.cu("cuMemUnmap", va2, nbytes)
+            t3 = time.perf_counter_ns()
+            for i in range(pages):
+                self.cu("cuMemUnmap", va1 + i * self.page, self.page)
+            t4 = time.perf_counter_ns()
+            for handle in handles:
+                self.cu("cuMemRelease", handle)
+            t5 = time.perf_counter_ns()
+            if rep >= 1:
+                for k, v in zip(keys, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                    times[k].append(v)
+        for k, v in times.items():
+            self.rows.append((f"{k}, a run{label}", pages, v))
+
     def partial_second_mapping(self):
         """Whether the driver maps part of an allocation (page 1 of 2) a second time."""
         page = self.page
@@ -333,6 +376,8 @@ def main():
     parser.add_argument("--reps", type=int, default=50, help="timed repetitions per measurement (50)")
     parser.add_argument("--device", type=int, default=0, help="CUDA device ordinal (0)")
     parser.add_argument("--sizes", default="1,8,64", help="allocation sizes in pages (1,8,64)")
+    parser.add_argument("--runs", default="64,512",
+                        help="runs of one-page allocations, in pages (64,512; empty: none)")
     args = parser.parse_args()
     if args.reps < 1:
         parser.error("--reps must be at least 1")
@@ -342,6 +387,12 @@ def main():
         parser.error(f"--sizes: not a comma-separated list of integers: {args.sizes!r}")
     if any(s < 1 for s in sizes):
         parser.error("--sizes: every size must be at least 1 page")
+    try:
+        runs = [int(s) for s in args.runs.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--runs: not a comma-separated list of integers: {args.runs!r}")
+    if any(r < 1 for r in runs):
+        parser.error("--runs: every run must be at least 1 page")
     check_layouts()
     command = "python3 " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
     t_start = time.monotonic()
@@ -366,6 +417,10 @@ def main():
         exportable = bench.exportable_supported()
         if exportable is not None:
             bench.lifecycle(1, exportable, " (exportable: POSIX fd)")
+        for pages in runs:
+            bench.page_runs(pages)
+        if exportable is not None and runs:
+            bench.page_runs(runs[-1], exportable, " (exportable: POSIX fd)")
         checks.append(bench.partial_second_mapping())
         for pages, offset, mapped in ((1, 0, 1), (8, 0, 8), (64, 0, 64)):
             note, ok = bench.second_mapping(pages, offset, mapped)

@@ -284,16 +284,14 @@ impl backend::VirtualMemory for SimBackend {
         }
         state.vm.map_alias(start, &source, PAGE_SIZE);
         // One driver mapping per physical allocation the source spans.
-        for _ in &source {
-            self.charge_mapping_call(&mut state);
-        }
+        self.charge_allocations(&mut state, source.len() as u64);
         Ok(())
     }
 
     fn unmap_pages(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         let mut state = self.call("unmap_pages");
-        state.unmap_checked(ptr.0, ptr.0.saturating_add(size), "unmap_pages")?;
-        self.charge_mapping_call(&mut state);
+        let mappings = state.unmap_checked(ptr.0, ptr.0.saturating_add(size), "unmap_pages")?;
+        self.charge_allocations(&mut state, mappings as u64);
         Ok(())
     }
 
@@ -352,7 +350,8 @@ impl SimBackend {
         let per_page = per_page.unwrap_or(state.page_allocations);
         state.vm.map_fresh(start, end, PAGE_SIZE, per_page);
         state.reserved += size;
-        self.charge_mapping_call(&mut state);
+        let allocations = if per_page { size / PAGE_SIZE } else { 1 };
+        self.charge_allocations(&mut state, allocations);
         Ok(())
     }
 }

@@ -96,6 +96,9 @@ const BASE_ADDRESS: u64 = 0x7f00_0000_0000;
 const SEGMENT_GUARD: u64 = 2 << 20;
 /// Page size of the simulated virtual-memory API (CUDA's usual granularity).
 const PAGE_SIZE: u64 = 2 << 20;
+/// The entry of `SimState::calls` that counts physical allocations the virtual-memory calls
+/// touched ([`SimBackend::driver_allocations`]).
+const DRIVER_ALLOCATIONS: &str = "driver allocations";
 
 #[derive(Debug, Default)]
 struct SimStream {
@@ -220,9 +223,10 @@ impl SimBackend {
         self.publish(&state);
     }
 
-    /// Makes every later `map_pages` and `unmap_pages` call take `ns` of host time, as
-    /// the driver's do (on an H200, ~80 µs per mapping made and undone), so that policies
-    /// weighing that cost can be tested.
+    /// Makes every later `map_pages`, `alias_pages` and `unmap_pages` call take `ns` of host
+    /// time per physical allocation it creates, maps or unmaps, as the driver's do (on an
+    /// H200 under load, 40-70 µs an allocation to create and map with its access, 20-30 to
+    /// unmap, whatever its size), so that policies weighing that cost can be tested.
     pub fn set_mapping_cost(&self, ns: u64) {
         self.state.lock().mapping_cost_ns = ns;
     }
@@ -324,14 +328,22 @@ impl SimBackend {
         self.state.lock().calls.get(name).copied().unwrap_or(0)
     }
 
+    /// Physical allocations the virtual-memory calls created, mapped (a second time too)
+    /// or unmapped: what the driver's time is proportional to, whatever the calls' count.
+    pub fn driver_allocations(&self) -> u64 {
+        self.calls(DRIVER_ALLOCATIONS)
+    }
+
     fn publish(&self, state: &SimState) {
         self.host_now.store(state.host_time, Ordering::Relaxed);
     }
 
-    /// A successful `map_pages` or `unmap_pages` takes [`SimBackend::set_mapping_cost`]'s
-    /// host time.
-    fn charge_mapping_call(&self, state: &mut SimState) {
-        state.host_time += state.mapping_cost_ns;
+    /// A successful `map_pages`, `alias_pages` or `unmap_pages` takes
+    /// [`SimBackend::set_mapping_cost`]'s host time for each of the `allocations` physical
+    /// allocations it creates, maps or unmaps.
+    fn charge_allocations(&self, state: &mut SimState, allocations: u64) {
+        *state.calls.entry(DRIVER_ALLOCATIONS).or_default() += allocations;
+        state.host_time += state.mapping_cost_ns * allocations;
         self.publish(state);
     }
 

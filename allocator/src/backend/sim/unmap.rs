@@ -11,7 +11,12 @@ impl SimState {
     /// through these mappings, and every use of pages that go back to the device through
     /// whichever mapping, must be known complete on the host: each one that is not is a
     /// race with this unmap, named `call` in reports.
-    pub(super) fn unmap_checked(&mut self, start: u64, end: u64, call: &str) -> BackendResult<()> {
+    pub(super) fn unmap_checked(
+        &mut self,
+        start: u64,
+        end: u64,
+        call: &str,
+    ) -> BackendResult<usize> {
         let size = end.saturating_sub(start);
         if size == 0 || !start.is_multiple_of(PAGE_SIZE) || !size.is_multiple_of(PAGE_SIZE) {
             return Err(BackendError::new(
@@ -31,6 +36,7 @@ impl SimState {
                 format!("[{start:#x}, {end:#x}) does not cover whole mappings"),
             ));
         };
+        let mappings = whole.len();
         self.ipc.forget_exports(&whole);
         let unmapped = self.vm.unmap(&whole, PAGE_SIZE);
         let op = OpRef {
@@ -73,6 +79,6 @@ impl SimState {
             };
             self.races.push(race);
         }
-        Ok(())
+        Ok(mappings)
     }
 }
