@@ -14,7 +14,7 @@
 //! (see `backend::ipc`), and the receiver maps them back to back. A stitched range is a
 //! second mapping of pages of several mappings (`pool::stitch`): it has no physical
 //! allocation of its own, so it is shared as its pages, in the order they appear in it
-//! (`Allocator::stitched_pages`), each page one allocation while stitching is on; the
+//! (`Allocator::stitched_pages`), each run whole physical allocations; the
 //! receiver maps them back to back into one range of the same layout.
 //!
 //! A sender that cannot export writes a failed-export handle (`ipc_handle`) with its reason
@@ -62,7 +62,7 @@ pub fn export_allocation<B: Backend + IpcBackend>(
         let part = backend
             .ipc_export(run, len)
             .map_err(|err| format!("pages of the stitched range at {ptr:#x}: {err}"))?;
-        // Each run is whole pages, each page its own allocation: exactly the run.
+        // Each run is whole allocations (a stitch maps nothing else): exactly the run.
         let covered: u64 = part.iter().map(|m| m.size).sum();
         if part.first().map(|m| m.address) != Some(run.0) || covered != len {
             return Err(format!(

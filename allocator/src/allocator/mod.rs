@@ -44,6 +44,7 @@ mod expandable;
 mod free;
 mod free_lists;
 mod invariants;
+mod join;
 mod pools;
 mod release;
 mod report;

@@ -5,8 +5,8 @@
 //!
 //! # Representation
 //! A stitch is its own address reservation, mapped with `VirtualMemory::alias_pages` from
-//! *sources*: runs of whole pages of expandable segments, in the order they appear in the
-//! stitched range. The physical pages stay where they are; only a second address reaches
+//! *sources*: runs of whole mappings (physical allocations) of expandable segments, in the
+//! order they appear in the stitched range. The physical pages stay where they are; only a second address reaches
 //! them. So a stitch costs no memory, and memory is counted once, where the pages are
 //! mapped first (`reserved_bytes` is unchanged by stitching).
 //!
@@ -33,7 +33,8 @@ use crate::types::PoolId;
 use std::collections::HashMap;
 use thin_vec::ThinVec;
 
-/// One run of whole pages of an expandable segment that a stitch maps.
+/// One run of whole mappings (physical allocations) of an expandable segment that a stitch
+/// maps a second time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Source {
     /// First byte, page-aligned.

@@ -124,8 +124,17 @@ def uncapped(runner, row, gpus, result):
 def sum_counters(ranks):
     if not all("sa_timed" in r for r in ranks):
         return None
-    keys = ("page_map_bytes", "page_unmap_bytes", "device_syncs", "stitches", "stitch_revivals")
+    keys = ("page_map_bytes", "page_unmap_bytes", "device_syncs", "stitches", "stitch_revivals", "vmm_ns")
     return {k: sum((r["sa_timed"].get(k) or 0) for r in ranks) for k in keys}
+
+
+def counter_text(key, value):
+    """One of streamalloc's summed counters, as the table shows it."""
+    if key.endswith("_bytes"):
+        return f"{key.replace('_bytes', '')} {size_text(value)}"
+    if key == "vmm_ns":
+        return f"driver {value / 1e6:.0f} ms (all ranks)"
+    return f"{key} {value}"
 
 
 def lowest_cap(runner, row, col, gpus, live, result):
@@ -234,8 +243,7 @@ def table(results, rows, header):
         else:
             cells.append("n/a")
         counters = [x.get("sa_timed") for x in ok["sa"] if x.get("sa_timed")]
-        cells.append(", ".join(f"{k.replace('_bytes', '')} {size_text(v) if k.endswith('_bytes') else v}"
-                               for k, v in counters[-1].items()) if counters else "n/a")
+        cells.append(", ".join(counter_text(k, v) for k, v in counters[-1].items()) if counters else "n/a")
         lines.append(f"| {row} | " + " | ".join(clean(c) for c in cells) + " |")
     legend = ("ms: median over launches of each launch's median step time (rank 0, synchronised), launches "
               "alternating between the allocators; reserved/live: peak reserved / peak allocated, worst rank, "
