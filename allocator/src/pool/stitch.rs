@@ -7,8 +7,8 @@
 //! A stitch is its own address reservation, mapped with `VirtualMemory::alias_pages` from
 //! *sources*: runs of whole mappings (physical allocations) of expandable segments, in the
 //! order they appear in the stitched range. The physical pages stay where they are; only a
-//! second address reaches them. So a stitch costs no memory, and memory is counted once, where the pages are
-//! mapped first (`reserved_bytes` is unchanged by stitching).
+//! second address reaches them. So a stitch costs no memory, and memory is counted once,
+//! where the pages are mapped first (`reserved_bytes` is unchanged by stitching).
 //!
 //! A stitch is **active** while its range is allocated: it is an arena segment of one
 //! allocated block, and each source is a block of its expandable segment in the state
