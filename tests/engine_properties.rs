@@ -32,6 +32,9 @@ struct Model {
     reclaim: bool,
     /// `stitch`: free pages are mapped into one range for requests no free block fits.
     stitch: bool,
+    /// `page_allocations`: every page its own physical allocation, or runs mapped in pieces
+    /// (stitches then take whole pieces).
+    page_allocations: bool,
     /// `expandable_segments`: pages mapped on demand, or whole segments (PyTorch's rules).
     expandable: bool,
     /// The user pool's rule: none, whole segments (another allocator's), or no splitting.
@@ -66,6 +69,7 @@ impl ReferenceStateMachine for EngineMachine {
             prop_oneof![3 => Just(true), 1 => Just(false)],
             prop_oneof![3 => Just(true), 1 => Just(false)],
             prop_oneof![3 => Just(true), 1 => Just(false)],
+            prop_oneof![1 => Just(true), 1 => Just(false)],
             prop_oneof![
                 2 => Just(PoolRule::Plain),
                 1 => Just(PoolRule::WholeSegments),
@@ -73,10 +77,20 @@ impl ReferenceStateMachine for EngineMachine {
             ],
         )
             .prop_map(
-                |(policy, event_batch, capacity, reclaim, stitch, expandable, user_pool)| Model {
+                |(
+                    policy,
+                    event_batch,
+                    capacity,
+                    reclaim,
+                    stitch,
+                    expandable,
+                    page_allocations,
+                    user_pool,
+                )| Model {
                     policy,
                     reclaim,
                     stitch,
+                    page_allocations,
                     expandable,
                     user_pool,
                     event_batch,
@@ -163,6 +177,7 @@ impl StateMachineTest for EngineMachine {
             event_batch: model.event_batch,
             reclaim: model.reclaim,
             stitch: model.stitch,
+            page_allocations: model.page_allocations,
             expandable_segments: model.expandable,
             ..Config::default()
         };

@@ -151,7 +151,7 @@ fn replay_prints_every_configuration_key_doctor_lists() {
             .map(|kv| kv.split(':').next().unwrap().to_string())
             .collect()
     };
-    assert_eq!(keys(doors).len(), 11, "{doors}");
+    assert_eq!(keys(doors).len(), 12, "{doors}");
     assert!(keys(doors).contains(&"stitch".to_string()));
     assert!(keys(doors).contains(&"trace_clock".to_string()));
     assert!(keys(doors).contains(&"reclaim".to_string()));

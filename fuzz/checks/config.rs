@@ -24,6 +24,7 @@ pub fn config(data: &[u8]) {
         expandable_segments: false,
         reclaim: false,
         stitch: false,
+        page_allocations: true,
         graph_pools: false,
     };
     for base in [Config::default(), other_base] {

@@ -234,7 +234,7 @@ impl<B: Backend> Allocator<B> {
             // per page. Otherwise runs are mapped in pieces, since the driver's calls cost
             // per allocation (on an H200 ~55 µs a page to grow, ~37 to stitch, against ~2
             // µs a page in 64 MiB pieces), and stitches take whole pieces.
-            table.page_granular = limit.is_some();
+            table.page_granular = config.page_allocations || limit.is_some();
             backend.set_page_allocations(table.page_granular);
             Growth::Expandable(table)
         } else {
