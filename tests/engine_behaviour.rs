@@ -264,6 +264,31 @@ fn without_reclaims_memory_grows_instead_of_synchronising() {
     assert_eq!(stitching.reserved_bytes.peak, 60 * MIB, "{stitching:?}");
 }
 
+/// While the device has room, a run is mapped in pieces (the driver's time goes by
+/// physical allocations); once the device refused memory, page by page, so that from then
+/// on any free page can go back alone, as under a limit.
+#[test]
+fn once_the_device_refuses_memory_pages_are_mapped_one_by_one() {
+    let (device, allocator) = allocator(1 << 30, Config::default());
+    let stream = device.create_stream();
+    let mapped_for = |size: u64| {
+        let before = device.driver_allocations();
+        let block = allocator.malloc(size, stream).unwrap();
+        (block, device.driver_allocations() - before)
+    };
+    // 512 MiB in pieces of up to 32 MiB (a 16th of the run) and its last page alone.
+    let (first, allocations) = mapped_for(512 * MIB);
+    assert_eq!(allocations, 17);
+    let refused = allocator.malloc(768 * MIB, stream).unwrap_err();
+    assert!(matches!(refused, AllocError::OutOfMemory(_)), "{refused}");
+    allocator.free(first.ptr).unwrap();
+    allocator.empty_cache().unwrap();
+    let (again, allocations) = mapped_for(512 * MIB);
+    assert_eq!(allocations, 256, "one allocation per 2 MiB page");
+    allocator.free(again.ptr).unwrap();
+    allocator.check_invariants().unwrap();
+}
+
 #[test]
 fn memory_fraction_resolves_against_device_memory() {
     let config = Config::parse("memory_fraction:0.25").unwrap();
@@ -541,7 +566,7 @@ fn out_of_memory_names_stitched_and_stranded_bytes() {
     let message = err.to_string();
     assert!(
         message.contains("40.00 MiB of it stitched from scattered pages")
-            && message.contains("stranded in partly used pages"),
+            && message.contains("stranded in partly used mappings"),
         "{message}"
     );
     for ptr in [wide.ptr, small.ptr, live] {

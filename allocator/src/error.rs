@@ -62,8 +62,9 @@ pub struct OutOfMemory {
     /// Bytes of live allocations made of pages stitched from several holes (see
     /// `pool::stitch`): memory fragmentation would otherwise have stranded.
     pub stitched: u64,
-    /// Bytes of free cached memory in partly used pages, which no stitch can take (only
-    /// with expandable segments; 0 otherwise).
+    /// Bytes of free cached memory in partly used mappings (a page under a memory limit, a
+    /// piece of up to 128 MiB otherwise), which neither a stitch nor an unmap can take
+    /// (only with expandable segments; 0 otherwise).
     pub stranded: u64,
     /// Bytes growing for the request would have reserved: the request in whole pages (or
     /// the segment it needs).
@@ -114,7 +115,7 @@ impl std::fmt::Display for OutOfMemory {
         write!(
             f,
             "out of memory: tried to allocate {} on {}; {} free in cache (largest free block {}, \
-             {} stranded in partly used pages), {} reserved, {} allocated ({} of it stitched \
+             {} stranded in partly used mappings), {} reserved, {} allocated ({} of it stitched \
              from scattered pages), limit {}; {}",
             b(self.requested),
             self.stream,

@@ -398,11 +398,20 @@ impl State {
                     backend.unmap_pages(DevicePtr(done), done_len)?;
                 }
                 self.count_vmm(backend, vmm_started);
-                return if err.out_of_memory {
-                    Ok(None)
-                } else {
-                    Err(err.into())
-                };
+                if !err.out_of_memory {
+                    return Err(err.into());
+                }
+                // The device is short of memory: from now on every page is its own
+                // allocation, so that any free page can go back alone (as under a limit).
+                let vmm = self.table_mut();
+                if !vmm.page_granular {
+                    vmm.page_granular = true;
+                    backend.set_page_allocations(true);
+                    tracing::info!(
+                        "the device refused memory: pages are mapped one by one from now on"
+                    );
+                }
+                return Ok(None);
             }
         }
         self.count_vmm(backend, vmm_started);

@@ -23,7 +23,8 @@ impl State {
                 largest = largest.max(list.largest());
             }
         }
-        // Free bytes outside whole pages: what stitching cannot reach.
+        // Free bytes outside whole mappings: what neither stitching nor unmapping can reach
+        // (a mapping is a page under a limit, a piece of up to 128 MiB otherwise).
         let stranded = match self.growth.expandable() {
             Some(vmm) => self
                 .arena
@@ -34,8 +35,9 @@ impl State {
                         && self.tags.asleep(self.streams.pool(block.owner())).is_none()
                 })
                 .map(|(_, block)| {
-                    let (_, whole) =
-                        crate::pool::stitch::whole_pages(block.addr(), block.size(), vmm.page);
+                    let whole = vmm
+                        .whole_mapping_span(block.addr(), block.size())
+                        .map_or(0, |(_, len)| len);
                     block.size() - whole
                 })
                 .sum(),

@@ -142,7 +142,10 @@ impl StitchTable {
 }
 
 /// The whole pages of `[addr, addr + size)`: the first page boundary at or above `addr` and
-/// the bytes up to the last boundary at or below its end (0 if no whole page fits).
+/// the bytes up to the last boundary at or below its end (0 if no whole page fits). The
+/// engine reasons in whole mappings (`ExpandableTable::whole_mapping_span`); the test
+/// harness's pressure floor, which holds under a limit (a page per mapping), in pages.
+#[cfg(any(test, feature = "testing"))]
 pub(crate) fn whole_pages(addr: u64, size: u64, page: u64) -> (u64, u64) {
     let start = addr.next_multiple_of(page);
     let end = (addr + size) / page * page;
