@@ -21,9 +21,9 @@
 //!   `segment_free`/`segment_unmap`, as `trace_stats.py` does.
 //! - Host time stands still unless the replay is paced ([`Pacing`]): then the simulated
 //!   host clock moves by the recorded gap between consecutive events (the program's own
-//!   work), and every driver call that maps or unmaps pages costs a fixed time on top, so
-//!   that policies that weigh the driver's time against the program's (remapping's share
-//!   of time) decide as they would on a GPU.
+//!   work), and every physical allocation a driver call creates, maps or unmaps costs a
+//!   fixed time on top, so that policies that weigh the driver's time against the
+//!   program's (remapping's share of time) decide as they would on a GPU.
 
 use serde::Serialize;
 use std::collections::HashMap;

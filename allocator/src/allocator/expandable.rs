@@ -187,10 +187,27 @@ impl State {
             .map(|placement| (segment, placement)))
     }
 
+    /// From now on every page is mapped as its own physical allocation, so that any free
+    /// page can go back alone (pages mapped before keep their pieces). True if this
+    /// changed the mode; false without expandable segments or if pages already were.
+    pub(super) fn map_page_by_page<B: Backend>(&mut self, backend: &B) -> bool {
+        match self.growth.expandable_mut() {
+            Some(vmm) if !vmm.page_granular => {
+                vmm.page_granular = true;
+                backend.set_page_allocations(true);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Adds the host time since `started_ns` (the backend's precise clock) to the time
-    /// spent in the driver's virtual-memory calls ([`crate::stats::Stats::vmm_ns`]).
-    pub(super) fn count_vmm<B: Backend>(&mut self, backend: &B, started_ns: u64) {
-        self.stats.vmm_ns += backend.precise_ns().saturating_sub(started_ns);
+    /// spent in the driver's virtual-memory calls ([`crate::stats::Stats::vmm_ns`]), and
+    /// returns it.
+    pub(super) fn count_vmm<B: Backend>(&mut self, backend: &B, started_ns: u64) -> u64 {
+        let spent = backend.precise_ns().saturating_sub(started_ns);
+        self.stats.vmm_ns += spent;
+        spent
     }
 
     /// Adds the host time since `started_ns` (the backend's precise clock) to the time
@@ -401,12 +418,8 @@ impl State {
                 if !err.out_of_memory {
                     return Err(err.into());
                 }
-                // The device is short of memory: from now on every page is its own
-                // allocation, so that any free page can go back alone (as under a limit).
-                let vmm = self.table_mut();
-                if !vmm.page_granular {
-                    vmm.page_granular = true;
-                    backend.set_page_allocations(true);
+                // The device is short of memory: be as frugal as under a limit.
+                if self.map_page_by_page(backend) {
                     tracing::info!(
                         "the device refused memory: pages are mapped one by one from now on"
                     );

@@ -393,17 +393,8 @@ impl<B: Backend> Allocator<B> {
     pub fn set_memory_limit(&self, limit: Option<u64>) -> Result<(), AllocError> {
         self.operation(|state| {
             state.limit = limit;
-            if limit.is_some() {
-                // Pages mapped from now on can go back one by one (those mapped before keep
-                // their pieces).
-                if let Some(vmm) = state.growth.expandable_mut() {
-                    if !vmm.page_granular {
-                        vmm.page_granular = true;
-                        self.backend.set_page_allocations(true);
-                    }
-                }
-            }
             if let Some(limit) = limit {
+                state.map_page_by_page(&self.backend);
                 if state.stats.reserved_bytes.current > limit {
                     state.release_cached(&self.backend)?;
                 }

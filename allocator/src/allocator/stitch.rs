@@ -386,8 +386,7 @@ impl State {
         for pick in &picks {
             lent.push(self.lend_pages(backend, pick.block, pick.addr, pick.len, need.slot)?);
         }
-        let map_ns = backend.precise_ns().saturating_sub(started_ns);
-        self.stats.vmm_ns += map_ns;
+        let map_ns = self.count_vmm(backend, started_ns);
         self.stats.stitches += 1;
         self.stats.stitched_map_bytes += size;
         self.note(backend, TraceAction::Stitch, addr, size, need.slot);

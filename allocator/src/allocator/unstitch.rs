@@ -191,12 +191,11 @@ impl State {
         let started_ns = backend.precise_ns();
         backend.unmap_pages(DevicePtr(stitch.addr), stitch.size)?;
         backend.release_address_space(DevicePtr(stitch.addr), stitch.size)?;
-        self.count_vmm(backend, started_ns);
+        let unmap_ns = self.count_vmm(backend, started_ns);
         if !stitch.revived {
             // Mapped for one request and unmapped again: remapping that served nothing a
             // free block or growth could not have.
-            self.charge_remap(backend, started_ns);
-            self.table_mut().remap_ns += stitch.map_ns;
+            self.table_mut().remap_ns += stitch.map_ns + unmap_ns;
         }
         for event in stitch.last_use {
             self.events.release(event, &mut self.stats);
