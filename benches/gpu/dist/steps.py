@@ -8,9 +8,10 @@ Per file: the allocator column, the median of the timed steps, then one line per
 (warm-up steps marked) with its time and what streamalloc's counters say it did in it:
 bytes mapped and unmapped, stitches made and revived, device synchronisations,
 cross-stream waits, and the host time spent in the driver's virtual-memory calls
-(`Stats::vmm_ns`). A step whose excess over its neighbours matches its driver time lost
-that time to mapping; one that did no work lost it elsewhere. PyTorch's columns have
-times only. Exit status 1 if a file cannot be read as a worker's result.
+(`Stats::vmm_ns`), and the process's CPU time and voluntary context switches in the step
+(every thread; any allocator). A step whose excess over its neighbours matches its driver
+time lost that time to mapping; one that did no work but spent more CPU lost it on the
+host, one with as much CPU waited. Exit status 1 if a file cannot be read as a worker's result.
 """
 
 import argparse
@@ -47,9 +48,12 @@ def describe(path):
     lines = [f"{path}: {result.get('row', '?')} under {result.get('column', '?')}, rank "
              f"{result.get('rank', '?')}: median of the timed steps {result.get('step_ms_median', 0):.1f} ms"]
     work = result.get("sa_steps") or []
+    host = result.get("step_host") or []
     for index, ms in enumerate(result["step_ms"]):
         did = work[index] if index < len(work) else {}
         parts = [f"{label} {amount(key, did[key])}" for key, label in SHOWN if did.get(key)]
+        if index < len(host):
+            parts.insert(0, f"cpu {host[index]['cpu_ms']:.0f} ms, {host[index]['switches']} switches")
         mark = " (warm-up)" if index < warmup else ""
         lines.append(f"  step {index}{mark}: {ms:8.1f} ms" + (f"   {', '.join(parts)}" if parts else ""))
     return lines

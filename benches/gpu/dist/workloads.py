@@ -35,6 +35,7 @@ own limit, or streamalloc's through its door), so the run trains or runs out of 
 import json
 import os
 import random
+import resource
 import statistics
 import sys
 import time
@@ -143,14 +144,22 @@ def run_steps(torch, col, step, warmup, steps):
     times, losses = [], []
     # streamalloc's work in each step (its counters' change), to set beside each step's time.
     per_step, before = [], meter.counters()
+    # The process's CPU time and voluntary context switches in each step (every thread):
+    # a step that is slower with as much CPU waited (on the device or a lock), one with more
+    # CPU spent it on the host.
+    host = []
     for i in range(warmup + steps):
         if i == warmup:
             meter.end_warmup()
         torch.cuda.synchronize()
+        u0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         loss = step(i)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        u1 = resource.getrusage(resource.RUSAGE_SELF)
+        host.append({"cpu_ms": round((u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime) * 1e3, 1),
+                     "switches": u1.ru_nvcsw - u0.ru_nvcsw})
         losses.append(float(loss.item()))
         del loss
         if before is not None:
@@ -160,7 +169,7 @@ def run_steps(torch, col, step, warmup, steps):
             before = after
     timed = times[warmup:]
     r = {"warmup": warmup, "steps": steps, "losses": losses, "step_ms": [round(t * 1e3, 3) for t in times],
-         "step_ms_median": statistics.median(timed) * 1e3}
+         "step_ms_median": statistics.median(timed) * 1e3, "step_host": host}
     if per_step:
         r["sa_steps"] = per_step
     r.update(meter.finish())
