@@ -284,7 +284,7 @@ impl Table {
         if report.steps > 1 {
             outln!(
                 "  last of {} steps: {} page maps ({}), {} page unmaps ({}), {} device syncs, \
-                 {} stitch maps, {} driver allocations",
+                 {} stitch maps ({} new stitches), {} driver allocations",
                 report.steps,
                 report.last_step_page_maps,
                 mib(report.last_step_page_map_bytes),
@@ -292,6 +292,7 @@ impl Table {
                 mib(report.last_step_page_unmap_bytes),
                 report.last_step_device_syncs,
                 report.last_step_stitch_maps,
+                report.last_step_stitches,
                 report.last_step_driver_allocations
             )?;
         }

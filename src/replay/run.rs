@@ -89,6 +89,8 @@ pub struct ReplayReport {
     /// Second mappings made for stitched ranges in the last pass (one per physical
     /// allocation a stitch spans): non-zero in a steady state means remapping too.
     pub last_step_stitch_maps: u64,
+    /// Stitched ranges made (not revived) in the last pass.
+    pub last_step_stitches: u64,
     /// Physical allocations the driver created, mapped (a second time too) or unmapped,
     /// over all passes: its time on a GPU is proportional to these (40-70 µs each to map
     /// on an H200), not to the calls' count or bytes.
@@ -213,12 +215,14 @@ pub fn replay_steps_paced(
     let mut pass = Pass::new(events.len() as u64 * steps as u64);
     let mut before_last = [0; 5];
     let mut bytes_before_last = (0, 0);
+    let mut stitches_before_last = 0;
     let started = Instant::now();
     for step in 0..steps {
         if step + 1 == steps {
             before_last = counts();
             let stats = allocator.stats();
             bytes_before_last = (stats.page_map_bytes, stats.page_unmap_bytes);
+            stitches_before_last = stats.stitches;
         }
         let offset = step * events.len();
         pass.run(
@@ -242,6 +246,7 @@ pub fn replay_steps_paced(
     let stats = allocator.stats();
     report.last_step_page_map_bytes = stats.page_map_bytes - bytes_before_last.0;
     report.last_step_page_unmap_bytes = stats.page_unmap_bytes - bytes_before_last.1;
+    report.last_step_stitches = stats.stitches - stitches_before_last;
     Ok(report)
 }
 
@@ -296,6 +301,7 @@ impl Pass {
                 stitches: 0,
                 stitch_revivals: 0,
                 last_step_stitch_maps: 0,
+                last_step_stitches: 0,
                 driver_allocations: 0,
                 last_step_driver_allocations: 0,
                 ns_per_op: 0.0,
