@@ -219,11 +219,11 @@ pub fn malloc<B: Backend>(
         };
     };
     // The fast path, a device in use: no error is built unless the request fails.
-    match on.malloc(size as u64, stream_id(stream)) {
-        Ok(block) => block.ptr.0 as usize as *mut c_void,
+    match on.malloc_ptr(size as u64, stream_id(stream)) {
+        Ok(ptr) => ptr.0 as usize as *mut c_void,
         Err(error) => error::malloc_failed(&DeviceError {
             ordinal: device,
-            error,
+            error: *error,
         }),
     }
 }
@@ -266,11 +266,10 @@ pub fn free<B: Backend>(
     }
     let address = DevicePtr(ptr as usize as u64);
     if let Some(owner) = registry.sole_device(device) {
-        match owner.run(|allocator| allocator.free_if_owned(address)) {
-            Ok(Ok(true)) => {}
-            Ok(Ok(false)) => free_guarded(registry, ptr, device),
-            Ok(Err(err)) => guarded((), || report_free(ptr, device, Err(err.into()))),
-            Err(err) => guarded((), || report_free(ptr, device, Err(err.into()))),
+        match owner.run_boxed(|allocator| allocator.free_if_owned(address)) {
+            Ok(true) => {}
+            Ok(false) => free_guarded(registry, ptr, device),
+            Err(err) => guarded((), || report_free(ptr, device, Err(*err))),
         }
         return;
     }

@@ -76,11 +76,11 @@ pub fn malloc_in_pool<B: Backend>(
     };
     // The fast path (the native door's every allocation): no error is built unless the
     // request fails.
-    match on.malloc_in(size as u64, stream, pool) {
-        Ok(block) => block.ptr.0 as usize as *mut c_void,
+    match on.malloc_in_ptr(size as u64, stream, pool) {
+        Ok(ptr) => ptr.0 as usize as *mut c_void,
         Err(error) => error::pool_malloc_failed(&DeviceError {
             ordinal: device,
-            error,
+            error: *error,
         }),
     }
 }

@@ -23,7 +23,9 @@ use super::{CallError, RegistryError};
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
-use streamalloc_allocator::{AllocError, Allocation, Allocator, Backend, PoolId, StreamId};
+use streamalloc_allocator::{
+    AllocError, Allocation, Allocator, Backend, DevicePtr, PoolId, StreamId,
+};
 
 /// One device's allocator, whether a panic made it unusable, and the rules that say where
 /// its requests' memory comes from (see the module docs).
@@ -79,6 +81,34 @@ impl<B: Backend> Device<B> {
         pool: PoolId,
     ) -> Result<Allocation, CallError> {
         flatten(self.run(|allocator| self.serve(allocator, size, stream, pool)))
+    }
+
+    /// [`Device::malloc`] for a door that needs only the address (the C ABI's fast path): a
+    /// failure comes boxed, built only then, so that the answer travels in registers.
+    #[inline]
+    pub fn malloc_ptr(&self, size: u64, stream: StreamId) -> Result<DevicePtr, Box<CallError>> {
+        self.run_boxed(|allocator| {
+            let pool = self
+                .routes
+                .pool_for(|| allocator.backend().is_capturing(stream))?;
+            self.serve(allocator, size, stream, pool)
+                .map(|block| block.ptr)
+        })
+    }
+
+    /// [`Device::malloc_in`] for a door that needs only the address, as
+    /// [`Device::malloc_ptr`].
+    #[inline]
+    pub fn malloc_in_ptr(
+        &self,
+        size: u64,
+        stream: StreamId,
+        pool: PoolId,
+    ) -> Result<DevicePtr, Box<CallError>> {
+        self.run_boxed(|allocator| {
+            self.serve(allocator, size, stream, pool)
+                .map(|block| block.ptr)
+        })
     }
 
     /// Steps 2 to 4 of a request's way. The default pool has no source and, served, needs
@@ -140,6 +170,24 @@ impl<B: Backend> Device<B> {
             .map_err(|payload| self.poison_with(payload))
     }
 
+    /// [`Device::run`] of an engine call, both failures as one boxed [`CallError`]: for the
+    /// doors' fast paths, whose answer then fits in registers.
+    #[inline]
+    pub fn run_boxed<T>(
+        &self,
+        body: impl FnOnce(&Allocator<B>) -> Result<T, AllocError>,
+    ) -> Result<T, Box<CallError>> {
+        if let Some(poisoned) = self.poison.get() {
+            return Err(Box::new(CallError::Unavailable(self.refusal(poisoned))));
+        }
+        match catch_unwind(AssertUnwindSafe(|| {
+            body(&self.allocator).map_err(boxed_engine_error)
+        })) {
+            Ok(result) => result,
+            Err(payload) => Err(Box::new(CallError::Unavailable(self.poison_with(payload)))),
+        }
+    }
+
     /// The error of a call on the poisoned device.
     #[cold]
     #[inline(never)]
@@ -174,6 +222,13 @@ impl<B: Backend> Device<B> {
     pub fn poisoned(&self) -> Option<&RegistryError> {
         self.poison.get()
     }
+}
+
+/// The engine's refusal, boxed.
+#[cold]
+#[inline(never)]
+fn boxed_engine_error(err: AllocError) -> Box<CallError> {
+    Box::new(CallError::Engine(err))
 }
 
 /// A device call's two failures as one.
