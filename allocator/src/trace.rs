@@ -280,12 +280,16 @@ impl CompactRing {
         // Fast-path times are read before the lock: keep the ring's times in its order.
         record.ticks = record.ticks.max(self.newest_ticks);
         self.newest_ticks = record.ticks;
-        if self.staged_len == STAGED {
-            self.flush();
-        }
-        self.staged[self.staged_len] = record;
-        self.staged_len += 1;
         self.pushed += record.weight();
+        // One comparison for both the full staging array and the index's bounds.
+        if let Some(slot) = self.staged.get_mut(self.staged_len) {
+            *slot = record;
+            self.staged_len += 1;
+        } else {
+            self.flush();
+            self.staged[0] = record;
+            self.staged_len = 1;
+        }
     }
 
     /// Copies the staged records into the ring, oldest first, over its oldest records.
