@@ -49,16 +49,20 @@ pub fn set(message: impl Display) {
 /// error pending, writes nothing.
 #[inline]
 pub fn clear() {
-    if ANY_ERROR.load(Ordering::Relaxed) && ERROR_PENDING.get() {
-        clear_message();
+    if ANY_ERROR.load(Ordering::Relaxed) {
+        clear_if_pending();
     }
 }
 
+/// [`clear`] once some thread has stored an error: out of line, so that the fast path is
+/// one load and one branch.
 #[cold]
 #[inline(never)]
-fn clear_message() {
-    ERROR_PENDING.set(false);
-    let _ = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = CString::default());
+fn clear_if_pending() {
+    if ERROR_PENDING.get() {
+        ERROR_PENDING.set(false);
+        let _ = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = CString::default());
+    }
 }
 
 /// This thread's last error ("" if none), valid until the next C call on this thread.

@@ -88,11 +88,14 @@ impl<B: Backend> Device<B> {
     #[inline]
     pub fn malloc_ptr(&self, size: u64, stream: StreamId) -> Result<DevicePtr, Box<CallError>> {
         self.run_boxed(|allocator| {
-            let pool = self
+            let route = self
                 .routes
-                .pool_for(|| allocator.backend().is_capturing(stream))?;
-            self.serve(allocator, size, stream, pool)
-                .map(|block| block.ptr)
+                .route(|| allocator.backend().is_capturing(stream))?;
+            let served = match route {
+                None => self.serve_default(allocator, size, stream),
+                Some(pool) => self.serve(allocator, size, stream, pool),
+            };
+            served.map(|block| block.ptr)
         })
     }
 
@@ -121,16 +124,32 @@ impl<B: Backend> Device<B> {
         stream: StreamId,
         pool: PoolId,
     ) -> Result<Allocation, AllocError> {
-        let served = if pool.is_default() {
-            allocator.malloc(size, stream)
-        } else {
-            self.serve_in(allocator, size, stream, pool)
-        };
-        match served {
+        if pool.is_default() {
+            return self.serve_default(allocator, size, stream);
+        }
+        match self.serve_in(allocator, size, stream, pool) {
             Ok(block) => Ok(block),
             Err(err) => self.marked.or_marked(allocator, pool, err, |marked| {
                 self.serve_in(allocator, size, stream, marked)
             }),
+        }
+    }
+
+    /// [`Device::serve`] of the default pool.
+    #[inline]
+    fn serve_default(
+        &self,
+        allocator: &Allocator<B>,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<Allocation, AllocError> {
+        match allocator.malloc(size, stream) {
+            Ok(block) => Ok(block),
+            Err(err) => self
+                .marked
+                .or_marked(allocator, PoolId::DEFAULT, err, |marked| {
+                    self.serve_in(allocator, size, stream, marked)
+                }),
         }
     }
 

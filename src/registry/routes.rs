@@ -80,16 +80,26 @@ impl Routes {
         &self,
         capturing: impl FnOnce() -> Result<bool, E>,
     ) -> Result<PoolId, E> {
+        Ok(self.route(capturing)?.unwrap_or(PoolId::DEFAULT))
+    }
+
+    /// The pool a request of this thread is routed to, `None` for the default pool: one
+    /// load while nothing is being allocated to, so that a caller goes straight to the
+    /// default pool's code.
+    #[inline]
+    pub(super) fn route<E>(
+        &self,
+        capturing: impl FnOnce() -> Result<bool, E>,
+    ) -> Result<Option<PoolId>, E> {
         if self.active.load(Ordering::Acquire) == 0 {
-            return Ok(PoolId::DEFAULT);
+            return Ok(None);
         }
         self.choose(capturing)
     }
 
     #[cold]
-    fn choose<E>(&self, capturing: impl FnOnce() -> Result<bool, E>) -> Result<PoolId, E> {
-        let pool = choose_route(&self.lock(), std::thread::current().id(), capturing)?;
-        Ok(pool.unwrap_or(PoolId::DEFAULT))
+    fn choose<E>(&self, capturing: impl FnOnce() -> Result<bool, E>) -> Result<Option<PoolId>, E> {
+        choose_route(&self.lock(), std::thread::current().id(), capturing)
     }
 
     /// The routes; a panic while they were held cannot have left them half-updated (each
