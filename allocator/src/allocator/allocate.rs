@@ -375,13 +375,14 @@ impl State {
         now: u64,
     ) -> Allocation {
         debug_assert_eq!(self.arena.block(key).owner(), slot);
-        if counts_split(self.arena.block(key)) {
-            let size = self.arena.block(key).size();
-            self.stats.split_out(self.arena.block(key).pool(), size);
+        // One lookup of the block for the hand-out and its accounting.
+        let block = self.arena.hand_out(key, slot, requested);
+        let (addr, size, kind) = (block.addr(), block.size(), stat_kind(block));
+        if counts_split(block) {
+            self.stats.split_out(block.pool(), size);
         }
-        let addr = self.arena.hand_out(key, slot, requested).addr();
         debug_assert_eq!(self.allocated.get(&addr), Some(&key));
-        self.account(key, slot, requested, now, true)
+        self.account_block((addr, size, kind), slot, requested, now, true)
     }
 
     /// Counts and traces the block `key`, just handed to `slot`.
@@ -410,6 +411,19 @@ impl State {
     ) -> Allocation {
         let block = self.arena.block(key);
         let (addr, size, kind) = (block.addr(), block.size(), stat_kind(block));
+        self.account_block((addr, size, kind), slot, requested, now, alone)
+    }
+
+    /// [`State::account`] of the block at `addr` of `size` bytes counted in `kind`.
+    #[inline(always)]
+    fn account_block(
+        &mut self,
+        (addr, size, kind): (u64, u64, PoolKind),
+        slot: StreamSlot,
+        requested: u64,
+        now: u64,
+        alone: bool,
+    ) -> Allocation {
         if alone {
             self.stats.handed_out_alone(kind, size, requested);
         } else {

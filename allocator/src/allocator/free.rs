@@ -51,12 +51,14 @@ impl State {
         alone: bool,
     ) -> Result<bool, AllocError> {
         // One map lookup; the entry stays while the block is hot (see `allocated`).
-        let entry = match self.allocated.entry(ptr.0) {
-            MapEntry::Occupied(entry) if self.arena.block(*entry.get()).is_allocated() => entry,
-            _ => return Ok(false),
+        let MapEntry::Occupied(entry) = self.allocated.entry(ptr.0) else {
+            return Ok(false);
         };
         let key = *entry.get();
         let block = self.arena.block(key);
+        if !block.is_allocated() {
+            return Ok(false);
+        }
         if block.is_stitched() {
             return self.free_stitched(backend, key, now).map(|()| true);
         }

@@ -29,8 +29,7 @@ impl State {
     pub(super) fn push_hot(&mut self, key: BlockKey, owner: StreamSlot, size: u64) {
         let evicted = self.streams.get_mut(owner).hot.push(size, key);
         self.streams.note_hot(owner);
-        self.arena.park_hot(key);
-        let block = self.arena.block(key);
+        let block = self.arena.park_hot(key);
         if counts_split(block) {
             let kind = block.pool();
             self.stats.split_in(kind, size);

@@ -129,12 +129,14 @@ impl Arena {
         std::mem::take(&mut block.uses)
     }
 
-    /// Parks the free, ready block `key` in its owner's hot list (Free → Hot).
+    /// Parks the free, ready block `key` in its owner's hot list (Free → Hot) and returns
+    /// it, for the caller's accounting.
     #[inline]
-    pub(crate) fn park_hot(&mut self, key: BlockKey) {
+    pub(crate) fn park_hot(&mut self, key: BlockKey) -> &Block {
         use BlockUse::{Free, Hot};
         let block = self.transition(key, "park_hot", &[Free], Hot);
         debug_assert!(block.pending.is_empty(), "park_hot: block {key} is pending");
+        block
     }
 
     /// Takes the block `key` out of its hot list, free again (Hot → Free).
