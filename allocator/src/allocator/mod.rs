@@ -286,7 +286,8 @@ impl<B: Backend> Allocator<B> {
             return Err(AllocError::InvalidSize(size));
         }
         let now = self.early_now();
-        self.operation(|state| {
+        // `move`: the values travel in the closure, not as pointers to the caller's stack.
+        self.operation(move |state| {
             state.malloc(
                 &self.backend,
                 &self.config,
