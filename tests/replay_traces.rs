@@ -314,9 +314,10 @@ fn without_reclaims_generation_never_synchronises_and_stops_mapping() {
     assert_eq!(
         (
             stitching.last_step_page_maps,
-            stitching.last_step_stitch_maps
+            stitching.last_step_stitch_maps,
+            stitching.last_step_stitches
         ),
-        (0, 0),
+        (0, 0, 0),
         "{stitching:?}"
     );
     assert!(stitching.ratio() <= 1.02, "{:.4}", stitching.ratio());
