@@ -26,7 +26,8 @@ CAPS_REPEATS (3), CAPS_PROBES (4), DIST_WARMUP (2), DIST_STEPS (8, the same
 in every launch of a row so that its sequence lengths and its peak are the same),
 DIST_TIMEOUT (s per launch, 150), TOTAL_S (no launch starts after it, 540). Results in
 OUT/caps_PHASE.json, logs in OUT/logs, the table printed last and saved as
-OUT/caps_PHASE.md.
+OUT/caps_PHASE.md; both are also written after every launch, marked partial, so that a run
+stopped from outside leaves what it measured.
 """
 
 import argparse
@@ -60,8 +61,18 @@ class Runner:
         self.total_s = float(os.environ.get("TOTAL_S") or 540)
         self.t0 = time.monotonic()
         self.lock = threading.Lock()
+        self.write_lock = threading.Lock()
         self.count = 0
+        self.results = self.placements = None  # set by main once the plan is known
         self.steps = {"DIST_WARMUP": str(env_int("DIST_WARMUP", 2)), "DIST_STEPS": str(env_int("DIST_STEPS", 8))}
+
+    def checkpoint(self):
+        """Writes the table as it stands, marked partial, so that a run stopped from outside
+        (a timeout) still leaves what it measured; the end of the run writes it whole."""
+        if self.dry_run or self.results is None:
+            return
+        with self.write_lock:
+            save(self, partial=True)
 
     def log(self, text):
         with self.lock:
@@ -106,7 +117,7 @@ def worst(ranks, key):
 
 def uncapped(runner, row, gpus, result):
     """CAPS_REPEATS launches of each allocator, alternating; fills result['uncapped']."""
-    runs = {col: [] for col in ALLOCATORS}
+    runs = result["uncapped"] = {col: [] for col in ALLOCATORS}
     for i in range(env_int("CAPS_REPEATS", 3)):
         for col in ALLOCATORS:
             ranks, why, _, _ = runner.launch(row, col, f"{row}__{col}__uncapped{i}", gpus)
@@ -116,9 +127,9 @@ def uncapped(runner, row, gpus, result):
                 "ratio": max(r["ratio_whole"] for r in ranks if r.get("ratio_whole")),
                 "losses": next(r for r in ranks if r["rank"] == 0)["losses"],
                 "sa_timed": sum_counters(ranks)})
-    result["uncapped"] = runs
-    ok = [run for col in ALLOCATORS for run in runs[col] if "failure" not in run]
-    result["live_bytes"] = max((run["allocated"] for run in ok), default=None)
+            ok = [run for c in ALLOCATORS for run in runs[c] if "failure" not in run]
+            result["live_bytes"] = max((run["allocated"] for run in ok), default=None)
+            runner.checkpoint()
 
 
 def sum_counters(ranks):
@@ -141,6 +152,16 @@ def lowest_cap(runner, row, col, gpus, live, result):
     """Bisects CAPS from 1.020 for the lowest cap under which `col` trains."""
     probes, low_fail, high_ok, index = {}, -1, None, FIRST_CAP
     unfinished = False
+
+    def record():
+        result.setdefault("caps", {})[col] = {
+            "probes": probes,
+            "lowest": CAPS[high_ok] if high_ok is not None else None,
+            # Exact when the step below was tried and failed (or the lowest cap trains).
+            "exact": high_ok is not None and (high_ok == 0 or CAPS[high_ok - 1] in probes),
+            "unfinished": unfinished,
+        }
+
     for _ in range(env_int("CAPS_PROBES", 4)):
         cap = CAPS[index]
         ranks, why, oom, _ = runner.launch(row, col, f"{row}__{col}__cap{cap:.3f}", gpus,
@@ -157,19 +178,15 @@ def lowest_cap(runner, row, col, gpus, live, result):
             if not oom:
                 break  # not a memory failure: no bisection on it
             low_fail = index
+        record()
+        runner.checkpoint()
         if high_ok is None:
             index = low_fail + max(1, (len(CAPS) - low_fail) // 2)
         else:
             index = (low_fail + high_ok) // 2
         if index >= len(CAPS) or index in (low_fail, high_ok) or CAPS[index] in probes:
             break
-    result.setdefault("caps", {})[col] = {
-        "probes": probes,
-        "lowest": CAPS[high_ok] if high_ok is not None else None,
-        # Exact when the step below was tried and failed (or the lowest cap trains).
-        "exact": high_ok is not None and (high_ok == 0 or CAPS[high_ok - 1] in probes),
-        "unfinished": unfinished,
-    }
+    record()
 
 
 def run_row(runner, row, gpus, results):
@@ -280,6 +297,7 @@ def main():
     os.makedirs(os.path.join(out, "results"), exist_ok=True)
     runner = Runner(out, args.phase, None, args.dry_run)
     results = {}
+    runner.results, runner.placements = results, placements
     if args.dry_run:
         print(f"plan: phase {args.phase}, rows {', '.join(r for r, _ in placements)}; each: "
               f"{env_int('CAPS_REPEATS', 3)} x 2 uncapped launches, then up to {env_int('CAPS_PROBES', 4)} "
@@ -296,17 +314,25 @@ def main():
             t.start()
         for t in threads:
             t.join()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = os.environ.get("CAPS_COMMAND") or " ".join(["python3", "benches/gpu/dist/caps.py"] + sys.argv[2:])
-    header = (f"{date}; {machine_name()}; phase {args.phase} ({', '.join(f'{r} on GPU {g}' for r, g in placements)}); "
-              f"command: {command}; wall {time.monotonic() - runner.t0:.0f} s")
-    write_json(os.path.join(out, f"caps_{args.phase}.json"), results)
-    text = table(results, [r for r, _ in placements], header)
-    with open(os.path.join(out, f"caps_{args.phase}.md"), "w") as f:
-        f.write(text)
+    text = save(runner, partial=False)
     print()
     print(text, end="")
     return 0
+
+
+def save(runner, partial):
+    """Writes OUT/caps_PHASE.json and .md from the results so far; returns the table."""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = os.environ.get("CAPS_COMMAND") or " ".join(["python3", "benches/gpu/dist/caps.py"] + sys.argv[2:])
+    placements = runner.placements
+    header = (f"{date}; {machine_name()}; phase {runner.phase} ({', '.join(f'{r} on GPU {g}' for r, g in placements)}); "
+              f"command: {command}; wall {time.monotonic() - runner.t0:.0f} s"
+              + ("; PARTIAL: written after a launch, the run had not ended" if partial else ""))
+    write_json(os.path.join(runner.out, f"caps_{runner.phase}.json"), runner.results)
+    text = table(runner.results, [r for r, _ in placements], header)
+    with open(os.path.join(runner.out, f"caps_{runner.phase}.md"), "w") as f:
+        f.write(text)
+    return text
 
 
 if __name__ == "__main__":
