@@ -63,13 +63,7 @@ impl<B: Backend> Device<B> {
     /// docs).
     #[inline]
     pub fn malloc(&self, size: u64, stream: StreamId) -> Result<Allocation, CallError> {
-        let served = self.run(|allocator| {
-            let pool = self
-                .routes
-                .pool_for(|| allocator.backend().is_capturing(stream))?;
-            self.serve(allocator, size, stream, pool)
-        });
-        flatten(served)
+        flatten(self.run(|allocator| self.serve_routed(allocator, size, stream)))
     }
 
     /// Allocates at least `size` bytes for `stream` in `pool` (see the module docs).
@@ -88,14 +82,8 @@ impl<B: Backend> Device<B> {
     #[inline]
     pub fn malloc_ptr(&self, size: u64, stream: StreamId) -> Result<DevicePtr, Box<CallError>> {
         self.run_boxed(|allocator| {
-            let route = self
-                .routes
-                .route(|| allocator.backend().is_capturing(stream))?;
-            let served = match route {
-                None => self.serve_default(allocator, size, stream),
-                Some(pool) => self.serve(allocator, size, stream, pool),
-            };
-            served.map(|block| block.ptr)
+            self.serve_routed(allocator, size, stream)
+                .map(|block| block.ptr)
         })
     }
 
@@ -112,6 +100,24 @@ impl<B: Backend> Device<B> {
             self.serve(allocator, size, stream, pool)
                 .map(|block| block.ptr)
         })
+    }
+
+    /// A request that names no pool, in the pool its route says: step 1 of a request's way,
+    /// then [`Device::serve`] (the default pool's code directly when nothing is routed).
+    #[inline]
+    fn serve_routed(
+        &self,
+        allocator: &Allocator<B>,
+        size: u64,
+        stream: StreamId,
+    ) -> Result<Allocation, AllocError> {
+        match self
+            .routes
+            .route(|| allocator.backend().is_capturing(stream))?
+        {
+            None => self.serve_default(allocator, size, stream),
+            Some(pool) => self.serve(allocator, size, stream, pool),
+        }
     }
 
     /// Steps 2 to 4 of a request's way. The default pool has no source and, served, needs

@@ -72,20 +72,10 @@ impl Routes {
         self.active.store(list.len(), Ordering::Release);
     }
 
-    /// The pool a request of this thread goes to: the default pool while nothing is being
-    /// allocated to (one load), else what [`choose_route`] says. `capturing` says whether
-    /// the request's stream is capturing a graph.
-    #[inline]
-    pub(super) fn pool_for<E>(
-        &self,
-        capturing: impl FnOnce() -> Result<bool, E>,
-    ) -> Result<PoolId, E> {
-        Ok(self.route(capturing)?.unwrap_or(PoolId::DEFAULT))
-    }
-
     /// The pool a request of this thread is routed to, `None` for the default pool: one
     /// load while nothing is being allocated to, so that a caller goes straight to the
-    /// default pool's code.
+    /// default pool's code, else what [`choose_route`] says. `capturing` says whether the
+    /// request's stream is capturing a graph.
     #[inline]
     pub(super) fn route<E>(
         &self,
@@ -169,13 +159,13 @@ mod tests {
     fn nothing_is_routed_once_every_route_ended() {
         let routes = Routes::default();
         let never = || -> Result<bool, String> { panic!("asked the driver needlessly") };
-        assert_eq!(routes.pool_for(never), Ok(PoolId::DEFAULT));
+        assert_eq!(routes.route(never), Ok(None));
         routes.begin(PoolId(3, 1));
         routes.begin(PoolId(3, 2));
-        assert_eq!(routes.pool_for(never), Ok(PoolId(3, 2)));
+        assert_eq!(routes.route(never), Ok(Some(PoolId(3, 2))));
         routes.end(PoolId(3, 2));
-        assert_eq!(routes.pool_for(never), Ok(PoolId(3, 1)));
+        assert_eq!(routes.route(never), Ok(Some(PoolId(3, 1))));
         routes.end(PoolId(3, 1));
-        assert_eq!(routes.pool_for(never), Ok(PoolId::DEFAULT));
+        assert_eq!(routes.route(never), Ok(None));
     }
 }
