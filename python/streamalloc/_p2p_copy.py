@@ -115,19 +115,24 @@ class CopyTable:
 
 
 def build_table(rows, row_columns: int, lane_starts, world: int, message_base: dict,
-                self_copies) -> CopyTable:
+                self_copies, skip=()) -> CopyTable:
     """The table of this rank's packed pieces from its plan rows (``Plan.rows``: round,
     direction, peer, kind, tensor, tensor offset, buffer offset, length, message length),
     ``message_base[(round, direction)]``: the address of the staging buffer the message
     uses, and ``self_copies``: ``(send slot, receive slot, bytes)`` per tensor this rank
-    sends itself. Zero-copy rows and empty pieces have no entry."""
+    sends itself. Zero-copy rows, empty pieces and the rows of the messages in ``skip``
+    (``(round, direction)``: moved by one driver copy, not packed) have no entry."""
     import torch
 
     n = len(rows) // row_columns
     i64 = torch.int64
     if n:
         table = torch.frombuffer(rows, dtype=i64).view(n, row_columns)
-        table = table[(table[:, 3] == 0) & (table[:, 7] > 0)]
+        keep = (table[:, 3] == 0) & (table[:, 7] > 0)
+        if skip:
+            skipped = torch.tensor([2 * k + d for k, d in skip], dtype=i64)
+            keep &= ~torch.isin(table[:, 0] * 2 + table[:, 1], skipped)
+        table = table[keep]
     else:
         table = torch.zeros((0, row_columns), dtype=i64)
     rnd, direction, peer, _, tensor, t_off, b_off, length, _ = table.unbind(1)

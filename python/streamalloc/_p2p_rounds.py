@@ -69,7 +69,9 @@ class _Rounds:
         starts = lanes.starts()
         own = [(starts[me] + k, starts[w + me] + k, lanes.nbytes[starts[me] + k])
                for k in range(lanes.counts[me])]
-        table = _p2p_copy.build_table(self._rows, _ROW, starts, w, bases, own)
+        direct = {(k, d) for k, pair in enumerate(self._rounds) for d, msg in enumerate(pair)
+                  if msg is not None and msg.zero_copy is None and (k, d) not in bases}
+        table = _p2p_copy.build_table(self._rows, _ROW, starts, w, bases, own, skip=direct)
         if self.device.type == "cuda" and table.device_bytes > self._table_reserve:
             # reserve_bytes() bounds every table: this is a bug, not an input to refuse
             raise P2PError(f"the copy table of {table.device_bytes} bytes exceeds its reserve "
@@ -95,22 +97,37 @@ class _Rounds:
     def _ce_sends(self):
         return [m for m, _ in self._rounds if m is not None]
 
-    def _direct(self, msg) -> bool:
-        """A message that is one contiguous region of one tensor, copied from (or into) the
-        tensor by the copy engine itself (``"torch"`` packing only: the kernel packs every
-        message in one launch anyway)."""
-        if self._pack_mode != "torch":
-            return False
+    @staticmethod
+    def _direct(msg) -> bool:
+        """A message that is one contiguous region of one tensor: the copy engine copies it
+        straight from (or into) the tensor, with any packing, so it needs no send buffer
+        and no pass of the copy kernel over its bytes."""
         return ((not msg.pieces and len(msg.runs) == 1 and len(msg.runs[0].tensors) == 1)
                 or (not msg.runs and len(msg.pieces) == 1))
 
-    @staticmethod
-    def _direct_source(msg):
-        """(tensor, offset in the message, bytes) of a :meth:`_direct` message."""
+    def _direct_source(self, msg):
+        """(device address, offset in the message, bytes) of a :meth:`_direct` message's
+        tensor region, for the tensors bound now."""
+        if self._pack_mode == "torch":
+            # The runs' and pieces' views are rebound to the new tensors.
+            if msg.runs:
+                run = msg.runs[0]
+                return run.tensors[0].data_ptr(), run.start, run.end - run.start
+            view, offset, nbytes = msg.pieces[0]
+            return view.data_ptr(), offset, nbytes
+        # The table's packings keep the plan's first tensors in the runs and pieces: the
+        # address comes from the lanes' addresses, as the copy table's do.
+        lanes, w = self._lanes, self.world
+        if lanes.addresses is None:
+            self._addresses()
+        starts = lanes.starts()
         if msg.runs:
             run = msg.runs[0]
-            return run.tensors[0], run.start, run.end - run.start
-        return msg.pieces[0]
+            d, p, first = run.source
+            return lanes.addresses[starts[d * w + p] + first], run.start, run.end - run.start
+        d, p, i, t_off = msg.piece_sources[0]
+        _, offset, nbytes = msg.pieces[0]
+        return lanes.addresses[starts[d * w + p] + i] + t_off, offset, nbytes
 
     def _ce_send_buffers(self):
         """(count, bytes) of the local send buffers: messages that are not :meth:`_direct`
@@ -145,10 +162,11 @@ class _Rounds:
         for (k, msg), slot, nxt in zip(received, slots, nexts):
             msg.slot, msg.buffer = slot, slot.buffer
             _bind(msg, rbufs[slot.buffer], 1, views)
-            bases[(k, 1)] = msg.wire.data_ptr()
             if self._direct(msg):
                 dst, off, msg.nbytes = self._direct_source(msg)
-                msg.unpack_dst, msg.unpack_src = dst.data_ptr(), msg.wire.data_ptr() + off
+                msg.unpack_dst, msg.unpack_src = dst, msg.wire.data_ptr() + off
+            else:
+                bases[(k, 1)] = msg.wire.data_ptr()
             msg.filled_flag = base + layout.filled(slot.buffer)
             peer_base, peer_layout = link.peers[nxt]
             msg.free_flag = peer_base + peer_layout.free(self.rank, slot.buffer)
@@ -176,7 +194,7 @@ class _Rounds:
             if self._direct(msg):
                 msg.buffer = -1
                 src, off, n = self._direct_source(msg)
-                msg.src, msg.dst, msg.nbytes = src.data_ptr(), remote + off, n
+                msg.src, msg.dst, msg.nbytes = src, remote + off, n
             else:
                 msg.buffer = packed % count
                 packed += 1
@@ -224,13 +242,15 @@ class _Rounds:
                     msg.pieces = [(_bytes_of(at(d, p, i))[o:o + n], b, n)
                                   for (d, p, i, o), (_, b, n) in zip(msg.piece_sources,
                                                                      msg.pieces)]
-                if ce and msg is pair[0] and msg.buffer < 0:
-                    msg.src = self._direct_source(msg)[0].data_ptr()
-                if ce and msg is pair[1] and msg.unpack_dst:
-                    msg.unpack_dst = self._direct_source(msg)[0].data_ptr()
         self._self_copies = (lane(1, me), lane(0, me))
         if self._copier is not None:
             self._copier.bind(self._addresses())
+        if ce:
+            for send, recv in self._rounds:
+                if send is not None and send.buffer < 0:
+                    send.src = self._direct_source(send)[0]
+                if recv is not None and recv.unpack_dst:
+                    recv.unpack_dst = self._direct_source(recv)[0]
 
     # ---- Running ----
 
@@ -402,15 +422,15 @@ class _Rounds:
                     rc = wait(us, recv.filled_flag, seq, wait_flags)
                     if rc:
                         d.check(rc, "cuStreamWaitValue32")
-                    if copier is not None:
-                        copier.launch((k, 1), us)
-                    elif recv.unpack_dst:
+                    if recv.unpack_dst:
                         # One tensor (or one piece of one): a driver copy, a few µs of host
                         # time, where PyTorch's copy_ and a stream switch cost several times
                         # that.
                         rc = memcpy(recv.unpack_dst, recv.unpack_src, recv.nbytes, us)
                         if rc:
                             d.check(rc, "enqueueing a copy-engine unpack")
+                    elif copier is not None:
+                        copier.launch((k, 1), us)
                     else:
                         if active is not unpack:
                             set_stream(unpack)

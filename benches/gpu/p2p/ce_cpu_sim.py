@@ -111,18 +111,24 @@ def worker(rank, world, port, failures):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     install_fakes(rank)
     ok = True
-    for seed, budget, k in [(1, 0.05, 1), (2, 1, 1), (3, 0.05, 2), (4, 128, 1), (5, 0.1, 1)]:
+    cases = [(1, 0.05, 1), (2, 1, 1), (3, 0.05, 2), (4, 128, 1), (5, 0.1, 1), (6, 0.1, 1)]
+    for seed, budget, k in cases:
         counts = random.Random(seed)
         n = {(s, d): counts.randint(0, 60) for s in range(world) for d in range(world)}
-        if seed == 5:  # large tensors split across many messages, sent straight from the tensor
-            n = {(s, d): 3 for s in range(world) for d in range(world)}
+        # Seed 5: large tensors split across many messages, sent straight from the tensor;
+        # seed 6: one tensor per peer that fits a buffer, a message of its own sent whole.
+        arange_numel = {5: lambda i: 100_000 + 7 * i, 6: lambda i: 5_000}.get(seed)
+        if arange_numel is not None:
+            n = {(s, d): 3 if seed == 5 else 1 for s in range(world) for d in range(world)}
         sends = {d: [tensor(rank, d, i, seed) for i in range(n[(rank, d)])] for d in range(world)}
-        if seed == 5:
-            sends = {d: [torch.arange(100_000 + 7 * i, dtype=torch.float32) + rank + d
-                         for i in range(3)] for d in range(world)}
+        if arange_numel is not None:
+            sends = {d: [torch.arange(arange_numel(i), dtype=torch.float32) + rank + d
+                         for i in range(n[(rank, d)])] for d in range(world)}
         recvs = {s: [torch.empty_like(t) for t in
-                     ([tensor(s, rank, i, seed) for i in range(n[(s, rank)])] if seed != 5
-                      else [torch.arange(100_000 + 7 * i, dtype=torch.float32) for i in range(3)])]
+                     ([tensor(s, rank, i, seed) for i in range(n[(s, rank)])]
+                      if arange_numel is None
+                      else [torch.arange(arange_numel(i), dtype=torch.float32)
+                            for i in range(n[(s, rank)])])]
                  for s in range(world)}
         ex = make(p2p.Exchange(sends, recvs, budget_mib=budget, rounds_per_group=k,
                                transport="ce"))
@@ -139,8 +145,8 @@ def worker(rank, world, port, failures):
             ex.run()
             for s in range(world):
                 for i, t in enumerate(recvs[s]):
-                    if seed == 5:
-                        want = torch.arange(100_000 + 7 * i, dtype=torch.float32) + s + rank + it + 1
+                    if arange_numel is not None:
+                        want = torch.arange(arange_numel(i), dtype=torch.float32) + s + rank + it + 1
                     else:
                         want = tensor(s, rank, i, seed)
                         if want.dtype != torch.bool and want.numel():
@@ -176,10 +182,13 @@ def dropin_over_ce(rank, world):
     p2p.Exchange.__init__ = with_fake_streams
     ok = True
     try:
-        for step, big in enumerate([False, False, True, True, False]):
+        shapes = ["small", "small", "large", "large", "medium", "medium", "small"]
+        for step, shape in enumerate(shapes):
             value = lambda s, d, i: float(s * 100 + d * 10 + i + step)
-            # Small tensors packed, or large ones split into messages copied from the tensor.
-            numel = (lambda i: 40_000 + i) if big else (lambda i: 1 + (i * 7) % 30)
+            # Small tensors packed; large ones split into messages copied from the tensor;
+            # medium ones a message each, copied whole from the tensor.
+            numel = {"small": lambda i: 1 + (i * 7) % 30, "large": lambda i: 40_000 + i,
+                     "medium": lambda i: 3_000 + i}[shape]
             streams, expect = [], []  # one list per peer and direction, in matching order
             for j in range(world):
                 streams.append([dist.P2POp(dist.isend, torch.full((numel(i),), value(rank, j, i)), j)
@@ -188,7 +197,7 @@ def dropin_over_ce(rank, world):
                 streams.append([dist.P2POp(dist.irecv, box, j) for box in boxes])
                 expect += [(box, value(j, rank, i)) for i, box in enumerate(boxes)]
             # Interleaved at random, each peer's sends and receives still in order.
-            rng, ops = random.Random(int(big) * 10 + rank), []  # one order per shape
+            rng, ops = random.Random(shapes.index(shape) * 10 + rank), []  # one order per shape
             while any(streams):
                 ops.append(rng.choice([q for q in streams if q]).pop(0))
             for w in p2p.batch_isend_irecv(ops, budget_mib=0.1, transport="ce"):
@@ -198,7 +207,7 @@ def dropin_over_ce(rank, world):
                 print(f"rank {rank}: drop-in step {step} over ce: values differ", flush=True)
             ok &= good
         state = p2p._GROUPS[None]
-        ok &= len(state.exchanges) == 2 and all(ex.transport == "ce" for ex in state.exchanges.values())
+        ok &= len(state.exchanges) == 3 and all(ex.transport == "ce" for ex in state.exchanges.values())
         while state.exchanges:
             state.exchanges.pop(next(iter(state.exchanges))).release()
         ok &= FileLink.opened == 0
