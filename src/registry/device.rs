@@ -202,14 +202,9 @@ impl<B: Backend> Device<B> {
         &self,
         body: impl FnOnce(&Allocator<B>) -> Result<T, AllocError>,
     ) -> Result<T, Box<CallError>> {
-        if let Some(poisoned) = self.poison.get() {
-            return Err(Box::new(CallError::Unavailable(self.refusal(poisoned))));
-        }
-        match catch_unwind(AssertUnwindSafe(|| {
-            body(&self.allocator).map_err(boxed_engine_error)
-        })) {
+        match self.run(|allocator| body(allocator).map_err(boxed_engine_error)) {
             Ok(result) => result,
-            Err(payload) => Err(Box::new(CallError::Unavailable(self.poison_with(payload)))),
+            Err(refusal) => Err(Box::new(CallError::Unavailable(refusal))),
         }
     }
 
