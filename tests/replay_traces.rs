@@ -136,22 +136,25 @@ fn bert_varlen_steady_state_does_not_remap_without_stitching() {
     assert!(report.ratio() <= GOAL, "ratio {:.4}", report.ratio());
 }
 
-/// With stitching (the default), BERT with varying lengths never synchronises or
-/// unmaps and ends closer to its live peak, but its third step still maps a little: its
-/// requests' sizes vary within the step, so some stitched ranges kept from the second step
-/// find their pages taken and new ones are made (a known gap: at most 1% of the peak is
-/// mapped in the last step).
+/// With stitching (the default), BERT with varying sequence lengths settles: its third step
+/// maps, stitches and synchronises nothing, and stays near its live peak. Its 1.35 GB
+/// logits request is stitched from runs of at least a 128th of its size, grown where the
+/// pool lacks them: stitched from every small hole between live blocks instead, its kept
+/// ranges found some hole refilled by a medium tensor in the next step and new ones were
+/// made in every step.
 #[test]
-fn bert_varlen_with_stitching_stays_near_the_peak_and_never_synchronises() {
+fn bert_varlen_with_stitching_settles_near_the_peak() {
     let traces = load_traces(&shared_trace("bert_varlen.pickle.gz")).unwrap();
     let report = replay_steps(&traces[0].entries, &Config::default(), 3, &mut |_| {}).unwrap();
     assert_eq!(report.device_syncs, 0, "{report:?}");
-    assert_eq!(report.last_step_page_unmaps, 0, "{report:?}");
-    assert!(
-        report.last_step_page_map_bytes <= report.peak_live_bytes / 100,
-        "{report:?}"
+    let last = (
+        report.last_step_page_maps,
+        report.last_step_page_unmaps,
+        report.last_step_stitch_maps,
+        report.last_step_stitches,
     );
-    assert!(report.ratio() <= 1.015, "ratio {:.4}", report.ratio());
+    assert_eq!(last, (0, 0, 0, 0), "{report:?}");
+    assert!(report.ratio() <= 1.02, "ratio {:.4}", report.ratio());
 }
 
 /// Replays a trace recorded on an H200 by benches/gpu/alloc_bench.py (`CAPTURE=...`) under
