@@ -69,8 +69,11 @@ class _Rounds:
         starts = lanes.starts()
         own = [(starts[me] + k, starts[w + me] + k, lanes.nbytes[starts[me] + k])
                for k in range(lanes.counts[me])]
+        # Over the copy engine, single-region messages are one driver copy (`_direct`);
+        # every other packed message must have its staging buffer in `bases`.
         direct = {(k, d) for k, pair in enumerate(self._rounds) for d, msg in enumerate(pair)
-                  if msg is not None and msg.zero_copy is None and (k, d) not in bases}
+                  if msg is not None and msg.zero_copy is None and self._direct(msg)
+                  } if self.transport == "ce" else set()
         table = _p2p_copy.build_table(self._rows, _ROW, starts, w, bases, own, skip=direct)
         if self.device.type == "cuda" and table.device_bytes > self._table_reserve:
             # reserve_bytes() bounds every table: this is a bug, not an input to refuse

@@ -117,9 +117,10 @@ def worker(rank, world, port, failures):
         n = {(s, d): counts.randint(0, 60) for s in range(world) for d in range(world)}
         # Seed 5: large tensors split across many messages, sent straight from the tensor;
         # seed 6: one tensor per peer that fits a buffer, a message of its own sent whole.
-        arange_numel = {5: lambda i: 100_000 + 7 * i, 6: lambda i: 5_000}.get(seed)
+        count, arange_numel = {5: (3, lambda i: 100_000 + 7 * i),
+                               6: (1, lambda i: 5_000)}.get(seed, (None, None))
         if arange_numel is not None:
-            n = {(s, d): 3 if seed == 5 else 1 for s in range(world) for d in range(world)}
+            n = {(s, d): count for s in range(world) for d in range(world)}
         sends = {d: [tensor(rank, d, i, seed) for i in range(n[(rank, d)])] for d in range(world)}
         if arange_numel is not None:
             sends = {d: [torch.arange(arange_numel(i), dtype=torch.float32) + rank + d
