@@ -28,22 +28,44 @@ _FAILED_DIGEST = -1  # a rank whose input is invalid: every rank then raises its
 _CACHED_EXCHANGES = 8  # agreed exchanges kept per group (one holds staging at a time)
 
 
+#: Op lists of works dropped before ``wait()`` while their exchange may still be running on
+#: the device, with the event that marks its end: their tensors must not go back to the
+#: allocator (and be reused on the caller's stream) before the exchange is done with them.
+#: Pruned at every call, once each event has completed.
+_IN_FLIGHT: list = []
+
+
+def _prune_in_flight() -> None:
+    _IN_FLIGHT[:] = [(event, ops) for event, ops in _IN_FLIGHT if not event.query()]
+
+
 class _Work:
     """One handle for the whole batch. ``wait()`` makes the caller's current stream wait for
     the exchange (on the device: the host does not block), as NCCL's works do. It holds the
-    op list, so the tensors live as long as the handle."""
+    op list, so the tensors live as long as the handle; a handle dropped before ``wait()``
+    hands them to ``_IN_FLIGHT`` until the exchange is done with them, as PyTorch keeps a
+    work's tensors until it is waited for. (The cached exchange itself keeps none.)"""
 
     def __init__(self, event, device, ops):
         self._event = event
         self._device = device
         self._ops = ops
+        self._waited = event is None
 
     def wait(self, timeout=None) -> bool:
         if self._event is not None:
             import torch
 
             torch.cuda.current_stream(self._device).wait_event(self._event)
+            self._waited = True
         return True
+
+    def __del__(self):
+        try:
+            if not self._waited and not self._event.query():
+                _IN_FLIGHT.append((self._event, self._ops))
+        except Exception:  # interpreter shutdown: nothing left to protect
+            pass
 
     def is_completed(self) -> bool:
         return self._event is None or self._event.query()
@@ -129,7 +151,8 @@ def batch_isend_irecv(p2p_op_list, group=None, budget_mib: float = 128, *,
 
     The exchange agreed for one shape is kept (``_CACHED_EXCHANGES`` per group, one holding
     staging at a time): a loop sending the same shapes every step agrees on the first step
-    only, whatever order it lists its ops in. ``transport`` is :class:`Exchange`'s."""
+    only, whatever order it lists its ops in. It keeps none of the caller's tensors: the
+    works hold them (see :class:`_Work`). ``transport`` is :class:`Exchange`'s."""
     import torch
     import torch.distributed as dist
 
@@ -184,8 +207,16 @@ def batch_isend_irecv(p2p_op_list, group=None, budget_mib: float = 128, *,
         state.exchanges[key] = exchange_
     else:
         exchange_._rebind(lanes)
-    exchange_.run()
+    try:
+        exchange_.run()
+    finally:
+        # The works hold the tensors from here on (the exchange keeps none of a caller's).
+        exchange_._unbind()
     device = exchange_.device
     if device.type != "cuda":
         return [_Work(None, device, ops)]
-    return [_Work(torch.cuda.current_stream(device).record_event(), device, ops)]
+    work = _Work(torch.cuda.current_stream(device).record_event(), device, ops)
+    # Tensors of earlier calls whose works were dropped unwaited go back once their exchange
+    # is done; after this call's device work is queued, so that freeing them overlaps it.
+    _prune_in_flight()
+    return [work]

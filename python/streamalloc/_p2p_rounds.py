@@ -23,6 +23,10 @@ from . import _p2p_native
 from ._p2p_plan import _ROW, P2PError, _flat
 
 
+#: What an unbound zero-copy message holds instead of its tensor (see ``_Rounds._unbind``).
+_UNBOUND = object()
+
+
 class _Rounds:
     """The running half of :class:`streamalloc.p2p.Exchange` (its agreement builds the
     attributes used here: ``_rounds``, ``summary``, ``transport``, ``_lanes``, ...)."""
@@ -255,11 +259,31 @@ class _Rounds:
                 if recv is not None and recv.unpack_dst:
                     recv.unpack_dst = self._direct_source(recv)[0]
 
+    def _unbind(self):
+        """Lets go of the tensors the plan was last bound to: a cached exchange must not keep
+        a caller's tensors (and their memory) alive until its next call of the same shape.
+        What :meth:`_rebind` needs stays (counts, offsets, sources); every tensor reference
+        becomes a placeholder, and running before the next :meth:`_rebind` raises."""
+        for pair in self._rounds:
+            for msg in pair:
+                if msg is None:
+                    continue
+                if msg.zero_copy is not None:
+                    msg.zero_copy = _UNBOUND  # still marks the message as zero-copy
+                for run in msg.runs:
+                    run.tensors = [None] * len(run.tensors)
+                msg.pieces = [(None, offset, nbytes) for _, offset, nbytes in msg.pieces]
+        self._self_copies = None
+        self._lanes = None
+
     # ---- Running ----
 
     def run(self) -> dict:
         """Moves the bytes. Returns the plan's figures for this rank."""
         import torch
+
+        if self._lanes is None:
+            raise P2PError("this exchange let go of its tensors (_unbind): bind new ones first")
 
         # Parameters and other leaves that require grad are moved as ``p.data`` would be:
         # packing with ``out=`` and unpacking in place are not differentiable operations.

@@ -1,12 +1,15 @@
 # streamalloc.p2p.batch_isend_irecv on CPU tensors over gloo, WORLD ranks as processes: the
-# drop-in's translation, plan cache, rebinding and error agreement, minus the GPU.
+# drop-in's translation, plan cache, rebinding (keeping none of a caller's tensors) and
+# error agreement, minus the GPU.
 #   PYTHONPATH=python STREAMALLOC_LIB=target/debug/libstreamalloc.so \
 #     python3 benches/gpu/p2p/dropin_cpu_check.py [WORLD ...]     (default: 2 3 4)
 # Exits non-zero on any failure. Without torch it prints SKIP and exits 0.
+import gc
 import os
 import random
 import sys
 import time
+import weakref
 
 try:
     import torch
@@ -134,6 +137,29 @@ def worker(rank, world, port, results):
     checks["another order of sizes within one peer misses the cache"] = (
         good and len(built) == before + 2)
     p2p.Exchange.__init__ = original
+
+    # 2b. The cache keeps none of a caller's tensors: once the caller drops its ops, works
+    #     and tensors, their memory goes back, at the first call of a shape (the plan is
+    #     built from those tensors) and at a cached one, with the host twin of the copy kernel ("auto" on the CPU) and with PyTorch's packing.
+    def released_after_call(shape_seed):
+        ops, recvs = hang_pattern(rank, world, 2, "random", seed=shape_seed)
+        works = batch_isend_irecv(ops, budget_mib=1)
+        for work in works:
+            work.wait()
+        ok = landed(recvs, rank)
+        watched = [weakref.ref(op.tensor) for op in ops]
+        del ops, recvs, works, work
+        gc.collect()
+        return ok and not any(ref() is not None for ref in watched)
+
+    for pack in ("auto", "torch"):
+        os.environ["STREAMALLOC_P2P_PACK"] = pack
+        seed = 501 if pack == "auto" else 502
+        first = released_after_call(seed)
+        cached = released_after_call(seed)
+        checks[f"{pack} packing: a call keeps none of the caller's tensors (first, cached)"] = (
+            first and cached)
+    os.environ.pop("STREAMALLOC_P2P_PACK")
 
     # 3. Mixed dtypes, 2-D tensors, a tensor larger than a staging buffer, leaves that
     #    require grad, several ops to the same peer in both directions.

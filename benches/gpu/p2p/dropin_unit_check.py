@@ -8,7 +8,9 @@
 #      positive numbers of MiB, options out of range;
 #   3. the shape digest (the cache key): any interleaving of the peers' ops gives the same
 #      digest; a change of order within one peer and direction, of peer, size, dtype,
-#      direction, count, budget or transport gives another; empty lists are the empty digest.
+#      direction, count, budget or transport gives another; empty lists are the empty digest;
+#   4. the works: one dropped before wait() keeps its ops (so its tensors) until the
+#      exchange's event completes; a waited or finished one keeps nothing.
 #   PYTHONPATH=python python3 benches/gpu/p2p/dropin_unit_check.py
 import sys
 
@@ -207,6 +209,69 @@ check(digest(interleaved(0), budget // 2) != d0, "the digest sees the budget")
 check(digest(interleaved(0), transport="ce") != d0, "the digest sees the transport")
 check(p2p.signature_digest(translate([]), budget) == p2p._EMPTY_DIGEST,
       "an empty list is the empty digest")
+
+# 4. The tensors of a work dropped before wait(): kept (with the op list) until the
+#    exchange's event completes, then let go; a waited work or a finished exchange keeps
+#    nothing. (The cached exchange itself keeps none of a caller's tensors.)
+from streamalloc import _p2p_dropin as dropin  # noqa: E402
+
+
+class FakeEvent:
+    def __init__(self, done):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+class FakeStream:
+    def wait_event(self, event):
+        pass
+
+
+class FakeCuda:
+    @staticmethod
+    def current_stream(device):
+        return FakeStream()
+
+
+class FakeTorch:  # what _Work.wait() touches
+    cuda = FakeCuda
+
+
+def dropped(event, waited):
+    ops = ["op"]
+    work = dropin._Work(event, "cuda:0", ops)
+    if waited:
+        saved = sys.modules.get("torch")
+        sys.modules["torch"] = FakeTorch
+        try:
+            work.wait()
+        finally:
+            if saved is None:
+                del sys.modules["torch"]
+            else:
+                sys.modules["torch"] = saved
+    del work
+    return ops
+
+
+dropin._IN_FLIGHT.clear()
+running = FakeEvent(False)
+ops = dropped(running, waited=False)
+check([o for _, o in dropin._IN_FLIGHT] == [ops],
+      "a work dropped unwaited while its exchange runs keeps its ops in flight")
+dropin._prune_in_flight()
+check(len(dropin._IN_FLIGHT) == 1, "ops in flight stay while the exchange runs")
+running.done = True
+dropin._prune_in_flight()
+check(not dropin._IN_FLIGHT, "ops in flight go once the exchange is done")
+dropped(FakeEvent(True), waited=False)
+check(not dropin._IN_FLIGHT, "a work dropped after its exchange is done keeps nothing")
+dropped(FakeEvent(False), waited=True)
+check(not dropin._IN_FLIGHT, "a waited work keeps nothing once dropped")
+dropped(None, waited=False)
+check(not dropin._IN_FLIGHT, "a work of a CPU exchange (no event) keeps nothing")
 
 if failures:
     print(f"{len(failures)} failure(s)")

@@ -7,7 +7,8 @@
 # exchange holds must stay within the budget. Beside each, an Exchange over the same lists
 # (agreed and run once, then run again): each drop-in iteration must take at most twice the
 # Exchange's time for the same work (a new T: its first call; the cached T: its steady run). Also: a list that does not match on one rank
-# and an invalid list raise the same P2PError on every rank; empty lists work.
+# and an invalid list raise the same P2PError on every rank; empty lists work; the drop-in
+# keeps none of the caller's tensors once they are dropped (device memory comes back).
 #   torchrun --nproc-per-node N benches/gpu/p2p/hang_dropin.py [--budget-mib 128] [--json OUT]
 # Rank 0 prints one table; the exit status is non-zero on any failure.
 import argparse
@@ -98,6 +99,41 @@ def exchange_times(rank, world, T):
     return dict(exchange_first_s=first, exchange_steady_s=sorted(steady)[1], exchange_ok=ok)
 
 
+def memory_returns(rank, world):
+    """The drop-in keeps none of the caller's tensors: after a first and a cached call of one
+    shape (1 MiB tensors, 16 MiB per peer each way, a 4 MiB budget), once the caller drops
+    its ops, works and tensors, device memory is back where it was but for the exchange's
+    own staging and copy table. Returns (ok, MiB left after the first call beyond those,
+    MiB added by the cached call)."""
+    def call():
+        sends = [dist.P2POp(dist.isend, torch.full((2**18,), float(rank * world + j), device="cuda"), j)
+                 for j in range(world) for _ in range(16)]
+        recvs = [torch.empty(2**18, device="cuda") for j in range(world) for _ in range(16)]
+        ops = sends + [dist.P2POp(dist.irecv, t, j // 16) for j, t in enumerate(recvs)]
+        works = batch_isend_irecv(ops, budget_mib=4)
+        for work in works:
+            work.wait()
+        ok = all(bool((t == float((j // 16) * world + rank)).all()) for j, t in enumerate(recvs))
+        del ops, sends, recvs, works, work
+        torch.cuda.synchronize()
+        return ok
+
+    release_dropin()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    ok = call()
+    state = p2p._GROUPS.get(None)
+    ex = next(reversed(state.exchanges.values()))
+    own = ex.staging_bytes + ex.summary.get("table_bytes", 0)
+    after_first = torch.cuda.memory_allocated() - base - own
+    ok &= call()
+    after_cached = torch.cuda.memory_allocated() - base - own
+    release_dropin()
+    # The allocator rounds each block: a MiB of slack for the staging and the table.
+    return (ok and after_first <= 2**20 and after_cached <= after_first,
+            after_first / 2**20, (after_cached - after_first) / 2**20)
+
+
 def same_error_everywhere(rank, world, needle, call):
     try:
         call()
@@ -164,6 +200,7 @@ def main():
     errors["a non-contiguous tensor on rank 0"] = same_error_everywhere(
         rank, world, "not contiguous", invalid)
     empty_ok = batch_isend_irecv([]) == []
+    memory = memory_returns(rank, world)
     # After the errors, the group still works.
     T = [[3] * world for _ in range(world)]
     datas, ops = send_recv(rank, world, T, True)
@@ -173,7 +210,7 @@ def main():
 
     everyone = [None] * world
     dist.all_gather_object(everyone, dict(rows=rows, errors={k: v[0] for k, v in errors.items()},
-                                          empty_ok=empty_ok, after_ok=after_ok))
+                                          empty_ok=empty_ok, after_ok=after_ok, memory=memory))
     if rank != 0:
         return 0
     failed = 0
@@ -206,6 +243,12 @@ def main():
     ok = all(r["empty_ok"] for r in everyone) and all(r["after_ok"] for r in everyone)
     failed += not ok
     print(f"empty lists, and a run after the errors: {'ok' if ok else 'FAIL'}")
+    ok = all(r["memory"][0] for r in everyone)
+    failed += not ok
+    print("the drop-in keeps none of the caller's tensors (device memory back after a first and "
+          f"a cached call): {'ok' if ok else 'FAIL'} (left beyond its staging: "
+          f"{max(r['memory'][1] for r in everyone):.1f} MiB after the first call, "
+          f"{max(r['memory'][2] for r in everyone):+.1f} MiB after the cached one)")
     if ARGS.json:
         with open(ARGS.json, "w") as f:
             json.dump(everyone, f, indent=1)
