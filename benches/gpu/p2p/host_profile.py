@@ -8,9 +8,11 @@
 # rounds' packing is device work: benches/gpu/p2p/profile.py times it on GPUs.) Builds the
 # native P2POp reader if it can (streamalloc._p2p_native). The ops are read twice natively:
 # as objects with __slots__, and with a __dict__ (as torch.distributed.P2POp keeps its fields)
-# and their group checked, as the drop-in reads them. The last line is the drop-in's host
-# work on a cached shape: reading the list, its digest, and rebinding the agreed exchange
-# (kernel packing: its copy table's addresses, written to host memory here).
+# and their group checked, as the drop-in reads them. The line before the last adds to the
+# rebind what the drop-in does after each run: letting go of the caller's tensors. The last
+# line is the drop-in's host work on a cached shape before its run: reading the list, its
+# digest, and rebinding the agreed exchange (kernel packing: its copy table's addresses,
+# written to host memory here).
 import random
 import sys
 import time
@@ -140,6 +142,15 @@ def exchange_like():
 
 ex = exchange_like()
 timed("rebind the cached exchange (_rebind)", lambda: ex._rebind(read), "op", n_ops)
+
+
+def unbind_then_rebind():
+    ex._unbind()
+    ex._rebind(read)
+
+
+timed("let go of the tensors after the run, and rebind (_unbind, _rebind)", unbind_then_rebind,
+      "op", n_ops)
 
 
 def cached_call():
