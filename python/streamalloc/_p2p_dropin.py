@@ -50,7 +50,7 @@ class _Work:
         self._event = event
         self._device = device
         self._ops = ops
-        self._waited = event is None
+        self._waited = False
 
     def wait(self, timeout=None) -> bool:
         if self._event is not None:
@@ -62,7 +62,7 @@ class _Work:
 
     def __del__(self):
         try:
-            if not self._waited and not self._event.query():
+            if not self._waited and not self.is_completed():
                 _IN_FLIGHT.append((self._event, self._ops))
         except Exception:  # interpreter shutdown: nothing left to protect
             pass
