@@ -139,8 +139,9 @@ def worker(rank, world, port, results):
     p2p.Exchange.__init__ = original
 
     # 2b. The cache keeps none of a caller's tensors: once the caller drops its ops, works
-    #     and tensors, their memory goes back, at the first call of a shape (the plan is
-    #     built from those tensors) and at a cached one, with the host twin of the copy kernel ("auto" on the CPU) and with PyTorch's packing.
+    #     and tensors, their memory goes back, when a shape is new (its plan is built from
+    #     those tensors) and when it is cached, with the host twin of the copy kernel
+    #     ("auto" on the CPU) and with PyTorch's packing.
     def released_after_call(shape_seed):
         ops, recvs = hang_pattern(rank, world, 2, "random", seed=shape_seed)
         works = batch_isend_irecv(ops, budget_mib=1)

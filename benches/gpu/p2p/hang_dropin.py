@@ -6,9 +6,10 @@
 # tensors (the cached agreement). Every received value is checked and the staging the
 # exchange holds must stay within the budget. Beside each, an Exchange over the same lists
 # (agreed and run once, then run again): each drop-in iteration must take at most twice the
-# Exchange's time for the same work (a new T: its first call; the cached T: its steady run). Also: a list that does not match on one rank
-# and an invalid list raise the same P2PError on every rank; empty lists work; the drop-in
-# keeps none of the caller's tensors once they are dropped (device memory comes back).
+# Exchange's time for the same work (a new T: its agreement and run; the cached T: its
+# steady run). Also: a list that does not match on one rank and an invalid list raise the
+# same P2PError on every rank; empty lists work; the drop-in keeps none of the caller's
+# tensors once they are dropped (device memory comes back).
 #   torchrun --nproc-per-node N benches/gpu/p2p/hang_dropin.py [--budget-mib 128] [--json OUT]
 # Rank 0 prints one table; the exit status is non-zero on any failure.
 import argparse
@@ -75,7 +76,7 @@ def release_dropin():
 
 def exchange_times(rank, world, T):
     """An Exchange over the lists of `T` (the reproduction's tensors, as dicts): seconds of
-    its first call (agree and run) and of a steady run (median of 3)."""
+    its agreement and first run, and of a steady run (median of 3)."""
     sends = {j: [torch.ones(1, device="cuda") * (rank + 1) * (j + 1) for _ in range(T[rank][j])]
              for j in range(world) if T[rank][j]}
     recvs = {j: [torch.empty(1, device="cuda") for _ in range(T[j][rank])]
@@ -100,13 +101,14 @@ def exchange_times(rank, world, T):
 
 
 def memory_returns(rank, world):
-    """The drop-in keeps none of the caller's tensors: after a first and a cached call of one
-    shape (1 MiB tensors, 16 MiB per peer each way, a 4 MiB budget), once the caller drops
-    its ops, works and tensors, device memory is back where it was but for the exchange's
-    own staging and copy table. Returns (ok, MiB left after the first call beyond those,
-    MiB added by the cached call)."""
+    """The drop-in keeps none of the caller's tensors: after it agrees on a new shape (1 MiB
+    tensors, 16 MiB per peer each way, a 4 MiB budget) and after it reuses that shape, once
+    the caller drops its ops, works and tensors, device memory is back where it was but for
+    the exchange's own staging and copy table. Returns (ok, MiB left beyond those once the
+    shape was new, MiB added once it was reused)."""
     def call():
-        sends = [dist.P2POp(dist.isend, torch.full((2**18,), float(rank * world + j), device="cuda"), j)
+        sends = [dist.P2POp(dist.isend,
+                            torch.full((2**18,), float(rank * world + j), device="cuda"), j)
                  for j in range(world) for _ in range(16)]
         recvs = [torch.empty(2**18, device="cuda") for j in range(world) for _ in range(16)]
         ops = sends + [dist.P2POp(dist.irecv, t, j // 16) for j, t in enumerate(recvs)]
@@ -226,7 +228,7 @@ def main():
         ok = all(p["ok"] for p in per)
         failed += not ok
         ms = lambda key: max(p[key] for p in per) * 1e3
-        # A new T is a first call for both; the same T again is a steady run for both.
+        # A new T means agreeing for both; the same T again is a steady run for both.
         ratio = max(ms("iter0_s") / ms("exchange_first_s"), ms("iter1_s") / ms("exchange_first_s"),
                     ms("cached_s") / ms("exchange_steady_s"))
         for p in per:
@@ -245,10 +247,10 @@ def main():
     print(f"empty lists, and a run after the errors: {'ok' if ok else 'FAIL'}")
     ok = all(r["memory"][0] for r in everyone)
     failed += not ok
-    print("the drop-in keeps none of the caller's tensors (device memory back after a first and "
-          f"a cached call): {'ok' if ok else 'FAIL'} (left beyond its staging: "
-          f"{max(r['memory'][1] for r in everyone):.1f} MiB after the first call, "
-          f"{max(r['memory'][2] for r in everyone):+.1f} MiB after the cached one)")
+    print("the drop-in keeps none of the caller's tensors (device memory back after a new and "
+          f"a reused shape): {'ok' if ok else 'FAIL'} (left beyond its staging: "
+          f"{max(r['memory'][1] for r in everyone):.1f} MiB after the new shape, "
+          f"{max(r['memory'][2] for r in everyone):+.1f} MiB after the reused one)")
     if ARGS.json:
         with open(ARGS.json, "w") as f:
             json.dump(everyone, f, indent=1)
