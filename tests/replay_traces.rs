@@ -157,6 +157,29 @@ fn bert_varlen_with_stitching_settles_near_the_peak() {
     assert!(report.ratio() <= 1.02, "ratio {:.4}", report.ratio());
 }
 
+/// `--steps N` reports each step's own peak reserved bytes, so that memory growing from one
+/// step to the next shows: one figure per step, each at least the step's live peak (the
+/// step serves all of it), their largest the run's peak, and the first step's figure what a
+/// replay of that step alone reserves.
+#[test]
+fn every_step_reports_its_own_peak() {
+    let traces = load_traces(&shared_trace("bert_varlen.pickle.gz")).unwrap();
+    let entries = &traces[0].entries;
+    let config = Config::default();
+    let steps = replay_steps(entries, &config, 3, &mut |_| {}).unwrap();
+    let peaks = &steps.pass_peak_reserved_bytes;
+    assert_eq!(peaks.len(), 3, "{peaks:?}");
+    assert!(
+        peaks.iter().all(|&peak| peak >= steps.peak_live_bytes),
+        "a step reserved less than it held live: {peaks:?}, live {}",
+        steps.peak_live_bytes
+    );
+    assert_eq!(peaks.iter().max(), Some(&steps.peak_reserved_bytes));
+    let alone = replay(entries, &config, &mut |_| {}).unwrap();
+    assert_eq!(alone.pass_peak_reserved_bytes, vec![peaks[0]]);
+    assert_eq!(alone.peak_reserved_bytes, peaks[0]);
+}
+
 /// Replays a trace recorded on an H200 by benches/gpu/alloc_bench.py (`CAPTURE=...`) under
 /// PyTorch's allocator, as three steps; the recordings start after two warm-up steps, so
 /// they carry no segment events of their own (PyTorch reserved 1.047x (GPT-2) and 1.185x

@@ -45,6 +45,8 @@ Under each row:
                             later request without mapping anything
   last of N steps           the same counters for the final pass alone (--steps N): page
                             maps there mean the allocator still remaps in a steady state
+  peak reserved of each     our peak reserved within each pass (--steps N): figures that
+    step                    keep rising are memory growing from one step to the next
   frees ... ignored         frees of blocks allocated before recording began
 
 The configuration line lists every key (STREAMALLOC_CONF or --conf over the defaults);
@@ -295,6 +297,12 @@ impl Table {
                 report.last_step_stitches,
                 report.last_step_driver_allocations
             )?;
+            let peaks: Vec<String> = report
+                .pass_peak_reserved_bytes
+                .iter()
+                .map(|&b| format!("{:.0}", b as f64 / (1u64 << 20) as f64))
+                .collect();
+            outln!("  peak reserved of each step: {} MiB", peaks.join(", "))?;
         }
         if report.unknown_frees > 0 {
             outln!(

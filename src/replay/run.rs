@@ -99,6 +99,10 @@ pub struct ReplayReport {
     pub last_step_driver_allocations: u64,
     /// Host nanoseconds per replayed operation (malloc or free), engine calls only.
     pub ns_per_op: f64,
+    /// Our peak reserved bytes within each pass, in order: one entry per step. A steady
+    /// allocator's figures stop rising after its first passes; figures that keep rising
+    /// are memory that grows from one training step to the next.
+    pub pass_peak_reserved_bytes: Vec<u64>,
 }
 
 impl ReplayReport {
@@ -225,6 +229,9 @@ pub fn replay_steps_paced(
             stitches_before_last = stats.stitches;
         }
         let offset = step * events.len();
+        // Each pass's own peak: the statistics' peaks restart from the current values (the
+        // policy reads none of them).
+        allocator.reset_peak_stats();
         pass.run(
             &allocator,
             events,
@@ -232,6 +239,7 @@ pub fn replay_steps_paced(
             &mut |done| progress(offset + done),
             &mut |index, _| pace(index),
         )?;
+        pass.end_pass(&allocator);
     }
     let mut report = pass.finish(&allocator, started);
     let [maps, unmaps, syncs, stitch_maps, allocations] = counts();
@@ -260,6 +268,7 @@ pub fn replay_on<B: Backend>(
     let mut pass = Pass::new(events.len() as u64);
     let started = Instant::now();
     pass.run(allocator, events, true, progress, &mut |_, _| {})?;
+    pass.end_pass(allocator);
     Ok(pass.finish(allocator, started))
 }
 
@@ -305,6 +314,7 @@ impl Pass {
                 driver_allocations: 0,
                 last_step_driver_allocations: 0,
                 ns_per_op: 0.0,
+                pass_peak_reserved_bytes: Vec::new(),
             },
             live_bytes: 0,
             native: 0,
@@ -386,6 +396,13 @@ impl Pass {
         Ok(())
     }
 
+    /// Notes the pass just run: its peak reserved bytes (the statistics' peak, reset at its
+    /// start by a replay of several passes).
+    pub(super) fn end_pass<B: Backend>(&mut self, allocator: &Allocator<B>) {
+        let peak = allocator.stats().reserved_bytes.peak;
+        self.report.pass_peak_reserved_bytes.push(peak);
+    }
+
     /// The report after the last pass, timed from `started`.
     fn finish<B: Backend>(mut self, allocator: &Allocator<B>, started: Instant) -> ReplayReport {
         let elapsed = started.elapsed();
@@ -393,7 +410,13 @@ impl Pass {
         let (allocs_before, frees_before) = self.before.unwrap_or_default();
         let report = &mut self.report;
         report.live_at_end = self.live.len() as u64;
-        report.peak_reserved_bytes = stats.reserved_bytes.peak;
+        report.peak_reserved_bytes = report
+            .pass_peak_reserved_bytes
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            .max(stats.reserved_bytes.peak);
         report.segment_events =
             (stats.segment_allocs - allocs_before) + (stats.segment_frees - frees_before);
         let ops = (report.allocs + report.frees).max(1);
