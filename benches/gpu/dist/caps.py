@@ -15,7 +15,10 @@ Per row (workloads.py says what each trains):
   3. caps: for each allocator, the lowest of 1.000, 1.005, ..., 1.050 x live under which it
      trains, bisected from 1.020 in at most CAPS_PROBES launches (4); the cap is
      `torch.cuda.set_per_process_memory_fraction` before the first allocation (PyTorch's own
-     limit; streamalloc's through its door). A launch in which any rank runs out of memory
+     limit; streamalloc's through its door), or with DIST_CAP_MODE=device the device's other
+     memory held by a driver allocation, no limit set (as when another process holds it),
+     leaving RATIO x live plus what the process used outside its allocator uncapped; its
+     caps run from 0.900 to 1.050, bisected from 1.000. A launch in which any rank runs out of memory
      fails the cap; streamalloc's step time under 1.020 x live is reported against its own
      uncapped time.
 Phase dist runs fsdp2_gpt2, fsdp2_ckpt and ddp_gpt2 (CAPS_ROWS) on every GPU, one after the
@@ -47,8 +50,15 @@ WORKLOADS = os.path.join(HERE, "workloads.py")
 PHASE_ROWS = {"dist": ["fsdp2_gpt2", "fsdp2_ckpt", "ddp_gpt2"], "single": ["gpt2_varlen", "generate"]}
 ALLOCATORS = ["pt_expandable", "sa"]
 HEADERS = {"pt_expandable": "PyTorch expandable", "sa": "streamalloc"}
-CAPS = [round(1.0 + 0.005 * k, 3) for k in range(11)]
-FIRST_CAP = CAPS.index(1.02)
+
+# The caps tried, in steps of 0.005 of the live peak, and the first one. A device-level cap
+# (DIST_CAP_MODE=device) leaves the process what it used outside its allocator on top of
+# RATIO x live, measured at the end of an uncapped launch; part of that may not be needed at
+# the peak, so its caps go below 1.000 and its bisection starts at 1.000.
+def caps_for(mode):
+    low = 0.9 if mode == "device" else 1.0
+    caps = [round(low + 0.005 * k, 3) for k in range(round((1.05 - low) / 0.005) + 1)]
+    return caps, caps.index(1.0 if mode == "device" else 1.02)
 
 
 class Runner:
@@ -65,6 +75,7 @@ class Runner:
         self.count = 0
         self.results = self.placements = None  # set by main once the plan is known
         self.steps = {"DIST_WARMUP": str(env_int("DIST_WARMUP", 2)), "DIST_STEPS": str(env_int("DIST_STEPS", 8))}
+        self.caps, self.first_cap = caps_for(cap_mode())
 
     def checkpoint(self):
         """Writes the table as it stands, marked partial, so that a run stopped from outside
@@ -90,6 +101,7 @@ class Runner:
                 WORKLOADS, "--worker", row, col, prefix]
         env = {**COMMON_ENV, **dict((c, e) for c, _, e in COLUMNS)[col], **self.steps,
                "CUDA_VISIBLE_DEVICES": gpus, "DIST_CAP_RATIO": None, "DIST_LIVE_BYTES": None,
+               "DIST_OUTSIDE_BYTES": None, "DIST_CAP_MODE": cap_mode(),
                **(extra_env or {})}
         launch = Launch(name, argv, env, self.timeout, [f"{prefix}.rank{r}.json" for r in range(nproc)],
                         os.path.join(self.out, "logs", name + ".log"))
@@ -126,6 +138,7 @@ def uncapped(runner, row, gpus, result):
                 "reserved": worst(ranks, "reserved"), "allocated": worst(ranks, "allocated"),
                 "ratio": max(r["ratio_whole"] for r in ranks if r.get("ratio_whole")),
                 "losses": next(r for r in ranks if r["rank"] == 0)["losses"],
+                "outside": max((r.get("outside_allocator_bytes") or 0) for r in ranks),
                 "sa_timed": sum_counters(ranks)})
             ok = [run for c in ALLOCATORS for run in runs[c] if "failure" not in run]
             result["live_bytes"] = max((run["allocated"] for run in ok), default=None)
@@ -149,23 +162,28 @@ def counter_text(key, value):
 
 
 def lowest_cap(runner, row, col, gpus, live, result):
-    """Bisects CAPS from 1.020 for the lowest cap under which `col` trains."""
-    probes, low_fail, high_ok, index = {}, -1, None, FIRST_CAP
+    """Bisects the runner's caps from its first for the lowest cap under which `col` trains."""
+    caps = runner.caps
+    probes, low_fail, high_ok, index = {}, -1, None, runner.first_cap
     unfinished = False
 
     def record():
         result.setdefault("caps", {})[col] = {
             "probes": probes,
-            "lowest": CAPS[high_ok] if high_ok is not None else None,
+            "lowest": caps[high_ok] if high_ok is not None else None,
             # Exact when the step below was tried and failed (or the lowest cap trains).
-            "exact": high_ok is not None and (high_ok == 0 or CAPS[high_ok - 1] in probes),
+            "exact": high_ok is not None and (high_ok == 0 or caps[high_ok - 1] in probes),
             "unfinished": unfinished,
         }
 
     for _ in range(env_int("CAPS_PROBES", 4)):
-        cap = CAPS[index]
+        cap = caps[index]
+        # A device-level cap leaves each allocator what its own process used outside it in
+        # its uncapped launches (the most of them) on top of the cap.
+        outside = max((run.get("outside") or 0 for run in result["uncapped"][col]), default=0)
         ranks, why, oom, _ = runner.launch(row, col, f"{row}__{col}__cap{cap:.3f}", gpus,
-                                           {"DIST_CAP_RATIO": f"{cap}", "DIST_LIVE_BYTES": str(live)})
+                                           {"DIST_CAP_RATIO": f"{cap}", "DIST_LIVE_BYTES": str(live),
+                                            "DIST_OUTSIDE_BYTES": str(outside)})
         if why == SKIPPED:
             unfinished = True  # a probe not made is neither a pass nor a failure
             break
@@ -181,10 +199,10 @@ def lowest_cap(runner, row, col, gpus, live, result):
         record()
         runner.checkpoint()
         if high_ok is None:
-            index = low_fail + max(1, (len(CAPS) - low_fail) // 2)
+            index = low_fail + max(1, (len(caps) - low_fail) // 2)
         else:
             index = (low_fail + high_ok) // 2
-        if index >= len(CAPS) or index in (low_fail, high_ok) or CAPS[index] in probes:
+        if index >= len(caps) or index in (low_fail, high_ok) or caps[index] in probes:
             break
     record()
 
@@ -221,6 +239,24 @@ def cap_text(c):
     if c["exact"]:
         return f"{c['lowest']:.3f}"
     return f"{c['lowest']:.3f} (" + ("lower caps not reached" if c.get("unfinished") else "below untried") + ")"
+
+
+# How a cap is applied (DIST_CAP_MODE, passed on to every launch; workloads.py does it).
+CAP_HOW = {"fraction": ", set with torch.cuda.set_per_process_memory_fraction",
+           "device": ", left free on the device, with what the process used outside its allocator "
+                     "uncapped, the rest held by a driver allocation (DIST_CAP_MODE=device: no limit "
+                     "is set, the allocator meets the driver's refusals)"}
+
+
+CAP_FROM = {"fraction": "1.020 by bisection in steps of 0.005 (1.000-1.050)",
+            "device": "1.000 by bisection in steps of 0.005 (0.900-1.050)"}
+
+
+def cap_mode():
+    mode = os.environ.get("DIST_CAP_MODE") or "fraction"
+    if mode not in CAP_HOW:
+        raise SystemExit(f"caps.py: DIST_CAP_MODE={mode!r}: fraction or device")
+    return mode
 
 
 def table(results, rows, header):
@@ -264,8 +300,8 @@ def table(results, rows, header):
         lines.append(f"| {row} | " + " | ".join(clean(c) for c in cells) + " |")
     legend = ("ms: median over launches of each launch's median step time (rank 0, synchronised), launches "
               "alternating between the allocators; reserved/live: peak reserved / peak allocated, worst rank, "
-              "median over launches; caps are multiples of the live peak, tried from 1.020 by bisection in "
-              "steps of 0.005 (1.000-1.050); Δloss: max abs difference of rank 0's losses (generate: a "
+              "median over launches; caps are multiples of the live peak, tried from "
+              f"{CAP_FROM[cap_mode()]}" + CAP_HOW[cap_mode()] + "; Δloss: max abs difference of rank 0's losses (generate: a "
               "checksum of the generated tokens) between the first launch of each allocator.")
     return header + "\n" + legend + "\n\n" + "\n".join(lines) + "\n"
 
@@ -278,6 +314,7 @@ def main():
     parser.add_argument("--gpus", default="0,1", help="the single phase's GPUs, one per row (default 0,1)")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
+    cap_mode()  # an unknown mode stops here, before any launch
     out = os.path.abspath(args.out)
     rows = PHASE_ROWS[args.phase]
     wanted = os.environ.get("CAPS_ROWS")

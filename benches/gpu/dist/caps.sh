@@ -6,6 +6,9 @@
 #   benches/gpu/dist/caps.sh OUT single [GPUS]   # GPT-2 varying length, generation; GPUS 0,1
 # About 7-8 minutes for the FSDP2 rows on 4 GPUs, 3-4 for DDP alone (CAPS_ROWS=ddp_gpt2),
 # 3 for the single phase. Needs PyTorch, transformers and streamalloc importable by python3.
+# DIST_CAP_MODE=device caps by holding the device's other memory (as another process would)
+# instead of setting a memory fraction: the allocator then learns of the cap only from the
+# driver's refusals.
 set -u
 OUT=${1:?usage: caps.sh OUT dist|single [NGPU|GPUS]}
 PHASE=${2:?usage: caps.sh OUT dist|single [NGPU|GPUS]}

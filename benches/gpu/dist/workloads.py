@@ -29,7 +29,10 @@ Dropout is off for the same reason. Every rank writes PREFIX.rankR.json.
 Environment: DIST_STEPS (timed steps; default per row), DIST_WARMUP (untimed steps first,
 3); DIST_CAP_RATIO and DIST_LIVE_BYTES: cap the process's memory at RATIO x LIVE bytes
 through `torch.cuda.set_per_process_memory_fraction` before the first allocation (PyTorch's
-own limit, or streamalloc's through its door), so the run trains or runs out of memory.
+own limit, or streamalloc's through its door), so the run trains or runs out of memory;
+with DIST_CAP_MODE=device, by holding the device's other memory instead (no limit set),
+leaving RATIO x LIVE bytes plus DIST_OUTSIDE_BYTES (what the process uses outside its
+allocator: context, kernels, communication buffers).
 """
 
 import json
@@ -128,6 +131,11 @@ class Meter:
         r = {"peaks_bytes": {"warmup": warm, "timed": timed, "whole": whole},
              "ratio_whole": whole["reserved"] / whole["allocated"] if whole["allocated"] else None,
              "ratio_timed": timed["reserved"] / timed["allocated"] if timed["allocated"] else None}
+        # Device memory this process uses beyond its allocator's (the context, loaded kernels,
+        # communication buffers; memory held by DIST_CAP_MODE=device included): what a
+        # device-level cap must leave besides the allocator's share.
+        free, total = self.torch.cuda.mem_get_info()
+        r["outside_allocator_bytes"] = total - free - self.torch.cuda.memory_reserved()
         end = self.counters()
         if end is not None:
             # None where this build has no such counter.
@@ -322,17 +330,52 @@ WORKS = {"fsdp2_gpt2": work_fsdp2_gpt2, "fsdp2_ckpt": work_fsdp2_ckpt, "ddp_gpt2
 
 def cap_memory(torch, device, res):
     """DIST_CAP_RATIO x DIST_LIVE_BYTES as the process's memory fraction, before any
-    allocation: PyTorch's allocator enforces it itself, streamalloc through its door."""
+    allocation: PyTorch's allocator enforces it itself, streamalloc through its door.
+    With DIST_CAP_MODE=device, no limit is set: device memory is held outside any allocator
+    (one driver allocation) so that RATIO x LIVE bytes are left free on the device, as when
+    another process holds the rest; the allocator learns of the shortage only from the
+    driver's refusals."""
     ratio, live = os.environ.get("DIST_CAP_RATIO"), os.environ.get("DIST_LIVE_BYTES")
     if not ratio:
         return
     ratio, live = float(ratio), int(live or 0)
-    if not 1.0 <= ratio <= 10.0 or live <= 0:
-        raise ValueError(f"DIST_CAP_RATIO={ratio} (1..10) needs DIST_LIVE_BYTES > 0, not {live}")
+    mode = os.environ.get("DIST_CAP_MODE") or "fraction"
+    lowest = 0.5 if mode == "device" else 1.0  # a device cap adds what runs outside the allocator
+    if not lowest <= ratio <= 10.0 or live <= 0:
+        raise ValueError(f"DIST_CAP_RATIO={ratio} ({lowest}..10) needs DIST_LIVE_BYTES > 0, not {live}")
+    if mode == "device":
+        # What the process uses outside its allocator (measured by caps.py in the same
+        # allocator's uncapped launches) is left on top of the allocator's share.
+        outside = int(os.environ.get("DIST_OUTSIDE_BYTES") or 0)
+        res["cap"] = hold_device_memory(torch, device, int(ratio * live) + outside)
+        res["cap"].update(mode="device", ratio=ratio, live_bytes=live, outside_bytes=outside)
+        return
+    if mode != "fraction":
+        raise ValueError(f"DIST_CAP_MODE={mode!r}: fraction or device")
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = ratio * live / total
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     res["cap"] = {"ratio": ratio, "live_bytes": live, "fraction": fraction, "limit_bytes": int(fraction * total)}
+
+
+_HELD = []  # the driver allocation of DIST_CAP_MODE=device, kept until the process ends
+
+
+def hold_device_memory(torch, device, leave):
+    """Allocates, with the driver and outside every allocator, all of `device`'s free memory
+    but `leave` bytes; returns what it held and what it left."""
+    import ctypes
+
+    free, total = torch.cuda.mem_get_info(device)  # makes the primary context current
+    held = max(0, free - leave)
+    if held:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        ptr = ctypes.c_uint64(0)
+        rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(held))
+        if rc != 0:
+            raise RuntimeError(f"cuMemAlloc of {held} bytes to hold the device failed: CUresult {rc}")
+        _HELD.append(ptr.value)
+    return {"held_bytes": held, "free_before": free, "free_after": torch.cuda.mem_get_info(device)[0]}
 
 
 def out_of_memory(error):
