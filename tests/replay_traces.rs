@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use streamalloc::replay::{cap_bytes, peak_live_bytes, replay, replay_steps};
 use streamalloc::replay::{load_traces, shared_traces_dir};
-use streamalloc::replay::{replay_steps_paced, Pacing};
+use streamalloc::replay::{replay_steps_paced, DriverWork, Pacing};
 use streamalloc_allocator::Config;
 
 mod cli;
@@ -157,12 +157,13 @@ fn bert_varlen_with_stitching_settles_near_the_peak() {
     assert!(report.ratio() <= 1.02, "ratio {:.4}", report.ratio());
 }
 
-/// `--steps N` reports each step's own peak reserved bytes, so that memory growing from one
-/// step to the next shows: one figure per step, each at least the step's live peak (the
-/// step serves all of it), their largest the run's peak, and the first step's figure what a
-/// replay of that step alone reserves.
+/// `--steps N` reports each step's own peak reserved bytes and driver work, so that memory
+/// growing from one step to the next, and remapping that stops late or never, show: one
+/// figure per step, each peak at least the step's live peak (the step serves all of it),
+/// their largest the run's peak, the first step's what a replay of that step alone
+/// reserves; the steps' driver work adds up to the run's.
 #[test]
-fn every_step_reports_its_own_peak() {
+fn every_step_reports_its_own_peak_and_driver_work() {
     let traces = load_traces(&shared_trace("bert_varlen.pickle.gz")).unwrap();
     let entries = &traces[0].entries;
     let config = Config::default();
@@ -178,6 +179,30 @@ fn every_step_reports_its_own_peak() {
     let alone = replay(entries, &config, &mut |_| {}).unwrap();
     assert_eq!(alone.pass_peak_reserved_bytes, vec![peaks[0]]);
     assert_eq!(alone.peak_reserved_bytes, peaks[0]);
+    // Each step's driver work: the steps' shares add up to the run's, the last is the
+    // last step's figures, and the first step, which maps the memory, is never without.
+    let work = &steps.pass_driver_work;
+    assert_eq!(work.len(), 3, "{work:?}");
+    let total = |f: fn(&DriverWork) -> u64| work.iter().map(f).sum::<u64>();
+    assert_eq!(total(|w| w.page_maps), steps.page_maps, "{work:?}");
+    assert_eq!(total(|w| w.page_unmaps), steps.page_unmaps, "{work:?}");
+    assert_eq!(total(|w| w.device_syncs), steps.device_syncs, "{work:?}");
+    let last = work[2];
+    assert_eq!(
+        (
+            last.page_maps,
+            last.page_unmaps,
+            last.stitch_maps,
+            last.device_syncs
+        ),
+        (
+            steps.last_step_page_maps,
+            steps.last_step_page_unmaps,
+            steps.last_step_stitch_maps,
+            steps.last_step_device_syncs
+        )
+    );
+    assert!(work[0].page_maps > 0, "{work:?}");
 }
 
 /// Replays a trace recorded on an H200 by benches/gpu/alloc_bench.py (`CAPTURE=...`) under

@@ -15,7 +15,8 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use streamalloc::replay::{
-    cap_bytes, load_traces, peak_live_bytes, replay_steps_paced, LoadedTrace, Pacing, ReplayReport,
+    cap_bytes, load_traces, peak_live_bytes, replay_steps_paced, DriverWork, LoadedTrace, Pacing,
+    ReplayReport,
 };
 use streamalloc_allocator::Config;
 
@@ -47,6 +48,8 @@ Under each row:
                             maps there mean the allocator still remaps in a steady state
   peak reserved of each     our peak reserved within each pass (--steps N): figures that
     step                    keep rising are memory growing from one step to the next
+  steps with driver calls   the passes that mapped, unmapped or stitched pages or
+                            synchronised, and the step from which none did (settled)
   frees ... ignored         frees of blocks allocated before recording began
 
 The configuration line lists every key (STREAMALLOC_CONF or --conf over the defaults);
@@ -303,6 +306,7 @@ impl Table {
                 .map(|&b| format!("{:.0}", b as f64 / (1u64 << 20) as f64))
                 .collect();
             outln!("  peak reserved of each step: {} MiB", peaks.join(", "))?;
+            outln!("  {}", settling(&report.pass_driver_work))?;
         }
         if report.unknown_frees > 0 {
             outln!(
@@ -312,6 +316,41 @@ impl Table {
         }
         Ok(())
     }
+}
+
+/// Which steps asked the driver for anything (page maps or unmaps, stitch maps,
+/// synchronisations), as ranges of step numbers from 1, and from which step on none did.
+fn settling(work: &[DriverWork]) -> String {
+    let busy: Vec<usize> = (1..=work.len())
+        .filter(|&step| !work[step - 1].is_none())
+        .collect();
+    let Some(&last) = busy.last() else {
+        return "no step made a driver call".to_string();
+    };
+    let mut ranges: Vec<String> = Vec::new();
+    let mut start = busy[0];
+    for pair in busy
+        .windows(2)
+        .chain(std::iter::once(&[last, usize::MAX][..]))
+    {
+        if pair[1] != pair[0] + 1 {
+            ranges.push(if start == pair[0] {
+                start.to_string()
+            } else {
+                format!("{start}-{}", pair[0])
+            });
+            start = pair[1];
+        }
+    }
+    let tail = if last == work.len() {
+        "still in the last".to_string()
+    } else {
+        format!("none from step {} on", last + 1)
+    };
+    format!(
+        "steps with driver calls (maps, unmaps, stitch maps, syncs): {}; {tail}",
+        ranges.join(", ")
+    )
 }
 
 /// A progress bar on stderr for long traces, only when stderr is a terminal.

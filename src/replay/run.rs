@@ -103,6 +103,29 @@ pub struct ReplayReport {
     /// allocator's figures stop rising after its first passes; figures that keep rising
     /// are memory that grows from one training step to the next.
     pub pass_peak_reserved_bytes: Vec<u64>,
+    /// The driver's work in each pass, in order (filled by [`replay_steps_paced`]; empty
+    /// from [`replay_on`], which does not count the device's calls).
+    pub pass_driver_work: Vec<DriverWork>,
+}
+
+/// What one pass asked of the driver, on the simulator: what a steady state makes none of.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DriverWork {
+    /// Page ranges mapped (new memory).
+    pub page_maps: u64,
+    /// Page ranges unmapped.
+    pub page_unmaps: u64,
+    /// Second mappings made for stitched ranges.
+    pub stitch_maps: u64,
+    /// Device-wide synchronisations.
+    pub device_syncs: u64,
+}
+
+impl DriverWork {
+    /// True if the pass made no driver call at all.
+    pub fn is_none(&self) -> bool {
+        *self == DriverWork::default()
+    }
 }
 
 impl ReplayReport {
@@ -221,9 +244,11 @@ pub fn replay_steps_paced(
     let mut bytes_before_last = (0, 0);
     let mut stitches_before_last = 0;
     let started = Instant::now();
+    let mut work = Vec::with_capacity(steps);
     for step in 0..steps {
+        let before = counts();
         if step + 1 == steps {
-            before_last = counts();
+            before_last = before;
             let stats = allocator.stats();
             bytes_before_last = (stats.page_map_bytes, stats.page_unmap_bytes);
             stitches_before_last = stats.stitches;
@@ -240,8 +265,16 @@ pub fn replay_steps_paced(
             &mut |index, _| pace(index),
         )?;
         pass.end_pass(&allocator);
+        let after = counts();
+        work.push(DriverWork {
+            page_maps: after[0] - before[0],
+            page_unmaps: after[1] - before[1],
+            device_syncs: after[2] - before[2],
+            stitch_maps: after[3] - before[3],
+        });
     }
     let mut report = pass.finish(&allocator, started);
+    report.pass_driver_work = work;
     let [maps, unmaps, syncs, stitch_maps, allocations] = counts();
     report.steps = steps as u64;
     (report.page_maps, report.page_unmaps, report.device_syncs) = (maps, unmaps, syncs);
@@ -315,6 +348,7 @@ impl Pass {
                 last_step_driver_allocations: 0,
                 ns_per_op: 0.0,
                 pass_peak_reserved_bytes: Vec::new(),
+                pass_driver_work: Vec::new(),
             },
             live_bytes: 0,
             native: 0,
