@@ -327,21 +327,24 @@ fn settling(work: &[DriverWork]) -> String {
     let Some(&last) = busy.last() else {
         return "no step made a driver call".to_string();
     };
-    let mut ranges: Vec<String> = Vec::new();
-    let mut start = busy[0];
-    for pair in busy
-        .windows(2)
-        .chain(std::iter::once(&[last, usize::MAX][..]))
-    {
-        if pair[1] != pair[0] + 1 {
-            ranges.push(if start == pair[0] {
-                start.to_string()
-            } else {
-                format!("{start}-{}", pair[0])
-            });
-            start = pair[1];
+    // Consecutive steps joined into spans: 1, 2, 3, 6 -> 1-3, 6.
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    for step in busy {
+        match spans.last_mut() {
+            Some((_, end)) if *end + 1 == step => *end = step,
+            _ => spans.push((step, step)),
         }
     }
+    let ranges: Vec<String> = spans
+        .iter()
+        .map(|&(start, end)| {
+            if start == end {
+                start.to_string()
+            } else {
+                format!("{start}-{end}")
+            }
+        })
+        .collect();
     let tail = if last == work.len() {
         "still in the last".to_string()
     } else {

@@ -240,7 +240,7 @@ pub fn replay_steps_paced(
         ]
     };
     let mut pass = Pass::new(events.len() as u64 * steps as u64);
-    let mut before_last = [0; 5];
+    let mut allocations_before_last = 0;
     let mut bytes_before_last = (0, 0);
     let mut stitches_before_last = 0;
     let started = Instant::now();
@@ -248,7 +248,7 @@ pub fn replay_steps_paced(
     for step in 0..steps {
         let before = counts();
         if step + 1 == steps {
-            before_last = before;
+            allocations_before_last = before[4];
             let stats = allocator.stats();
             bytes_before_last = (stats.page_map_bytes, stats.page_unmap_bytes);
             stitches_before_last = stats.stitches;
@@ -274,16 +274,17 @@ pub fn replay_steps_paced(
         });
     }
     let mut report = pass.finish(&allocator, started);
-    report.pass_driver_work = work;
-    let [maps, unmaps, syncs, stitch_maps, allocations] = counts();
+    let [maps, unmaps, syncs, _, allocations] = counts();
     report.steps = steps as u64;
     (report.page_maps, report.page_unmaps, report.device_syncs) = (maps, unmaps, syncs);
-    report.last_step_page_maps = maps - before_last[0];
-    report.last_step_page_unmaps = unmaps - before_last[1];
-    report.last_step_device_syncs = syncs - before_last[2];
-    report.last_step_stitch_maps = stitch_maps - before_last[3];
+    let last = work.last().copied().unwrap_or_default();
+    report.last_step_page_maps = last.page_maps;
+    report.last_step_page_unmaps = last.page_unmaps;
+    report.last_step_device_syncs = last.device_syncs;
+    report.last_step_stitch_maps = last.stitch_maps;
+    report.pass_driver_work = work;
     report.driver_allocations = allocations;
-    report.last_step_driver_allocations = allocations - before_last[4];
+    report.last_step_driver_allocations = allocations - allocations_before_last;
     let stats = allocator.stats();
     report.last_step_page_map_bytes = stats.page_map_bytes - bytes_before_last.0;
     report.last_step_page_unmap_bytes = stats.page_unmap_bytes - bytes_before_last.1;
@@ -444,13 +445,13 @@ impl Pass {
         let (allocs_before, frees_before) = self.before.unwrap_or_default();
         let report = &mut self.report;
         report.live_at_end = self.live.len() as u64;
+        // Every pass notes its own peak ([`Pass::end_pass`]); the run's is the largest.
         report.peak_reserved_bytes = report
             .pass_peak_reserved_bytes
             .iter()
             .copied()
             .max()
-            .unwrap_or(0)
-            .max(stats.reserved_bytes.peak);
+            .unwrap_or(stats.reserved_bytes.peak);
         report.segment_events =
             (stats.segment_allocs - allocs_before) + (stats.segment_frees - frees_before);
         let ops = (report.allocs + report.frees).max(1);
