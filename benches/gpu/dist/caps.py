@@ -166,6 +166,9 @@ def lowest_cap(runner, row, col, gpus, live, result):
     caps = runner.caps
     probes, low_fail, high_ok, index = {}, -1, None, runner.first_cap
     unfinished = False
+    # A device-level cap leaves each allocator what its own process used outside it in its
+    # uncapped launches (the most of them) on top of the cap.
+    outside = max((run.get("outside") or 0 for run in result["uncapped"][col]), default=0)
 
     def record():
         result.setdefault("caps", {})[col] = {
@@ -178,9 +181,6 @@ def lowest_cap(runner, row, col, gpus, live, result):
 
     for _ in range(env_int("CAPS_PROBES", 4)):
         cap = caps[index]
-        # A device-level cap leaves each allocator what its own process used outside it in
-        # its uncapped launches (the most of them) on top of the cap.
-        outside = max((run.get("outside") or 0 for run in result["uncapped"][col]), default=0)
         ranks, why, oom, _ = runner.launch(row, col, f"{row}__{col}__cap{cap:.3f}", gpus,
                                            {"DIST_CAP_RATIO": f"{cap}", "DIST_LIVE_BYTES": str(live),
                                             "DIST_OUTSIDE_BYTES": str(outside)})
@@ -248,8 +248,11 @@ CAP_HOW = {"fraction": ", set with torch.cuda.set_per_process_memory_fraction",
                      "is set, the allocator meets the driver's refusals)"}
 
 
-CAP_FROM = {"fraction": "1.020 by bisection in steps of 0.005 (1.000-1.050)",
-            "device": "1.000 by bisection in steps of 0.005 (0.900-1.050)"}
+
+def caps_text():
+    """Where the bisection starts and the range it searches, as the legend says it."""
+    caps, first = caps_for(cap_mode())
+    return f"{caps[first]:.3f} by bisection in steps of 0.005 ({caps[0]:.3f}-{caps[-1]:.3f})"
 
 
 def cap_mode():
@@ -300,8 +303,8 @@ def table(results, rows, header):
         lines.append(f"| {row} | " + " | ".join(clean(c) for c in cells) + " |")
     legend = ("ms: median over launches of each launch's median step time (rank 0, synchronised), launches "
               "alternating between the allocators; reserved/live: peak reserved / peak allocated, worst rank, "
-              "median over launches; caps are multiples of the live peak, tried from "
-              f"{CAP_FROM[cap_mode()]}" + CAP_HOW[cap_mode()] + "; Δloss: max abs difference of rank 0's losses (generate: a "
+              f"median over launches; caps are multiples of the live peak, tried from {caps_text()}"
+              + CAP_HOW[cap_mode()] + "; Δloss: max abs difference of rank 0's losses (generate: a "
               "checksum of the generated tokens) between the first launch of each allocator.")
     return header + "\n" + legend + "\n\n" + "\n".join(lines) + "\n"
 
