@@ -478,10 +478,13 @@ impl State {
             let right = self
                 .arena
                 .split(key, if at_top { block_size - size } else { size });
-            // The remainder is still free and still needs what the whole block needed.
-            self.arena.copy_pending(key, right);
-            for &event in self.arena.block(right).pending() {
-                self.events.retain(event);
+            // The remainder is still free and still needs what the whole block needed (a
+            // ready block, as every block of the fast path is, needs nothing).
+            if !self.arena.block(key).pending().is_empty() {
+                self.arena.copy_pending(key, right);
+                for &event in self.arena.block(right).pending() {
+                    self.events.retain(event);
+                }
             }
             let (taken, rest) = if at_top { (right, key) } else { (key, right) };
             // Listed as it is: the block was listed, so it had no neighbour it could merge
@@ -491,8 +494,10 @@ impl State {
             self.list(rest);
             key = taken;
         }
-        for event in self.arena.take_pending(key) {
-            self.events.release(event, &mut self.stats);
+        if !self.arena.block(key).pending().is_empty() {
+            for event in self.arena.take_pending(key) {
+                self.events.release(event, &mut self.stats);
+            }
         }
         let addr = self.arena.hand_out(key, slot, requested).addr();
         self.allocated.insert(addr, key);
