@@ -289,6 +289,35 @@ fn once_the_device_refuses_memory_pages_are_mapped_one_by_one() {
     allocator.check_invariants().unwrap();
 }
 
+/// Near the device's capacity (a mapping would leave it less than a sixteenth free), pages
+/// are mapped one by one before the device ever refuses: a small block left in memory
+/// freed there pins its page, not a piece, so the rest can go back.
+#[test]
+fn near_the_device_capacity_pages_are_mapped_one_by_one() {
+    let (device, allocator) = allocator(1 << 30, Config::default());
+    let stream = device.create_stream();
+    let mapped_for = |size: u64| {
+        let before = device.driver_allocations();
+        let block = allocator.malloc(size, stream).unwrap();
+        (block, device.driver_allocations() - before)
+    };
+    // 512 MiB leaves half the device free: pieces of up to 32 MiB and the last page alone.
+    let (_weights, allocations) = mapped_for(512 * MIB);
+    assert_eq!(allocations, 17);
+    // 460 MiB more would leave 52 MiB, under 64: one allocation per page.
+    let (activations, allocations) = mapped_for(460 * MIB);
+    assert_eq!(allocations, 230, "one allocation per 2 MiB page");
+    allocator.free(activations.ptr).unwrap();
+    let small = allocator.malloc(MIB, stream).unwrap();
+    allocator.empty_cache().unwrap();
+    // Only the small block's page stays of the 460 MiB: a 16 MiB piece would have stayed
+    // whole around it.
+    assert_eq!(allocator.stats().reserved_bytes.current, 514 * MIB);
+    assert_eq!(device.reserved(), 514 * MIB);
+    allocator.free(small.ptr).unwrap();
+    allocator.check_invariants().unwrap();
+}
+
 #[test]
 fn memory_fraction_resolves_against_device_memory() {
     let config = Config::parse("memory_fraction:0.25").unwrap();

@@ -99,6 +99,9 @@ impl<B: Segments> Segments for WithSources<B> {
     fn total_memory(&self) -> BackendResult<u64> {
         self.inner.total_memory()
     }
+    fn free_memory(&self) -> BackendResult<u64> {
+        self.inner.free_memory()
+    }
     fn alloc_segment(&self, size: u64) -> BackendResult<DevicePtr> {
         let Some(source) = ACTIVE.with(Cell::get) else {
             return self.inner.alloc_segment(size);

@@ -107,6 +107,11 @@ macro_rules! forward_backend {
                 $crate::backend::Segments::total_memory($inner)
             }
             #[inline]
+            fn free_memory(&self) -> $crate::backend::BackendResult<u64> {
+                let $this = self;
+                $crate::backend::Segments::free_memory($inner)
+            }
+            #[inline]
             fn alloc_segment(&self, size: u64) -> $crate::backend::BackendResult<$crate::DevicePtr> {
                 let $this = self;
                 $crate::backend::Segments::alloc_segment($inner, size)

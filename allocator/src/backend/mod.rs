@@ -94,6 +94,11 @@ pub trait Segments {
     /// Total bytes of device memory (used to resolve `memory_fraction`).
     fn total_memory(&self) -> BackendResult<u64>;
 
+    /// Bytes of device memory free now, whoever holds the rest: other processes included
+    /// (`cuMemGetInfo`). Without a limit it is the headroom that binds; asked only when
+    /// memory is about to be mapped, never on the hot path.
+    fn free_memory(&self) -> BackendResult<u64>;
+
     /// Obtains `size` bytes of device memory. An exhausted device is reported with
     /// [`BackendError::out_of_memory`].
     fn alloc_segment(&self, size: u64) -> BackendResult<DevicePtr>;

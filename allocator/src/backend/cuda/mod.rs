@@ -248,6 +248,17 @@ impl Segments for CudaBackend {
         Ok(self.total)
     }
 
+    fn free_memory(&self) -> BackendResult<u64> {
+        let _ctx = self.enter()?;
+        let (mut free, mut total): (usize, usize) = (0, 0);
+        driver::check(
+            // SAFETY: valid out pointers; the primary context is current.
+            unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
+            "cuMemGetInfo",
+        )?;
+        Ok(free as u64)
+    }
+
     fn alloc_segment(&self, size: u64) -> BackendResult<DevicePtr> {
         let _ctx = self.enter()?;
         let _relaxed = RelaxedCapture::enter()?;

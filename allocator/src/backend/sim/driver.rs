@@ -39,6 +39,11 @@ impl backend::Segments for SimBackend {
         Ok(self.state.lock().capacity)
     }
 
+    fn free_memory(&self) -> BackendResult<u64> {
+        let state = self.state.lock();
+        Ok(state.capacity.saturating_sub(state.reserved))
+    }
+
     fn alloc_segment(&self, size: u64) -> BackendResult<DevicePtr> {
         let mut state = self.call("alloc_segment");
         if state.fail_next_allocs > 0 {
