@@ -96,7 +96,8 @@ pub struct Config {
     /// without a memory limit (under one, pages always are): any free page can then be
     /// stitched or unmapped alone, for less memory, at the driver's price per allocation
     /// (on an H200 ~55 µs a page to grow, ~37 to stitch). Off, runs are mapped in pieces
-    /// of up to 128 MiB and stitches take whole pieces.
+    /// of up to 128 MiB and stitches take whole pieces, until the device refuses memory or
+    /// a mapping would leave it less than a sixteenth free.
     #[serde(default)]
     pub page_allocations: bool,
     /// Serve allocations made for a pool from that pool's segments. Off, a graph's memory
