@@ -51,3 +51,49 @@ fn the_module_map_lists_every_module_and_only_those() {
         "modules missing from the map: {unlisted:?}; listed but not in the code: {gone:?}"
     );
 }
+
+/// Sources stay short enough to read whole: a file past this many lines holds more than one
+/// concept and is split along its seams (tests aside).
+const MAX_SOURCE_LINES: usize = 600;
+
+fn sources_with(dir: &Path, extensions: &[&str], out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap_or_else(|err| panic!("{}: {err}", dir.display())) {
+        let path: PathBuf = entry.unwrap().path();
+        if path.is_dir() {
+            sources_with(&path, extensions, out);
+        } else if path
+            .extension()
+            .is_some_and(|ext| extensions.iter().any(|e| ext == *e))
+        {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn no_source_file_is_longer_than_the_limit() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in SOURCE_DIRS {
+        sources_with(&root.join(dir), &["rs"], &mut files);
+    }
+    sources_with(
+        &root.join("python/streamalloc"),
+        &["py", "cpp", "h"],
+        &mut files,
+    );
+    let long: Vec<String> = files
+        .iter()
+        .filter(|path| path.file_name().is_some_and(|name| name != "tests.rs"))
+        .filter_map(|path| {
+            let lines = std::fs::read_to_string(path).ok()?.lines().count();
+            (lines > MAX_SOURCE_LINES).then(|| {
+                format!(
+                    "{} ({lines} lines)",
+                    path.strip_prefix(root).unwrap().display()
+                )
+            })
+        })
+        .collect();
+    assert!(long.is_empty(), "over {MAX_SOURCE_LINES} lines: {long:?}");
+}

@@ -15,7 +15,7 @@
 //! replay's maps per block live at once and per page reserved, and the overlay's points for
 //! as long as they are kept. A snapshot whose replay the budget cannot afford is one line, never an abort.
 
-use super::run::ReplayError;
+use super::report::ReplayError;
 use super::series::{cap_highest, lowest_completing_cap, replay_series, CapProgress};
 use streamalloc_allocator::config::Config;
 use streamalloc_allocator::trace::{TraceAction, TraceEntry};

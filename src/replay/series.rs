@@ -8,7 +8,8 @@
 //! the same peaks) and reports the figures after every event; [`lowest_completing_cap`]
 //! bisects [`replay_steps`] under `memory_limit` caps.
 
-use super::run::{replay_steps, Pass, ReplayError, REPLAY_DEVICE_BYTES};
+use super::report::ReplayError;
+use super::run::{replay_steps, Pass, REPLAY_DEVICE_BYTES};
 use streamalloc_allocator::backend::sim::SimBackend;
 use streamalloc_allocator::config::Config;
 use streamalloc_allocator::trace::TraceEntry;
