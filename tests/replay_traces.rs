@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use streamalloc::replay::{cap_bytes, peak_live_bytes, replay, replay_steps};
 use streamalloc::replay::{load_traces, shared_traces_dir};
-use streamalloc::replay::{replay_steps_paced, DriverWork, Pacing};
+use streamalloc::replay::{replay_on_device, replay_steps_paced, DriverWork, Pacing};
 use streamalloc_allocator::Config;
 
 mod cli;
@@ -751,4 +751,55 @@ fn replay_driver_call_us_paces_and_rejects_nonsense() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(stderr.contains("--driver-call-us"), "{stderr}");
     }
+}
+
+/// `replay --device-ratio R` caps the simulated device, not the allocator: no limit is set
+/// (the configuration says `memory_limit:none`), reserved memory stays within the device,
+/// and a device too small for the trace's live bytes stops the replay. It cannot be
+/// combined with `--limit-ratio`.
+#[test]
+fn replay_device_ratio_caps_the_device_not_the_allocator() {
+    let trace = shared_trace("gpt2.pickle.gz");
+    let output = cli::streamalloc()
+        .args(["replay", "--json", "--device-ratio", "1.02"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let row: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&output.stdout).trim()).unwrap();
+    assert!(
+        row["config"]
+            .as_str()
+            .unwrap()
+            .contains("memory_limit:none"),
+        "{row}"
+    );
+    let entries = &load_traces(&trace).unwrap()[0].entries;
+    let device = cap_bytes(peak_live_bytes(entries), 1.02).next_multiple_of(2 << 20);
+    let reserved = row["peak_reserved_bytes"].as_u64().unwrap();
+    assert!(
+        reserved <= device,
+        "{reserved} reserved on a device of {device}"
+    );
+
+    let half = peak_live_bytes(entries) / 2;
+    let refused = replay_on_device(
+        entries,
+        &Config::default(),
+        1,
+        Pacing::Still,
+        half,
+        &mut |_| {},
+    );
+    assert!(refused.is_err(), "{refused:?}");
+
+    let both = cli::streamalloc()
+        .args(["replay", "--device-ratio", "1.02", "--limit-ratio", "1.02"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert_eq!(both.status.code(), Some(2), "{both:?}");
+    let stderr = String::from_utf8_lossy(&both.stderr);
+    assert!(stderr.contains("--device-ratio"), "{stderr}");
 }

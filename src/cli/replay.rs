@@ -15,9 +15,10 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use streamalloc::replay::{
-    cap_bytes, load_traces, peak_live_bytes, replay_steps_paced, DriverWork, LoadedTrace, Pacing,
-    ReplayReport,
+    cap_bytes, load_traces, peak_live_bytes, replay_on_device, DriverWork, LoadedTrace, Pacing,
+    ReplayReport, REPLAY_DEVICE_BYTES,
 };
+use streamalloc_allocator::backend::sim::PAGE_SIZE as DEVICE_PAGE_BYTES;
 use streamalloc_allocator::Config;
 
 /// What `replay --help` says each figure means.
@@ -78,6 +79,13 @@ pub(crate) struct ReplayArgs {
     /// memory. Exits 1 if any trace does not complete.
     #[arg(long, value_name = "R", value_parser = parse_limit_ratio)]
     limit_ratio: Option<f64>,
+    /// Replay each trace on a simulated device of R times its peak live bytes (rounded up
+    /// to whole 2 MiB pages), with no memory limit set: a cap the allocator is not told of,
+    /// as when another process holds the rest of a GPU. The allocator meets only the
+    /// device's refusals and what it says it has free. Rows and exit status as with
+    /// --limit-ratio.
+    #[arg(long, value_name = "R", value_parser = parse_limit_ratio, conflicts_with = "limit_ratio")]
+    device_ratio: Option<f64>,
     /// Pace the replay as a GPU run: the simulated host clock follows the trace's own
     /// timestamps, and each physical allocation a driver call creates, maps (a second time
     /// too) or unmaps takes US microseconds (an H200 takes 40-70 to map one, 20-30 to
@@ -143,6 +151,9 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
         if let Some(ratio) = args.limit_ratio {
             outln!("memory_limit: {ratio} x each trace's own peak live bytes")?;
         }
+        if let Some(ratio) = args.device_ratio {
+            outln!("device memory: {ratio} x each trace's own peak live bytes, no limit set")?;
+        }
         outln!("{}", table.header())?;
     }
     let pacing = match args.driver_call_us {
@@ -171,11 +182,18 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
             }
             None => &config,
         };
-        let result = replay_steps_paced(
+        let device_bytes = match args.device_ratio {
+            Some(ratio) => cap_bytes(peak_live_bytes(&trace.entries), ratio)
+                .max(1)
+                .next_multiple_of(DEVICE_PAGE_BYTES),
+            None => REPLAY_DEVICE_BYTES,
+        };
+        let result = replay_on_device(
             &trace.entries,
             config,
             args.steps as usize,
             pacing,
+            device_bytes,
             &mut progress,
         );
         if let Some(bar) = bar {
@@ -184,12 +202,16 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
         let report = match result {
             Ok(report) => report,
             Err(err) => {
-                match args.limit_ratio {
-                    Some(ratio) => errln!(
+                match (args.limit_ratio, args.device_ratio) {
+                    (Some(ratio), _) => errln!(
                         "streamalloc replay: {}: does not complete under {ratio} x peak live: {err}",
                         trace.name
                     ),
-                    None => errln!("streamalloc replay: {}: {err}", trace.name),
+                    (_, Some(ratio)) => errln!(
+                        "streamalloc replay: {}: does not complete on a device of {ratio} x peak live: {err}",
+                        trace.name
+                    ),
+                    (None, None) => errln!("streamalloc replay: {}: {err}", trace.name),
                 }
                 failed = true;
                 continue;

@@ -88,9 +88,24 @@ pub fn replay_steps_paced(
     pacing: Pacing,
     progress: &mut dyn FnMut(usize),
 ) -> Result<ReplayReport, ReplayError> {
+    replay_on_device(events, config, steps, pacing, REPLAY_DEVICE_BYTES, progress)
+}
+
+/// [`replay_steps_paced`] on a simulated device of `device_bytes`: a device that holds
+/// little more than the trace's peak is a cap the allocator is not told of (no limit in its
+/// configuration), as when another process holds the rest of a GPU; it meets only the
+/// device's refusals and what the device says it has free.
+pub fn replay_on_device(
+    events: &[TraceEntry],
+    config: &Config,
+    steps: usize,
+    pacing: Pacing,
+    device_bytes: u64,
+    progress: &mut dyn FnMut(usize),
+) -> Result<ReplayReport, ReplayError> {
     let steps = steps.max(1);
     let allocator =
-        Allocator::new(SimBackend::new(REPLAY_DEVICE_BYTES), config.clone()).map_err(|source| {
+        Allocator::new(SimBackend::new(device_bytes), config.clone()).map_err(|source| {
             ReplayError::Alloc {
                 index: 0,
                 action: "create",

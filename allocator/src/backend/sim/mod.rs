@@ -95,7 +95,7 @@ const BASE_ADDRESS: u64 = 0x7f00_0000_0000;
 /// Gap left after every segment so that segments are never adjacent.
 const SEGMENT_GUARD: u64 = 2 << 20;
 /// Page size of the simulated virtual-memory API (CUDA's usual granularity).
-const PAGE_SIZE: u64 = 2 << 20;
+pub const PAGE_SIZE: u64 = 2 << 20;
 /// The entry of `SimState::calls` that counts physical allocations the virtual-memory calls
 /// touched ([`SimBackend::driver_allocations`]).
 const DRIVER_ALLOCATIONS: &str = "driver allocations";
