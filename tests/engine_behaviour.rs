@@ -635,6 +635,35 @@ fn a_take_from_another_stream_waits_only_for_the_owners_work_up_to_the_free() {
     allocator.check_invariants().unwrap();
 }
 
+/// On a full device without a limit, free whole pages that a live block pins inside a piece
+/// are named in the report with the setting that would have freed them, and with that
+/// setting the same request fits.
+#[test]
+fn a_full_device_names_the_pages_pinned_in_pieces_and_the_setting_that_frees_them() {
+    let run = |config: Config| {
+        let (device, allocator) = allocator(1 << 30, config);
+        let stream = device.create_stream();
+        let first = allocator.malloc(512 * MIB, stream).unwrap();
+        let _second = allocator.malloc(256 * MIB, stream).unwrap();
+        allocator.free(first.ptr).unwrap();
+        // The small block lands right after the 100 MiB one, inside the first run's piece
+        // of 96-128 MiB: in pieces, that whole piece stays mapped once the rest is free.
+        let before = allocator.malloc(100 * MIB, stream).unwrap();
+        let _small = allocator.malloc(MIB, stream).unwrap();
+        allocator.free(before.ptr).unwrap();
+        allocator.malloc(750 * MIB, stream).map(|_| ())
+    };
+    let err = run(Config::default()).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("30.00 MiB of free pages lie in pieces"),
+        "{text}"
+    );
+    assert!(text.contains("page_allocations:true"), "{text}");
+    let pages = Config::parse("page_allocations:true").unwrap();
+    run(pages).unwrap();
+}
+
 /// A request smaller than a page that the limit cannot hold a page for is told that the
 /// limit is reached, not that the device is full: growth maps whole pages.
 #[test]

@@ -66,6 +66,10 @@ pub struct OutOfMemory {
     /// piece of up to 128 MiB otherwise), which neither a stitch nor an unmap can take
     /// (only with expandable segments; 0 otherwise).
     pub stranded: u64,
+    /// Of `stranded`, the free whole pages: they lie in pieces that a live block shares,
+    /// which one physical allocation per page (`page_allocations:true`, or a memory limit)
+    /// would have left free to unmap or stitch.
+    pub pinned_in_pieces: u64,
     /// Bytes growing for the request would have reserved: the request in whole pages (or
     /// the segment it needs).
     pub growth: u64,
@@ -100,6 +104,14 @@ impl OutOfMemory {
             .is_some_and(|limit| self.reserved + self.growth.max(self.requested) > limit)
         {
             "the memory limit is reached (raise memory_limit or memory_fraction)".to_string()
+        } else if self.pinned_in_pieces > 0 && self.limit.is_none() {
+            format!(
+                "the device is full: live tensors hold {}, and {} of free pages lie in pieces \
+                 that live blocks share; STREAMALLOC_CONF=page_allocations:true maps every page \
+                 alone",
+                b(self.allocated),
+                b(self.pinned_in_pieces)
+            )
         } else {
             format!(
                 "the device is full: live tensors hold {}",

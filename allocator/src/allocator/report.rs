@@ -24,8 +24,9 @@ impl State {
             }
         }
         // Free bytes outside whole mappings: what neither stitching nor unmapping can reach
-        // (a mapping is a page under a limit, a piece of up to 128 MiB otherwise).
-        let stranded = match self.growth.expandable() {
+        // (a mapping is a page under a limit, a piece of up to 128 MiB otherwise); of them,
+        // the whole pages, which only a piece that a live block shares keeps out of reach.
+        let (stranded, pinned_in_pieces) = match self.growth.expandable() {
             Some(vmm) => self
                 .arena
                 .blocks()
@@ -38,10 +39,13 @@ impl State {
                     let whole = vmm
                         .whole_mapping_span(block.addr(), block.size())
                         .map_or(0, |(_, len)| len);
-                    block.size() - whole
+                    let first_page = block.addr().next_multiple_of(vmm.page);
+                    let pages_end = (block.addr() + block.size()) / vmm.page * vmm.page;
+                    let whole_pages = pages_end.saturating_sub(first_page);
+                    (block.size() - whole, whole_pages.saturating_sub(whole))
                 })
-                .sum(),
-            None => 0,
+                .fold((0, 0), |(a, b), (c, d)| (a + c, b + d)),
+            None => (0, 0),
         };
         let stitched = self.stitches.actives().map(|(_, stitch)| stitch.size).sum();
         self.stats.ooms += 1;
@@ -61,6 +65,7 @@ impl State {
             expandable: self.growth.expandable().is_some(),
             stitched,
             stranded,
+            pinned_in_pieces,
             growth,
         };
         tracing::warn!(%report, "allocation failed");
