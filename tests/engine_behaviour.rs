@@ -5,7 +5,9 @@ use std::sync::Arc;
 use streamalloc_allocator::backend::sim::{Access, SimBackend};
 use streamalloc_allocator::scenarios::record_stream_pipeline;
 use streamalloc_allocator::trace::TraceAction;
-use streamalloc_allocator::{AllocError, Allocator, Config, DevicePtr, ReusePolicy, StreamId};
+use streamalloc_allocator::{
+    AllocError, Allocation, Allocator, Config, DevicePtr, ReusePolicy, StreamId,
+};
 
 const MIB: u64 = 1 << 20;
 
@@ -264,6 +266,18 @@ fn without_reclaims_memory_grows_instead_of_synchronising() {
     assert_eq!(stitching.reserved_bytes.peak, 60 * MIB, "{stitching:?}");
 }
 
+/// A block of `size` bytes and the physical allocations the driver made for it.
+fn mapped_for(
+    device: &SimBackend,
+    allocator: &Allocator<SimBackend>,
+    size: u64,
+    stream: StreamId,
+) -> (Allocation, u64) {
+    let before = device.driver_allocations();
+    let block = allocator.malloc(size, stream).unwrap();
+    (block, device.driver_allocations() - before)
+}
+
 /// While the device has room, a run is mapped in pieces (the driver's time goes by
 /// physical allocations); once the device refused memory, page by page, so that from then
 /// on any free page can go back alone, as under a limit.
@@ -271,11 +285,7 @@ fn without_reclaims_memory_grows_instead_of_synchronising() {
 fn once_the_device_refuses_memory_pages_are_mapped_one_by_one() {
     let (device, allocator) = allocator(1 << 30, Config::default());
     let stream = device.create_stream();
-    let mapped_for = |size: u64| {
-        let before = device.driver_allocations();
-        let block = allocator.malloc(size, stream).unwrap();
-        (block, device.driver_allocations() - before)
-    };
+    let mapped_for = |size: u64| mapped_for(&device, &allocator, size, stream);
     // 512 MiB in pieces of up to 32 MiB (a 16th of the run) and its last page alone.
     let (first, allocations) = mapped_for(512 * MIB);
     assert_eq!(allocations, 17);
@@ -296,11 +306,7 @@ fn once_the_device_refuses_memory_pages_are_mapped_one_by_one() {
 fn near_the_device_capacity_pages_are_mapped_one_by_one() {
     let (device, allocator) = allocator(1 << 30, Config::default());
     let stream = device.create_stream();
-    let mapped_for = |size: u64| {
-        let before = device.driver_allocations();
-        let block = allocator.malloc(size, stream).unwrap();
-        (block, device.driver_allocations() - before)
-    };
+    let mapped_for = |size: u64| mapped_for(&device, &allocator, size, stream);
     // 512 MiB leaves half the device free: pieces of up to 32 MiB and the last page alone.
     let (_weights, allocations) = mapped_for(512 * MIB);
     assert_eq!(allocations, 17);

@@ -612,8 +612,14 @@ fn gzip_bombs_are_refused_and_the_limit_can_be_set() {
 
 /// `streamalloc replay --json` of `paths`: its exit status, stderr, and one row per trace.
 fn replay_json(paths: &[&Path]) -> (bool, String, Vec<serde_json::Value>) {
+    replay_json_with(&[], paths)
+}
+
+/// [`replay_json`] with more of `replay`'s flags.
+fn replay_json_with(flags: &[&str], paths: &[&Path]) -> (bool, String, Vec<serde_json::Value>) {
     let output = cli::streamalloc()
         .args(["replay", "--json"])
+        .args(flags)
         .args(paths)
         .output()
         .unwrap();
@@ -732,14 +738,10 @@ fn every_trace_completes_at_a_limit_of_1_02_times_its_peak_and_settles() {
 #[test]
 fn replay_driver_call_us_paces_and_rejects_nonsense() {
     let trace = shared_trace("tp_allreduce_0.pickle.gz");
-    let output = cli::streamalloc()
-        .args(["replay", "--json", "--steps", "2", "--driver-call-us", "80"])
-        .arg(&trace)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{output:?}");
-    let row: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&output.stdout).trim()).unwrap();
+    let (ok, stderr, rows) =
+        replay_json_with(&["--steps", "2", "--driver-call-us", "80"], &[&trace]);
+    assert!(ok && rows.len() == 1, "{stderr}");
+    let row = &rows[0];
     assert_eq!(row["steps"], 2, "{row}");
     for bad in ["0", "fast"] {
         let output = cli::streamalloc()
@@ -760,14 +762,9 @@ fn replay_driver_call_us_paces_and_rejects_nonsense() {
 #[test]
 fn replay_device_ratio_caps_the_device_not_the_allocator() {
     let trace = shared_trace("gpt2.pickle.gz");
-    let output = cli::streamalloc()
-        .args(["replay", "--json", "--device-ratio", "1.02"])
-        .arg(&trace)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{output:?}");
-    let row: serde_json::Value =
-        serde_json::from_str(String::from_utf8_lossy(&output.stdout).trim()).unwrap();
+    let (ok, stderr, rows) = replay_json_with(&["--device-ratio", "1.02"], &[&trace]);
+    assert!(ok && rows.len() == 1, "{stderr}");
+    let row = &rows[0];
     assert!(
         row["config"]
             .as_str()

@@ -1,6 +1,7 @@
 //! Reporting: the out-of-memory report, trace records and snapshots.
 
 use super::*;
+use crate::pool::stitch::whole_pages;
 
 impl State {
     #[cold]
@@ -39,10 +40,8 @@ impl State {
                     let whole = vmm
                         .whole_mapping_span(block.addr(), block.size())
                         .map_or(0, |(_, len)| len);
-                    let first_page = block.addr().next_multiple_of(vmm.page);
-                    let pages_end = (block.addr() + block.size()) / vmm.page * vmm.page;
-                    let whole_pages = pages_end.saturating_sub(first_page);
-                    (block.size() - whole, whole_pages.saturating_sub(whole))
+                    let (_, pages) = whole_pages(block.addr(), block.size(), vmm.page);
+                    (block.size() - whole, pages.saturating_sub(whole))
                 })
                 .fold((0, 0), |(a, b), (c, d)| (a + c, b + d)),
             None => (0, 0),

@@ -143,9 +143,9 @@ impl StitchTable {
 
 /// The whole pages of `[addr, addr + size)`: the first page boundary at or above `addr` and
 /// the bytes up to the last boundary at or below its end (0 if no whole page fits). The
-/// engine reasons in whole mappings (`ExpandableTable::whole_mapping_span`); the test
-/// harness's pressure floor, which holds under a limit (a page per mapping), in pages.
-#[cfg(any(test, feature = "testing"))]
+/// engine reasons in whole mappings (`ExpandableTable::whole_mapping_span`); pages matter
+/// where mappings are larger: the out-of-memory report's pages pinned in pieces, and the
+/// test harness's pressure floor, which holds under a limit (a page per mapping).
 pub(crate) fn whole_pages(addr: u64, size: u64, page: u64) -> (u64, u64) {
     let start = addr.next_multiple_of(page);
     let end = (addr + size) / page * page;
