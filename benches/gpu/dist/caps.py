@@ -19,13 +19,17 @@ Per row (workloads.py says what each trains):
      memory held by a driver allocation, no limit set (as when another process holds it),
      leaving RATIO x live plus what the process used outside its allocator uncapped; its
      caps run from 0.900 to 1.050, bisected from 1.000. A launch in which any rank runs out of memory
-     fails the cap; streamalloc's step time under 1.020 x live is reported against its own
+     fails the cap, unless the program alone needed more than the cap there (the bytes live
+     when it asked plus its request exceed the limit: no allocator could serve it, and the
+     peak of some programs differs between launches): such a probe is launched again,
+     CAPS_RETRY times (1), for either allocator, and the table names the caps where that
+     happened. streamalloc's step time under 1.020 x live is reported against its own
      uncapped time.
 Phase dist runs fsdp2_gpt2, fsdp2_ckpt and ddp_gpt2 (CAPS_ROWS) on every GPU, one after the
 other; phase single runs gpt2_varlen and generate, each on its own GPU of --gpus (two).
 
 Knobs: CAPS_ROWS, CAPS_SEARCH (the allocators whose lowest cap is searched: pt_expandable,sa),
-CAPS_REPEATS (3), CAPS_PROBES (4), DIST_WARMUP (2), DIST_STEPS (8, the same
+CAPS_REPEATS (3), CAPS_PROBES (4), CAPS_RETRY (1), DIST_WARMUP (2), DIST_STEPS (8, the same
 in every launch of a row so that its sequence lengths and its peak are the same),
 DIST_TIMEOUT (s per launch, 150), TOTAL_S (no launch starts after it, 540). Results in
 OUT/caps_PHASE.json, logs in OUT/logs, the table printed last and saved as
@@ -35,6 +39,7 @@ stopped from outside leaves what it measured.
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import sys
@@ -74,6 +79,7 @@ class Runner:
         self.write_lock = threading.Lock()
         self.count = 0
         self.results = self.placements = None  # set by main once the plan is known
+        self.overran = {}  # launch name -> the out-of-memory the program alone caused
         self.steps = {"DIST_WARMUP": str(env_int("DIST_WARMUP", 2)), "DIST_STEPS": str(env_int("DIST_STEPS", 8))}
         self.caps, self.first_cap = caps_for(cap_mode())
 
@@ -91,7 +97,10 @@ class Runner:
 
     def launch(self, row, col, name, gpus, extra_env=None):
         """Runs one launch of `row` under `col` on `gpus`; returns (per-rank results or None,
-        the failure or None, whether it ran out of memory, seconds)."""
+        the failure or None, whether it ran out of memory, seconds). The out-of-memory a
+        launch ended with is noted in `self.overran[name]` when the program alone needed more
+        than the cap ([`overran_cap`])."""
+        given = name
         with self.lock:
             self.count += 1
             name = f"{self.count:02d}_{name}"
@@ -115,12 +124,36 @@ class Runner:
         launch.run(dict(os.environ))
         ranks, why = collect(launch, nproc)
         oom = why is not None and out_of_memory(why)
-        self.log(f"done {name} in {launch.seconds:.1f}s: {'out of memory' if oom else why or 'ok'}")
+        over = overran_cap(launch.result_files) if oom else None
+        if over:
+            with self.lock:
+                self.overran[given] = over
+        self.log(f"done {name} in {launch.seconds:.1f}s: {'out of memory' if oom else why or 'ok'}"
+                 + (f" (live {size_text(over['allocated'])} + {size_text(over['request'])} asked > "
+                    f"limit {size_text(over['limit'])})" if over else ""))
         return ranks, why, oom, launch.seconds
 
 
 # The failure of a launch that never started: the script's time budget (TOTAL_S) ran out.
 SKIPPED = "skipped (TOTAL_S)"
+
+
+def overran_cap(result_files):
+    """The last out-of-memory of a failed launch's ranks, if the program alone needed more than
+    the cap there: the bytes live when it asked plus the bytes it asked for exceed the limit
+    (workloads.py notes them with PyTorch's out-of-memory observer, under a memory fraction
+    only). No allocator can serve such a request; the cap failed by the program's peak, which
+    can differ between launches (a warm-up transient, the garbage collector's timing). None
+    when no rank noted one, or when the request fit within the limit (the allocator's failure)."""
+    for path in result_files:
+        try:
+            with open(path) as f:
+                seen = json.load(f).get("oom_seen")
+        except (OSError, ValueError):
+            continue
+        if seen and seen["allocated"] + seen["request"] > seen["limit"]:
+            return seen
+    return None
 
 
 def worst(ranks, key):
@@ -179,11 +212,21 @@ def lowest_cap(runner, row, col, gpus, live, result):
             "unfinished": unfinished,
         }
 
+    retries = env_int("CAPS_RETRY", 1)
     for _ in range(env_int("CAPS_PROBES", 4)):
         cap = caps[index]
-        ranks, why, oom, _ = runner.launch(row, col, f"{row}__{col}__cap{cap:.3f}", gpus,
-                                           {"DIST_CAP_RATIO": f"{cap}", "DIST_LIVE_BYTES": str(live),
-                                            "DIST_OUTSIDE_BYTES": str(outside)})
+        overran = []
+        for attempt in range(1 + max(0, retries)):
+            name = f"{row}__{col}__cap{cap:.3f}" + (f"_again{attempt}" if attempt else "")
+            ranks, why, oom, _ = runner.launch(row, col, name, gpus,
+                                               {"DIST_CAP_RATIO": f"{cap}", "DIST_LIVE_BYTES": str(live),
+                                                "DIST_OUTSIDE_BYTES": str(outside)})
+            over = runner.overran.get(name)
+            if not over:
+                break
+            # The program alone needed more than the cap: a peak other launches need not
+            # meet. Launched again (CAPS_RETRY times), for either allocator alike.
+            overran.append(over)
         if why == SKIPPED:
             unfinished = True  # a probe not made is neither a pass nor a failure
             break
@@ -193,6 +236,9 @@ def lowest_cap(runner, row, col, gpus, live, result):
             high_ok = index
         else:
             probes[cap] = {"trains": False, "oom": oom, "failure": why}
+        if overran:
+            probes[cap]["program_overran"] = overran
+        if ranks is None:
             if not oom:
                 break  # not a memory failure: no bisection on it
             low_fail = index
@@ -225,6 +271,20 @@ def med(values):
 
 
 def cap_text(c):
+    """The lowest cap, and the caps where the program's live bytes and its request alone
+    exceeded the cap in some launch (in how many of that cap's launches)."""
+    text = lowest_text(c)
+    notes = []
+    for cap, probe in sorted((c or {}).get("probes", {}).items()):
+        over = len(probe.get("program_overran") or [])
+        if over:
+            notes.append(f"{cap:.3f} in {over} of {over + (1 if probe.get('trains') else 0)} launches")
+    if notes:
+        text += f" (the program alone exceeded the cap at {', '.join(notes)})"
+    return text
+
+
+def lowest_text(c):
     if not c:
         return "not reached"
     if c["lowest"] is None:

@@ -356,6 +356,23 @@ def cap_memory(torch, device, res):
     fraction = ratio * live / total
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     res["cap"] = {"ratio": ratio, "live_bytes": live, "fraction": fraction, "limit_bytes": int(fraction * total)}
+    watch_out_of_memory(torch, res)
+
+
+def watch_out_of_memory(torch, res):
+    """Notes in res["oom_seen"], at every out-of-memory the allocator reports (PyTorch's
+    observer, called before the error unwinds the program's frames), the bytes asked for,
+    the bytes live then and the limit: whether the program alone needed more than the cap
+    (live + request > limit), which no allocator could serve, or the allocator failed
+    within it. Some refusals are caught by PyTorch itself (a convolution retries with less
+    workspace), so only the last one before a failed launch says why it failed."""
+
+    def observed(device, request, limit, device_free):
+        seen = res.get("oom_seen") or {"count": 0}
+        res["oom_seen"] = {"request": int(request), "allocated": int(torch.cuda.memory_allocated(device)),
+                           "limit": int(limit), "count": seen["count"] + 1}
+
+    torch._C._cuda_attach_out_of_memory_observer(observed)
 
 
 _HELD = []  # the driver allocation of DIST_CAP_MODE=device, kept until the process ends
