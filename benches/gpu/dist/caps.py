@@ -143,7 +143,7 @@ def overran_cap(result_files):
     the cap there: the bytes live when it asked plus the bytes it asked for exceed the limit
     (workloads.py notes them with PyTorch's out-of-memory observer, under a memory fraction
     only). No allocator can serve such a request; the cap failed by the program's peak, which
-    can differ between launches (a warm-up transient, the garbage collector's timing). None
+    can differ between launches (a warm-up transient that only some launches meet). None
     when no rank noted one, or when the request fit within the limit (the allocator's failure)."""
     for path in result_files:
         try:
@@ -238,6 +238,7 @@ def lowest_cap(runner, row, col, gpus, live, result):
             probes[cap] = {"trains": False, "oom": oom, "failure": why}
         if overran:
             probes[cap]["program_overran"] = overran
+            probes[cap]["launches"] = attempt + 1
         if ranks is None:
             if not oom:
                 break  # not a memory failure: no bisection on it
@@ -278,7 +279,7 @@ def cap_text(c):
     for cap, probe in sorted((c or {}).get("probes", {}).items()):
         over = len(probe.get("program_overran") or [])
         if over:
-            notes.append(f"{cap:.3f} in {over} of {over + (1 if probe.get('trains') else 0)} launches")
+            notes.append(f"{cap:.3f} in {over} of {probe.get('launches', over)} launches")
     if notes:
         text += f" (the program alone exceeded the cap at {', '.join(notes)})"
     return text

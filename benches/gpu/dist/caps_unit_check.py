@@ -7,7 +7,8 @@
 #   2. a probe that fails by the program's own need is launched once more, for either
 #      allocator: trains on the second launch -> the cap trains, and the table names it;
 #   3. a probe that fails within the limit (the allocator's failure) is not launched again,
-#      and neither is one that the program overruns twice (CAPS_RETRY=1);
+#      and neither is one that the program overruns twice (CAPS_RETRY=1), nor one whose
+#      second launch fails within the limit; the table counts the launches overrun;
 #   4. CAPS_RETRY=0 launches nothing again.
 #   python3 benches/gpu/dist/caps_unit_check.py
 import json
@@ -111,6 +112,12 @@ check(found["lowest"] == 1.005, f"overrun twice: 1.000 fails (lowest {found['low
 check(runner.launched.count(("sa", 1.0)) == 2, f"launched twice, not more ({runner.launched})")
 check(len(found["probes"][1.0].get("program_overran") or []) == 2, "both overruns recorded")
 check("at 1.000 in 2 of 2 launches" in caps.cap_text(found), f"named: {caps.cap_text(found)}")
+
+#    the program overruns the first launch, the allocator fails the second: 1 of 2 named.
+runner, found = search({("sa", 1.0): ["over", "oom"]})
+check(found["lowest"] == 1.005 and runner.launched.count(("sa", 1.0)) == 2,
+      f"an allocator failure after an overrun fails the cap ({runner.launched})")
+check("at 1.000 in 1 of 2 launches" in caps.cap_text(found), f"named: {caps.cap_text(found)}")
 
 # 4. CAPS_RETRY=0: the overrun fails the cap at once.
 runner, found = search({("sa", 1.0): ["over", "ok"]}, retry=0)
