@@ -6,7 +6,7 @@ use streamalloc_allocator::backend::sim::{Access, SimBackend};
 use streamalloc_allocator::scenarios::record_stream_pipeline;
 use streamalloc_allocator::trace::TraceAction;
 use streamalloc_allocator::{
-    AllocError, Allocation, Allocator, Config, DevicePtr, ReusePolicy, StreamId,
+    AllocError, Allocation, Allocator, Config, DevicePtr, PoolBlock, PoolId, ReusePolicy, StreamId,
 };
 
 const MIB: u64 = 1 << 20;
@@ -687,4 +687,63 @@ fn an_out_of_memory_under_a_limit_names_the_limit_even_for_less_than_a_page() {
         "{err}"
     );
     allocator.free(live.ptr).unwrap();
+}
+
+/// A pool's checkpoint may hold a stitched range (handed out whole, its pages mapped a
+/// second time): restoring the pool revives the range at its address over the same pages.
+/// A checkpoint that would give those pages to another block as well, or that names part
+/// of the range, is refused before anything changes (a C caller's junk, found by fuzzing:
+/// it used to stop the device with an internal panic).
+#[test]
+fn a_checkpoint_with_a_stitched_range_restores_it_whole_and_never_shares_its_pages() {
+    let (device, allocator) = allocator(1 << 30, Config::default());
+    let stream = device.create_stream();
+    let pool = PoolId(3, 0);
+    allocator.create_or_incref_pool(pool).unwrap();
+    let below = allocator.malloc_in(30 * MIB, stream, pool).unwrap();
+    let live = allocator.malloc_in(4 * MIB, stream, pool).unwrap();
+    let above = allocator.malloc_in(26 * MIB, stream, pool).unwrap();
+    allocator.free(below.ptr).unwrap();
+    allocator.free(above.ptr).unwrap();
+    let wide = allocator.malloc_in(40 * MIB, stream, pool).unwrap();
+    let pages = allocator
+        .stitched_pages(wide.ptr)
+        .expect("40 MiB in two free stretches of the pool is stitched");
+    let checkpoint = allocator.pool_checkpoint(pool);
+    assert_eq!(checkpoint.len(), 2);
+
+    let freed = allocator.restore_pool(pool, &checkpoint).unwrap();
+    assert_eq!(freed.len(), 2);
+    assert_eq!(allocator.pool_checkpoint(pool), checkpoint);
+    assert_eq!(allocator.stitched_pages(wide.ptr), Some(pages.clone()));
+    allocator.check_invariants().unwrap();
+
+    let refused = |junk: &[PoolBlock], why: &str| {
+        let err = allocator.restore_pool(pool, junk).unwrap_err();
+        assert!(
+            matches!(&err, AllocError::Checkpoint { reason, .. } if reason.contains(why)),
+            "{err}"
+        );
+        assert_eq!(
+            allocator.pool_checkpoint(pool),
+            checkpoint,
+            "nothing changed"
+        );
+    };
+    // The live block's entry moved onto the stitched range's first run of pages.
+    let mut shared = checkpoint.clone();
+    let other = shared.iter_mut().find(|b| b.ptr == live.ptr).unwrap();
+    (other.ptr, other.size) = pages[0];
+    refused(&shared, "would share pages");
+    // The stitched range less its last page.
+    let mut part = checkpoint.clone();
+    let range = part.iter_mut().find(|b| b.ptr == wide.ptr).unwrap();
+    range.size -= 2 * MIB;
+    refused(&part, "part of a stitched range");
+
+    for block in &checkpoint {
+        allocator.free(block.ptr).unwrap();
+    }
+    allocator.check_invariants().unwrap();
+    assert!(device.races().is_empty(), "{:?}", device.races());
 }

@@ -136,7 +136,8 @@ impl<B: Backend> Allocator<B> {
     /// graph trees): synchronises the device, frees every live allocation of the pool and
     /// allocates exactly the checkpoint's blocks again, at their addresses. Returns the
     /// addresses freed. Checked before anything changes: every checkpoint block must lie in
-    /// the pool's memory, without overlapping another.
+    /// the pool's memory, without overlapping another; a stitched range only whole (it is
+    /// revived over the same pages), and no other block on the pages it maps.
     pub fn restore_pool(
         &self,
         pool: PoolId,
@@ -263,6 +264,19 @@ impl State {
         self.coalesce_across_streams();
         for block in checkpoint {
             let slot = self.streams.slot_in(block.stream, pool);
+            if let Some(index) = self.dormant_stitch_at(pool, block.ptr.0, block.size) {
+                // A stitched range, handed out whole: freed above, it went dormant with its
+                // pages, which it alone held, free again; revived, it maps nothing.
+                let need = Need {
+                    slot,
+                    pool: PoolKind::Large,
+                    size: block.size,
+                    max_size: block.size,
+                };
+                let key = self.revive(backend, index, need)?;
+                self.hand_out_whole(key, slot, block.requested, now);
+                continue;
+            }
             let key = self
                 .free_block_covering(pool, block.ptr.0, block.size)
                 .expect("checked: the pool's memory covers every checkpoint block");
@@ -306,24 +320,74 @@ impl State {
                 )));
             }
         }
+        // Every byte the checkpoint claims: ordinary blocks where they lie, stitched ranges
+        // by the pages they map; (first byte, bytes, the checkpoint block).
+        let mut pages: Vec<(u64, u64, DevicePtr)> = Vec::with_capacity(checkpoint.len());
         for block in checkpoint {
             let (addr, size) = (block.ptr.0, block.size);
-            let inside = self.arena.segments().any(|(segment, seg)| {
+            let holder = self.arena.segments().find(|(_, seg)| {
                 self.streams.pool(seg.stream()) == pool
                     && seg.addr() <= addr
                     && addr + size <= seg.addr() + seg.size()
-                    && self.arena.segment_blocks(segment).all(|(_, b)| {
-                        !b.is_unmapped() || b.addr() + b.size() <= addr || addr + size <= b.addr()
-                    })
+            });
+            let inside = holder.is_some_and(|(segment, seg)| {
+                if seg.is_stitched() {
+                    // An allocated stitched range: restored by reviving it whole.
+                    return seg.addr() == addr && seg.size() == size;
+                }
+                self.arena.segment_blocks(segment).all(|(_, b)| {
+                    !b.is_unmapped() || b.addr() + b.size() <= addr || addr + size <= b.addr()
+                })
             });
             if !inside {
+                let what = match holder {
+                    Some((_, seg)) if seg.is_stitched() => {
+                        "is part of a stitched range, which is handed out only whole"
+                    }
+                    _ => "no longer lies in the pool's memory",
+                };
                 return Err(refuse(format!(
-                    "block at {} ({size} bytes) no longer lies in the pool's memory",
+                    "block at {} ({size} bytes) {what}",
                     block.ptr
+                )));
+            }
+            match holder {
+                Some((segment, seg)) if seg.is_stitched() => {
+                    if self.pools.capture_underway() {
+                        return Err(refuse(format!(
+                            "block at {} is a stitched range, which is not revived while a capture is under way",
+                            block.ptr
+                        )));
+                    }
+                    let stitch = self
+                        .stitches
+                        .active(segment)
+                        .expect("an allocated stitched segment has an active stitch");
+                    pages.extend(stitch.sources.iter().map(|s| (s.addr, s.len, block.ptr)));
+                }
+                _ => pages.push((addr, size, block.ptr)),
+            }
+        }
+        // A stitched range maps its pages a second time: no other block may claim them.
+        // Blocks do not overlap one another, nor do the pages of different stitched ranges,
+        // so in address order any overlap is between neighbours.
+        pages.sort_unstable_by_key(|&(addr, _, _)| addr);
+        for pair in pages.windows(2) {
+            let ((addr, len, first), (next, _, second)) = (pair[0], pair[1]);
+            if addr + len > next {
+                return Err(refuse(format!(
+                    "blocks at {first} and {second} would share pages (one is a stitched range)"
                 )));
             }
         }
         Ok(())
+    }
+
+    /// The dormant stitch of `pool` whose range is exactly `[addr, addr + size)`.
+    fn dormant_stitch_at(&self, pool: PoolId, addr: u64, size: u64) -> Option<usize> {
+        self.stitches.dormant().iter().position(|stitch| {
+            stitch.memory_pool == pool && stitch.addr == addr && stitch.size == size
+        })
     }
 
     /// The listed free block of `pool` containing `[addr, addr + size)`, if any.

@@ -438,7 +438,7 @@ impl State {
 
     /// Revives dormant stitch `index` for `need`: lends its pages again (all free, checked
     /// by [`State::revivable`]); maps nothing.
-    fn revive<B: Backend>(
+    pub(super) fn revive<B: Backend>(
         &mut self,
         backend: &B,
         index: usize,
