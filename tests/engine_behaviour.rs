@@ -690,7 +690,8 @@ fn an_out_of_memory_under_a_limit_names_the_limit_even_for_less_than_a_page() {
 }
 
 /// A pool's checkpoint may hold a stitched range (handed out whole, its pages mapped a
-/// second time): restoring the pool revives the range at its address over the same pages.
+/// second time): restoring the pool revives the range at its address over the same pages,
+/// whether it is still allocated or was freed (and kept dormant) since.
 /// A checkpoint that would give those pages to another block as well, or that names part
 /// of the range, is refused before anything changes (a C caller's junk, found by fuzzing:
 /// it used to stop the device with an internal panic).
@@ -740,6 +741,22 @@ fn a_checkpoint_with_a_stitched_range_restores_it_whole_and_never_shares_its_pag
     let range = part.iter_mut().find(|b| b.ptr == wide.ptr).unwrap();
     range.size -= 2 * MIB;
     refused(&part, "part of a stitched range");
+
+    // Freed since the checkpoint, the range is dormant: restored all the same, over its
+    // pages, though a block of the pool took some of them in between.
+    allocator.free(wide.ptr).unwrap();
+    let between = allocator.malloc_in(20 * MIB, stream, pool).unwrap();
+    assert!(
+        pages
+            .iter()
+            .any(|&(page, len)| page.0 < between.ptr.0 + 20 * MIB && between.ptr.0 < page.0 + len),
+        "the block in between lies on the range's pages"
+    );
+    let freed = allocator.restore_pool(pool, &checkpoint).unwrap();
+    assert!(freed.contains(&between.ptr), "{freed:?}");
+    assert_eq!(allocator.pool_checkpoint(pool), checkpoint);
+    assert_eq!(allocator.stitched_pages(wide.ptr), Some(pages.clone()));
+    allocator.check_invariants().unwrap();
 
     for block in &checkpoint {
         allocator.free(block.ptr).unwrap();

@@ -330,15 +330,21 @@ impl State {
                     && seg.addr() <= addr
                     && addr + size <= seg.addr() + seg.size()
             });
-            let inside = holder.is_some_and(|(segment, seg)| {
-                if seg.is_stitched() {
-                    // An allocated stitched range: restored by reviving it whole.
-                    return seg.addr() == addr && seg.size() == size;
-                }
-                self.arena.segment_blocks(segment).all(|(_, b)| {
-                    !b.is_unmapped() || b.addr() + b.size() <= addr || addr + size <= b.addr()
-                })
-            });
+            // A stitched range freed since the checkpoint is dormant: no segment holds it.
+            let dormant = holder
+                .is_none()
+                .then(|| self.dormant_stitch_at(pool, addr, size))
+                .flatten();
+            let inside = dormant.is_some()
+                || holder.is_some_and(|(segment, seg)| {
+                    if seg.is_stitched() {
+                        // An allocated stitched range: restored by reviving it whole.
+                        return seg.addr() == addr && seg.size() == size;
+                    }
+                    self.arena.segment_blocks(segment).all(|(_, b)| {
+                        !b.is_unmapped() || b.addr() + b.size() <= addr || addr + size <= b.addr()
+                    })
+                });
             if !inside {
                 let what = match holder {
                     Some((_, seg)) if seg.is_stitched() => {
@@ -351,21 +357,22 @@ impl State {
                     block.ptr
                 )));
             }
-            match holder {
-                Some((segment, seg)) if seg.is_stitched() => {
-                    if self.pools.capture_underway() {
-                        return Err(refuse(format!(
-                            "block at {} is a stitched range, which is not revived while a capture is under way",
-                            block.ptr
-                        )));
-                    }
-                    let stitch = self
-                        .stitches
-                        .active(segment)
-                        .expect("an allocated stitched segment has an active stitch");
+            let stitch = match (holder, dormant) {
+                (Some((segment, seg)), _) if seg.is_stitched() => self.stitches.active(segment),
+                (_, Some(index)) => self.stitches.dormant().get(index),
+                _ => None,
+            };
+            match stitch {
+                Some(_) if self.pools.capture_underway() => {
+                    return Err(refuse(format!(
+                        "block at {} is a stitched range, which is not revived while a capture is under way",
+                        block.ptr
+                    )));
+                }
+                Some(stitch) => {
                     pages.extend(stitch.sources.iter().map(|s| (s.addr, s.len, block.ptr)));
                 }
-                _ => pages.push((addr, size, block.ptr)),
+                None => pages.push((addr, size, block.ptr)),
             }
         }
         // A stitched range maps its pages a second time: no other block may claim them.
@@ -383,7 +390,9 @@ impl State {
         Ok(())
     }
 
-    /// The dormant stitch of `pool` whose range is exactly `[addr, addr + size)`.
+    /// The dormant stitch of `pool` whose range is exactly `[addr, addr + size)`: after the
+    /// restore frees the pool's blocks, the pages it maps are free (a dormant range keeps
+    /// no page that was unmapped since), so it can be revived.
     fn dormant_stitch_at(&self, pool: PoolId, addr: u64, size: u64) -> Option<usize> {
         self.stitches.dormant().iter().position(|stitch| {
             stitch.memory_pool == pool && stitch.addr == addr && stitch.size == size
