@@ -330,37 +330,33 @@ impl State {
                     && seg.addr() <= addr
                     && addr + size <= seg.addr() + seg.size()
             });
-            // A stitched range freed since the checkpoint is dormant: no segment holds it.
-            let dormant = holder
-                .is_none()
-                .then(|| self.dormant_stitch_at(pool, addr, size))
-                .flatten();
-            let inside = dormant.is_some()
-                || holder.is_some_and(|(segment, seg)| {
-                    if seg.is_stitched() {
-                        // An allocated stitched range: restored by reviving it whole.
-                        return seg.addr() == addr && seg.size() == size;
+            let refuse_block =
+                |what: &str| refuse(format!("block at {} ({size} bytes) {what}", block.ptr));
+            // What holds the block decides whether it can come back, and the pages it claims:
+            // an ordinary block its own bytes, a stitched range (allocated, or freed since
+            // and dormant: then no segment holds it) the pages it maps.
+            let stitch = match holder {
+                Some((segment, seg)) if seg.is_stitched() => {
+                    if seg.addr() != addr || seg.size() != size {
+                        return Err(refuse_block(
+                            "is part of a stitched range, which is handed out only whole",
+                        ));
                     }
-                    self.arena.segment_blocks(segment).all(|(_, b)| {
+                    self.stitches.active(segment)
+                }
+                Some((segment, _)) => {
+                    let mapped = self.arena.segment_blocks(segment).all(|(_, b)| {
                         !b.is_unmapped() || b.addr() + b.size() <= addr || addr + size <= b.addr()
-                    })
-                });
-            if !inside {
-                let what = match holder {
-                    Some((_, seg)) if seg.is_stitched() => {
-                        "is part of a stitched range, which is handed out only whole"
+                    });
+                    if !mapped {
+                        return Err(refuse_block("no longer lies in the pool's memory"));
                     }
-                    _ => "no longer lies in the pool's memory",
-                };
-                return Err(refuse(format!(
-                    "block at {} ({size} bytes) {what}",
-                    block.ptr
-                )));
-            }
-            let stitch = match (holder, dormant) {
-                (Some((segment, seg)), _) if seg.is_stitched() => self.stitches.active(segment),
-                (_, Some(index)) => self.stitches.dormant().get(index),
-                _ => None,
+                    None
+                }
+                None => match self.dormant_stitch_at(pool, addr, size) {
+                    Some(index) => self.stitches.dormant().get(index),
+                    None => return Err(refuse_block("no longer lies in the pool's memory")),
+                },
             };
             match stitch {
                 Some(_) if self.pools.capture_underway() => {
