@@ -744,15 +744,22 @@ fn replay_driver_call_us_paces_and_rejects_nonsense() {
     let row = &rows[0];
     assert_eq!(row["steps"], 2, "{row}");
     for bad in ["0", "fast"] {
-        let output = cli::streamalloc()
-            .args(["replay", "--driver-call-us", bad])
-            .arg(&trace)
-            .output()
-            .unwrap();
-        assert_eq!(output.status.code(), Some(2), "{output:?}");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(stderr.contains("--driver-call-us"), "{stderr}");
+        assert_replay_refuses(&["--driver-call-us", bad], &trace, "--driver-call-us");
     }
+}
+
+/// `streamalloc replay FLAGS TRACE` is a usage error (exit status 2) whose message names
+/// `flag`.
+fn assert_replay_refuses(flags: &[&str], trace: &Path, flag: &str) {
+    let output = cli::streamalloc()
+        .arg("replay")
+        .args(flags)
+        .arg(trace)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2), "{flags:?}: {output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains(flag), "{flags:?}: {stderr}");
 }
 
 /// `replay --device-ratio R` caps the simulated device, not the allocator: no limit is set
@@ -791,12 +798,9 @@ fn replay_device_ratio_caps_the_device_not_the_allocator() {
     );
     assert!(refused.is_err(), "{refused:?}");
 
-    let both = cli::streamalloc()
-        .args(["replay", "--device-ratio", "1.02", "--limit-ratio", "1.02"])
-        .arg(&trace)
-        .output()
-        .unwrap();
-    assert_eq!(both.status.code(), Some(2), "{both:?}");
-    let stderr = String::from_utf8_lossy(&both.stderr);
-    assert!(stderr.contains("--device-ratio"), "{stderr}");
+    assert_replay_refuses(
+        &["--device-ratio", "1.02", "--limit-ratio", "1.02"],
+        &trace,
+        "--device-ratio",
+    );
 }

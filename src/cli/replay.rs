@@ -170,10 +170,12 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
                 bar.set_position(done as u64);
             }
         };
+        // A cap, of the allocator or of the device, is a multiple of the trace's own peak.
+        let cap = |ratio: f64| cap_bytes(peak_live_bytes(&trace.entries), ratio).max(1);
         let capped;
         let config = match args.limit_ratio {
             Some(ratio) => {
-                let limit = cap_bytes(peak_live_bytes(&trace.entries), ratio).max(1);
+                let limit = cap(ratio);
                 capped = Config {
                     memory_limit: Some(limit),
                     ..config.clone()
@@ -183,9 +185,7 @@ pub(crate) fn run(args: ReplayArgs) -> Result<ExitCode, CliError> {
             None => &config,
         };
         let device_bytes = match args.device_ratio {
-            Some(ratio) => cap_bytes(peak_live_bytes(&trace.entries), ratio)
-                .max(1)
-                .next_multiple_of(DEVICE_PAGE_BYTES),
+            Some(ratio) => cap(ratio).next_multiple_of(DEVICE_PAGE_BYTES),
             None => REPLAY_DEVICE_BYTES,
         };
         let result = replay_on_device(
