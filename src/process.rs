@@ -283,8 +283,8 @@ mod tests {
                 Err(S::Error::custom("the snapshot could not be serialised"))
             }
         }
-        let dir = std::env::temp_dir().join(format!("streamalloc-whole-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path();
         let existing = dir.join("snap.json");
         std::fs::write(&existing, b"precious").unwrap();
         let err = crate::ffi::write_json(existing.to_str().unwrap(), &FailsMidway).unwrap_err();
@@ -303,12 +303,11 @@ mod tests {
             .unwrap()
             .file_type()
             .is_fifo());
-        let names: Vec<_> = std::fs::read_dir(&dir)
+        let names: Vec<_> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         assert_eq!(names.len(), 2, "nothing left beside them: {names:?}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -317,8 +316,8 @@ mod tests {
         let device = registry.device(0).unwrap();
         let stream = device.allocator().backend().create_stream();
         device.run(|a| a.malloc(4096, stream).unwrap()).unwrap();
-        let dir = std::env::temp_dir().join(format!("streamalloc-exit-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        let dir = scratch.path();
         let requests = ExitRequests {
             stats: false,
             snapshot: Some(dir.join("snap.json").into_os_string()),
@@ -328,6 +327,5 @@ mod tests {
         let written = std::fs::read_to_string(dir.join("snap.rank2.json")).unwrap();
         assert!(written.contains("\"segments\""), "{written}");
         assert_eq!(at_exit_with(&registry, &ExitRequests::default()), 0);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

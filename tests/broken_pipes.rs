@@ -20,10 +20,7 @@ fn trace(name: &str) -> PathBuf {
 
 /// A folder of this test's own, emptied.
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sa-pipes-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    cli::scratch_dir(name)
 }
 
 /// A pipe whose reading end is already closed: the first write to it fails.

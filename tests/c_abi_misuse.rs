@@ -514,7 +514,8 @@ fn every_call_clears_the_last_error_when_it_succeeds() {
     let registry = registry();
     let block = ffi::malloc(&registry, MIB, 0, null());
     // Snapshots go to regular files only (/dev/null is refused).
-    let snapshot_path = std::env::temp_dir().join(format!("sa-clears-{}.json", std::process::id()));
+    let scratch = tempfile::tempdir().unwrap();
+    let snapshot_path = scratch.path().join("snapshot.json");
     let snapshot_file = std::ffi::CString::new(snapshot_path.to_str().unwrap()).unwrap();
     let calls: Vec<(&str, SucceedingCall<'_>)> = vec![
         ("malloc", Box::new(|| !ffi::malloc(&registry, MIB, 0, null()).is_null())),
@@ -596,7 +597,6 @@ fn every_call_clears_the_last_error_when_it_succeeds() {
         assert!(call(), "{name} failed: {}", last_error());
         assert_eq!(last_error(), "", "{name} left the last error set");
     }
-    let _ = std::fs::remove_file(&snapshot_path);
 }
 
 #[test]

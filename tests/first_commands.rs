@@ -23,10 +23,7 @@ fn stdout_of(args: &[&str]) -> String {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sa-first-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    cli::scratch_dir(name)
 }
 
 fn repo(path: &str) -> PathBuf {

@@ -12,9 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 
 fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sa-hostile-budget-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    cli::scratch_dir("files").join(name)
 }
 
 /// One line on stderr naming `what`, exit 2.

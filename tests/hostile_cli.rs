@@ -10,9 +10,7 @@ use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sa-hostile-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    cli::scratch_dir("files").join(name)
 }
 
 /// A small valid snapshot of ours, with one device of `device` holding a segment at

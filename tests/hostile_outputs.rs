@@ -10,9 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 fn dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sa-hostile-out-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    cli::scratch_dir("files")
 }
 
 /// A small valid snapshot of ours.

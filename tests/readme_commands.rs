@@ -90,10 +90,7 @@ fn commands(body: &[String]) -> Vec<String> {
 
 /// An empty folder of this test's own, outside the checkout.
 fn empty_folder() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sa-readme-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    cli::scratch_dir("readme")
 }
 
 /// The folder of an installed `streamalloc` to run the commands with, if one was named.

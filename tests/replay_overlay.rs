@@ -328,8 +328,7 @@ fn view_without_replay_has_no_overlay() {
 /// both peaks, the saving and the cap: the same words the terminal got.
 #[test]
 fn plot_replay_draws_three_labelled_lines_and_the_legend() {
-    let dir = std::env::temp_dir().join(format!("sa-plot-replay-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = cli::scratch_dir("plot-replay");
     let svg_path = dir.join("replay.svg");
     let out = cli::streamalloc()
         .arg("plot")

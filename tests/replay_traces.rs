@@ -399,8 +399,7 @@ fn whole_segments_reproduce_the_native_allocator() {
 
 #[test]
 fn bad_files_get_one_line_errors_naming_them() {
-    let dir = std::env::temp_dir().join(format!("streamalloc-replay-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = cli::scratch_dir("replay");
     let foreign = dir.join("notes.txt");
     std::fs::write(&foreign, "hello, not a trace").unwrap();
     let corrupt_gzip = dir.join("cut.pickle.gz");
@@ -427,8 +426,7 @@ fn bad_files_get_one_line_errors_naming_them() {
 
 #[test]
 fn cli_reports_good_traces_past_bad_ones_and_fails_at_the_end() {
-    let dir = std::env::temp_dir().join(format!("streamalloc-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = cli::scratch_dir("cli");
     let bad = dir.join("bad.pickle");
     std::fs::write(&bad, [0x80, 4, 0x95]).unwrap();
     // A small trace in our JSON format: two blocks on two streams.
@@ -490,24 +488,13 @@ fn a_snapshot_of_several_devices_gives_one_trace_per_device() {
     };
     let mut bytes = Vec::new();
     write_pickle(&snapshot, &mut bytes).unwrap();
-    let path =
-        std::env::temp_dir().join(format!("streamalloc-devices-{}.pickle", std::process::id()));
+    let path = cli::scratch_dir("devices").join("devices.pickle");
     std::fs::write(&path, bytes).unwrap();
     let traces = load_traces(&path).unwrap();
-    std::fs::remove_file(&path).ok();
     let names: Vec<&str> = traces.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(
         names,
-        [
-            format!(
-                "streamalloc-devices-{}.pickle[device 0]",
-                std::process::id()
-            ),
-            format!(
-                "streamalloc-devices-{}.pickle[device 2]",
-                std::process::id()
-            ),
-        ]
+        ["devices.pickle[device 0]", "devices.pickle[device 2]"]
     );
     for trace in &traces {
         // The `snapshot` marker is dropped; the rest replays.
@@ -545,8 +532,7 @@ fn bad_conf_flag_is_blamed_on_the_flag() {
 #[test]
 fn gzip_bombs_are_refused_and_the_limit_can_be_set() {
     use std::io::Write;
-    let dir = std::env::temp_dir().join(format!("streamalloc-bomb-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = cli::scratch_dir("bomb");
     let bomb = dir.join("bomb.pickle.gz");
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
     let zeros = vec![0u8; 1 << 20];

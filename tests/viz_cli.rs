@@ -15,9 +15,7 @@ fn shared_trace(name: &str) -> PathBuf {
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("sa-viz-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    cli::scratch_dir("files").join(name)
 }
 
 #[test]

@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 
 /// The `libstreamalloc.so` this test run built. `cargo build` puts it next to the launcher,
 /// where the launcher looks; `cargo test` alone leaves it in `deps/` (and a copy up there
@@ -56,4 +57,21 @@ pub fn convert(input: &Path, output: &Path, format: &str) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// A directory of this test process's own, `name` inside a root made by `mkdtemp`: nothing
+/// a former run left (CI machines reuse `/tmp`, and pids) is ever found in it. Kept after
+/// the run, to look at a failure.
+pub fn scratch_dir(name: &str) -> PathBuf {
+    static ROOT: OnceLock<PathBuf> = OnceLock::new();
+    let root = ROOT.get_or_init(|| {
+        tempfile::Builder::new()
+            .prefix("streamalloc-test-")
+            .tempdir()
+            .expect("a temporary directory")
+            .keep()
+    });
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
