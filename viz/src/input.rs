@@ -86,10 +86,10 @@ pub fn maybe_gunzip(path: &Path, raw: Vec<u8>) -> Result<Vec<u8>, VizError> {
 /// message says `how` the limit was set. Corrupt or truncated data is [`VizError::Gzip`].
 /// `path` only names the source in errors.
 pub fn gunzip_within(path: &Path, raw: &[u8], limit: u64, how: &str) -> Result<Vec<u8>, VizError> {
-    let capacity = (raw.len() as u64).saturating_mul(8).min(limit) as usize;
     let mut out = Vec::new();
-    // Only a first guess: reading grows it, and running out there is an error too.
-    let _ = out.try_reserve_exact(capacity);
+    // No room is reserved ahead: a guess from the compressed size would cost its whole
+    // before the header is even checked (a file that merely starts with the magic);
+    // `read_to_end` grows the buffer to what arrives and reports running out as an error.
     // One byte past the limit tells "exactly at the limit" from "over it".
     flate2::read::MultiGzDecoder::new(raw)
         .take(limit.saturating_add(1))
