@@ -189,15 +189,16 @@ enum Growth {
     /// Whole segments, obtained and returned whole: PyTorch's rules, what
     /// `cudaIpcGetMemHandle` needs, and all a backend without virtual memory offers.
     WholeSegments,
-    /// Address reservations with pages mapped on demand (`pool::expandable`).
-    Expandable(ExpandableTable),
+    /// Address reservations with pages mapped on demand (`pool::expandable`); boxed, as
+    /// the table is large beside the other variant.
+    Expandable(Box<ExpandableTable>),
 }
 
 impl Growth {
     /// The expandable segments' table, if memory grows that way.
     fn expandable(&self) -> Option<&ExpandableTable> {
         match self {
-            Growth::Expandable(table) => Some(table),
+            Growth::Expandable(table) => Some(table.as_ref()),
             Growth::WholeSegments => None,
         }
     }
@@ -205,7 +206,7 @@ impl Growth {
     /// The expandable segments' table, if memory grows that way.
     fn expandable_mut(&mut self) -> Option<&mut ExpandableTable> {
         match self {
-            Growth::Expandable(table) => Some(table),
+            Growth::Expandable(table) => Some(table.as_mut()),
             Growth::WholeSegments => None,
         }
     }
@@ -233,10 +234,11 @@ impl<B: Backend> Allocator<B> {
             // Under a limit every free page must be able to go back alone: one allocation
             // per page. Otherwise runs are mapped in pieces, since the driver's calls cost
             // per allocation (on an H200 ~55 µs a page to grow, ~37 to stitch, against ~2
-            // µs a page in 64 MiB pieces), and stitches take whole pieces.
+            // µs a page in 64 MiB pieces), and stitches take whole pieces (whole growth pieces
+            // too under a limit, while it does not bind).
             table.page_granular = config.page_allocations || limit.is_some();
             backend.set_page_allocations(table.page_granular);
-            Growth::Expandable(table)
+            Growth::Expandable(Box::new(table))
         } else {
             // Info, not a warning: expandable segments are the default, and a backend
             // without virtual memory is an expected configuration.

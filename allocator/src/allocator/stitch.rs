@@ -45,13 +45,15 @@ const MAX_UNSTITCHED_PAGES: u64 = 1;
 const SHORTFALL_TRIES: usize = 8;
 
 /// A stitch maps at most this many runs of pages (each at least one `cuMemMap`), while
-/// memory is not short. Under a memory limit, past the growth budget, a stitch takes as
+/// memory is not short. Under a memory limit, once whole growth pieces and the growth
+/// the limit allows fall short (`Runs::Pages`, waiting on the device), a stitch takes as
 /// many runs as covering the request needs: growing instead would cost a synchronisation
 /// to unmap the scattered pages first, every time the peak comes round.
 const MAX_SOURCES: usize = 32;
 
-/// Without a memory limit a stitch takes no run shorter than this fraction (1/n) of the
-/// request, and grows the shortfall instead (at most that fraction of the request). Small
+/// While memory is plentiful (with or without a limit) a stitch takes no run shorter than
+/// this fraction (1/n) of the request, and grows the shortfall instead (at most that
+/// fraction of the request). Small
 /// holes between live blocks are what best fit fills with other blocks in the next step, so
 /// a kept stitch that maps them is seldom revivable: replayed as three steps, BERT with
 /// varying lengths made a new 1.35 GB stitch in every step and now makes none (peak 1.012
@@ -74,6 +76,17 @@ enum Pages {
     NoWait,
     /// Every free page of the pool, the requesting stream waiting on the device.
     Any,
+}
+
+/// Which runs of free pages a stitch takes as its sources.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Runs {
+    /// Whole growth pieces, none shorter than [`MIN_RUN_FRACTION`] of the request: the
+    /// runs a kept stitch can find free again in the next step. The same choices with or
+    /// without a limit, as long as it does not bind.
+    Pieces,
+    /// Any run of whole mappings, a page at least: every free page counts.
+    Pages,
 }
 
 /// What the free pages of a pool lack to cover a request: `bytes` (0 where stitching is
@@ -131,18 +144,6 @@ impl State {
             }
             (ReusePolicy::StreamWait, _) => Pages::Any,
         };
-        // Without a limit, holes much smaller than the request are left to best fit and the
-        // shortfall is grown (see [`MIN_RUN_FRACTION`]); under one, every page counts.
-        let min_run = if effort != Effort::Synchronised && self.limit.is_none() {
-            (need.size / MIN_RUN_FRACTION / page * page).max(page)
-        } else {
-            page
-        };
-        let max_sources = if effort == Effort::Light || self.limit.is_none() {
-            MAX_SOURCES
-        } else {
-            usize::MAX
-        };
         if let Some(index) = self.revivable(need, memory_pool, page, pages) {
             return self.revive(backend, index, need).map(Some);
         }
@@ -155,11 +156,46 @@ impl State {
                 return Ok(None);
             }
         }
+        if effort == Effort::Synchronised {
+            return self.stitch_runs(backend, need, pages, effort, Runs::Pages);
+        }
+        if let Some(key) = self.stitch_runs(backend, need, pages, effort, Runs::Pieces)? {
+            return Ok(Some(key));
+        }
+        // Pages are their own allocations (under a limit, or on a nearly full device):
+        // before a synchronisation, every page counts.
+        if effort == Effort::Waiting && self.table().page_granular {
+            return self.stitch_runs(backend, need, pages, effort, Runs::Pages);
+        }
+        Ok(None)
+    }
+
+    /// Stitches free runs of `runs`' kind for `need`, growing the shortfall where `effort`
+    /// allows; `None` if the runs fall short.
+    fn stitch_runs<B: Backend>(
+        &mut self,
+        backend: &B,
+        need: Need,
+        pages: Pages,
+        effort: Effort,
+        runs: Runs,
+    ) -> Result<Option<BlockKey>, AllocError> {
+        let page = self.table().page;
+        let memory_pool = self.streams.pool(need.slot);
+        // Holes much smaller than the request are left to best fit and the shortfall is
+        // grown (see [`MIN_RUN_FRACTION`]), unless a limit binds.
+        let sparing = (need.size / MIN_RUN_FRACTION / page * page).max(page);
+        let (min_run, max_sources) = match runs {
+            Runs::Pieces => (sparing, MAX_SOURCES),
+            Runs::Pages if effort == Effort::Synchronised => (page, MAX_SOURCES),
+            Runs::Pages if self.limit.is_none() => (sparing, MAX_SOURCES),
+            Runs::Pages => (page, usize::MAX),
+        };
         for _ in 0..SHORTFALL_TRIES {
             let Shortfall {
                 bytes: shortfall,
-                runs,
-            } = match self.pick_free_pages(need, memory_pool, page, pages, max_sources, min_run) {
+                runs: taken,
+            } = match self.pick_free_pages(need, pages, runs, max_sources, min_run) {
                 Ok(picks) => return self.make_stitch(backend, need, memory_pool, picks),
                 Err(shortfall) if shortfall.bytes == 0 => return Ok(None),
                 Err(shortfall) => shortfall,
@@ -179,7 +215,7 @@ impl State {
                     // Make room for the shortfall with free pages the stitch will not take.
                     let excess =
                         self.stats.reserved_bytes.current + grown - self.limit.unwrap_or(u64::MAX);
-                    self.unmap_free_pages_upto(backend, excess, Release::Unpinned, &runs)?;
+                    self.unmap_free_pages_upto(backend, excess, Release::Unpinned, &taken)?;
                 }
                 _ => {}
             }
@@ -277,14 +313,15 @@ impl State {
     fn pick_free_pages(
         &self,
         need: Need,
-        memory_pool: PoolId,
-        page: u64,
         pages: Pages,
+        kind: Runs,
         max_sources: usize,
         min_run: u64,
     ) -> Result<Vec<Pick>, Shortfall> {
-        let want = need.size.div_ceil(page) * page;
+        let memory_pool = self.streams.pool(need.slot);
         let vmm = self.table();
+        let page = vmm.page;
+        let want = need.size.div_ceil(page) * page;
         let mut runs: Vec<Pick> = Vec::new();
         for &index in self.streams.free_slots() {
             let state = self.streams.get(index);
@@ -302,10 +339,11 @@ impl State {
                         continue;
                     }
                     // Whole mappings only: the driver maps nothing else a second time.
-                    if let Some((addr, len)) = vmm
-                        .whole_mapping_span(block.addr(), block.size())
-                        .filter(|&(_, len)| len >= min_run)
-                    {
+                    let span = match kind {
+                        Runs::Pieces => vmm.whole_piece_span(block.addr(), block.size()),
+                        Runs::Pages => vmm.whole_mapping_span(block.addr(), block.size()),
+                    };
+                    if let Some((addr, len)) = span.filter(|&(_, len)| len >= min_run) {
                         runs.push(Pick {
                             block: key,
                             addr,
@@ -336,10 +374,12 @@ impl State {
             let left = want - got;
             // The smallest run that covers what is left ends the search.
             if let Some(last) = rest.iter().rev().find(|run| run.len >= left) {
-                // Up to the end of the mapping that holds its last byte needed.
-                let end = vmm
-                    .mapping_end(last.addr + left - 1)
-                    .unwrap_or(last.addr + left);
+                // Up to the end of the mapping (or piece) that holds its last byte needed.
+                let end = match kind {
+                    Runs::Pieces => vmm.piece_end(last.addr + left - 1),
+                    Runs::Pages => vmm.mapping_end(last.addr + left - 1),
+                }
+                .unwrap_or(last.addr + left);
                 picks.push(Pick {
                     len: end - last.addr,
                     ..*last

@@ -102,6 +102,12 @@ pub(crate) struct ExpandableTable {
     /// force, or once the device refused memory. Off, runs are mapped in pieces of up to
     /// [`ExpandableTable::chunk`], and stitches take whole pieces.
     pub(crate) page_granular: bool,
+    /// The pieces each growth would be mapped in without [`ExpandableTable::page_granular`]
+    /// (the same as `mappings` while it is off): address → bytes. While memory is
+    /// plentiful, stitching takes these whole whatever the mode, so that a limit far from
+    /// binding changes no choice (pages alone, it took holes that best fit fills again in
+    /// the next step). A piece loses its entry once any of its pages is unmapped.
+    growth_pieces: BTreeMap<u64, u64>,
 }
 
 impl ExpandableTable {
@@ -121,6 +127,7 @@ impl ExpandableTable {
             remap_ns: 0,
             mappings: BTreeMap::new(),
             page_granular: false,
+            growth_pieces: BTreeMap::new(),
         }
     }
 
@@ -277,8 +284,11 @@ impl ExpandableTable {
             for page in (addr..addr + size).step_by(self.page as usize) {
                 self.mappings.insert(page, self.page);
             }
+            let pieces: Vec<_> = self.pieces_as(addr, size, false).collect();
+            self.growth_pieces.extend(pieces);
         } else {
             self.mappings.insert(addr, size);
+            self.growth_pieces.insert(addr, size);
         }
     }
 
@@ -334,6 +344,45 @@ impl ExpandableTable {
         for start in gone {
             self.mappings.remove(&start);
         }
+        // Pieces are disjoint: those overlapping the range are the last ones starting
+        // before its end.
+        let cut: Vec<u64> = self
+            .growth_pieces
+            .range(..addr + size)
+            .rev()
+            .take_while(|(&start, &len)| start + len > addr)
+            .map(|(&start, _)| start)
+            .collect();
+        for start in cut {
+            self.growth_pieces.remove(&start);
+        }
+    }
+
+    /// [`ExpandableTable::whole_mapping_span`] in growth pieces: the first stretch of
+    /// contiguous whole pieces inside the mapped range `[addr, addr + size)`.
+    pub(crate) fn whole_piece_span(&self, addr: u64, size: u64) -> Option<(u64, u64)> {
+        let end = addr + size;
+        let mut span: Option<(u64, u64)> = None;
+        for (&start, &len) in self.growth_pieces.range(addr..end) {
+            if start + len > end {
+                break;
+            }
+            match &mut span {
+                None => span = Some((start, start + len)),
+                Some((_, stop)) if *stop == start => *stop = start + len,
+                Some(_) => break,
+            }
+        }
+        span.map(|(start, stop)| (start, stop - start))
+    }
+
+    /// The first byte past the growth piece that holds byte `addr`, if one does.
+    pub(crate) fn piece_end(&self, addr: u64) -> Option<u64> {
+        self.growth_pieces
+            .range(..=addr)
+            .next_back()
+            .map(|(&start, &len)| start + len)
+            .filter(|&end| end > addr)
     }
 }
 
@@ -391,6 +440,36 @@ mod tests {
         assert_eq!(table.whole_mappings(0, MAP_CHUNK + 4 * mib).len(), 3);
         table.remove_mappings(MAP_CHUNK, 4 * mib);
         assert!(table.whole_mappings(MAP_CHUNK, 4 * mib).is_empty());
+    }
+
+    /// Page by page, a growth is still known by the pieces it would have been mapped in:
+    /// stitching takes those whole while memory is plentiful. A piece any of whose pages
+    /// was unmapped is no longer one.
+    #[test]
+    fn pages_mapped_one_by_one_keep_their_growth_pieces() {
+        let mib = 1 << 20;
+        let mut table = ExpandableTable::new(2 * mib, 5 * mib, 100);
+        table.live_peak_at_growth = 2 << 30;
+        assert_eq!(table.chunk(), 8 * mib);
+        table.page_granular = true;
+        table.add_mapping(0, 32 * mib);
+        assert_eq!(table.whole_mappings(0, 32 * mib).len(), 16, "one per page");
+        assert_eq!(table.whole_piece_span(0, 32 * mib), Some((0, 32 * mib)));
+        // A free block over part of the run sees the pieces wholly inside it.
+        assert_eq!(
+            table.whole_piece_span(2 * mib, 20 * mib),
+            Some((8 * mib, 8 * mib))
+        );
+        assert_eq!(table.piece_end(9 * mib), Some(16 * mib));
+        // Unmapping one page takes its piece out; the span stops at the gap.
+        table.remove_mappings(10 * mib, 2 * mib);
+        assert_eq!(table.piece_end(9 * mib), None);
+        assert_eq!(table.whole_piece_span(0, 32 * mib), Some((0, 8 * mib)));
+        assert_eq!(
+            table.whole_piece_span(8 * mib, 24 * mib),
+            Some((16 * mib, 16 * mib))
+        );
+        assert_eq!(table.whole_mappings(8 * mib, 8 * mib).len(), 3);
     }
 
     #[test]
