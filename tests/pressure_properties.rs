@@ -390,3 +390,65 @@ fn a_request_beyond_the_bound_fails_without_a_violation() {
     assert_eq!(harness.allocator().stats().ooms, 1);
     harness.finish().unwrap();
 }
+
+/// A program without captures, reclaims or `empty_cache` (allocations, frees,
+/// cross-stream uses, host progress, syncs), with blocks up to 320 MiB: runs that long are
+/// mapped in pieces of several pages, which is where pieces and pages part.
+fn plain_program() -> impl Strategy<Value = Vec<Op>> {
+    let size = prop_oneof![
+        2 => size(),
+        1 => (24 * MIB + 1)..=(320 * MIB),
+    ];
+    let stream = 0..STREAMS as u8;
+    let allocation = prop_oneof![
+        6 => (stream.clone(), size, 0u32..2_000_000)
+            .prop_map(|(stream, size, duration)| Op::Malloc { stream, size, duration }),
+        2 => (0u32..3_000_000).prop_map(|ns| Op::AdvanceHost { ns }),
+        1 => stream.prop_map(|stream| Op::SyncStream { stream }),
+    ];
+    proptest::collection::vec(prop_oneof![3 => allocation, 2 => block_op()], 1..120)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: proptest_cases(128),
+        max_shrink_iters: 4096,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    /// Pressure decides, not the presence of a limit: under a limit that the program never
+    /// comes near, where every page is its own physical allocation, the engine places and
+    /// stitches as without one. After every operation both hold the same blocks at the
+    /// same addresses in the same states, and their traces name the same events. (What
+    /// gives memory back differs by nature: a page can be unmapped alone, a piece only
+    /// whole, so reclaims and `empty_cache` are left out.)
+    #[test]
+    fn a_limit_that_never_binds_changes_no_choice(
+        program in plain_program(),
+        policy in prop_oneof![3 => Just(ReusePolicy::StreamWait), 1 => Just(ReusePolicy::Pytorch)],
+    ) {
+        let config = |memory_limit| Config {
+            reuse_policy: policy,
+            reclaim: false,
+            memory_limit,
+            ..Config::default()
+        };
+        // A device far larger than any program here, so that neither run nears it.
+        let device = 64 << 30;
+        let mut free = Harness::new(config(None), device).unwrap();
+        let mut limited = Harness::new(config(Some(2 * device)), device).unwrap();
+        for (step, op) in program.iter().enumerate() {
+            free.apply(op).unwrap();
+            limited.apply(op).unwrap();
+            let (a, b) = (free.allocator().snapshot(), limited.allocator().snapshot());
+            prop_assert_eq!(&a.segments, &b.segments, "after step {}: {:?}", step, op);
+            let events = |trace: &[streamalloc_allocator::trace::TraceEntry]| -> Vec<_> {
+                trace.iter().map(|e| (e.action, e.addr, e.size, e.stream)).collect()
+            };
+            prop_assert_eq!(events(&a.trace), events(&b.trace), "after step {}: {:?}", step, op);
+        }
+        free.finish().unwrap();
+        limited.finish().unwrap();
+    }
+}

@@ -162,9 +162,11 @@ impl State {
         if let Some(key) = self.stitch_runs(backend, need, pages, effort, Runs::Pieces)? {
             return Ok(Some(key));
         }
-        // Pages are their own allocations (under a limit, or on a nearly full device):
-        // before a synchronisation, every page counts.
-        if effort == Effort::Waiting && self.table().page_granular {
+        // Where pages are their own allocations and memory is short (a limit that could
+        // not hold the request as new memory, a nearly full device), every page counts
+        // before a synchronisation; a limit that could changes no choice.
+        let short = self.limit.is_none() || !self.fits_limit(self.page_rounded(need.size));
+        if effort == Effort::Waiting && self.table().page_granular && short {
             return self.stitch_runs(backend, need, pages, effort, Runs::Pages);
         }
         Ok(None)
