@@ -764,3 +764,49 @@ fn a_checkpoint_with_a_stitched_range_restores_it_whole_and_never_shares_its_pag
     allocator.check_invariants().unwrap();
     assert!(device.races().is_empty(), "{:?}", device.races());
 }
+
+/// Under a limit, the step after a synchronisation stitches as many runs as covering the
+/// request takes. Under PyTorch's policy, 40 pages freed while another stream still used
+/// them are one page apart and become free only at a synchronisation; a request of 40
+/// pages at the limit is then served by one stitch of all 40, unmapping nothing.
+#[test]
+fn after_a_synchronisation_a_stitch_under_a_limit_takes_as_many_runs_as_it_needs() {
+    let config = Config {
+        reuse_policy: ReusePolicy::Pytorch,
+        memory_limit: Some(160 * MIB),
+        ..Config::default()
+    };
+    let (device, allocator) = allocator(1 << 30, config);
+    let (stream, reader) = (device.create_stream(), device.create_stream());
+    let page = 2 * MIB;
+    let blocks: Vec<_> = (0..80)
+        .map(|_| allocator.malloc(page, stream).unwrap())
+        .collect();
+    assert_eq!(allocator.stats().reserved_bytes.current, 160 * MIB);
+    for block in blocks.iter().step_by(2) {
+        device.launch(
+            reader,
+            &[Access::read(block.ptr, page)],
+            1_000_000,
+            "reads it",
+        );
+        allocator.record_use(block.ptr, reader).unwrap();
+        allocator.free(block.ptr).unwrap();
+    }
+    let before = allocator.stats();
+    let wide = allocator.malloc(40 * page, stream).unwrap();
+    let after = allocator.stats();
+    assert_eq!(after.device_syncs, before.device_syncs + 1, "{after:?}");
+    assert_eq!(after.stitches, before.stitches + 1, "{after:?}");
+    assert_eq!(after.page_unmap_bytes, before.page_unmap_bytes, "{after:?}");
+    assert_eq!(
+        allocator.stitched_pages(wide.ptr).map(|runs| runs.len()),
+        Some(40)
+    );
+    allocator.free(wide.ptr).unwrap();
+    for block in blocks.iter().skip(1).step_by(2) {
+        allocator.free(block.ptr).unwrap();
+    }
+    allocator.check_invariants().unwrap();
+    assert!(device.races().is_empty(), "{:?}", device.races());
+}

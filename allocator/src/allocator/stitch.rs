@@ -185,13 +185,14 @@ impl State {
         let page = self.table().page;
         let memory_pool = self.streams.pool(need.slot);
         // Holes much smaller than the request are left to best fit and the shortfall is
-        // grown (see [`MIN_RUN_FRACTION`]), unless a limit binds.
+        // grown (see [`MIN_RUN_FRACTION`]) until a limit binds or the device has been
+        // synchronised; under a limit, as many runs as it takes (see [`MAX_SOURCES`]).
         let sparing = (need.size / MIN_RUN_FRACTION / page * page).max(page);
         let (min_run, max_sources) = match runs {
             Runs::Pieces => (sparing, MAX_SOURCES),
+            Runs::Pages if self.limit.is_some() => (page, usize::MAX),
             Runs::Pages if effort == Effort::Synchronised => (page, MAX_SOURCES),
-            Runs::Pages if self.limit.is_none() => (sparing, MAX_SOURCES),
-            Runs::Pages => (page, usize::MAX),
+            Runs::Pages => (sparing, MAX_SOURCES),
         };
         for _ in 0..SHORTFALL_TRIES {
             let Shortfall {
