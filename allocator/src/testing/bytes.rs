@@ -3,17 +3,24 @@
 use super::{Harness, Op};
 use crate::config::{Config, ReusePolicy};
 
+/// Memory limits the fuzz input may choose (bits 5-6 of its first byte, with bit 7 set).
+const LIMITS: [u64; 4] = [64 << 20, 96 << 20, 160 << 20, 256 << 20];
+
 /// Decodes arbitrary bytes into a configuration and a program (the fuzz target's input
-/// format: the first two bytes choose the policy and event batch, then 8 bytes an op).
+/// format: the first two bytes choose the policy, event batch, memory limit and trace
+/// ring, then 8 bytes an op).
 pub fn decode(bytes: &[u8]) -> (Config, Vec<Op>) {
     let mut config = Config::default();
-    if let Some(first) = bytes.first() {
+    if let Some(&first) = bytes.first() {
         config.reuse_policy = if first & 1 == 0 {
             ReusePolicy::StreamWait
         } else {
             ReusePolicy::Pytorch
         };
         config.event_batch = 1 + usize::from(first >> 1) % 16;
+        if first & 0x80 != 0 {
+            config.memory_limit = Some(LIMITS[usize::from(first >> 5) & 3]);
+        }
     }
     if let Some(second) = bytes.get(1) {
         config.trace_capacity = usize::from(*second) * 4;
@@ -81,10 +88,16 @@ fn decode_op(chunk: &[u8]) -> Op {
     }
 }
 
-/// Runs a decoded program on a 512 MiB device and reports the first violation.
+/// Runs a decoded program on a 512 MiB device and reports the first violation; under a
+/// memory limit every out-of-memory failure is held to the pressure bound
+/// ([`Harness::check_pressure_bound`]).
 pub fn run_bytes(bytes: &[u8]) -> Result<(), String> {
     let (config, ops) = decode(bytes);
+    let limited = config.memory_limit.is_some();
     let mut harness = Harness::new(config, 512 << 20).map_err(|e| e.to_string())?;
+    if limited {
+        harness.check_pressure_bound();
+    }
     for op in &ops {
         harness.apply(op)?;
     }
