@@ -319,11 +319,7 @@ impl ExpandableTable {
 
     /// The first byte past the mapping that holds byte `addr`, if one does.
     pub(crate) fn mapping_end(&self, addr: u64) -> Option<u64> {
-        self.mappings
-            .range(..=addr)
-            .next_back()
-            .map(|(&start, &len)| start + len)
-            .filter(|&end| end > addr)
+        end_of_range_holding(&self.mappings, addr)
     }
 
     /// True if some mapping lies wholly inside `[addr, addr + size)`.
@@ -378,12 +374,18 @@ impl ExpandableTable {
 
     /// The first byte past the growth piece that holds byte `addr`, if one does.
     pub(crate) fn piece_end(&self, addr: u64) -> Option<u64> {
-        self.growth_pieces
-            .range(..=addr)
-            .next_back()
-            .map(|(&start, &len)| start + len)
-            .filter(|&end| end > addr)
+        end_of_range_holding(&self.growth_pieces, addr)
     }
+}
+
+/// In `ranges` (disjoint, start → bytes), the first byte past the range that holds byte
+/// `addr`, if one does.
+fn end_of_range_holding(ranges: &BTreeMap<u64, u64>, addr: u64) -> Option<u64> {
+    ranges
+        .range(..=addr)
+        .next_back()
+        .map(|(&start, &len)| start + len)
+        .filter(|&end| end > addr)
 }
 
 /// What [`ExpandableTable::pieces`] yields: the run whole, or cut in chunks.
