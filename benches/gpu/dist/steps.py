@@ -9,9 +9,10 @@ Per file: the allocator column, the median of the timed steps, then one line per
 bytes mapped and unmapped, stitches made and revived, device synchronisations,
 cross-stream waits, and the host time spent in the driver's virtual-memory calls
 (`Stats::vmm_ns`), and the process's CPU time and voluntary context switches in the step
-(every thread; any allocator). A step whose excess over its neighbours matches its driver
-time lost that time to mapping; one that did no work but spent more CPU lost it on the
-host, one with as much CPU waited. Exit status 1 if a file cannot be read as a worker's result.
+(every thread; any allocator), and the time the host took to issue the step. A step
+whose excess over its neighbours matches its driver time lost that time to mapping; one
+issued in its whole time was bound by the host, one issued early waited for the device
+(CUDA's synchronisation spins, so CPU time alone counts that wait too). Exit status 1 if a file cannot be read as a worker's result.
 """
 
 import argparse
@@ -22,7 +23,8 @@ import sys
 SHOWN = (
     ("page_map_bytes", "mapped"), ("page_unmap_bytes", "unmapped"), ("stitches", "stitches"),
     ("stitched_map_bytes", "stitched"), ("stitch_revivals", "revived"), ("device_syncs", "syncs"),
-    ("cross_stream_waits", "waits"), ("vmm_ns", "driver"),
+    ("cross_stream_waits", "waits"), ("vmm_ns", "driver"), ("allocs", "allocations"),
+    ("events_recorded", "events recorded"), ("event_queries", "event queries"),
 )
 
 
@@ -53,7 +55,9 @@ def describe(path):
         did = work[index] if index < len(work) else {}
         parts = [f"{label} {amount(key, did[key])}" for key, label in SHOWN if did.get(key)]
         if index < len(host):
-            parts.insert(0, f"cpu {host[index]['cpu_ms']:.0f} ms, {host[index]['switches']} switches")
+            issue = host[index].get("issue_ms")  # absent in results of earlier builds
+            parts.insert(0, f"cpu {host[index]['cpu_ms']:.0f} ms, {host[index]['switches']} switches"
+                         + (f", issued in {issue:.0f} ms" if issue is not None else ""))
         mark = " (warm-up)" if index < warmup else ""
         lines.append(f"  step {index}{mark}: {ms:8.1f} ms" + (f"   {', '.join(parts)}" if parts else ""))
     return lines

@@ -63,7 +63,7 @@ COMMON_ENV = {
 # streamalloc's counters of its own work, compared before and after the timed steps.
 SA_COUNTERS = ("page_map_bytes", "page_unmap_bytes", "device_syncs", "stitches", "stitch_revivals",
                "stitched_map_bytes", "stitch_evictions", "segment_allocs", "segment_frees", "retries", "ooms",
-               "cross_stream_waits", "vmm_ns")
+               "cross_stream_waits", "vmm_ns", "allocs", "events_recorded", "event_queries")
 # Timed steps of each row unless DIST_STEPS says otherwise.
 DEFAULT_STEPS = {"fsdp2_gpt2": 12, "fsdp2_ckpt": 12, "ddp_gpt2": 12, "tp_allreduce": 30,
                  "gpt2_varlen": 12, "generate": 6}
@@ -152,9 +152,11 @@ def run_steps(torch, col, step, warmup, steps):
     times, losses = [], []
     # streamalloc's work in each step (its counters' change), to set beside each step's time.
     per_step, before = [], meter.counters()
-    # The process's CPU time and voluntary context switches in each step (every thread):
-    # a step that is slower with as much CPU waited (on the device or a lock), one with more
-    # CPU spent it on the host.
+    # The process's CPU time and voluntary context switches in each step (every thread),
+    # and the time the host took to issue the step (until the step's loss was queued,
+    # before the synchronisation). CUDA's synchronisation spins, so CPU time counts the wait
+    # for the device too: a step whose issue time is its whole time was bound by the host,
+    # one that issued early and then waited was bound by the device.
     host = []
     for i in range(warmup + steps):
         if i == warmup:
@@ -163,11 +165,12 @@ def run_steps(torch, col, step, warmup, steps):
         u0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         loss = step(i)
+        issued = time.perf_counter() - t0
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         u1 = resource.getrusage(resource.RUSAGE_SELF)
         host.append({"cpu_ms": round((u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime) * 1e3, 1),
-                     "switches": u1.ru_nvcsw - u0.ru_nvcsw})
+                     "switches": u1.ru_nvcsw - u0.ru_nvcsw, "issue_ms": round(issued * 1e3, 1)})
         losses.append(float(loss.item()))
         del loss
         if before is not None:
