@@ -71,6 +71,35 @@ fn same_stream_reuse_makes_no_backend_call() {
     assert_eq!(before, after);
 }
 
+/// The statistics say how many requests left the fast path and what they cost the host:
+/// one that maps pages counts once, with its driver time inside; reusing the stream's own
+/// free block counts nothing.
+#[test]
+fn slow_paths_and_their_host_time_are_counted_and_reuse_adds_none() {
+    let (device, allocator) = allocator(1 << 30, Config::default());
+    device.set_mapping_cost(40_000);
+    let stream = device.create_stream();
+    let first = allocator.malloc(8 * MIB, stream).unwrap();
+    let grown = allocator.stats();
+    assert_eq!(grown.slow_paths, 1);
+    assert!(
+        grown.vmm_ns >= 40_000 && grown.slow_path_ns >= grown.vmm_ns,
+        "slow path {} ns, driver {} ns",
+        grown.slow_path_ns,
+        grown.vmm_ns
+    );
+    allocator.free(first.ptr).unwrap();
+    for size in [8 * MIB, 4 * MIB, 8 * MIB] {
+        let block = allocator.malloc(size, stream).unwrap();
+        allocator.free(block.ptr).unwrap();
+    }
+    let reused = allocator.stats();
+    assert_eq!(
+        (reused.slow_paths, reused.slow_path_ns),
+        (grown.slow_paths, grown.slow_path_ns)
+    );
+}
+
 #[test]
 fn out_of_memory_says_how_much_is_fragmentation_and_what_would_help() {
     // Six 8 MiB blocks fill three 20 MiB segments up to the limit; freeing every other one

@@ -174,6 +174,16 @@ pub struct Stats {
     /// kept (then zero).
     #[serde(default)]
     pub vmm_ns: u64,
+    /// Requests that the stream's own ready blocks could not serve: the policy's slow path
+    /// (completed events, other streams' blocks, stitching, growth, reclaims). Absent from
+    /// records written before it was kept (then zero).
+    #[serde(default)]
+    pub slow_paths: u64,
+    /// Host nanoseconds those requests took (the backend's precise clock), driver calls and
+    /// synchronisations included: with `allocs`, what the allocator cost the host beyond
+    /// its fast path. Absent from records written before it was kept (then zero).
+    #[serde(default)]
+    pub slow_path_ns: u64,
     /// The same events in PyTorch's terms (`torch.cuda.memory_stats()`). Absent from records
     /// written before it was kept (then zeros).
     #[serde(default)]

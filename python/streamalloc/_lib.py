@@ -61,6 +61,8 @@ class StreamallocStats(ctypes.Structure):
         ("stitch_revivals", ctypes.c_uint64),
         ("stitch_evictions", ctypes.c_uint64),
         ("vmm_ns", ctypes.c_uint64),
+        ("slow_paths", ctypes.c_uint64),
+        ("slow_path_ns", ctypes.c_uint64),
         ("sleeping_bytes", ctypes.c_uint64),
         ("host_backup_bytes", ctypes.c_uint64),
     ]

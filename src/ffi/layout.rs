@@ -148,6 +148,10 @@ pub struct StreamallocStats as "streamalloc_stats_t" {
     pub stitch_evictions: u64,
     /// Host nanoseconds spent in the driver's virtual-memory calls (map, second map, unmap).
     pub vmm_ns: u64,
+    /// Requests the stream's own ready blocks could not serve (the policy's slow path).
+    pub slow_paths: u64,
+    /// Host nanoseconds those requests took, driver calls and synchronisations included.
+    pub slow_path_ns: u64,
     /// Bytes sleeping memory pools gave back to the device, addresses kept.
     pub sleeping_bytes: u64,
     /// Bytes of page-locked host memory held for sleeping pools' backups.

@@ -45,6 +45,8 @@ impl StreamallocStats {
             stitch_revivals: stats.stitch_revivals,
             stitch_evictions: stats.stitch_evictions,
             vmm_ns: stats.vmm_ns,
+            slow_paths: stats.slow_paths,
+            slow_path_ns: stats.slow_path_ns,
             sleeping_bytes: stats.sleeping_bytes,
             host_backup_bytes: stats.host_backup_bytes,
         }

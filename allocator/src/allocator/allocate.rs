@@ -69,13 +69,30 @@ impl State {
         self.malloc_slow(backend, config, requested, need, now)
     }
 
+    /// [`State::serve_by_policy`], its host time counted (`Stats::slow_path_ns`): two reads
+    /// of the precise clock against the microseconds a slow path takes.
+    #[cold]
+    #[inline(never)]
+    fn malloc_slow<B: Backend>(
+        &mut self,
+        backend: &B,
+        config: &Config,
+        requested: u64,
+        need: Need,
+        now: u64,
+    ) -> Result<Allocation, AllocError> {
+        let started_ns = backend.precise_ns();
+        let served = self.serve_by_policy(backend, config, requested, need, now);
+        self.stats.slow_paths += 1;
+        self.stats.slow_path_ns += backend.precise_ns().saturating_sub(started_ns);
+        served
+    }
+
     /// Every way of serving `need` after the stream's ready blocks, in the order of the
     /// policy (the parent module's docs). The block's `alloc` record carries `now`, the
     /// clock read when the request came in: the ring lifts it past the records noted on the
     /// way (a `segment_alloc`, say), which read the clock themselves.
-    #[cold]
-    #[inline(never)]
-    pub(super) fn malloc_slow<B: Backend>(
+    fn serve_by_policy<B: Backend>(
         &mut self,
         backend: &B,
         config: &Config,

@@ -120,6 +120,10 @@ pub(crate) struct Counters {
     pub(crate) stitch_evictions: u64,
     /// See [`Stats::vmm_ns`].
     pub(crate) vmm_ns: u64,
+    /// See [`Stats::slow_paths`].
+    pub(crate) slow_paths: u64,
+    /// See [`Stats::slow_path_ns`].
+    pub(crate) slow_path_ns: u64,
     /// See [`Stats::sleeping_bytes`].
     pub(crate) sleeping_bytes: u64,
     /// See [`Stats::host_backup_bytes`].
@@ -181,6 +185,8 @@ impl Counters {
             stitch_revivals: 0,
             stitch_evictions: 0,
             vmm_ns: 0,
+            slow_paths: 0,
+            slow_path_ns: 0,
             sleeping_bytes: 0,
             host_backup_bytes: 0,
         }
@@ -229,6 +235,8 @@ impl Counters {
             stitch_revivals: self.stitch_revivals,
             stitch_evictions: self.stitch_evictions,
             vmm_ns: self.vmm_ns,
+            slow_paths: self.slow_paths,
+            slow_path_ns: self.slow_path_ns,
             sleeping_bytes: self.sleeping_bytes,
             host_backup_bytes: self.host_backup_bytes,
             torch: TorchStats {

@@ -25,6 +25,7 @@ SHOWN = (
     ("stitched_map_bytes", "stitched"), ("stitch_revivals", "revived"), ("device_syncs", "syncs"),
     ("cross_stream_waits", "waits"), ("vmm_ns", "driver"), ("allocs", "allocations"),
     ("events_recorded", "events recorded"), ("event_queries", "event queries"),
+    ("slow_paths", "slow paths"), ("slow_path_ns", "in slow paths"),
 )
 
 

@@ -63,7 +63,8 @@ COMMON_ENV = {
 # streamalloc's counters of its own work, compared before and after the timed steps.
 SA_COUNTERS = ("page_map_bytes", "page_unmap_bytes", "device_syncs", "stitches", "stitch_revivals",
                "stitched_map_bytes", "stitch_evictions", "segment_allocs", "segment_frees", "retries", "ooms",
-               "cross_stream_waits", "vmm_ns", "allocs", "events_recorded", "event_queries")
+               "cross_stream_waits", "vmm_ns", "allocs", "events_recorded", "event_queries",
+               "slow_paths", "slow_path_ns")
 # Timed steps of each row unless DIST_STEPS says otherwise.
 DEFAULT_STEPS = {"fsdp2_gpt2": 12, "fsdp2_ckpt": 12, "ddp_gpt2": 12, "tp_allreduce": 30,
                  "gpt2_varlen": 12, "generate": 6}

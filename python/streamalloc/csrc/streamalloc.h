@@ -61,6 +61,8 @@ typedef struct streamalloc_stats {
   uint64_t stitch_revivals; /* Stitched ranges taken again without mapping. */
   uint64_t stitch_evictions; /* Stitched ranges unmapped. */
   uint64_t vmm_ns; /* Host nanoseconds spent in the driver's virtual-memory calls (map, second map, unmap). */
+  uint64_t slow_paths; /* Requests the stream's own ready blocks could not serve (the policy's slow path). */
+  uint64_t slow_path_ns; /* Host nanoseconds those requests took, driver calls and synchronisations included. */
   uint64_t sleeping_bytes; /* Bytes sleeping memory pools gave back to the device, addresses kept. */
   uint64_t host_backup_bytes; /* Bytes of page-locked host memory held for sleeping pools' backups. */
 } streamalloc_stats_t;
