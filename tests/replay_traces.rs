@@ -138,10 +138,10 @@ fn bert_varlen_steady_state_does_not_remap_without_stitching() {
 
 /// With stitching (the default), BERT with varying sequence lengths settles: its third step
 /// maps, stitches and synchronises nothing, and stays near its live peak. Its 1.35 GB
-/// logits request is stitched from runs of at least a 128th of its size, grown where the
+/// logits request is stitched from runs of at least an eighth of its size, grown where the
 /// pool lacks them: stitched from every small hole between live blocks instead, its kept
 /// ranges found some hole refilled by a medium tensor in the next step and new ones were
-/// made in every step.
+/// made in every step (with runs of a 128th at least, in its 11th and 16th).
 #[test]
 fn bert_varlen_with_stitching_settles_near_the_peak() {
     let traces = load_traces(&shared_trace("bert_varlen.pickle.gz")).unwrap();
@@ -154,11 +154,11 @@ fn bert_varlen_with_stitching_settles_near_the_peak() {
         report.last_step_stitches,
     );
     assert_eq!(last, (0, 0, 0, 0), "{report:?}");
-    assert!(report.ratio() <= 1.02, "ratio {:.4}", report.ratio());
+    assert!(report.ratio() <= 1.03, "ratio {:.4}", report.ratio());
 }
 
 /// A memory limit that does not bind changes no choice: replayed as three steps under a
-/// limit of 1.02 times its live peak, each training loop that needs less without a limit
+/// limit of 1.03 times its live peak, each training loop that needs less without a limit
 /// (BERT with varying lengths, GPT-2, and GPT-2 and ResNet-50 as recorded on an H200)
 /// reserves what it reserves without one and settles the same way, its last step mapping,
 /// stitching and synchronising nothing. (Under a limit pages are mapped one by one so
@@ -178,7 +178,7 @@ fn a_limit_that_does_not_bind_changes_no_choice() {
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         let entries = &load_traces(&path).unwrap()[0].entries;
         let free = replay_steps(entries, &Config::default(), 3, &mut |_| {}).unwrap();
-        let limit = cap_bytes(peak_live_bytes(entries), 1.02);
+        let limit = cap_bytes(peak_live_bytes(entries), 1.03);
         assert!(free.peak_reserved_bytes <= limit, "{name}: {free:?}");
         let limited = Config {
             memory_limit: Some(limit),
@@ -197,6 +197,50 @@ fn a_limit_that_does_not_bind_changes_no_choice() {
         );
         assert_eq!(last, (0, 0, 0, 0), "{name}: {capped:?}");
     }
+}
+
+/// Every training trace of the repository, replayed as three steps with the default
+/// configuration, settles by its third: no page mapped or unmapped, no second mapping, no
+/// synchronisation. (FSDP2's rank 0 made 10 second mappings and mapped a page in its third
+/// step while its stitches took runs down to a 128th of the request.)
+#[test]
+fn every_training_trace_settles_by_its_third_step() {
+    let dirs = [
+        traces_dir(),
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/gpu/traces"),
+    ];
+    for dir in dirs {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            let entries = &load_traces(&path).unwrap()[0].entries;
+            let report = replay_steps(entries, &Config::default(), 3, &mut |_| {}).unwrap();
+            let last = (
+                report.last_step_page_maps,
+                report.last_step_page_unmaps,
+                report.last_step_stitch_maps,
+                report.last_step_device_syncs,
+            );
+            assert_eq!(last, (0, 0, 0, 0), "{name}: {report:?}");
+        }
+    }
+}
+
+/// FSDP2's rank 0 replayed as ten steps: its peak reserved memory is what its first step
+/// reserved, and no later step maps, unmaps or synchronises. Stitches that took holes of a
+/// few dozen MiB found them refilled in the next step, and grew what they lacked anew:
+/// the peak crept from 1.038 to 1.075 of live over ten steps (1.109 over 25).
+#[test]
+fn fsdp2_reserves_no_more_after_its_first_step() {
+    let entries = &load_traces(&shared_trace("fsdp2_gpt2_rank0.pickle.gz")).unwrap()[0].entries;
+    let report = replay_steps(entries, &Config::default(), 10, &mut |_| {}).unwrap();
+    let peaks = &report.pass_peak_reserved_bytes;
+    assert!(peaks.iter().all(|&peak| peak == peaks[0]), "{peaks:?}");
+    for (step, work) in report.pass_driver_work.iter().enumerate().skip(2) {
+        let remap = (work.page_maps, work.page_unmaps, work.device_syncs);
+        assert_eq!(remap, (0, 0, 0), "step {}: {work:?}", step + 1);
+    }
+    assert!(report.ratio() <= 1.07, "ratio {:.4}", report.ratio());
 }
 
 /// `--steps N` reports each step's own peak reserved bytes and driver work, so that memory
