@@ -20,6 +20,18 @@ fn traces_dir() -> PathBuf {
 }
 
 /// A test trace; a missing one fails the test rather than skipping it.
+/// Every trace of the repository: the shared ones and the H200 recordings.
+fn repository_traces() -> Vec<PathBuf> {
+    let dirs = [
+        traces_dir(),
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/gpu/traces"),
+    ];
+    dirs.iter()
+        .flat_map(|dir| std::fs::read_dir(dir).unwrap())
+        .map(|entry| entry.unwrap().path())
+        .collect()
+}
+
 fn shared_trace(name: &str) -> PathBuf {
     let path = traces_dir().join(name);
     assert!(path.exists(), "test trace {} is missing", path.display());
@@ -205,24 +217,16 @@ fn a_limit_that_does_not_bind_changes_no_choice() {
 /// step while its stitches took runs down to a 128th of the request.)
 #[test]
 fn every_training_trace_settles_by_its_third_step() {
-    let dirs = [
-        traces_dir(),
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/gpu/traces"),
-    ];
-    for dir in dirs {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            let name = path.file_name().unwrap().to_string_lossy().into_owned();
-            let entries = &load_traces(&path).unwrap()[0].entries;
-            let report = replay_steps(entries, &Config::default(), 3, &mut |_| {}).unwrap();
-            let last = (
-                report.last_step_page_maps,
-                report.last_step_page_unmaps,
-                report.last_step_stitch_maps,
-                report.last_step_device_syncs,
-            );
-            assert_eq!(last, (0, 0, 0, 0), "{name}: {report:?}");
-        }
+    for path in repository_traces() {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let entries = &load_traces(&path).unwrap()[0].entries;
+        let report = replay_steps(entries, &Config::default(), 3, &mut |_| {}).unwrap();
+        let quiet = DriverWork::default();
+        assert_eq!(
+            report.pass_driver_work.last(),
+            Some(&quiet),
+            "{name}: {report:?}"
+        );
     }
 }
 
@@ -775,34 +779,26 @@ fn a_json_file_that_is_no_trace_is_refused_saying_what_it_holds() {
 /// synchronising to unmap them.)
 #[test]
 fn every_trace_completes_at_a_limit_of_1_02_times_its_peak_and_settles() {
-    let dirs = [
-        traces_dir(),
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/gpu/traces"),
-    ];
-    let mut replayed = 0;
-    for dir in dirs {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            let name = path.file_name().unwrap().to_string_lossy().into_owned();
-            let entries = &load_traces(&path).unwrap()[0].entries;
-            let limit = cap_bytes(peak_live_bytes(entries), 1.02);
-            for memory_limit in [Some(limit), None] {
-                let config = Config {
-                    memory_limit,
-                    ..Config::default()
-                };
-                let report = replay_steps(entries, &config, 3, &mut |_| {})
-                    .unwrap_or_else(|err| panic!("{name} under {memory_limit:?}: {err}"));
-                assert_eq!(
-                    (report.last_step_device_syncs, report.last_step_page_unmaps),
-                    (0, 0),
-                    "{name} under {memory_limit:?}: {report:?}"
-                );
-            }
-            replayed += 1;
+    let paths = repository_traces();
+    for path in &paths {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let entries = &load_traces(path).unwrap()[0].entries;
+        let limit = cap_bytes(peak_live_bytes(entries), 1.02);
+        for memory_limit in [Some(limit), None] {
+            let config = Config {
+                memory_limit,
+                ..Config::default()
+            };
+            let report = replay_steps(entries, &config, 3, &mut |_| {})
+                .unwrap_or_else(|err| panic!("{name} under {memory_limit:?}: {err}"));
+            assert_eq!(
+                (report.last_step_device_syncs, report.last_step_page_unmaps),
+                (0, 0),
+                "{name} under {memory_limit:?}: {report:?}"
+            );
         }
     }
-    assert!(replayed >= 7, "{replayed} traces");
+    assert!(paths.len() >= 7, "{} traces", paths.len());
 }
 
 /// `replay --driver-call-us` paces the replay (same figures for a training trace, see

@@ -66,23 +66,10 @@ impl State {
         if let Some(key) = self.take_ready(need) {
             return Ok(self.hand_out_as(key, slot, size, requested, now, true));
         }
-        self.malloc_slow(backend, config, requested, need, now)
-    }
-
-    /// [`State::serve_by_policy`], its host time counted (`Stats::slow_path_ns`): two reads
-    /// of the precise clock against the microseconds a slow path takes.
-    #[cold]
-    #[inline(never)]
-    fn malloc_slow<B: Backend>(
-        &mut self,
-        backend: &B,
-        config: &Config,
-        requested: u64,
-        need: Need,
-        now: u64,
-    ) -> Result<Allocation, AllocError> {
+        // The slow path's host time (`Stats::slow_path_ns`): two reads of the precise clock
+        // against the microseconds it takes.
         let started_ns = backend.precise_ns();
-        let served = self.serve_by_policy(backend, config, requested, need, now);
+        let served = self.malloc_slow(backend, config, requested, need, now);
         self.stats.slow_paths += 1;
         self.stats.slow_path_ns += backend.precise_ns().saturating_sub(started_ns);
         served
@@ -92,7 +79,9 @@ impl State {
     /// policy (the parent module's docs). The block's `alloc` record carries `now`, the
     /// clock read when the request came in: the ring lifts it past the records noted on the
     /// way (a `segment_alloc`, say), which read the clock themselves.
-    fn serve_by_policy<B: Backend>(
+    #[cold]
+    #[inline(never)]
+    pub(super) fn malloc_slow<B: Backend>(
         &mut self,
         backend: &B,
         config: &Config,
