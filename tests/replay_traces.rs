@@ -872,3 +872,61 @@ fn replay_device_ratio_caps_the_device_not_the_allocator() {
         "--device-ratio",
     );
 }
+
+/// FSDP2 with activation checkpointing on a Llama-style model by one rank, ten steps of
+/// lengths 128-2,048 (`tests/data/unsettled/`; recorded under PyTorch's expandable
+/// segments by `DIST_SNAPSHOT=OUT/fsdp2_ckpt DIST_WARMUP=2 DIST_STEPS=10 torchrun
+/// --standalone --nproc-per-node=1 benches/gpu/dist/workloads.py --worker fsdp2_ckpt
+/// pt_expandable OUT/run`, from its first timed step). Kept apart from the traces every
+/// test above replays because it does not settle yet (`docs/design.md`, "What is not yet
+/// steady"); [`fsdp2_with_checkpointing_settles`] states the goal.
+fn unsettled_trace(name: &str) -> Vec<streamalloc_allocator::trace::TraceEntry> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/unsettled")
+        .join(name);
+    load_traces(&path).unwrap().remove(0).entries
+}
+
+/// What holds for it already: its first step's peak reserved is every step's (wider
+/// stitch runs; with runs down to a 128th alone the peak grew 1.077, 1.178, 1.302 of live
+/// over three steps), within 1.17 of its live peak, and under 1.02 times that peak it
+/// completes with no synchronisation in its third step.
+#[test]
+fn fsdp2_with_checkpointing_holds_its_first_peak_and_completes_at_1_02() {
+    let entries = &unsettled_trace("fsdp2_ckpt_rank0.pickle.gz");
+    let report = replay_steps(entries, &Config::default(), 3, &mut |_| {}).unwrap();
+    let peaks = &report.pass_peak_reserved_bytes;
+    assert!(peaks.iter().all(|&peak| peak == peaks[0]), "{peaks:?}");
+    assert!(report.ratio() <= 1.17, "ratio {:.4}", report.ratio());
+    let config = Config {
+        memory_limit: Some(cap_bytes(peak_live_bytes(entries), 1.02)),
+        ..Config::default()
+    };
+    let capped = replay_steps(entries, &config, 3, &mut |_| {}).unwrap();
+    assert_eq!(capped.last_step_device_syncs, 0, "{capped:?}");
+}
+
+/// The goal for it, as for the repository's other traces: nothing mapped, unmapped,
+/// stitched or synchronised in its third step, with and without a limit of 1.02 times its
+/// live peak, and at most 1.10 of that peak reserved. Today its third step makes 26 new
+/// stitches (203 second mappings) and evicts as many, at 1.165 of its live peak; under the
+/// limit 15 (83).
+#[test]
+#[ignore = "not yet steady: docs/design.md, \"What is not yet steady\""]
+fn fsdp2_with_checkpointing_settles() {
+    let entries = &unsettled_trace("fsdp2_ckpt_rank0.pickle.gz");
+    let limit = cap_bytes(peak_live_bytes(entries), 1.02);
+    for memory_limit in [None, Some(limit)] {
+        let config = Config {
+            memory_limit,
+            ..Config::default()
+        };
+        let report = replay_steps(entries, &config, 3, &mut |_| {}).unwrap();
+        assert_eq!(
+            report.pass_driver_work.last(),
+            Some(&DriverWork::default()),
+            "under {memory_limit:?}: {report:?}"
+        );
+        assert!(report.ratio() <= 1.10, "ratio {:.4}", report.ratio());
+    }
+}

@@ -33,12 +33,16 @@ own limit, or streamalloc's through its door), so the run trains or runs out of 
 with DIST_CAP_MODE=device, by holding the device's other memory instead (no limit set),
 leaving RATIO x LIVE bytes plus DIST_OUTSIDE_BYTES (what the process uses outside its
 allocator: context, kernels, communication buffers).
+DIST_SNAPSHOT=PREFIX records the memory history of the timed steps and writes it as
+PREFIX.rankR.pickle.gz (a trace for `streamalloc replay`).
 """
 
+import gzip
 import json
 import os
 import random
 import resource
+import shutil
 import statistics
 import sys
 import time
@@ -159,9 +163,14 @@ def run_steps(torch, col, step, warmup, steps):
     # for the device too: a step whose issue time is its whole time was bound by the host,
     # one that issued early and then waited was bound by the device.
     host = []
+    snapshot = os.environ.get("DIST_SNAPSHOT")
     for i in range(warmup + steps):
         if i == warmup:
             meter.end_warmup()
+            if snapshot:
+                # From the first timed step: the warm-up's lasting allocations (optimizer
+                # state) are made, so each recorded step frees what it allocates.
+                torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None)
         torch.cuda.synchronize()
         u0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
@@ -179,6 +188,8 @@ def run_steps(torch, col, step, warmup, steps):
             per_step.append({k: after[k] - before[k] for k in after
                              if isinstance(after[k], int) and isinstance(before[k], int) and after[k] != before[k]})
             before = after
+    if snapshot:
+        dump_snapshot(torch, snapshot)
     timed = times[warmup:]
     r = {"warmup": warmup, "steps": steps, "losses": losses, "step_ms": [round(t * 1e3, 3) for t in times],
          "step_ms_median": statistics.median(timed) * 1e3, "step_host": host}
@@ -186,6 +197,18 @@ def run_steps(torch, col, step, warmup, steps):
         r["sa_steps"] = per_step
     r.update(meter.finish())
     return r
+
+
+def dump_snapshot(torch, prefix):
+    """Writes the memory history of the timed steps as PREFIX.rankR.pickle.gz, a trace that
+    `streamalloc replay` reads, and stops recording."""
+    rank = int(os.environ.get("RANK", "0"))
+    raw = f"{prefix}.rank{rank}.pickle"
+    torch.cuda.memory._dump_snapshot(raw)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(raw)
 
 
 def lengths_of(count, low, high, seed):
