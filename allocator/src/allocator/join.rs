@@ -1,10 +1,16 @@
-//! Joining free blocks of different streams whose boundary cuts a page: under a limit, the
-//! pages such blocks share are free but belong to no one block, so neither stitching nor
-//! unmapping can take them. The requesting stream takes each such block over (waiting on
+//! Joining free blocks that lie side by side but do not merge (different owners, or some
+//! with events pending): free memory that no one block holds. Stitching counts such blocks
+//! as one run when it may take them all, and joins them before lending the run's pages; a
+//! kept stitch whose pages now lie in several such blocks is revived the same way. Under a
+//! limit, blocks of different streams whose boundary cuts a page are joined before
+//! stitching every free page, since neither stitching nor unmapping can take a page that
+//! no one block holds. Joining takes each block over for the requesting stream (waiting on
 //! the device for its events and its former owner's work, as for any block of another
-//! stream) and merges the run, making the shared pages whole.
+//! stream) and merges the run.
 
+use super::stitch::Pages;
 use super::*;
+use crate::pool::stitch::Source;
 
 impl State {
     /// Joins free blocks of `need`'s memory pool that lie side by side, owned by different
@@ -94,5 +100,122 @@ impl State {
         }
         self.arena.adopt(key, slot, epoch);
         Ok(())
+    }
+    /// True if a stitch for `slot` taking `pages` may take the free block `key`.
+    pub(super) fn may_take(&self, key: BlockKey, slot: StreamSlot, pages: Pages) -> bool {
+        let block = self.arena.block(key);
+        let own_ready = block.owner() == slot && block.pending().is_empty();
+        match pages {
+            Pages::Own => own_ready,
+            Pages::NoWait => {
+                own_ready
+                    || (block.pending().is_empty()
+                        && self
+                            .streams
+                            .get(block.owner())
+                            .fences
+                            .is_idle(block.freed_epoch()))
+            }
+            Pages::Any => true,
+        }
+    }
+
+    /// The free blocks that `slot` may take (as `pages` allows) side by side around the
+    /// free block `key`: the first of them, and the bytes they span.
+    pub(super) fn takeable_run_around(
+        &self,
+        key: BlockKey,
+        slot: StreamSlot,
+        pages: Pages,
+    ) -> (BlockKey, u64, u64) {
+        let takeable =
+            |key: BlockKey| self.arena.block(key).is_free() && self.may_take(key, slot, pages);
+        let (mut head, mut tail) = (key, key);
+        while let Some(prev) = self.arena.block(head).prev().filter(|&prev| takeable(prev)) {
+            head = prev;
+        }
+        while let Some(next) = self.arena.block(tail).next().filter(|&next| takeable(next)) {
+            tail = next;
+        }
+        let last = self.arena.block(tail);
+        (
+            head,
+            self.arena.block(head).addr(),
+            last.addr() + last.size(),
+        )
+    }
+
+    /// The free blocks that hold all of `source` side by side, lowest first, if every one
+    /// is a block `slot` may take as `pages` allows.
+    pub(super) fn free_run_over(
+        &self,
+        source: &Source,
+        slot: StreamSlot,
+        pages: Pages,
+    ) -> Option<Vec<BlockKey>> {
+        let end = source.addr + source.len;
+        let mut run = Vec::new();
+        for (key, block) in self.arena.segment_blocks(source.segment) {
+            if block.addr() + block.size() <= source.addr {
+                continue;
+            }
+            if !block.is_free() || !self.may_take(key, slot, pages) {
+                return None;
+            }
+            run.push(key);
+            if block.addr() + block.size() >= end {
+                return Some(run);
+            }
+        }
+        None
+    }
+
+    /// Lends `source`'s pages to a stitched range of `slot`: the free blocks holding them
+    /// (found by [`State::free_run_over`]: looked up one source at a time, since lending
+    /// splits a block) are joined into one of `slot`'s, which gives up the pages.
+    pub(super) fn lend_source<B: Backend>(
+        &mut self,
+        backend: &B,
+        source: &Source,
+        slot: StreamSlot,
+        pages: Pages,
+    ) -> Result<BlockKey, AllocError> {
+        let run = self
+            .free_run_over(source, slot, pages)
+            .expect("a stitch's pages are free blocks it may take");
+        let block = match run.as_slice() {
+            [only] => *only,
+            _ => self.join_run(backend, &run, slot)?,
+        };
+        self.lend_pages(backend, block, source.addr, source.len, slot)
+    }
+
+    /// Makes the free blocks `run` (side by side) one listed free block of `slot`: each
+    /// one of another stream or with events pending is taken over, its own ready ones
+    /// unlisted, and all merged.
+    fn join_run<B: Backend>(
+        &mut self,
+        backend: &B,
+        run: &[BlockKey],
+        slot: StreamSlot,
+    ) -> Result<BlockKey, AllocError> {
+        let epoch = self.streams.get(slot).fences.epoch();
+        let mut joined: Option<BlockKey> = None;
+        for &key in run {
+            let block = self.arena.block(key);
+            if block.owner() == slot && block.pending().is_empty() {
+                self.unlist(key);
+            } else {
+                self.take_over(backend, key, slot, epoch)?;
+            }
+            match joined {
+                None => joined = Some(key),
+                Some(left) => self.merge_into(left, key),
+            }
+        }
+        let joined = joined.expect("a run holds at least one block");
+        let joined = self.merge_neighbours(joined);
+        self.list(joined);
+        Ok(joined)
     }
 }

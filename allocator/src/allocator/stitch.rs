@@ -34,6 +34,7 @@
 
 use super::*;
 use crate::pool::stitch::{Source, Stitch};
+use std::collections::HashSet;
 use thin_vec::ThinVec;
 
 /// Requests of at most this many pages are not stitched: any free whole page fits one
@@ -74,7 +75,7 @@ const REVIVE_SLACK: u64 = 8;
 
 /// Which free pages a stitch may take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Pages {
+pub(super) enum Pages {
     /// The requesting stream's own ready pages (PyTorch's policy: blocks never change
     /// streams).
     Own,
@@ -105,8 +106,8 @@ struct Shortfall {
     runs: Vec<BlockKey>,
 }
 
-/// One run of free whole pages a new stitch will take: the free block holding it, its
-/// first byte and its bytes.
+/// One run of free whole pages a new stitch will take: the first of the free blocks
+/// holding it (side by side, see [`State::free_run_over`]), its first byte and its bytes.
 #[derive(Clone, Copy, Debug)]
 struct Pick {
     block: BlockKey,
@@ -154,7 +155,7 @@ impl State {
             (ReusePolicy::StreamWait, _) => Pages::Any,
         };
         if let Some(index) = self.revivable(need, memory_pool, page, pages) {
-            return self.revive(backend, index, need).map(Some);
+            return self.revive_as(backend, index, need, pages).map(Some);
         }
         if effort != Effort::Synchronised && !self.remap_affordable(backend) {
             // Remapping costs more than its share of time (stitches evicted before they
@@ -212,7 +213,7 @@ impl State {
                 bytes: shortfall,
                 runs: taken,
             } = match self.pick_free_pages(need, pages, runs, max_sources, min_run) {
-                Ok(picks) => return self.make_stitch(backend, need, memory_pool, picks),
+                Ok(picks) => return self.make_stitch(backend, need, memory_pool, pages, picks),
                 Err(shortfall) if shortfall.bytes == 0 => return Ok(None),
                 Err(shortfall) => shortfall,
             };
@@ -280,43 +281,15 @@ impl State {
             {
                 continue;
             }
-            if stitch.sources.iter().all(|source| {
-                self.free_block_over(source)
-                    .is_some_and(|key| self.may_take(key, need.slot, pages))
-            }) {
+            if stitch
+                .sources
+                .iter()
+                .all(|source| self.free_run_over(source, need.slot, pages).is_some())
+            {
                 best = Some((stitch.size, index));
             }
         }
         best.map(|(_, index)| index)
-    }
-
-    /// True if a stitch for `slot` taking `pages` may take the free block `key`.
-    fn may_take(&self, key: BlockKey, slot: StreamSlot, pages: Pages) -> bool {
-        let block = self.arena.block(key);
-        let own_ready = block.owner() == slot && block.pending().is_empty();
-        match pages {
-            Pages::Own => own_ready,
-            Pages::NoWait => {
-                own_ready
-                    || (block.pending().is_empty()
-                        && self
-                            .streams
-                            .get(block.owner())
-                            .fences
-                            .is_idle(block.freed_epoch()))
-            }
-            Pages::Any => true,
-        }
-    }
-
-    /// The listed free block that holds all of `source`, if one does.
-    fn free_block_over(&self, source: &Source) -> Option<BlockKey> {
-        let end = source.addr + source.len;
-        self.arena
-            .segment_blocks(source.segment)
-            .find(|(_, block)| block.addr() + block.size() > source.addr)
-            .filter(|(_, block)| block.is_free() && block.addr() + block.size() >= end)
-            .map(|(key, _)| key)
     }
 
     /// Runs of free whole pages of `memory_pool`, each of at least `min_run` bytes, that
@@ -339,6 +312,7 @@ impl State {
         let page = vmm.page;
         let want = need.size.div_ceil(page) * page;
         let mut runs: Vec<Pick> = Vec::new();
+        let mut heads = HashSet::new();
         for &index in self.streams.free_slots() {
             let state = self.streams.get(index);
             if state.pool != memory_pool || (pages == Pages::Own && index != need.slot) {
@@ -354,16 +328,20 @@ impl State {
                     if !block.is_expandable() || !self.may_take(key, need.slot, pages) {
                         continue;
                     }
+                    // Free blocks side by side that the stitch may take form one run (they
+                    // differ only in owner or events): counted once, from the first.
+                    let (head, start, end) = self.takeable_run_around(key, need.slot, pages);
+                    if !heads.insert(head) {
+                        continue;
+                    }
                     // Whole mappings only: the driver maps nothing else a second time.
                     let span = match kind {
-                        Runs::WidePieces | Runs::Pieces => {
-                            vmm.whole_piece_span(block.addr(), block.size())
-                        }
-                        Runs::Pages => vmm.whole_mapping_span(block.addr(), block.size()),
+                        Runs::WidePieces | Runs::Pieces => vmm.whole_piece_span(start, end - start),
+                        Runs::Pages => vmm.whole_mapping_span(start, end - start),
                     };
                     if let Some((addr, len)) = span.filter(|&(_, len)| len >= min_run) {
                         runs.push(Pick {
-                            block: key,
+                            block: head,
                             addr,
                             len,
                         });
@@ -429,6 +407,7 @@ impl State {
         backend: &B,
         need: Need,
         memory_pool: PoolId,
+        pages: Pages,
         picks: Vec<Pick>,
     ) -> Result<Option<BlockKey>, AllocError> {
         let started_ns = backend.precise_ns();
@@ -463,8 +442,8 @@ impl State {
             })
             .collect();
         let mut lent = Vec::with_capacity(picks.len());
-        for pick in &picks {
-            lent.push(self.lend_pages(backend, pick.block, pick.addr, pick.len, need.slot)?);
+        for source in &sources {
+            lent.push(self.lend_source(backend, source, need.slot, pages)?);
         }
         let map_ns = self.count_vmm(backend, started_ns);
         self.stats.stitches += 1;
@@ -494,13 +473,25 @@ impl State {
         Ok(None)
     }
 
-    /// Revives dormant stitch `index` for `need`: lends its pages again (all free, checked
-    /// by [`State::revivable`]); maps nothing.
+    /// Revives dormant stitch `index` for `need` after a synchronisation (every free page
+    /// may be taken): [`State::revive_as`].
     pub(super) fn revive<B: Backend>(
         &mut self,
         backend: &B,
         index: usize,
         need: Need,
+    ) -> Result<BlockKey, AllocError> {
+        self.revive_as(backend, index, need, Pages::Any)
+    }
+
+    /// Revives dormant stitch `index` for `need`: lends its pages again (all free and
+    /// takeable as `pages` allows, checked by [`State::revivable`]); maps nothing.
+    fn revive_as<B: Backend>(
+        &mut self,
+        backend: &B,
+        index: usize,
+        need: Need,
+        pages: Pages,
     ) -> Result<BlockKey, AllocError> {
         let mut stitch = self.stitches.take_dormant(index);
         for event in std::mem::take(&mut stitch.last_use) {
@@ -508,11 +499,7 @@ impl State {
         }
         let mut lent = Vec::with_capacity(stitch.sources.len());
         for source in &stitch.sources {
-            // Looked up one by one: lending a run splits the block that held it.
-            let block = self
-                .free_block_over(source)
-                .expect("a revivable stitch's pages are free");
-            lent.push(self.lend_pages(backend, block, source.addr, source.len, need.slot)?);
+            lent.push(self.lend_source(backend, source, need.slot, pages)?);
         }
         stitch.lent = lent;
         stitch.revived = true;
@@ -542,7 +529,7 @@ impl State {
     /// circulation for a stitched range of `slot`: what lies on either side stays listed
     /// with the block's events; `slot`'s stream waits on the device for everything that may
     /// still use the pages. Returns the lent block.
-    fn lend_pages<B: Backend>(
+    pub(super) fn lend_pages<B: Backend>(
         &mut self,
         backend: &B,
         key: BlockKey,
