@@ -839,3 +839,48 @@ fn after_a_synchronisation_a_stitch_under_a_limit_takes_as_many_runs_as_it_needs
     allocator.check_invariants().unwrap();
     assert!(device.races().is_empty(), "{:?}", device.races());
 }
+
+/// Free blocks side by side that do not merge (here a ready one and one still read by
+/// another stream) are one run of pages for a stitch: a request that only both together
+/// can hold is stitched from one run, after a device-side wait for the reader, with no
+/// growth and no race.
+#[test]
+fn free_blocks_side_by_side_are_one_run_for_a_stitch() {
+    let (device, allocator) = allocator(1 << 30, Config::default());
+    let (stream, reader) = (device.create_stream(), device.create_stream());
+    let first = allocator.malloc(20 * MIB, stream).unwrap();
+    let second = allocator.malloc(20 * MIB, stream).unwrap();
+    let pin = allocator.malloc(2 * MIB, stream).unwrap();
+    assert_eq!(second.ptr.0, first.ptr.0 + 20 * MIB);
+    allocator.free(first.ptr).unwrap();
+    device.launch(
+        reader,
+        &[Access::read(second.ptr, 20 * MIB)],
+        1_000_000,
+        "reads it",
+    );
+    allocator.record_use(second.ptr, reader).unwrap();
+    allocator.free(second.ptr).unwrap();
+    let before = allocator.stats();
+    let wide = allocator.malloc(40 * MIB, stream).unwrap();
+    let after = allocator.stats();
+    assert_eq!(after.stitches, before.stitches + 1, "{after:?}");
+    assert_eq!(
+        after.reserved_bytes.current, before.reserved_bytes.current,
+        "{after:?}"
+    );
+    assert_eq!(
+        allocator.stitched_pages(wide.ptr).map(|runs| runs.len()),
+        Some(1)
+    );
+    device.launch(
+        stream,
+        &[Access::write(wide.ptr, 40 * MIB)],
+        1_000,
+        "writes it",
+    );
+    assert!(device.races().is_empty(), "{:?}", device.races());
+    allocator.free(wide.ptr).unwrap();
+    allocator.free(pin.ptr).unwrap();
+    allocator.check_invariants().unwrap();
+}
