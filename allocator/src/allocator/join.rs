@@ -70,11 +70,7 @@ impl State {
                 if !neighbour.is_free() || end.is_multiple_of(page) {
                     break;
                 }
-                if neighbour.owner() == need.slot && neighbour.pending().is_empty() {
-                    self.unlist(next);
-                } else {
-                    self.take_over(backend, next, need.slot, epoch)?;
-                }
+                self.claim(backend, next, need.slot, epoch)?;
                 self.merge_into(start, next);
             }
             // Taken over, the run may now merge with a free block of `need.slot` on either
@@ -101,6 +97,25 @@ impl State {
         self.arena.adopt(key, slot, epoch);
         Ok(())
     }
+
+    /// Takes the listed free block `key` out of its list for `slot` to join it: unlisted
+    /// if it is already `slot`'s and ready, taken over ([`State::take_over`]) otherwise.
+    fn claim<B: Backend>(
+        &mut self,
+        backend: &B,
+        key: BlockKey,
+        slot: StreamSlot,
+        epoch: u32,
+    ) -> Result<(), AllocError> {
+        let block = self.arena.block(key);
+        if block.owner() == slot && block.pending().is_empty() {
+            self.unlist(key);
+            Ok(())
+        } else {
+            self.take_over(backend, key, slot, epoch)
+        }
+    }
+
     /// True if a stitch for `slot` taking `pages` may take the free block `key`.
     pub(super) fn may_take(&self, key: BlockKey, slot: StreamSlot, pages: Pages) -> bool {
         let block = self.arena.block(key);
@@ -191,8 +206,7 @@ impl State {
     }
 
     /// Makes the free blocks `run` (side by side) one listed free block of `slot`: each
-    /// one of another stream or with events pending is taken over, its own ready ones
-    /// unlisted, and all merged.
+    /// claimed ([`State::claim`]) and all merged.
     fn join_run<B: Backend>(
         &mut self,
         backend: &B,
@@ -202,12 +216,7 @@ impl State {
         let epoch = self.streams.get(slot).fences.epoch();
         let mut joined: Option<BlockKey> = None;
         for &key in run {
-            let block = self.arena.block(key);
-            if block.owner() == slot && block.pending().is_empty() {
-                self.unlist(key);
-            } else {
-                self.take_over(backend, key, slot, epoch)?;
-            }
+            self.claim(backend, key, slot, epoch)?;
             match joined {
                 None => joined = Some(key),
                 Some(left) => self.merge_into(left, key),

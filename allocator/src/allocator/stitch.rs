@@ -100,7 +100,8 @@ enum Runs {
 }
 
 /// What the free pages of a pool lack to cover a request: `bytes` (0 where stitching is
-/// not the way), and the free blocks whose pages the stitch would take.
+/// not the way), and the free blocks whose pages the stitch would take (the first block of
+/// each run: only read after a synchronisation, when free blocks side by side have merged).
 struct Shortfall {
     bytes: u64,
     runs: Vec<BlockKey>,
