@@ -19,7 +19,6 @@ fn traces_dir() -> PathBuf {
     shared_traces_dir(Path::new(env!("CARGO_MANIFEST_DIR")))
 }
 
-/// A test trace; a missing one fails the test rather than skipping it.
 /// Every trace of the repository: the shared ones and the H200 recordings.
 fn repository_traces() -> Vec<PathBuf> {
     let dirs = [
@@ -32,6 +31,7 @@ fn repository_traces() -> Vec<PathBuf> {
         .collect()
 }
 
+/// A test trace; a missing one fails the test rather than skipping it.
 fn shared_trace(name: &str) -> PathBuf {
     let path = traces_dir().join(name);
     assert!(path.exists(), "test trace {} is missing", path.display());
