@@ -34,7 +34,10 @@ with DIST_CAP_MODE=device, by holding the device's other memory instead (no limi
 leaving RATIO x LIVE bytes plus DIST_OUTSIDE_BYTES (what the process uses outside its
 allocator: context, kernels, communication buffers).
 DIST_SNAPSHOT=PREFIX records the memory history of the timed steps and writes it as
-PREFIX.rankR.pickle.gz (a trace for `streamalloc replay`).
+PREFIX.rankR.pickle.gz (a trace for `streamalloc replay`); with DIST_SNAPSHOT_FROM=start,
+of the whole process from before the model is built (its lasting allocations included:
+the optimizer's state lands among the first step's freed activations, as on the device;
+replayed as one step, not `--steps N`).
 """
 
 import gzip
@@ -167,7 +170,7 @@ def run_steps(torch, col, step, warmup, steps):
     for i in range(warmup + steps):
         if i == warmup:
             meter.end_warmup()
-            if snapshot:
+            if snapshot and not recording_from_start():
                 # From the first timed step: the warm-up's lasting allocations (optimizer
                 # state) are made, so each recorded step frees what it allocates.
                 torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None)
@@ -197,6 +200,10 @@ def run_steps(torch, col, step, warmup, steps):
         r["sa_steps"] = per_step
     r.update(meter.finish())
     return r
+
+
+def recording_from_start():
+    return bool(os.environ.get("DIST_SNAPSHOT")) and os.environ.get("DIST_SNAPSHOT_FROM") == "start"
 
 
 def dump_snapshot(torch, prefix):
@@ -455,6 +462,8 @@ def worker(row, col, prefix):
             res["door"], res["install_s"] = st.door(), round(time.perf_counter() - t, 2)
         torch.cuda.set_device(local)
         cap_memory(torch, local, res)
+        if recording_from_start():
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None)
         import torch.distributed as dist
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
         res["device"] = torch.cuda.get_device_name(local)
