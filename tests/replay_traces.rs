@@ -213,10 +213,11 @@ fn a_limit_that_does_not_bind_changes_no_choice() {
 
 /// Every training trace of the repository, replayed as three steps with the default
 /// configuration, settles by its third: no page mapped or unmapped, no second mapping, no
-/// synchronisation. FSDP2's rank 0 alone still makes one new stitch in most steps from its
-/// third (docs/design.md, "What is not yet steady"), and maps nothing else. (It made 10
-/// second mappings and mapped a page in its third step while its stitches took runs down
-/// to a 128th of the request.)
+/// synchronisation. FSDP2's rank 0 alone still makes a few new stitches in its third step
+/// (docs/design.md, "What is not yet steady"), and maps nothing else: its wide runs grow
+/// only within the growth budget, so narrower ones that the next step refills are
+/// stitched instead (one new stitch while wide runs grew past the budget, at 1.065 of its
+/// live peak instead of 1.042).
 #[test]
 fn every_training_trace_settles_by_its_third_step() {
     for path in repository_traces() {
@@ -225,7 +226,7 @@ fn every_training_trace_settles_by_its_third_step() {
         let report = replay_steps(entries, &Config::default(), 3, &mut |_| {}).unwrap();
         let last = *report.pass_driver_work.last().unwrap();
         if name == "fsdp2_gpt2_rank0.pickle.gz" {
-            assert!(report.last_step_stitches <= 1, "{name}: {report:?}");
+            assert!(report.last_step_stitches <= 3, "{name}: {report:?}");
             let rest = DriverWork {
                 stitch_maps: 0,
                 ..last
@@ -237,21 +238,25 @@ fn every_training_trace_settles_by_its_third_step() {
     }
 }
 
-/// FSDP2's rank 0 replayed as ten steps: its peak reserved memory is what its first step
-/// reserved, and no later step maps, unmaps or synchronises. Stitches that took holes of a
-/// few dozen MiB found them refilled in the next step, and grew what they lacked anew:
-/// the peak crept from 1.038 to 1.075 of live over ten steps (1.109 over 25).
+/// FSDP2's rank 0 replayed as ten steps: after its second step memory grows by at most a
+/// page or two a step and never by more than 1% of its live peak in all, nothing is
+/// unmapped and nothing synchronised, and the peak stays within 1.05 of live (1.029 in the
+/// first step, 1.046 after ten). Stitches that took holes of a few dozen MiB found them
+/// refilled in the next step, and grew what they lacked anew: with no runs wider than a
+/// 128th, the peak crept from 1.038 to 1.075 of live over ten steps (1.109 over 25); with
+/// wide runs grown past the growth budget it held 1.065 from the first step.
 #[test]
-fn fsdp2_reserves_no_more_after_its_first_step() {
+fn fsdp2_grows_little_after_its_second_step() {
     let entries = &load_traces(&shared_trace("fsdp2_gpt2_rank0.pickle.gz")).unwrap()[0].entries;
     let report = replay_steps(entries, &Config::default(), 10, &mut |_| {}).unwrap();
     let peaks = &report.pass_peak_reserved_bytes;
-    assert!(peaks.iter().all(|&peak| peak == peaks[0]), "{peaks:?}");
+    let live = report.peak_live_bytes;
+    assert!(peaks[9] - peaks[1] <= live / 100, "{peaks:?}");
     for (step, work) in report.pass_driver_work.iter().enumerate().skip(2) {
-        let remap = (work.page_maps, work.page_unmaps, work.device_syncs);
-        assert_eq!(remap, (0, 0, 0), "step {}: {work:?}", step + 1);
+        let remap = (work.page_maps <= 2, work.page_unmaps, work.device_syncs);
+        assert_eq!(remap, (true, 0, 0), "step {}: {work:?}", step + 1);
     }
-    assert!(report.ratio() <= 1.07, "ratio {:.4}", report.ratio());
+    assert!(report.ratio() <= 1.05, "ratio {:.4}", report.ratio());
 }
 
 /// `--steps N` reports each step's own peak reserved bytes and driver work, so that memory
@@ -894,18 +899,20 @@ fn unsettled_trace(name: &str) -> Vec<streamalloc_allocator::trace::TraceEntry> 
     load_traces(&path).unwrap().remove(0).entries
 }
 
-/// What holds for it already: its first step's peak reserved is every step's, within 1.06
-/// of its live peak, and under 1.02 times that peak it completes with no synchronisation
-/// in its third step. Its logits find their free memory in blocks of two streams side by
-/// side: counted one by one, stitches grew 450-500 MiB for each (1.165); with runs down to
-/// a 128th alone the peak grew 1.077, 1.178, 1.302 of live over three steps.
+/// What holds for it already: its later steps reserve at most 0.5% of its live peak more
+/// than its first, within 1.03 of that peak (1.021), and under 1.02 times that peak it
+/// completes with no synchronisation in its third step. Its logits find their free memory
+/// in blocks of two streams side by side: counted one by one, stitches grew 450-500 MiB
+/// for each (1.165); with runs down to a 128th alone the peak grew 1.077, 1.178, 1.302 of
+/// live over three steps; with wide runs grown past the growth budget, 1.053.
 #[test]
 fn fsdp2_with_checkpointing_holds_its_first_peak_and_completes_at_1_02() {
     let entries = &unsettled_trace("fsdp2_ckpt_rank0.pickle.gz");
     let report = replay_steps(entries, &Config::default(), 3, &mut |_| {}).unwrap();
     let peaks = &report.pass_peak_reserved_bytes;
-    assert!(peaks.iter().all(|&peak| peak == peaks[0]), "{peaks:?}");
-    assert!(report.ratio() <= 1.06, "ratio {:.4}", report.ratio());
+    let growth = peaks.iter().max().unwrap() - peaks[0];
+    assert!(growth <= report.peak_live_bytes / 200, "{peaks:?}");
+    assert!(report.ratio() <= 1.03, "ratio {:.4}", report.ratio());
     let config = Config {
         memory_limit: Some(cap_bytes(peak_live_bytes(entries), 1.02)),
         ..Config::default()
@@ -916,9 +923,9 @@ fn fsdp2_with_checkpointing_holds_its_first_peak_and_completes_at_1_02() {
 
 /// The goal for it, as for the repository's other traces: nothing mapped, unmapped,
 /// stitched or synchronised in its third step, with and without a limit of 1.02 times its
-/// live peak, and at most 1.10 of that peak reserved. Today its third step makes 11 second
-/// mappings (1.053 of its live peak); under the limit 18, with a page mapped and one
-/// unmapped.
+/// live peak, and at most 1.10 of that peak reserved. Today its third step makes 31 second
+/// mappings, maps 2 pages and unmaps one (1.021 of its live peak); under the limit 27,
+/// with a page mapped and 2 unmapped.
 #[test]
 #[ignore = "not yet steady: docs/design.md, \"What is not yet steady\""]
 fn fsdp2_with_checkpointing_settles() {
@@ -936,5 +943,46 @@ fn fsdp2_with_checkpointing_settles() {
             "under {memory_limit:?}: {report:?}"
         );
         assert!(report.ratio() <= 1.10, "ratio {:.4}", report.ratio());
+    }
+}
+
+/// A whole run of one rank (`tests/data/whole_runs/`), from before its model was built:
+/// two warm-up steps and ten timed ones, the optimizer's state allocated among the first
+/// step's freed activations as on the device (recorded under PyTorch's expandable segments
+/// by `DIST_SNAPSHOT_FROM=start DIST_SNAPSHOT=OUT/ROW DIST_WARMUP=2 DIST_STEPS=10 torchrun
+/// --standalone --nproc-per-node=1 benches/gpu/dist/workloads.py --worker ROW
+/// pt_expandable OUT/run`). Replayed once: such a trace's lasting allocations are made
+/// once.
+fn whole_run_trace(name: &str) -> Vec<streamalloc_allocator::trace::TraceEntry> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/whole_runs")
+        .join(name);
+    load_traces(&path).unwrap().remove(0).entries
+}
+
+/// Whole FSDP2 runs reserve what the GPU measured for the same runs (1 × H200, the same
+/// steps): within 1.05 of their live peak with checkpointing (1.039 replayed, 1.034 on the
+/// device) and 1.03 without (1.018, 1.017), and both complete under a limit of 1.02 times
+/// that peak. While a stitch grew its wide runs' shortfall past the growth budget, the
+/// checkpointing run reserved 1.122 (1.120 on the device): its logits, met again at longer
+/// sequences in steps 9 and 11, found free runs that a narrower stitch would have covered.
+#[test]
+fn whole_fsdp2_runs_reserve_what_the_device_measured() {
+    for (name, most) in [
+        ("fsdp2_ckpt_rank0.pickle.gz", 1.05),
+        ("fsdp2_gpt2_rank0.pickle.gz", 1.03),
+    ] {
+        let entries = &whole_run_trace(name);
+        let report = replay_steps(entries, &Config::default(), 1, &mut |_| {}).unwrap();
+        assert!(
+            report.ratio() <= most,
+            "{name}: ratio {:.4}",
+            report.ratio()
+        );
+        let config = Config {
+            memory_limit: Some(cap_bytes(peak_live_bytes(entries), 1.02)),
+            ..Config::default()
+        };
+        replay_steps(entries, &config, 1, &mut |_| {}).unwrap();
     }
 }

@@ -62,11 +62,16 @@ const MAX_SOURCES: usize = 32;
 /// (1.057 → 1.050); 1/32 and 1/16 settled BERT too at 1.022, 1/256 did not settle it.
 const MIN_RUN_FRACTION: u64 = 128;
 
-/// Before those, runs of at least this fraction, what they lack grown where the budget and
-/// limit allow: the next step's medium tensors refill holes of a few dozen MiB, and a kept
-/// stitch that took one misses. Over 25 steps FSDP2's rank 0 kept its peak at 1.066 of live
-/// from the first (smaller runs alone crept from 1.050 to 1.109), BERT mapped nothing after
-/// step 2 (not 16) at 1.026 (1.016), GPT-2 after step 1; 1/4, 1/6 cost BERT 1.046, 1.032.
+/// Before those, runs of at least this fraction, what they lack grown only within the
+/// growth budget (and the limit): the next step's medium tensors refill holes of a few
+/// dozen MiB, and a kept stitch that took one misses. Over 25 steps FSDP2's rank 0 kept
+/// its peak at 1.066 of live from the first (smaller runs alone crept from 1.050 to 1.109),
+/// BERT mapped nothing after step 2 (not 16), GPT-2 after step 1; 1/4, 1/6 cost BERT 1.046,
+/// 1.032. Past the budget they are a preference, not a need: a whole FSDP2 run with
+/// checkpointing reserved 1.122 of its live peak on the simulator and 1.120 on an H200
+/// while wide runs grew there too, 1.039 and 1.034 with narrower runs stitched first
+/// (FSDP2's rank 0 replayed as 25 steps: 1.062, creeping from 1.029 by a page or two in
+/// some steps, with about 7 second mappings a step instead of 1.5).
 const WIDE_RUN_FRACTION: u64 = 8;
 
 /// A dormant stitch serves a request it exceeds by at most this fraction (1/n) of the
@@ -228,6 +233,9 @@ impl State {
                 continue;
             }
             match effort {
+                // Wide runs are a preference, not a need: past the growth budget, narrower
+                // runs are stitched before memory grows (see [`WIDE_RUN_FRACTION`]).
+                _ if runs == Runs::WidePieces && !self.within_budget(grown) => return Ok(None),
                 Effort::Light if !self.within_budget(grown) => return Ok(None),
                 Effort::Synchronised if !self.fits_limit(grown) => {
                     // Make room for the shortfall with free pages the stitch will not take.
