@@ -127,7 +127,8 @@ impl State {
     /// free pages do not cover it. At [`Effort::Light`] only pages that need no device
     /// wait are taken (the stream's own ready ones), and memory grows for the shortfall only
     /// within the growth budget; past it, pages of every stream of the pool, the caller's
-    /// stream waiting on the device for their last uses. The range is an unlisted free
+    /// stream waiting on the device for their last uses (the shortfall of wide runs still
+    /// within the budget, of narrower ones up to the limit). The range is an unlisted free
     /// block owned by the request's slot, to be handed out whole
     /// ([`State::hand_out_whole`]).
     pub(super) fn stitch<B: Backend>(
