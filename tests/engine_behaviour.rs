@@ -884,3 +884,54 @@ fn free_blocks_side_by_side_are_one_run_for_a_stitch() {
     allocator.free(pin.ptr).unwrap();
     allocator.check_invariants().unwrap();
 }
+
+/// Past the growth budget, a stitch that free runs of at least an eighth of its request
+/// cannot cover takes narrower runs rather than growing what the wide ones lack: here a
+/// 40 MiB run and six 4 MiB runs between live blocks, all still read by another stream,
+/// hold a 64 MiB request exactly, and it is stitched from all seven with nothing mapped
+/// (grown instead, memory would pass the live peak by 24 MiB). No race after the waits.
+#[test]
+fn past_the_growth_budget_a_stitch_takes_narrow_runs_before_growing() {
+    let (device, allocator) = allocator(1 << 30, Config::default());
+    let (stream, reader) = (device.create_stream(), device.create_stream());
+    let mut runs = vec![allocator.malloc(40 * MIB, stream).unwrap()];
+    let mut pins = vec![allocator.malloc(2 * MIB, stream).unwrap()];
+    for _ in 0..6 {
+        runs.push(allocator.malloc(4 * MIB, stream).unwrap());
+        pins.push(allocator.malloc(2 * MIB, stream).unwrap());
+    }
+    for run in &runs {
+        device.launch(
+            reader,
+            &[Access::read(run.ptr, run.size)],
+            1_000_000,
+            "reads it",
+        );
+        allocator.record_use(run.ptr, reader).unwrap();
+        allocator.free(run.ptr).unwrap();
+    }
+    let before = allocator.stats();
+    let request = allocator.malloc(64 * MIB, stream).unwrap();
+    let after = allocator.stats();
+    assert_eq!(after.stitches, before.stitches + 1, "{after:?}");
+    assert_eq!(
+        after.reserved_bytes.current, before.reserved_bytes.current,
+        "{after:?}"
+    );
+    assert_eq!(
+        allocator.stitched_pages(request.ptr).map(|runs| runs.len()),
+        Some(7)
+    );
+    device.launch(
+        stream,
+        &[Access::write(request.ptr, 64 * MIB)],
+        1_000,
+        "writes it",
+    );
+    assert!(device.races().is_empty(), "{:?}", device.races());
+    allocator.free(request.ptr).unwrap();
+    for pin in pins {
+        allocator.free(pin.ptr).unwrap();
+    }
+    allocator.check_invariants().unwrap();
+}
