@@ -233,11 +233,12 @@ impl State {
                 // Pages shared by free blocks of different streams became whole: pick again.
                 continue;
             }
+            let within_budget = self.within_budget_serving(grown, need.size);
             match effort {
                 // Wide runs are a preference, not a need: past the growth budget, narrower
                 // runs are stitched before memory grows (see [`WIDE_RUN_FRACTION`]).
-                _ if runs == Runs::WidePieces && !self.within_budget(grown) => return Ok(None),
-                Effort::Light if !self.within_budget(grown) => return Ok(None),
+                _ if runs == Runs::WidePieces && !within_budget => return Ok(None),
+                Effort::Light if !within_budget => return Ok(None),
                 Effort::Synchronised if !self.fits_limit(grown) => {
                     // Make room for the shortfall with free pages the stitch will not take.
                     let excess =
