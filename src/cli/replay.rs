@@ -52,6 +52,9 @@ Under each row:
   steps with driver calls   the passes that mapped, unmapped or stitched pages or
                             synchronised, and the step from which none did (settled)
   frees ... ignored         frees of blocks allocated before recording began
+  recording began after...  native is below peak live: the program had reserved memory
+                            before recording, so where its lasting blocks lay (the model,
+                            the optimizer's state) is not replayed
 
 The configuration line lists every key (STREAMALLOC_CONF or --conf over the defaults);
 with --limit-ratio R, each trace's memory_limit is R times its own peak live bytes.";
@@ -296,6 +299,15 @@ impl Table {
         )?;
         if !recorded_segments {
             outln!("  native: n/a (the trace has no segment events of the recording allocator)")?;
+        } else if report.native_peak_reserved_bytes < report.peak_live_bytes {
+            // The recording allocator held less than the trace's blocks needed: it had
+            // reserved memory before recording began. The replay starts from an empty
+            // device, so where that memory's lasting blocks lay is not replayed.
+            outln!(
+                "  recording began after its program reserved memory (native below peak \
+                 live): replayed from an empty device, the figures can differ from the \
+                 device's; record from the program's start for a full picture"
+            )?;
         }
         outln!(
             "  {} page maps, {} page unmaps, {} device syncs, {} segment allocs/frees, \
