@@ -233,19 +233,18 @@ impl State {
                 // Pages shared by free blocks of different streams became whole: pick again.
                 continue;
             }
-            let within_budget = self.within_budget_serving(grown, need.size);
-            match effort {
-                // Wide runs are a preference, not a need: past the growth budget, narrower
-                // runs are stitched before memory grows (see [`WIDE_RUN_FRACTION`]).
-                _ if runs == Runs::WidePieces && !within_budget => return Ok(None),
-                Effort::Light if !within_budget => return Ok(None),
-                Effort::Synchronised if !self.fits_limit(grown) => {
-                    // Make room for the shortfall with free pages the stitch will not take.
-                    let excess =
-                        self.stats.reserved_bytes.current + grown - self.limit.unwrap_or(u64::MAX);
-                    self.unmap_free_pages_upto(backend, excess, Release::Unpinned, &taken)?;
-                }
-                _ => {}
+            // Light effort grows nothing past the growth budget, and wide runs never do:
+            // they are a preference, not a need, so past the budget narrower runs are
+            // stitched before memory grows (see [`WIDE_RUN_FRACTION`]).
+            let budget_binds = effort == Effort::Light || runs == Runs::WidePieces;
+            if budget_binds && !self.within_budget_serving(grown, need.size) {
+                return Ok(None);
+            }
+            if effort == Effort::Synchronised && !self.fits_limit(grown) {
+                // Make room for the shortfall with free pages the stitch will not take.
+                let excess =
+                    self.stats.reserved_bytes.current + grown - self.limit.unwrap_or(u64::MAX);
+                self.unmap_free_pages_upto(backend, excess, Release::Unpinned, &taken)?;
             }
             // Map only what the pool's free pages lack, then stitch them all: memory grows
             // by the shortfall, not by the request.
