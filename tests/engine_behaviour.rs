@@ -840,6 +840,57 @@ fn after_a_synchronisation_a_stitch_under_a_limit_takes_as_many_runs_as_it_needs
     assert!(device.races().is_empty(), "{:?}", device.races());
 }
 
+/// Frees `block` after `reader` read it (a long read, recorded as a use): its events stay
+/// pending, so a stream that takes it waits on the device.
+fn free_after_read_on(
+    device: &SimBackend,
+    allocator: &Allocator<SimBackend>,
+    block: &Allocation,
+    reader: StreamId,
+) {
+    device.launch(
+        reader,
+        &[Access::read(block.ptr, block.size)],
+        1_000_000,
+        "reads it",
+    );
+    allocator.record_use(block.ptr, reader).unwrap();
+    allocator.free(block.ptr).unwrap();
+}
+
+/// Allocates `size` on `stream`, which must be served by a new stitch of `runs` runs with
+/// no memory grown, then writes it: the device-side waits leave no race.
+fn stitched_without_growth(
+    device: &SimBackend,
+    allocator: &Allocator<SimBackend>,
+    size: u64,
+    stream: StreamId,
+    runs: usize,
+) -> Allocation {
+    let before = allocator.stats();
+    let stitched = allocator.malloc(size, stream).unwrap();
+    let after = allocator.stats();
+    assert_eq!(after.stitches, before.stitches + 1, "{after:?}");
+    assert_eq!(
+        after.reserved_bytes.current, before.reserved_bytes.current,
+        "{after:?}"
+    );
+    assert_eq!(
+        allocator
+            .stitched_pages(stitched.ptr)
+            .map(|runs| runs.len()),
+        Some(runs)
+    );
+    device.launch(
+        stream,
+        &[Access::write(stitched.ptr, size)],
+        1_000,
+        "writes it",
+    );
+    assert!(device.races().is_empty(), "{:?}", device.races());
+    stitched
+}
+
 /// Free blocks side by side that do not merge (here a ready one and one still read by
 /// another stream) are one run of pages for a stitch: a request that only both together
 /// can hold is stitched from one run, after a device-side wait for the reader, with no
@@ -853,33 +904,8 @@ fn free_blocks_side_by_side_are_one_run_for_a_stitch() {
     let pin = allocator.malloc(2 * MIB, stream).unwrap();
     assert_eq!(second.ptr.0, first.ptr.0 + 20 * MIB);
     allocator.free(first.ptr).unwrap();
-    device.launch(
-        reader,
-        &[Access::read(second.ptr, 20 * MIB)],
-        1_000_000,
-        "reads it",
-    );
-    allocator.record_use(second.ptr, reader).unwrap();
-    allocator.free(second.ptr).unwrap();
-    let before = allocator.stats();
-    let wide = allocator.malloc(40 * MIB, stream).unwrap();
-    let after = allocator.stats();
-    assert_eq!(after.stitches, before.stitches + 1, "{after:?}");
-    assert_eq!(
-        after.reserved_bytes.current, before.reserved_bytes.current,
-        "{after:?}"
-    );
-    assert_eq!(
-        allocator.stitched_pages(wide.ptr).map(|runs| runs.len()),
-        Some(1)
-    );
-    device.launch(
-        stream,
-        &[Access::write(wide.ptr, 40 * MIB)],
-        1_000,
-        "writes it",
-    );
-    assert!(device.races().is_empty(), "{:?}", device.races());
+    free_after_read_on(&device, &allocator, &second, reader);
+    let wide = stitched_without_growth(&device, &allocator, 40 * MIB, stream, 1);
     allocator.free(wide.ptr).unwrap();
     allocator.free(pin.ptr).unwrap();
     allocator.check_invariants().unwrap();
@@ -901,34 +927,9 @@ fn past_the_growth_budget_a_stitch_takes_narrow_runs_before_growing() {
         pins.push(allocator.malloc(2 * MIB, stream).unwrap());
     }
     for run in &runs {
-        device.launch(
-            reader,
-            &[Access::read(run.ptr, run.size)],
-            1_000_000,
-            "reads it",
-        );
-        allocator.record_use(run.ptr, reader).unwrap();
-        allocator.free(run.ptr).unwrap();
+        free_after_read_on(&device, &allocator, run, reader);
     }
-    let before = allocator.stats();
-    let request = allocator.malloc(64 * MIB, stream).unwrap();
-    let after = allocator.stats();
-    assert_eq!(after.stitches, before.stitches + 1, "{after:?}");
-    assert_eq!(
-        after.reserved_bytes.current, before.reserved_bytes.current,
-        "{after:?}"
-    );
-    assert_eq!(
-        allocator.stitched_pages(request.ptr).map(|runs| runs.len()),
-        Some(7)
-    );
-    device.launch(
-        stream,
-        &[Access::write(request.ptr, 64 * MIB)],
-        1_000,
-        "writes it",
-    );
-    assert!(device.races().is_empty(), "{:?}", device.races());
+    let request = stitched_without_growth(&device, &allocator, 64 * MIB, stream, 7);
     allocator.free(request.ptr).unwrap();
     for pin in pins {
         allocator.free(pin.ptr).unwrap();

@@ -31,6 +31,22 @@ fn repository_traces() -> Vec<PathBuf> {
         .collect()
 }
 
+/// `tests/data/DIR/NAME`, a trace kept apart from the shared ones.
+fn data_trace_path(dir: &str, name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(dir)
+        .join(name)
+}
+
+/// The entries of `tests/data/DIR/NAME` (its one device).
+fn data_trace(dir: &str, name: &str) -> Vec<streamalloc_allocator::trace::TraceEntry> {
+    load_traces(&data_trace_path(dir, name))
+        .unwrap()
+        .remove(0)
+        .entries
+}
+
 /// A test trace; a missing one fails the test rather than skipping it.
 fn shared_trace(name: &str) -> PathBuf {
     let path = traces_dir().join(name);
@@ -599,13 +615,9 @@ fn a_trace_recorded_after_its_program_reserved_memory_is_named() {
         assert!(output.status.success(), "{output:?}");
         String::from_utf8_lossy(&output.stdout).into_owned()
     };
-    let late = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/unsettled/fsdp2_ckpt_rank0.pickle.gz");
-    let stdout = run(&late);
+    let stdout = run(&data_trace_path("unsettled", "fsdp2_ckpt_rank0.pickle.gz"));
     assert!(stdout.contains(note), "{stdout}");
-    let whole = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/whole_runs/fsdp2_ckpt_rank0.pickle.gz");
-    let stdout = run(&whole);
+    let stdout = run(&data_trace_path("whole_runs", "fsdp2_ckpt_rank0.pickle.gz"));
     assert!(!stdout.contains(note), "{stdout}");
 }
 
@@ -940,10 +952,7 @@ fn replay_device_ratio_caps_the_device_not_the_allocator() {
 /// test above replays because it does not settle yet (`docs/design.md`, "What is not yet
 /// steady"); [`fsdp2_with_checkpointing_settles`] states the goal.
 fn unsettled_trace(name: &str) -> Vec<streamalloc_allocator::trace::TraceEntry> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/unsettled")
-        .join(name);
-    load_traces(&path).unwrap().remove(0).entries
+    data_trace("unsettled", name)
 }
 
 /// What holds for it already: its later steps reserve at most 0.5% of its live peak more
@@ -1001,10 +1010,7 @@ fn fsdp2_with_checkpointing_settles() {
 /// pt_expandable OUT/run`). Replayed once: such a trace's lasting allocations are made
 /// once.
 fn whole_run_trace(name: &str) -> Vec<streamalloc_allocator::trace::TraceEntry> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/whole_runs")
-        .join(name);
-    load_traces(&path).unwrap().remove(0).entries
+    data_trace("whole_runs", name)
 }
 
 /// Whole FSDP2 runs reserve what the GPU measured for the same runs (1 × H200, the same
