@@ -64,10 +64,11 @@ def check_options(rounds_per_group, zero_copy_min, transport) -> None:
                        f"{transport!r})")
 
 
-def peer_lists(mapping, world: int, name: str) -> list:
+def peer_lists(mapping, world: int, name: str, tensors: bool = True) -> list:
     """``mapping`` ({peer: [tensors]}, or None) as one list per peer, each tensor checked:
     a ``torch.Tensor``, contiguous; parameters detached (the exchange moves their data, as
-    ``p.data`` would)."""
+    ``p.data`` would). With ``tensors=False`` only the mapping's shape is checked and each
+    peer's list is returned as given (the native reader checks the tensors)."""
     import torch
 
     lists = [[] for _ in range(world)]
@@ -82,6 +83,9 @@ def peer_lists(mapping, world: int, name: str) -> list:
         if isinstance(ts, torch.Tensor) or not isinstance(ts, (list, tuple)):
             raise P2PError(f"{name}[{peer}] must be a list of tensors, not "
                            f"{type(ts).__name__} (wrap one tensor as [t])")
+        if not tensors:
+            lists[peer] = ts
+            continue
         for i, t in enumerate(ts):
             if not isinstance(t, torch.Tensor):
                 raise P2PError(f"{name}[{peer}][{i}] is {type(t).__name__}, not a torch.Tensor")

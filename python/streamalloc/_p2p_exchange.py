@@ -13,6 +13,7 @@ from __future__ import annotations
 from . import _ce
 from . import _p2p_checks as checks
 from . import _p2p_copy
+from . import _p2p_native
 from ._p2p_plan import P2PError, Plan, _flat, _prepare, lanes_from_lists
 from ._p2p_rounds import _Rounds
 
@@ -117,6 +118,10 @@ class Exchange(_Rounds):
 
     @staticmethod
     def _lanes_of(sends, recvs, world):
+        lanes = _p2p_native.read_lists(world, checks.peer_lists(sends, world, "sends", False),
+                                       checks.peer_lists(recvs, world, "recvs", False))
+        if lanes is not None:
+            return lanes
         send_lists = checks.peer_lists(sends, world, "sends")
         recv_lists = checks.peer_lists(recvs, world, "recvs")
         device = checks.one_device(send_lists, recv_lists)

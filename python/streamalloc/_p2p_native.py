@@ -47,6 +47,33 @@ def read_ops(ops, rank: int, world: int, group_rank, isend, irecv, groups=None) 
             None if groups is None else tuple(groups))
     except ValueError as err:
         raise P2PError(str(err)) from None
+    return _lanes(world, counts, tensors, nbytes, codes, addresses, where)
+
+
+# Below this many tensors an Exchange reads its lists in Python unless the native module is
+# already loaded: building it takes a minute once, reading in Python ~1.7 µs per tensor.
+NATIVE_LISTS_MIN = 4096
+
+
+def read_lists(world: int, send_lists, recv_lists) -> Lanes | None:
+    """An ``Exchange``'s :class:`~streamalloc._p2p_plan.Lanes` read natively from its
+    per-peer lists (their shape already checked), or None: the native module is not to be
+    had or built for so few tensors, or a tensor needs the Python checks, which say why."""
+    if _STATE["module"] is None:
+        count = sum(len(ts) for ts in send_lists) + sum(len(ts) for ts in recv_lists)
+        if count < NATIVE_LISTS_MIN:
+            return None
+    module = load()
+    if module is None:
+        return None
+    out = module.lists(list(send_lists) + list(recv_lists), _codes(module))
+    if out is None:
+        return None
+    return _lanes(world, *out)
+
+
+def _lanes(world, counts, tensors, nbytes, codes, addresses, where) -> Lanes:
+    """Lanes from the native module's columns (bytes of int64 each)."""
     columns = []
     for raw in (nbytes, codes, addresses):
         column = array.array("q")

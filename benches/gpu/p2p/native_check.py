@@ -2,7 +2,8 @@
 # (streamalloc._p2p_checks.translate_ops), on CPU tensors: random lists of ops with several
 # peers, directions, dtypes and shapes read into the same lanes (tensors, bytes, dtype codes,
 # addresses, device, the 1-D views PyTorch's packing uses), and every invalid input refused
-# with the same message. Then both timed on the reproduction's pattern at ~58,000 ops.
+# with the same message; an Exchange's per-peer lists likewise (`lists`, its
+# `Exchange._lanes_of`). Then both timed on the reproduction's pattern at ~58,000 ops.
 # Builds the reader if needed (a C++ compiler, ninja, Python's headers); prints SKIP and
 # exits 0 without torch.
 #   PYTHONPATH=python python3 benches/gpu/p2p/native_check.py
@@ -126,6 +127,7 @@ def main():
     a, b = both([in_group, strayed], groups=(mine,))
     check(isinstance(a, str) and a == b and "mixes process groups" in b,
           f"an op of another group: the same message ({a!r} / {b!r})")
+    exchange_lists(rng, dtypes)
     if failures:
         print(f"{len(failures)} failure(s)")
         return 1
@@ -152,6 +154,62 @@ def main():
         print(f"  {label:<24} {best * 1e3:8.2f} ms  {best / len(ops) * 1e9:7.0f} ns per op")
     print("native reader checks: all passed")
     return 0
+
+
+def exchange_lists(rng, dtypes):
+    """An Exchange's {peer: [tensors]} lists read natively and in Python: the same lanes,
+    parameters detached; and every refused input refused with the Python checks' message."""
+    from streamalloc._p2p_exchange import Exchange
+
+    def python_lanes(sends, recvs, world):
+        send_lists = _p2p_checks.peer_lists(sends, world, "sends")
+        recv_lists = _p2p_checks.peer_lists(recvs, world, "recvs")
+        device = _p2p_checks.one_device(send_lists, recv_lists)
+        return _p2p_plan.lanes_from_lists(world, send_lists, recv_lists, device)
+
+    def read_both(sends, recvs, world=4):
+        out = []
+        for read in (python_lanes, Exchange._lanes_of):
+            try:
+                out.append(read(sends, recvs, world))
+            except P2PError as err:
+                out.append(str(err))
+        return out
+
+    def same_lanes(a, b):
+        if isinstance(a, str) or isinstance(b, str):
+            return a == b
+        # Detached parameters are new tensor objects on each side: compare what they view.
+        return (a.counts == b.counts and list(a.nbytes) == list(b.nbytes)
+                and list(a.codes) == list(b.codes) and a.device == b.device
+                and list(b.addresses) == [t.data_ptr() for t in a.tensors]
+                and all(x.data_ptr() == y.data_ptr() and not y.requires_grad
+                        for x, y in zip(a.tensors, b.tensors)))
+
+    for case in range(100):
+        sides = []
+        for _ in range(2):
+            side = {}
+            for peer in rng.sample(range(4), rng.randint(0, 4)):
+                side[peer] = [torch.zeros(rng.randint(0, 9), dtype=rng.choice(dtypes))
+                              for _ in range(rng.randint(0, 20))]
+            sides.append(side)
+        a, b = read_both(*sides)
+        check(same_lanes(a, b) and not isinstance(b, str), f"exchange lists {case}: the readers disagree")
+    weight = torch.nn.Parameter(torch.ones(3))
+    a, b = read_both({1: [weight, torch.ones(2)]}, {2: (torch.ones(1),)})
+    check(same_lanes(a, b) and b.tensors[0] is not weight, "a parameter is read detached")
+    bad = {
+        "not a tensor": ({1: [torch.ones(1), 3]}, None),
+        "not contiguous": ({1: [torch.ones(3, 3).t()]}, None),
+        "a non-contiguous receive": (None, {2: [torch.ones(1), torch.ones(4, 4).t()]}),
+        "two devices": ({1: [torch.ones(1)]}, {2: [torch.ones(1, device="meta")]}),
+        "a tensor for a list": ({1: torch.ones(2)}, None),
+        "a peer out of range": ({4: [torch.ones(1)]}, None),
+    }
+    for what, (sends, recvs) in bad.items():
+        a, b = read_both(sends, recvs)
+        check(a == b, f"exchange lists, {what}: the same result ({a!r} / {b!r})")
 
 
 def _timed(fn):

@@ -6,7 +6,9 @@
 // messages, and returns the list sorted into lanes (direction * world + peer, list order
 // within a lane): (counts, tensors, nbytes, dtype codes, addresses, device), the last three
 // columns as bytes of int64. A bad op raises ValueError with the message. `bent(tensors)`:
-// the indices of the tensors of a list that are not 1-D.
+// the indices of the tensors of a list that are not 1-D. `lists(lanes, codes)`: the same
+// columns for an `Exchange`'s tensors, given per lane (sends to each peer, then receives from
+// each), or None at the first tensor the Python checks would refuse (they then say why).
 //
 // Why native: this runs over every op of every call (58,000 in the reproduction's pattern at
 // scale); Python's attribute reads and tensor method calls cost 1-3 µs per op, these reads
@@ -384,6 +386,108 @@ PyObject* bent(PyObject*, PyObject* tensors) {
                                    static_cast<Py_ssize_t>(out.size() * sizeof(int64_t)));
 }
 
+// `Exchange`'s lists: `lanes`, a sequence of 2 * world sequences of tensors (the sends to
+// each peer, then the receives from each, already checked to be lists or tuples), read into
+// (counts, tensors, nbytes, dtype codes, addresses, device) as `scan` returns them, tensors
+// that require grad detached (the exchange moves their data, as `p.data` would). None where a
+// tensor is not a contiguous torch.Tensor of a known dtype on the first one's device: the
+// Python checks (streamalloc._p2p_checks) then find it and raise their message.
+PyObject* lists(PyObject*, PyObject* args) {
+  PyObject *lanes, *codes;
+  if (!PyArg_ParseTuple(args, "OO", &lanes, &codes)) return nullptr;
+  PyObject* outer = PySequence_Fast(lanes, "lanes must be a sequence");
+  if (outer == nullptr) return nullptr;
+  std::vector<int64_t> table;
+  if (PyList_Check(codes)) {
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(codes); ++k) {
+      const int64_t code = PyLong_AsLongLong(PyList_GET_ITEM(codes, k));
+      table.push_back(code == -1 && PyErr_Occurred() ? -1 : code);
+    }
+    PyErr_Clear();
+  }
+  const Py_ssize_t n_lanes = PySequence_Fast_GET_SIZE(outer);
+  std::vector<PyObject*> inner(static_cast<size_t>(n_lanes), nullptr);
+  Py_ssize_t total = 0;
+  bool ok = true;
+  for (Py_ssize_t l = 0; l < n_lanes && ok; ++l) {
+    inner[l] = PySequence_Fast(PySequence_Fast_GET_ITEM(outer, l), "a lane must be a sequence");
+    ok = inner[l] != nullptr;
+    if (ok) total += PySequence_Fast_GET_SIZE(inner[l]);
+  }
+  PyObject* result = nullptr;
+  PyObject* tensors = ok ? PyList_New(total) : nullptr;
+  PyObject* nbytes = ok ? PyBytes_FromStringAndSize(nullptr, total * 8) : nullptr;
+  PyObject* dtypes = ok ? PyBytes_FromStringAndSize(nullptr, total * 8) : nullptr;
+  PyObject* addresses = ok ? PyBytes_FromStringAndSize(nullptr, total * 8) : nullptr;
+  PyObject* counts = ok ? PyList_New(n_lanes) : nullptr;
+  bool refused = false, have_device = false;
+  c10::Device device{c10::DeviceType::CPU};
+  if (tensors && nbytes && dtypes && addresses && counts) {
+    auto* nb = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(nbytes));
+    auto* cd = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(dtypes));
+    auto* ad = reinterpret_cast<int64_t*>(PyBytes_AS_STRING(addresses));
+    Py_ssize_t k = 0;
+    for (Py_ssize_t l = 0; l < n_lanes && !refused && k >= 0; ++l) {
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(inner[l]);
+      PyObject* const* items = PySequence_Fast_ITEMS(inner[l]);
+      PyList_SET_ITEM(counts, l, PyLong_FromSsize_t(n));
+      for (Py_ssize_t i = 0; i < n && !refused; ++i, ++k) {
+        if (i + kAhead < n) fetch_impl(items[i + kAhead]);
+        PyObject* obj = items[i];
+        if (!THPVariable_Check(obj)) {
+          refused = true;
+          break;
+        }
+        const at::Tensor& t = THPVariable_Unpack(obj);
+        const auto type = static_cast<size_t>(t.scalar_type());
+        const int64_t code = type < table.size() ? table[type] : -1;
+        if (!t.is_contiguous() || code < 0 || (have_device && t.device() != device)) {
+          refused = true;
+          break;
+        }
+        if (!have_device) {
+          device = t.device();
+          have_device = true;
+        }
+        PyObject* held = nullptr;
+        if (t.requires_grad()) {
+          held = THPVariable_Wrap(t.detach());
+          if (held == nullptr) {
+            k = -1;  // an error is set
+            break;
+          }
+        } else {
+          Py_INCREF(obj);
+          held = obj;
+        }
+        PyList_SET_ITEM(tensors, k, held);
+        nb[k] = static_cast<int64_t>(t.nbytes());
+        cd[k] = code;
+        ad[k] = t.is_meta() ? 0 : static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
+      }
+    }
+    if (k >= 0) {
+      if (refused) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+      } else {
+        PyObject* where = have_device ? PyUnicode_FromString(device.str().c_str()) : Py_None;
+        if (!have_device) Py_INCREF(Py_None);
+        result = Py_BuildValue("(OOOOON)", counts, tensors, nbytes, dtypes, addresses, where);
+      }
+    }
+  }
+  // A list's unset items are NULL, which its deallocation skips.
+  Py_XDECREF(tensors);
+  Py_XDECREF(nbytes);
+  Py_XDECREF(dtypes);
+  Py_XDECREF(addresses);
+  Py_XDECREF(counts);
+  for (PyObject* seq : inner) Py_XDECREF(seq);
+  Py_DECREF(outer);
+  return result;
+}
+
 // The index of a torch.dtype in c10::ScalarType (the table `scan` reads dtype codes from).
 PyObject* scalar_type(PyObject*, PyObject* dtype) {
   if (!THPDtype_Check(dtype)) {
@@ -396,6 +500,7 @@ PyObject* scalar_type(PyObject*, PyObject* dtype) {
 PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "Reads a P2POp list into lanes (see the file's comment)."},
     {"bent", bent, METH_O, "The indices of the tensors of a list that are not 1-D."},
+    {"lists", lists, METH_VARARGS, "Reads an Exchange's tensors, lane by lane, into columns."},
     {"scalar_type", scalar_type, METH_O, "The c10::ScalarType index of a torch.dtype."},
     {nullptr, nullptr, 0, nullptr},
 };
