@@ -37,7 +37,8 @@ DIST_SNAPSHOT=PREFIX records the memory history of the timed steps and writes it
 PREFIX.rankR.pickle.gz (a trace for `streamalloc replay`); with DIST_SNAPSHOT_FROM=start,
 of the whole process from before the model is built (its lasting allocations included:
 the optimizer's state lands among the first step's freed activations, as on the device;
-replayed as one step, not `--steps N`).
+replayed as one step, not `--steps N`). DIST_PROFILE=DIR writes the last step's
+torch.profiler trace (host and device) of every rank under DIR.
 """
 
 import gzip
@@ -175,12 +176,16 @@ def run_steps(torch, col, step, warmup, steps):
                 # state) are made, so each recorded step frees what it allocates.
                 torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None)
         torch.cuda.synchronize()
+        profiler = profiler_for(torch, col, i, warmup + steps)
         u0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         loss = step(i)
         issued = time.perf_counter() - t0
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            profiler.export_chrome_trace(profiler.trace_path)
         u1 = resource.getrusage(resource.RUSAGE_SELF)
         host.append({"cpu_ms": round((u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime) * 1e3, 1),
                      "switches": u1.ru_nvcsw - u0.ru_nvcsw, "issue_ms": round(issued * 1e3, 1)})
@@ -200,6 +205,25 @@ def run_steps(torch, col, step, warmup, steps):
         r["sa_steps"] = per_step
     r.update(meter.finish())
     return r
+
+
+def profiler_for(torch, col, i, total):
+    """With DIST_PROFILE=DIR, a started torch.profiler (host and device) for the last step
+    on every rank, its Chrome trace to be written to DIR/COLUMN.rankR.N.json (N: the first
+    number not yet written); else None."""
+    folder = os.environ.get("DIST_PROFILE")
+    if not folder or i != total - 1:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    rank, n = os.environ.get("RANK", "0"), 0
+    while os.path.exists(os.path.join(folder, f"{col}.rank{rank}.{n}.json")):
+        n += 1
+    profiler.trace_path = os.path.join(folder, f"{col}.rank{rank}.{n}.json")
+    profiler.__enter__()
+    return profiler
 
 
 def recording_from_start():
