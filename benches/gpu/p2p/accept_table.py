@@ -75,11 +75,15 @@ def main():
         for k, r in enumerate(everyone[0]["rows"]):
             per = [e["rows"][k] for e in everyone]
             ok = all(x["ok"] for x in per)
-            ratio = max(x.get("ratio", 99) for x in per)
-            worst = max(max(x["iter0_s"], x["iter1_s"], x["cached_s"]) for x in per) * 1e3
+            # The reproduction's iterations each meet a new T: against the Exchange's
+            # agreement and first run. The same T again, against its steady run, is shown.
+            ratio = max(x.get("ratio_new_t", 99) for x in per)
+            same_t = max(x.get("ratio_same_t", 99) for x in per)
+            worst = max(max(x["iter0_s"], x["iter1_s"]) for x in per) * 1e3
             row(f"reproduction, {r['mode']}, T x{r['factor']}, {max(x['ops_per_rank'] for x in per):,} "
                 f"ops/rank: finishes, no corruption, iteration <= 2x Exchange",
-                f"{'ok' if ok else 'WRONG'}, slowest {worst:.1f} ms, {ratio:.2f}x", "<= 2.00x",
+                f"{'ok' if ok else 'WRONG'}, slowest {worst:.1f} ms, {ratio:.2f}x "
+                f"(same T again {same_t:.2f}x its steady run)", "<= 2.00x",
                 ok and ratio <= 2.0)
     else:
         row("reproduction (hang_dropin.py)", "did not finish", "finishes", False)
