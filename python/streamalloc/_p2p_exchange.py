@@ -166,9 +166,7 @@ class Exchange(_Rounds):
         lists = (lanes.lists(0), lanes.lists(1))
         if self._pack_mode == "torch":
             lists = tuple([[_flat(t) for t in ts] for ts in side] for side in lists)
-        sizes = (lanes.column(lanes.nbytes, 0), lanes.column(lanes.nbytes, 1))
-        codes = (lanes.column(lanes.codes, 0), lanes.column(lanes.codes, 1))
-        self._rounds = _prepare(self._rows, lists, sizes, codes, to_global)
+        self._rounds = _prepare(self._rows, lists, lanes, to_global)
         self._self_copies = (lists[1][self.rank], lists[0][self.rank])
 
     def _establish_ce(self, probe) -> str | None:

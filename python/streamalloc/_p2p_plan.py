@@ -18,6 +18,7 @@ import array
 import ctypes
 import os
 import struct
+import sys
 import zlib
 from dataclasses import dataclass, field
 
@@ -153,7 +154,7 @@ class Plan:
         n = self._lib.streamalloc_p2p_plan_rows(self._handle, rank, None, 0)
         if n < 0:
             raise P2PError(_last_error(self._lib))
-        flat = array.array("q", bytes(8 * _ROW * n))
+        flat = array.array("q", [0]) * (_ROW * n)
         address, _ = flat.buffer_info()
         out = ctypes.cast(address, ctypes.POINTER(ctypes.c_int64)) if n else None
         self._lib.streamalloc_p2p_plan_rows(self._handle, rank, out, n)
@@ -229,10 +230,11 @@ def _bytes_view(t):
     return _flat(t).view(torch.uint8)
 
 
-def _prepare(rows, tensors, sizes, codes, to_global):
+def _prepare(rows, tensors, lanes, to_global):
     """Groups this rank's plan rows (:meth:`Plan.rows`) into per-round messages with the
     tensors they touch (done once per agreed exchange). ``tensors[direction][peer]`` are
-    1-D; ``sizes`` and ``codes`` hold their bytes and dtype codes alike.
+    1-D; ``lanes`` (:class:`Lanes`) holds their bytes and dtype codes, lane-major, read in
+    place (no per-tensor Python list is built from them).
 
     A message packs thousands of small tensors, one row each, but what packing needs is
     the runs: whole tensors of one list and dtype back to back in the buffer. So the rows
@@ -247,17 +249,12 @@ def _prepare(rows, tensors, sizes, codes, to_global):
         return []
     table = torch.frombuffer(rows, dtype=torch.int64).view(n, _ROW)
     rnd, direction, peer, kind, ti, t_off, b_off, length, _ = table.unbind(1)
-    world = len(sizes[0])
-    bases, all_sizes, all_codes = [], [], []
-    for d in (0, 1):
-        for p in range(world):
-            bases.append(len(all_sizes))
-            all_sizes.extend(sizes[d][p])
-            all_codes.extend(codes[d][p])
-    column = lambda values: torch.frombuffer(array.array("q", values), dtype=torch.int64)
-    at = column(bases)[direction * world + peer] + ti
-    whole = (kind == 0) & (t_off == 0) & (length == column(all_sizes)[at])
-    code = column(all_codes)[at]
+    world, nbytes = lanes.world, lanes.nbytes
+    bases = lanes.starts()
+    column = lambda values: torch.frombuffer(values, dtype=torch.int64)
+    at = column(array.array("q", bases))[direction * world + peer] + ti
+    whole = (kind == 0) & (t_off == 0) & (length == column(nbytes)[at])
+    code = column(lanes.codes)[at]
     # A row continues its predecessor's run: both whole tensors of the same message and
     # list, the next tensor of that list, the same dtype, right after it in the buffer.
     continues = torch.zeros(n, dtype=torch.bool)
@@ -280,16 +277,16 @@ def _prepare(rows, tensors, sizes, codes, to_global):
         msg = slot[d]
         if msg is None:
             msg = slot[d] = _Msg(peer=to_global(p), rank=p, length=wire)
-        listed = tensors[d][p]
+        listed, base = tensors[d][p], bases[d * world + p]
         if k == 1:
             msg.zero_copy = _bytes_view(listed[i])
             msg.zero_copy_source = (d, p, i)
-        elif t_off_ == 0 and length_ == sizes[d][p][i]:
+        elif t_off_ == 0 and length_ == nbytes[base + i]:
             t = listed[i]
             itemsize = t.element_size()
             msg.runs.append(_Run(start=b_off_, end=end, dtype=t.dtype, itemsize=itemsize,
                                  tensors=listed[i:i + count],
-                                 numels=[x // itemsize for x in sizes[d][p][i:i + count]],
+                                 numels=[x // itemsize for x in nbytes[base + i:base + i + count]],
                                  source=(d, p, i)))
         else:
             msg.pieces.append((_bytes_view(listed[i])[t_off_:t_off_ + length_], b_off_,
@@ -327,11 +324,6 @@ class Lanes:
         return [self.tensors[starts[direction * w + p]:starts[direction * w + p]
                              + self.counts[direction * w + p]] for p in range(w)]
 
-    def column(self, values, direction: int) -> list:
-        starts, w = self.starts(), self.world
-        return [list(values[starts[direction * w + p]:starts[direction * w + p]
-                            + self.counts[direction * w + p]]) for p in range(w)]
-
     def description(self, rank: int) -> bytes:
         """The planner's encoding of these lists (``LocalDescription`` in plan.rs)."""
         parts = [struct.pack("<III", _MAGIC, rank, self.world)]
@@ -339,12 +331,35 @@ class Lanes:
         for n in self.counts:
             parts.append(struct.pack("<I", n))
             if n:
-                flat = [0] * (2 * n)
-                flat[0::2] = self.nbytes[at:at + n]
-                flat[1::2] = self.codes[at:at + n]
-                parts.append(struct.pack("<" + "QI" * n, *flat))
+                parts.append(_entries(self.nbytes, self.codes, at, n))
                 at += n
         return b"".join(parts)
+
+
+# From this many entries a lane's (bytes, dtype) pairs are interleaved by PyTorch's CPU
+# copies, where it is installed, instead of packed one by one (1.8 ms for 58,000 entries).
+_BULK_ENTRIES = 4096
+
+
+def _entries(nbytes, codes, at: int, n: int) -> bytes:
+    """Entries ``at`` to ``at + n`` as the planner reads them: ``<QI`` each (bytes, code)."""
+    if n >= _BULK_ENTRIES and sys.byteorder == "little":
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None:
+            buffer = bytearray(12 * n)
+            out = torch.frombuffer(buffer, dtype=torch.uint8).view(n, 12)
+            sizes = torch.frombuffer(nbytes, dtype=torch.int64, offset=8 * at, count=n)
+            kinds = torch.frombuffer(codes, dtype=torch.int64, offset=8 * at, count=n)
+            out[:, :8] = sizes.view(torch.uint8).view(n, 8)
+            out[:, 8:] = kinds.to(torch.int32).view(torch.uint8).view(n, 4)
+            return bytes(buffer)
+    flat = [0] * (2 * n)
+    flat[0::2] = nbytes[at:at + n]
+    flat[1::2] = codes[at:at + n]
+    return struct.pack("<" + "QI" * n, *flat)
 
 
 def lanes_from_lists(world: int, send_lists, recv_lists, device=None) -> Lanes:

@@ -111,9 +111,7 @@ budget = budget_bytes - _ce.reserve_bytes(2, WORLD) - reserve
 plan = timed("plan (Rust, every rank's lists)", lambda: p2p.Plan(descriptions, budget, 2, _ce.NO_ZERO_COPY))
 rows = timed("plan rows of this rank (ctypes)", lambda: plan.rows(RANK), "op", n_ops)
 lists = (read.lists(0), read.lists(1))
-sizes = (read.column(read.nbytes, 0), read.column(read.nbytes, 1))
-codes = (read.column(read.codes, 0), read.column(read.codes, 1))
-rounds = timed("group rows into messages (_prepare)", lambda: p2p._prepare(rows, lists, sizes, codes, lambda p: p),
+rounds = timed("group rows into messages (_prepare)", lambda: p2p._prepare(rows, lists, read, lambda p: p),
                "op", n_ops)
 bases = {(k, d): (1 + k % 2) << 40 for k, pair in enumerate(rounds) for d, m in enumerate(pair)
          if m is not None}

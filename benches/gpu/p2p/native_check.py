@@ -8,6 +8,7 @@
 # exits 0 without torch.
 #   PYTHONPATH=python python3 benches/gpu/p2p/native_check.py
 import random
+import struct
 import sys
 import time
 
@@ -210,6 +211,16 @@ def exchange_lists(rng, dtypes):
     for what, (sends, recvs) in bad.items():
         a, b = read_both(sends, recvs)
         check(a == b, f"exchange lists, {what}: the same result ({a!r} / {b!r})")
+    # The planner's description of long lanes (interleaved in bulk) is byte for byte the
+    # one packed entry by entry.
+    import array
+    sizes = array.array("q", [rng.randrange(1 << 40) for _ in range(9000)])
+    codes = array.array("q", [rng.choice([0, 7, 0x7FFF_FFFF, 0x4000_0001]) for _ in range(9000)])
+    for at, n in ((0, 9000), (17, 5000), (100, 4096), (3, 4095)):
+        bulk = _p2p_plan._entries(sizes, codes, at, n)
+        flat = [v for pair in zip(sizes[at:at + n], codes[at:at + n]) for v in pair]
+        check(bulk == struct.pack("<" + "QI" * n, *flat),
+              f"description entries {at}..{at + n}: the bulk interleaving differs")
 
 
 def _timed(fn):
