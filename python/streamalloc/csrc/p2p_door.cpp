@@ -93,6 +93,30 @@ long rank_in(PyObject* value, long world) {
   return (v >= 0 && v < world) ? v : -1;
 }
 
+// `codes[c10::ScalarType index]` from the Python list the callers pass, -1 where unknown.
+std::vector<int64_t> codes_table(PyObject* codes) {
+  std::vector<int64_t> table;
+  if (PyList_Check(codes)) {
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(codes); ++k) {
+      const int64_t code = PyLong_AsLongLong(PyList_GET_ITEM(codes, k));
+      table.push_back(code == -1 && PyErr_Occurred() ? -1 : code);
+    }
+    PyErr_Clear();
+  }
+  return table;
+}
+
+// A tensor's dtype code in `table`, or -1.
+int64_t code_of(const std::vector<int64_t>& table, const at::Tensor& t) {
+  const auto type = static_cast<size_t>(t.scalar_type());
+  return type < table.size() ? table[type] : -1;
+}
+
+// A tensor's device address (0 on the meta device, which has none).
+int64_t address_of(const at::Tensor& t) {
+  return t.is_meta() ? 0 : static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
+}
+
 struct Entry {
   int lane;
   PyObject* tensor;  // owned: the reference the attribute read returned goes to the result
@@ -244,17 +268,14 @@ struct Scan {
       device = t.device();
       have_device = true;
     }
-    const auto type = static_cast<size_t>(t.scalar_type());
-    const int64_t code = type < codes.size() ? codes[type] : -1;
+    const int64_t code = code_of(codes, t);
     if (code < 0) {
       failure = at() + ": a tensor of dtype " + std::string(c10::toString(t.scalar_type())) +
                 " that streamalloc does not know";
       return;
     }
-    const int64_t address =
-        t.is_meta() ? 0 : static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
     entries.push_back(Entry{static_cast<int>(direction * world + p), r.tensor,
-                            static_cast<int64_t>(t.nbytes()), code, address});
+                            static_cast<int64_t>(t.nbytes()), code, address_of(t)});
     r.tensor = nullptr;  // the entry holds it now
   }
 
@@ -302,13 +323,7 @@ PyObject* scan(PyObject*, PyObject* args) {
   if (seq == nullptr) return nullptr;
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   Scan sc{world, isend, irecv, group_rank, groups};
-  if (PyList_Check(codes)) {
-    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(codes); ++k) {
-      const int64_t code = PyLong_AsLongLong(PyList_GET_ITEM(codes, k));
-      sc.codes.push_back(code == -1 && PyErr_Occurred() ? -1 : code);
-    }
-    PyErr_Clear();
-  }
+  sc.codes = codes_table(codes);
   sc.entries.reserve(n);
   const bool ok = sc.read_all(PySequence_Fast_ITEMS(seq), n);
   Py_DECREF(seq);
@@ -397,14 +412,7 @@ PyObject* lists(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OO", &lanes, &codes)) return nullptr;
   PyObject* outer = PySequence_Fast(lanes, "lanes must be a sequence");
   if (outer == nullptr) return nullptr;
-  std::vector<int64_t> table;
-  if (PyList_Check(codes)) {
-    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(codes); ++k) {
-      const int64_t code = PyLong_AsLongLong(PyList_GET_ITEM(codes, k));
-      table.push_back(code == -1 && PyErr_Occurred() ? -1 : code);
-    }
-    PyErr_Clear();
-  }
+  const std::vector<int64_t> table = codes_table(codes);
   const Py_ssize_t n_lanes = PySequence_Fast_GET_SIZE(outer);
   std::vector<PyObject*> inner(static_cast<size_t>(n_lanes), nullptr);
   Py_ssize_t total = 0;
@@ -439,8 +447,7 @@ PyObject* lists(PyObject*, PyObject* args) {
           break;
         }
         const at::Tensor& t = THPVariable_Unpack(obj);
-        const auto type = static_cast<size_t>(t.scalar_type());
-        const int64_t code = type < table.size() ? table[type] : -1;
+        const int64_t code = code_of(table, t);
         if (!t.is_contiguous() || code < 0 || (have_device && t.device() != device)) {
           refused = true;
           break;
@@ -463,7 +470,7 @@ PyObject* lists(PyObject*, PyObject* args) {
         PyList_SET_ITEM(tensors, k, held);
         nb[k] = static_cast<int64_t>(t.nbytes());
         cd[k] = code;
-        ad[k] = t.is_meta() ? 0 : static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr()));
+        ad[k] = address_of(t);
       }
     }
     if (k >= 0) {
