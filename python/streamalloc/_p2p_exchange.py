@@ -120,8 +120,12 @@ class Exchange(_Rounds):
     def _lanes_of(sends, recvs, world):
         lanes = _p2p_native.read_lists(world, checks.peer_lists(sends, world, "sends", False),
                                        checks.peer_lists(recvs, world, "recvs", False))
-        if lanes is not None:
-            return lanes
+        return lanes if lanes is not None else Exchange._lanes_in_python(sends, recvs, world)
+
+    @staticmethod
+    def _lanes_in_python(sends, recvs, world):
+        """The lists read and checked in Python: what the native reader leaves to it (few
+        tensors, no native module, or a tensor it refuses, whose message is said here)."""
         send_lists = checks.peer_lists(sends, world, "sends")
         recv_lists = checks.peer_lists(recvs, world, "recvs")
         device = checks.one_device(send_lists, recv_lists)

@@ -44,19 +44,24 @@ class Op:  # the fields of torch.distributed.P2POp that the readers use
         self.group_peer = peer if group_peer == "same" else group_peer
 
 
-def both(ops, world=4, group_rank=None, groups=None):
-    """(Python result or message, native result or message); with ``groups``, every op's
-    ``group`` must be one of them."""
+def outcomes(*reads):
+    """Each read's result, or the message of the P2PError it raised."""
     out = []
-    for read in (lambda: _p2p_checks.translate_ops(ops, 0, world, group_rank, isend, irecv, True,
-                                                   groups=groups),
-                 lambda: _p2p_native.read_ops(ops, 0, world, group_rank, isend, irecv,
-                                              groups=groups)):
+    for read in reads:
         try:
             out.append(read())
         except P2PError as err:
             out.append(str(err))
     return out
+
+
+def both(ops, world=4, group_rank=None, groups=None):
+    """(Python result or message, native result or message); with ``groups``, every op's
+    ``group`` must be one of them."""
+    return outcomes(lambda: _p2p_checks.translate_ops(ops, 0, world, group_rank, isend, irecv,
+                                                      True, groups=groups),
+                    lambda: _p2p_native.read_ops(ops, 0, world, group_rank, isend, irecv,
+                                                 groups=groups))
 
 
 def same(a, b):
@@ -162,20 +167,9 @@ def exchange_lists(rng, dtypes):
     parameters detached; and every refused input refused with the Python checks' message."""
     from streamalloc._p2p_exchange import Exchange
 
-    def python_lanes(sends, recvs, world):
-        send_lists = _p2p_checks.peer_lists(sends, world, "sends")
-        recv_lists = _p2p_checks.peer_lists(recvs, world, "recvs")
-        device = _p2p_checks.one_device(send_lists, recv_lists)
-        return _p2p_plan.lanes_from_lists(world, send_lists, recv_lists, device)
-
     def read_both(sends, recvs, world=4):
-        out = []
-        for read in (python_lanes, Exchange._lanes_of):
-            try:
-                out.append(read(sends, recvs, world))
-            except P2PError as err:
-                out.append(str(err))
-        return out
+        return outcomes(lambda: Exchange._lanes_in_python(sends, recvs, world),
+                        lambda: Exchange._lanes_of(sends, recvs, world))
 
     def same_lanes(a, b):
         if isinstance(a, str) or isinstance(b, str):
