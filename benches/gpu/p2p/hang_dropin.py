@@ -7,9 +7,9 @@
 # exchange holds must stay within the budget. Beside each, an Exchange over the same lists
 # (agreed and run once, then run again): each drop-in iteration must take at most twice the
 # Exchange's time for the same work (a new T, as in the reproduction: its agreement and run;
-# printed apart, the cached T against its steady run). Also: a list that does not match on one rank and an invalid list raise the
-# same P2PError on every rank; empty lists work; the drop-in keeps none of the caller's
-# tensors once they are dropped (device memory comes back).
+# printed apart, the cached T against its steady run). Also: a list that does not match on
+# one rank and an invalid list raise the same P2PError on every rank; empty lists work; the
+# drop-in keeps none of the caller's tensors once they are dropped (device memory comes back).
 #   torchrun --nproc-per-node N benches/gpu/p2p/hang_dropin.py [--budget-mib 128] [--json OUT]
 # Rank 0 prints one table; the exit status is non-zero on any failure.
 import argparse
