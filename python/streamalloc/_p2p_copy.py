@@ -115,13 +115,20 @@ class CopyTable:
 
 
 def build_table(rows, row_columns: int, lane_starts, world: int, message_base: dict,
-                self_copies, skip=()) -> CopyTable:
+                self_lane=None, skip=()) -> CopyTable:
     """The table of this rank's packed pieces from its plan rows (``Plan.rows``: round,
     direction, peer, kind, tensor, tensor offset, buffer offset, length, message length),
     ``message_base[(round, direction)]``: the address of the staging buffer the message
-    uses, and ``self_copies``: ``(send slot, receive slot, bytes)`` per tensor this rank
-    sends itself. Zero-copy rows, empty pieces and the rows of the messages in ``skip``
-    (``(round, direction)``: moved by one driver copy, not packed) have no entry."""
+    uses, and ``self_lane``: ``(send slot, receive slot, count, nbytes)``, the ``count``
+    tensors this rank sends itself, from those two lane-major slots on, with ``nbytes``
+    the lanes' byte column (an int64 array). Zero-copy rows, empty pieces and the rows of
+    the messages in ``skip`` (``(round, direction)``: moved by one driver copy, not
+    packed) have no entry.
+
+    Every column is built as a tensor, with no Python object per piece: at tens of
+    thousands of pieces, objects made here would each be counted towards the caller's
+    garbage collections, and a full collection of a program holding that many tensors
+    takes longer than the whole agreement."""
     import torch
 
     n = len(rows) // row_columns
@@ -168,11 +175,14 @@ def build_table(rows, row_columns: int, lane_starts, world: int, message_base: d
         for a, b in zip(bounds, bounds[1:]):
             k = int(key[a])
             ranges[(k // 2, k % 2)] = (a, b)
-    own = [(s, r, nb) for s, r, nb in self_copies if nb > 0]
-    if own:
-        s, r, nb = (torch.tensor(c, dtype=i64) for c in zip(*own))
+    send_at, recv_at, count, nbytes = self_lane or (0, 0, 0, None)
+    if count:
+        nb = torch.frombuffer(nbytes, dtype=i64)[send_at:send_at + count]
+        moves = torch.nonzero(nb > 0).flatten()
+        s, r, nb = moves + send_at, moves + recv_at, nb[moves]
+    if count and len(moves):
         zeros = torch.zeros_like(s)
-        ranges["self"] = (len(table), len(table) + len(own))
+        ranges["self"] = (len(table), len(table) + len(moves))
         src_slot = torch.cat([src_slot, s])
         dst_slot = torch.cat([dst_slot, r])
         src_fixed = torch.cat([src_fixed, zeros])

@@ -71,8 +71,7 @@ class _Rounds:
             return
         lanes, w, me = self._lanes, self.world, self.rank
         starts = lanes.starts()
-        own = [(starts[me] + k, starts[w + me] + k, lanes.nbytes[starts[me] + k])
-               for k in range(lanes.counts[me])]
+        own = (starts[me], starts[w + me], lanes.counts[me], lanes.nbytes)
         # Over the copy engine, single-region messages are one driver copy (`_direct`);
         # every other packed message must have its staging buffer in `bases`.
         direct = {(k, d) for k, pair in enumerate(self._rounds) for d, msg in enumerate(pair)

@@ -108,6 +108,22 @@ def worker(rank, world, port, results):
         w.wait()
     checks["a new shape agrees again and lands"] = len(built) == 1 and landed(recvs, rank)
 
+    # 2b. A new shape of many tensors leaves the caller's garbage collector alone: the
+    #     agreement builds no Python object per tensor, so it starts no collection (a full
+    #     one, in a program holding this many tensors, outlasts the whole call).
+    ops, recvs = hang_pattern(rank, world, 1000, "random", seed=1000)
+    collections = []
+    gc.collect()
+    gc.callbacks.append(lambda phase, info: collections.append(info["generation"]))
+    try:
+        for w in batch_isend_irecv(ops, budget_mib=4):
+            w.wait()
+    finally:
+        gc.callbacks.pop()
+    checks["a new shape of 1000x the pattern starts no garbage collection"] = (
+        not collections and landed(recvs, rank))
+    del ops, recvs
+
     # The key is the shape per peer and direction: another interleaving of the peers' ops
     # hits the cached exchange; another order of sizes within one peer is another shape.
     def per_peer_sizes(order_seed, swap):

@@ -115,7 +115,7 @@ rounds = timed("group rows into messages (_prepare)", lambda: p2p._prepare(rows,
                "op", n_ops)
 bases = {(k, d): (1 + k % 2) << 40 for k, pair in enumerate(rounds) for d, m in enumerate(pair)
          if m is not None}
-table = timed("build the copy table", lambda: _p2p_copy.build_table(rows, 9, read.starts(), WORLD, bases, []),
+table = timed("build the copy table", lambda: _p2p_copy.build_table(rows, 9, read.starts(), WORLD, bases),
               "op", n_ops)
 print(f"  {len(rounds)} rounds, {len(table)} pieces ({table.device_bytes / 2**20:.2f} MiB of table, "
       f"reserve {reserve / 2**20:.2f} MiB), summary {plan.summary(RANK)}")
