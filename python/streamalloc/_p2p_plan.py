@@ -182,7 +182,9 @@ class _Run:
     dtype: object
     itemsize: int
     tensors: list = field(default_factory=list)  # flat (1-D) views
-    numels: list = field(default_factory=list)
+    # The tensors' bytes (an int64 array): PyTorch's packing splits the run's view by
+    # them; the other packings never need them per tensor, so no Python int is made here.
+    nbytes: array.array = None
     view: object = None  # the run's typed view of its staging buffer (set on first run)
     parts: list = None  # that view split per tensor (receive side)
     # Where the tensors come from: ``lists[direction][peer][first:first + len(tensors)]``
@@ -286,7 +288,7 @@ def _prepare(rows, tensors, lanes, to_global):
             itemsize = t.element_size()
             msg.runs.append(_Run(start=b_off_, end=end, dtype=t.dtype, itemsize=itemsize,
                                  tensors=listed[i:i + count],
-                                 numels=[x // itemsize for x in nbytes[base + i:base + i + count]],
+                                 nbytes=nbytes[base + i:base + i + count],
                                  source=(d, p, i)))
         else:
             msg.pieces.append((_bytes_view(listed[i])[t_off_:t_off_ + length_], b_off_,

@@ -531,7 +531,7 @@ def _bind(msg, buf, direction, views=True):
     for run in msg.runs:
         run.view = buf[run.start:run.end].view(run.dtype)
         if direction == 1 and len(run.tensors) > 1:
-            run.parts = list(torch.split(run.view, run.numels))
+            run.parts = list(torch.split(run.view, [n // run.itemsize for n in run.nbytes]))
     msg.staged = [buf[o:o + n] for _, o, n in msg.pieces]
 
 
