@@ -325,6 +325,44 @@ fn a_rank_with_another_budget_plans_another_digest() {
     assert_ne!(digests[0], digests[2]);
 }
 
+proptest! {
+    /// The digest is a function of every tensor's place in every list: two descriptions that
+    /// differ only in the order of two tensors of different sizes, or in one tensor's size or
+    /// dtype, plan with different digests (so ranks that described their lists differently,
+    /// or run planners that differ, are refused before any data moves).
+    #[test]
+    fn the_digest_sees_every_tensor_in_its_place(
+        seed in any::<u64>(),
+        world in 2u32..5,
+        change in 0usize..3,
+    ) {
+        let locals = random_locals(world, 60, 1 << 20, seed);
+        let digest = |locals: &[LocalDescription]| {
+            Plan::build(&Description::from_locals(locals).unwrap(), StagingConfig::default())
+                .unwrap()
+                .digest()
+        };
+        let Some((src, dst)) = (0..world as usize)
+            .flat_map(|s| (0..world as usize).map(move |d| (s, d)))
+            .find(|&(s, d)| {
+                let list = &locals[s].sends[d];
+                list.len() >= 2 && list[0].bytes != list[1].bytes
+            })
+        else {
+            return Ok(());
+        };
+        let alter = |list: &mut Vec<TensorMeta>| match change {
+            0 => list.swap(0, 1),
+            1 => list[0].bytes += 512,
+            _ => list[0].dtype ^= 1,
+        };
+        let mut changed = locals.clone();
+        alter(&mut changed[src].sends[dst]);
+        alter(&mut changed[dst].recvs[src]);
+        prop_assert_ne!(digest(&locals), digest(&changed));
+    }
+}
+
 #[test]
 fn a_bad_budget_is_a_clear_error() {
     let locals = random_locals(3, 50, 1 << 20, 9);

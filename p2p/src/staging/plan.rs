@@ -42,7 +42,7 @@ pub const MIN_BUFFER_BYTES: u64 = 4096;
 
 /// Version of the plan format and algorithm, mixed into the digest: ranks running different
 /// planners disagree loudly instead of exchanging garbage.
-const PLAN_VERSION: u64 = 1;
+const PLAN_VERSION: u64 = 2;
 
 // ---- Plan ----
 
@@ -265,7 +265,7 @@ impl Plan {
         self.self_copies[rank as usize]
     }
 
-    /// A 64-bit digest of the plan and the description it came from (FNV-1a). Equal on
+    /// A 64-bit digest of the plan and the description it came from (`Digest`). Equal on
     /// every rank when the plans are equal.
     pub fn digest(&self) -> u64 {
         self.digest
@@ -317,7 +317,7 @@ impl Plan {
     }
 
     fn compute_digest(&self, description: &Description) -> u64 {
-        let mut h = Fnv::default();
+        let mut h = Digest::default();
         h.u64(PLAN_VERSION);
         h.u64(u64::from(self.world));
         h.u64(self.config.budget_bytes);
@@ -363,22 +363,25 @@ impl Plan {
     }
 }
 
-/// FNV-1a over 64-bit words: deterministic across platforms and runs (std's hasher is
-/// randomly seeded per process, so it cannot be compared between ranks).
-struct Fnv(u64);
+/// A digest built a 64-bit word at a time: each word is xored in, then the state is
+/// multiplied by an odd constant and folded (a multiply-xorshift step, as in splitmix64's
+/// finaliser), so a difference in any bit of any word spreads over the whole state.
+/// Deterministic across platforms and runs (std's hasher is randomly seeded per process, so
+/// it cannot be compared between ranks). One multiply per word, not one per byte as FNV-1a
+/// takes: a plan of 116,000 tensors over 4 ranks hashes about 700,000 words, which took
+/// longer byte by byte than planning them.
+struct Digest(u64);
 
-impl Default for Fnv {
+impl Default for Digest {
     fn default() -> Self {
         Self(0xcbf2_9ce4_8422_2325)
     }
 }
 
-impl Fnv {
+impl Digest {
     fn u64(&mut self, value: u64) {
-        for byte in value.to_le_bytes() {
-            self.0 ^= u64::from(byte);
-            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
-        }
+        let mixed = (self.0 ^ value).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = mixed ^ (mixed >> 29);
     }
 }
 
