@@ -158,8 +158,9 @@ pub unsafe extern "C" fn streamalloc_p2p_plan_summary(
     })
 }
 
-fn rows_of(plan: &Plan, rank: u32) -> Vec<[i64; ROW_COLUMNS]> {
-    let mut rows = Vec::new();
+/// Hands `row` each of this rank's rows in order (see the module docs): counted and
+/// copied out without building them in a vector first (tens of thousands of rows).
+fn for_each_row(plan: &Plan, rank: u32, mut row: impl FnMut([i64; ROW_COLUMNS])) {
     for (local, rr) in plan.rank_rounds(rank).iter().enumerate() {
         let round = &plan.rounds()[rr.round as usize];
         for (direction, slot) in [(0i64, rr.send), (1, rr.recv)] {
@@ -169,7 +170,7 @@ fn rows_of(plan: &Plan, rank: u32) -> Vec<[i64; ROW_COLUMNS]> {
             let peer = i64::from(if direction == 0 { t.dst } else { t.src });
             let wire = t.payload.wire_len() as i64;
             match &t.payload {
-                Payload::ZeroCopy { tensor, len } => rows.push([
+                Payload::ZeroCopy { tensor, len } => row([
                     local as i64,
                     direction,
                     peer,
@@ -182,7 +183,7 @@ fn rows_of(plan: &Plan, rank: u32) -> Vec<[i64; ROW_COLUMNS]> {
                 ]),
                 Payload::Packed { segments, .. } => {
                     for s in segments {
-                        rows.push([
+                        row([
                             local as i64,
                             direction,
                             peer,
@@ -198,7 +199,6 @@ fn rows_of(plan: &Plan, rank: u32) -> Vec<[i64; ROW_COLUMNS]> {
             }
         }
     }
-    rows
 }
 
 /// This rank's rounds as rows (see the module docs). With `out` null, returns the number of
@@ -222,13 +222,25 @@ pub unsafe extern "C" fn streamalloc_p2p_plan_rows(
         if rank >= p.plan.world() {
             return fail(-1, "streamalloc_p2p_plan_rows: rank out of range");
         }
-        let rows = rows_of(&p.plan, rank);
+        let mut n = 0usize;
         if out.is_null() {
-            return rows.len() as i64;
+            for_each_row(&p.plan, rank, |_| n += 1);
+            return n as i64;
         }
-        let n = rows.len().min(capacity);
-        // SAFETY: the caller guarantees `capacity * ROW_COLUMNS` writable i64 at `out`.
-        unsafe { std::ptr::copy_nonoverlapping(rows.as_ptr().cast::<i64>(), out, n * ROW_COLUMNS) };
+        for_each_row(&p.plan, rank, |row| {
+            if n < capacity {
+                // SAFETY: the caller guarantees `capacity * ROW_COLUMNS` writable i64 at
+                // `out`, and `n < capacity`.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        row.as_ptr(),
+                        out.add(n * ROW_COLUMNS),
+                        ROW_COLUMNS,
+                    )
+                };
+                n += 1;
+            }
+        });
         n as i64
     })
 }
