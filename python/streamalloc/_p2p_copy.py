@@ -30,6 +30,8 @@ from pathlib import Path
 from . import _ce
 
 CHUNK_BYTES = 8192  # SA_CHUNK_BYTES in the kernel
+CHUNK_SHIFT = CHUNK_BYTES.bit_length() - 1
+assert CHUNK_BYTES == 1 << CHUNK_SHIFT
 WARPS_PER_BLOCK = 8  # SA_WARPS_PER_BLOCK
 THREADS = WARPS_PER_BLOCK * 32
 ENTRY_BYTES = 32  # per piece: src, dst, len, first (int64 each)
@@ -79,14 +81,14 @@ class CopyTable:
         self.dst_slot, self.dst_fixed = dst_slot, dst_fixed
         self.lengths = lengths
         self.ranges = ranges
-        chunks = (lengths + (CHUNK_BYTES - 1)) // CHUNK_BYTES
+        chunks = (lengths + (CHUNK_BYTES - 1)) >> CHUNK_SHIFT
         self.first = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(chunks, 0)])
         # The pieces that read (write) a tensor, and which: fixed for the table, so binding
         # new tensors is one gather and one add per side.
         self._src_at = torch.nonzero(src_slot >= 0).flatten()
-        self._src_slots = src_slot[self._src_at]
+        self._src_slots = src_slot.index_select(0, self._src_at)
         self._dst_at = torch.nonzero(dst_slot >= 0).flatten()
-        self._dst_slots = dst_slot[self._dst_at]
+        self._dst_slots = dst_slot.index_select(0, self._dst_at)
         self.src = self.dst = None  # bound addresses (:meth:`bind`)
 
     def __len__(self):
@@ -139,12 +141,13 @@ def build_table(rows, row_columns: int, lane_starts, world: int, message_base: d
         if skip:
             skipped = torch.tensor([2 * k + d for k, d in skip], dtype=i64)
             keep &= ~torch.isin(table[:, 0] * 2 + table[:, 1], skipped)
-        table = table[keep]
+        if not bool(keep.all()):
+            table = table.index_select(0, torch.nonzero(keep).flatten())
     else:
         table = torch.zeros((0, row_columns), dtype=i64)
     rnd, direction, peer, _, tensor, t_off, b_off, length, _ = table.unbind(1)
     starts = torch.tensor(list(lane_starts) or [0], dtype=i64)
-    slot = starts[direction * world + peer] + tensor if len(table) else tensor
+    slot = starts.index_select(0, direction * world + peer) + tensor if len(table) else tensor
     keys = sorted(message_base)
     key_index = {k: i for i, k in enumerate(keys)}
     bases = torch.tensor([message_base[k] for k in keys] or [0], dtype=i64)
@@ -154,10 +157,10 @@ def build_table(rows, row_columns: int, lane_starts, world: int, message_base: d
         for k, i in key_index.items():
             if k[0] < rounds:
                 lookup[2 * k[0] + k[1]] = i
-        which = lookup[rnd * 2 + direction]
+        which = lookup.index_select(0, rnd * 2 + direction)
         if bool((which < 0).any()):
             raise ValueError("a packed piece belongs to a message without a staging buffer")
-        buffer_at = bases[which] + b_off
+        buffer_at = bases.index_select(0, which) + b_off
     else:
         buffer_at = b_off
     sending = direction == 0

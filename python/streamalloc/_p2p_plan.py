@@ -254,9 +254,10 @@ def _prepare(rows, tensors, lanes, to_global):
     world, nbytes = lanes.world, lanes.nbytes
     bases = lanes.starts()
     column = lambda values: torch.frombuffer(values, dtype=torch.int64)
-    at = column(array.array("q", bases))[direction * world + peer] + ti
-    whole = (kind == 0) & (t_off == 0) & (length == column(nbytes)[at])
-    code = column(lanes.codes)[at]
+    # (index_select: PyTorch's advanced indexing costs several times as much on the CPU)
+    at = column(array.array("q", bases)).index_select(0, direction * world + peer) + ti
+    whole = (kind == 0) & (t_off == 0) & (length == column(nbytes).index_select(0, at))
+    code = column(lanes.codes).index_select(0, at)
     # A row continues its predecessor's run: both whole tensors of the same message and
     # list, the next tensor of that list, the same dtype, right after it in the buffer.
     continues = torch.zeros(n, dtype=torch.bool)
@@ -267,9 +268,9 @@ def _prepare(rows, tensors, lanes, to_global):
     starts = torch.nonzero(~continues).flatten()
     ends = torch.cat([starts[1:], torch.tensor([n])])
     last = ends - 1
-    heads = table[starts].tolist()
+    heads = table.index_select(0, starts).tolist()
     counts = (ends - starts).tolist()
-    run_ends = (b_off[last] + length[last]).tolist()
+    run_ends = (b_off.index_select(0, last) + length.index_select(0, last)).tolist()
     rounds, slot, current = [], None, None
     for (r, d, p, k, i, t_off_, b_off_, length_, wire), count, end in zip(heads, counts,
                                                                            run_ends):
