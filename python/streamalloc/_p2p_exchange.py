@@ -170,7 +170,10 @@ class Exchange(_Rounds):
         lists = (lanes.lists(0), lanes.lists(1))
         if self._pack_mode == "torch":
             lists = tuple([[_flat(t) for t in ts] for ts in side] for side in lists)
-        self._rounds = _prepare(self._rows, lists, lanes, to_global)
+        # Only PyTorch's packing copies through views of the split tensors' pieces; the
+        # copy table takes their addresses.
+        self._rounds = _prepare(self._rows, lists, lanes, to_global,
+                                piece_views=self._pack_mode == "torch")
         self._self_copies = (lists[1][self.rank], lists[0][self.rank])
 
     def _establish_ce(self, probe) -> str | None:

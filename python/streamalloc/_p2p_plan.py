@@ -232,7 +232,7 @@ def _bytes_view(t):
     return _flat(t).view(torch.uint8)
 
 
-def _prepare(rows, tensors, lanes, to_global):
+def _prepare(rows, tensors, lanes, to_global, piece_views=True):
     """Groups this rank's plan rows (:meth:`Plan.rows`) into per-round messages with the
     tensors they touch (done once per agreed exchange). ``tensors[direction][peer]`` are
     1-D; ``lanes`` (:class:`Lanes`) holds their bytes and dtype codes, lane-major, read in
@@ -243,7 +243,9 @@ def _prepare(rows, tensors, lanes, to_global):
     are compared with their predecessors as columns (torch on the CPU), and Python visits
     only the first row of each run (and each zero-copy tensor or split piece): at 58,000
     tensors this is what brings an agreement from a Python loop over every row to a loop
-    over a few hundred runs."""
+    over a few hundred runs. ``piece_views``: keep a byte view of each split piece (what
+    PyTorch's packing copies through); without it a piece holds None in its place, as
+    after ``_Rounds._unbind``."""
     import torch
 
     n = len(rows) // _ROW
@@ -292,8 +294,8 @@ def _prepare(rows, tensors, lanes, to_global):
                                  nbytes=nbytes[base + i:base + i + count],
                                  source=(d, p, i)))
         else:
-            msg.pieces.append((_bytes_view(listed[i])[t_off_:t_off_ + length_], b_off_,
-                               length_))
+            view = _bytes_view(listed[i])[t_off_:t_off_ + length_] if piece_views else None
+            msg.pieces.append((view, b_off_, length_))
             msg.piece_sources.append((d, p, i, t_off_))
     return rounds
 
