@@ -317,11 +317,14 @@ def kernel_for(device):
         import torch
 
         major, minor = torch.cuda.get_device_capability(index)
-        cubin = cubin_for(f"{major}{minor}")
+        arch = f"{major}{minor}"
         d = _ce.driver()
         d.use_device(index)
         module = ctypes.c_void_p()
-        d.check(d._module_load(ctypes.byref(module), cubin), "cuModuleLoadData (p2p copy kernel)")
+        if d._module_load(ctypes.byref(module), cubin_for(arch)) != 0:
+            # A cached kernel this driver refuses (built by a newer NVRTC): build it again.
+            d.check(d._module_load(ctypes.byref(module), cubin_for(arch, fresh=True)),
+                    "cuModuleLoadData (p2p copy kernel)")
         function = ctypes.c_void_p()
         d.check(d._module_function(ctypes.byref(function), module, KERNEL_NAME),
                 "cuModuleGetFunction (p2p copy kernel)")
@@ -338,19 +341,25 @@ def cache_dir() -> Path:
     return (Path(env).expanduser() if env else Path.home() / ".cache" / "streamalloc") / "p2p"
 
 
-def cubin_for(arch: str) -> bytes:
-    """The kernel compiled for ``sm_<arch>``, from the cache or compiled now (and cached)."""
+def cubin_for(arch: str, fresh: bool = False) -> bytes:
+    """The kernel compiled for ``sm_<arch>``, from the cache or compiled now (and cached);
+    ``fresh``: compiled now whatever the cache holds. The cache is keyed by the source, the
+    architecture and the CUDA version PyTorch was built with, not by NVRTC's own version:
+    reading that means loading NVRTC, which costs milliseconds of a process's first
+    exchange when the kernel is cached (``kernel_for`` rebuilds a cached kernel the driver
+    refuses)."""
+    import torch
+
     source = SOURCE.read_bytes()
-    nvrtc = _nvrtc()
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-    key = hashlib.sha256(source + f"|{major.value}.{minor.value}|sm_{arch}".encode()).hexdigest()[:16]
+    cuda = getattr(torch.version, "cuda", None) or "none"
+    key = hashlib.sha256(source + f"|cuda {cuda}|sm_{arch}".encode()).hexdigest()[:16]
     path = cache_dir() / f"copy-{key}-sm_{arch}.cubin"
-    try:
-        return path.read_bytes()
-    except OSError:
-        pass
-    cubin = _compile(nvrtc, source, arch)
+    if not fresh:
+        try:
+            return path.read_bytes()
+        except OSError:
+            pass
+    cubin = _compile(_nvrtc(), source, arch)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
