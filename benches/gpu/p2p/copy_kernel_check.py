@@ -2,8 +2,10 @@
 # source compiled as plain C++, each warp's lanes run in turn. Random tables of pieces at every
 # alignment (source and destination offsets 0-15 bytes apart), lengths from 0 to several
 # chunks, launches over sub-ranges of the table as the rounds make them: every destination
-# byte equals its source byte, and no byte outside the pieces changes. Needs a C++ compiler
-# ($CXX or c++); no torch, no GPU.
+# byte equals its source byte, and no byte outside the pieces changes. Then the kernel's
+# cache (streamalloc._p2p_copy.kernel_for with a stand-in driver, PyTorch and NVRTC): a
+# cached kernel loads without NVRTC being loaded; one the driver refuses is compiled again
+# and replaces the cached one. Needs a C++ compiler ($CXX or c++); no torch, no GPU.
 #   python3 benches/gpu/p2p/copy_kernel_check.py
 import ctypes
 import os
@@ -99,7 +101,98 @@ def one_case(copy, rng, case):
     check(untouched, f"case {case}: a byte outside every piece changed")
 
 
+def check_kernel_cache():
+    """kernel_for over three processes' worth of calls, with stand-ins for what needs a GPU:
+    an empty cache compiles once; a filled one loads without NVRTC; a cached kernel the
+    driver refuses is compiled again and written back."""
+    import types
+
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "python"))
+    from streamalloc import _ce, _p2p_copy
+
+    calls = {"nvrtc": 0, "compile": 0}
+
+    class Driver:
+        def use_device(self, index):
+            pass
+
+        def _module_load(self, module, cubin):
+            return 1 if cubin == b"refused" else 0  # CUDA_ERROR_INVALID_VALUE for a stale one
+
+        def _module_function(self, function, module, name):
+            return 0
+
+        def check(self, rc, what):
+            if rc:
+                raise _ce.CeError(f"{what} failed: {rc}")
+
+    def nvrtc():
+        calls["nvrtc"] += 1
+        return object()
+
+    def compile_(lib, source, arch):
+        calls["compile"] += 1
+        return b"compiled for sm_" + arch.encode()
+
+    torch = types.ModuleType("torch")
+    torch.version = types.SimpleNamespace(cuda="13.0")
+    torch.cuda = types.SimpleNamespace(get_device_capability=lambda index: (9, 0))
+    saved = {name: sys.modules.get(name) for name in ("torch",)}
+    patched = {"_nvrtc": _p2p_copy._nvrtc, "_compile": _p2p_copy._compile}
+    saved_driver, saved_cache = _ce.driver, os.environ.get("STREAMALLOC_CACHE")
+    with tempfile.TemporaryDirectory() as cache:
+        try:
+            sys.modules["torch"] = torch
+            os.environ["STREAMALLOC_CACHE"] = cache
+            _ce.driver = lambda: Driver()
+            _p2p_copy._nvrtc, _p2p_copy._compile = nvrtc, compile_
+            device = types.SimpleNamespace(index=0)
+
+            def new_process():
+                _p2p_copy._FUNCTIONS.clear()
+                calls.update(nvrtc=0, compile=0)
+
+            def load():
+                try:
+                    _p2p_copy.kernel_for(device)
+                    return "loaded"
+                except Exception as err:  # reported as the check's failure
+                    return f"{type(err).__name__}: {err}"
+
+            new_process()
+            load()
+            cached = list((_p2p_copy.cache_dir()).glob("copy-*-sm_90.cubin"))
+            check(calls == {"nvrtc": 1, "compile": 1} and len(cached) == 1,
+                  f"an empty cache compiles once and keeps the kernel "
+                  f"({calls}, {len(cached)} files)")
+            new_process()
+            outcome = load()
+            check(outcome == "loaded" and calls == {"nvrtc": 0, "compile": 0},
+                  f"a cached kernel loads without loading NVRTC ({outcome}, {calls})")
+            cached[0].write_bytes(b"refused")
+            new_process()
+            outcome = load()
+            check(outcome == "loaded" and calls == {"nvrtc": 1, "compile": 1}
+                  and cached[0].read_bytes() == b"compiled for sm_90",
+                  f"a cached kernel the driver refuses is compiled again and replaced "
+                  f"({outcome}, {calls})")
+        finally:
+            _ce.driver = saved_driver
+            _p2p_copy._nvrtc, _p2p_copy._compile = patched["_nvrtc"], patched["_compile"]
+            _p2p_copy._FUNCTIONS.clear()
+            for name, module in saved.items():
+                if module is None:
+                    sys.modules.pop(name, None)
+                else:
+                    sys.modules[name] = module
+            if saved_cache is None:
+                os.environ.pop("STREAMALLOC_CACHE", None)
+            else:
+                os.environ["STREAMALLOC_CACHE"] = saved_cache
+
+
 def main():
+    check_kernel_cache()
     with tempfile.TemporaryDirectory() as folder:
         try:
             copy = build(folder)
@@ -113,7 +206,7 @@ def main():
     if failures:
         print(f"{len(failures)} failure(s)")
         return 1
-    print(f"copy kernel checks: all passed ({cases} random tables)")
+    print(f"copy kernel checks: all passed ({cases} random tables, the kernel's cache)")
     return 0
 
 
