@@ -2,7 +2,7 @@
 #   * the reproduction's pattern (seed000_scale.py: every rank sends T[i][j] float32 tensors
 #     of 1-66 KB to every other rank j, posted in random order in one batch), scaled to
 #     ~58,000 ops per rank: one merged buffer per peer, streamalloc.p2p.batch_isend_irecv
-#     (the drop-in: first call, then steady), Exchange over the copy engine and over NCCL
+#     (the drop-in: first run of a shape, then steady), Exchange over the copy engine and over NCCL
 #     (agreed once, then run() every step);
 #   * PyTorch's one op per tensor at ~1,410, ~5,800 and ~58,000 ops per rank, each cell
 #     under a watchdog: a cell that does not finish reads "hang" and the bench goes on;
@@ -129,7 +129,7 @@ def table(args, n, outcome_of, started):
     lines.append(f"command: python3 benches/gpu/p2p/bench.py {n}{quick}; slowest rank; steady = "
                  "median of the timed steps after the first; 'ok' = every received value checked")
     lines.append("")
-    lines.append("| workload | method | first call | steady | extra memory | ok |")
+    lines.append("| workload | method | first run of a shape | steady | extra memory | ok |")
     lines.append("| --- | --- | --- | --- | --- | --- |")
 
     def row(workload, method, cell, rate=False):
