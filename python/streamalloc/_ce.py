@@ -460,9 +460,13 @@ class Link:
         d.use_device(self.device.index)
         layout = Layout(buffers, buffer_bytes, self.bpd, self.world)
         region = torch.as_tensor(DeviceAllocation(d, layout.size), device=self.device)
-        region[layout.filled_offset:].zero_()
-        # Peers may write the flags as soon as they have the handle: the zeros go first.
-        torch.cuda.current_stream(self.device).synchronize()
+        # Peers may write the flags as soon as they have the handle: the zeros go first,
+        # on a stream of their own (the region is not the caching allocator's), so the host
+        # waits for the zeros alone and not for the work queued on the caller's stream.
+        zeroing = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(zeroing):
+            region[layout.filled_offset:].zero_()
+        zeroing.synchronize()
         handle, offset = d.export(region.data_ptr())
         self.region, self.layout, self.base = region, layout, region.data_ptr()
         if flush:

@@ -243,7 +243,11 @@ class DeviceCopier:
         self._host = torch.empty(4 * n + 1, dtype=torch.int64, pin_memory=True)
         self._host[2 * n:3 * n] = table.lengths
         self._host[3 * n:] = table.first
-        self._device_table[2 * n:].copy_(self._host[2 * n:])
+        # The lengths and chunk offsets travel with the first upload, on the stream the
+        # launches are ordered after: a blocking copy here would wait for all the work the
+        # caller has queued on its stream.
+        self._uploaded_all = False
+        self._pending = False
         self._uploaded = None  # event after the last upload of the pinned addresses
         base = self._device_table.data_ptr()
         self._launches = {}
@@ -273,12 +277,14 @@ class DeviceCopier:
         """Copies the bound addresses to the device on ``stream`` (a torch stream)."""
         import torch
 
-        if not getattr(self, "_pending", False):
+        if not self._pending:
             return
+        end = 2 * self._n if self._uploaded_all else 4 * self._n + 1
         with torch.cuda.stream(stream):
-            self._device_table[:2 * self._n].copy_(self._host[:2 * self._n], non_blocking=True)
+            self._device_table[:end].copy_(self._host[:end], non_blocking=True)
             self._uploaded = stream.record_event()
         self._pending = False
+        self._uploaded_all = True
 
     def launch(self, key, stream) -> None:
         """One launch copying range ``key`` on ``stream`` (a raw ``CUstream`` handle)."""
