@@ -8,7 +8,9 @@
 #   2. bench.py 4: the pattern at ~58,000 ops per rank (drop-in, Exchange over the copy
 #      engine and NCCL, merged buffers);
 #   3. bench.py 2 (GPUs 0 and 1): ~85 parameter-shaped tensors over the copy engine;
-#   4. the acceptance table, printed last (accept_table.py).
+#   4. queued_check.py on GPUs 0 and 1: an exchange agreed behind queued work does not wait
+#      for it on the host;
+#   5. the acceptance table, printed last (accept_table.py).
 # Usage: benches/gpu/p2p/accept.sh [OUT_DIR]   (python3 with torch and streamalloc installed,
 # or PYTHONPATH=python with STREAMALLOC_LIB set). Exits non-zero if any check fails.
 set -u
@@ -39,6 +41,10 @@ python3 "$HERE/bench.py" 4 --out "$OUT/bench4" --only dropin,exchange_ce,exchang
 echo "== bench.py 2 (parameter-shaped tensors, GPUs 0 and 1)"
 CUDA_VISIBLE_DEVICES=${P2P_PAIR:-0,1} python3 "$HERE/bench.py" 2 --out "$OUT/bench2" \
   --only params_exchange_ce,params_exchange_nccl,params_merged || rc=1
+echo "== queued_check.py (GPUs 0 and 1): no host wait for the caller's queued work"
+CUDA_VISIBLE_DEVICES=${P2P_PAIR:-0,1} timeout 120 python3 -m torch.distributed.run --standalone \
+  --nproc-per-node=2 "$HERE/queued_check.py" > "$OUT/queued_check.log" 2>&1 || rc=1
+grep -E "^(pass|queued_check)" "$OUT/queued_check.log"
 echo "(acceptance run: $(( $(date +%s) - start )) s)"
 python3 "$HERE/accept_table.py" "$OUT" || rc=1
 exit $rc
