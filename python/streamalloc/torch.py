@@ -32,7 +32,8 @@ Out of memory through the pluggable door: PyTorch's pluggable hook does not chec
 null pointer (it would make a tensor at address 0). ``install()`` therefore registers
 libc10's ``torchCheckFail`` as the library's error thrower: a failed allocation raises
 ``RuntimeError`` with our report. The native door raises ``torch.OutOfMemoryError`` itself,
-after PyTorch's OOM observers ran.
+after PyTorch's OOM observers ran. Both messages begin ``CUDA out of memory.`` as
+PyTorch's do, which is what batch size finders look for.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ static THROWER: AtomicUsize = AtomicUsize::new(0);
 /// PyTorch's pluggable hook does not check for null: a null pointer becomes a tensor at
 /// address 0 and a later illegal-memory-access error. `streamalloc.torch.install()`
 /// therefore registers libc10's `torchCheckFail`, so an out-of-memory raises a Python
-/// `RuntimeError` carrying our report.
+/// `RuntimeError` carrying our report, begun as PyTorch's are ([`OUT_OF_MEMORY_PREFIX`]).
 ///
 /// # Safety
 /// `thrower` must be null or a function of the [`ErrorThrower`] type that unwinds with a
@@ -153,12 +153,26 @@ pub unsafe extern "C" fn streamalloc_set_error_thrower(thrower: Option<ErrorThro
     })
 }
 
+/// How PyTorch's out-of-memory errors begin, and so how ours raised through the thrower do.
+pub const OUT_OF_MEMORY_PREFIX: &str = "CUDA out of memory. ";
+
+/// An out-of-memory report worded as PyTorch's own begin (`None` for other errors):
+/// programs that catch an out-of-memory to retry with less (batch size finders) look for
+/// that text in the `RuntimeError`.
+fn worded_as_pytorch(message: &str) -> Option<String> {
+    (message.contains("out of memory") && !message.starts_with(OUT_OF_MEMORY_PREFIX))
+        .then(|| format!("{OUT_OF_MEMORY_PREFIX}{message}"))
+}
+
 /// Hands this thread's last error to the registered thrower, if any.
 #[cold]
 #[inline(never)]
 fn throw_last_error() {
     let raw = THROWER.load(Ordering::Acquire);
     if raw != 0 {
+        if let Some(worded) = worded_as_pytorch(&error::last_string()) {
+            error::set(worded);
+        }
         // SAFETY: only `streamalloc_set_error_thrower` stores here, from a valid
         // `ErrorThrower` (see its # Safety).
         let thrower: ErrorThrower = unsafe { std::mem::transmute::<usize, ErrorThrower>(raw) };
@@ -500,4 +514,28 @@ pub extern "C" fn streamalloc_version() -> *const c_char {
     // Like every call, it clears the last error.
     let version: *const c_char = concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast();
     error::call(version, || version)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_memory_raised_through_the_thrower_reads_as_pytorch_s() {
+        let report =
+            "streamalloc: device 1: out of memory: tried to allocate 27.96 GiB on stream:0x0";
+        let worded = worded_as_pytorch(report).expect("an out-of-memory is reworded");
+        // What batch size finders (accelerate, Lightning) look for.
+        assert!(worded.contains("CUDA out of memory."), "{worded}");
+        assert!(
+            worded.ends_with(report),
+            "our report is kept whole: {worded}"
+        );
+        assert_eq!(worded_as_pytorch(&worded), None, "worded once");
+        assert_eq!(
+            worded_as_pytorch("streamalloc: device 3 unavailable: no such device"),
+            None,
+            "other failures keep their own words"
+        );
+    }
 }

@@ -184,7 +184,9 @@ void StreamallocAllocator::alloc_failed(
   for (const auto& obs : observers) {
     obs(device, size, limit ? static_cast<size_t>(limit) : device_total, device_free);
   }
-  TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (streamalloc). " + msg);
+  // Begun as PyTorch's own message: programs that catch an out-of-memory to retry with
+  // less (batch size finders) look for "CUDA out of memory." in its text.
+  TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. " + msg);
   std::abort();
 }
 

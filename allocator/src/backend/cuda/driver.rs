@@ -30,6 +30,7 @@ const SYMBOLS: &[&str] = &[
     "cuDeviceGet",
     "cuDeviceGetCount",
     "cuDeviceTotalMem_v2",
+    "cuDeviceCanAccessPeer",
     "cuDevicePrimaryCtxRetain",
     "cuCtxGetCurrent",
     "cuCtxSetCurrent",

@@ -45,7 +45,7 @@ pub(super) type Imports = parking_lot::Mutex<HashMap<u64, Import>>;
 impl CudaBackend {
     /// True if this device's expandable-segment memory can be exported.
     pub fn can_export_ipc(&self) -> bool {
-        self.pages.as_ref().is_some_and(vmm::PageMap::exportable)
+        self.pages.as_deref().is_some_and(vmm::PageMap::exportable)
     }
 
     /// The mappings covering `[ptr, ptr + size)` (an expandable segment's memory), in

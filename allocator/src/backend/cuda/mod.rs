@@ -35,6 +35,7 @@ mod clock;
 pub mod driver;
 mod host;
 pub mod ipc;
+mod peers;
 mod vmm;
 
 pub use cudarc::driver::sys;
@@ -110,7 +111,7 @@ pub struct CudaBackend {
     clock: Clock,
     /// Page mapping for expandable segments; `None` where the device cannot map memory
     /// (the engine then uses whole segments).
-    pages: Option<vmm::PageMap>,
+    pages: Option<std::sync::Arc<vmm::PageMap>>,
     /// Other processes' memory opened here (CUDA IPC of expandable segments).
     imports: ipc::Imports,
     /// The stream of host copies (sleeping memory's backup), made on first use.
@@ -148,7 +149,10 @@ impl CudaBackend {
         };
         // Leave the context current on a thread that had none, as the runtime would.
         drop(backend.enter()?);
-        backend.pages = vmm::PageMap::probe(ordinal, device);
+        backend.pages = vmm::PageMap::probe(ordinal, device).map(std::sync::Arc::new);
+        if let Some(pages) = &backend.pages {
+            peers::join(pages);
+        }
         tracing::debug!(ordinal, total, "CUDA backend ready");
         Ok(backend)
     }
@@ -370,7 +374,9 @@ impl VirtualMemory for CudaBackend {
     }
 
     fn page_size(&self) -> u64 {
-        self.pages.as_ref().map_or(2 << 20, vmm::PageMap::page_size)
+        self.pages
+            .as_ref()
+            .map_or(2 << 20, |pages| pages.page_size())
     }
 
     fn reserve_address_space(&self, size: u64) -> BackendResult<DevicePtr> {
@@ -439,7 +445,7 @@ impl HostMemory for CudaBackend {
 
 impl CudaBackend {
     fn page_map(&self, operation: &'static str) -> BackendResult<&vmm::PageMap> {
-        self.pages.as_ref().ok_or_else(|| {
+        self.pages.as_deref().ok_or_else(|| {
             BackendError::new(
                 operation,
                 "this device does not support virtual memory management",

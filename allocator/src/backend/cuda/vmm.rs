@@ -24,7 +24,7 @@ use crate::backend::ipc::{ExportedMapping, IpcError};
 use crate::backend::BackendResult;
 use crate::error::BackendError;
 use crate::types::DevicePtr;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
@@ -41,6 +41,12 @@ struct Mapping {
 pub(super) struct PageMap {
     /// The device the pages live on.
     ordinal: i32,
+    /// Its driver handle (`cuDeviceCanAccessPeer` asks by handle).
+    device: sys::CUdevice,
+    /// Other devices of the process granted access to every mapping, as this device is
+    /// (`super::peers`). Read-locked from a mapping's access grant until it is recorded, so
+    /// that a peer added meanwhile finds it recorded.
+    peers: RwLock<Vec<i32>>,
     /// Bytes per page: the driver's granularity, at least 2 MiB.
     page_size: u64,
     /// The driver's minimum granularity (what an imported allocation must be a multiple of).
@@ -102,6 +108,8 @@ impl PageMap {
             .next_multiple_of(granularity as u64);
         Some(Self {
             ordinal,
+            device,
+            peers: RwLock::new(Vec::new()),
             page_size,
             granularity: granularity as u64,
             exportable,
@@ -154,11 +162,12 @@ impl PageMap {
     /// (`set_page_allocations`); on failure, leaves nothing mapped.
     pub(super) fn map(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.check_range(ptr, size, "cuMemMap")?;
+        let peers = self.peers.read();
         if !self
             .page_allocations
             .load(std::sync::atomic::Ordering::Relaxed)
         {
-            return self.map_one(ptr, size);
+            return self.map_one(ptr, size, &peers);
         }
         // Every page its own allocation, then access granted to the run at once: the
         // driver's `cuMemSetAccess` costs ~39 µs for one page and ~285 µs for 64 (H100),
@@ -183,7 +192,7 @@ impl PageMap {
                 }
             }
         }
-        if let Err(err) = self.grant_access(ptr, size) {
+        if let Err(err) = self.grant_access(ptr, size, &peers) {
             undo(&made);
             return Err(err);
         }
@@ -206,14 +215,14 @@ impl PageMap {
     /// mapped.
     pub(super) fn map_whole(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.check_range(ptr, size, "cuMemMap")?;
-        self.map_one(ptr, size)
+        self.map_one(ptr, size, &self.peers.read())
     }
 
     /// Maps one fresh physical allocation over `[ptr, ptr + size)` and makes it
     /// accessible; on failure, leaves nothing mapped.
-    fn map_one(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
+    fn map_one(&self, ptr: DevicePtr, size: u64, peers: &[i32]) -> BackendResult<()> {
         let handle = self.create_and_map(ptr, size)?;
-        if let Err(err) = self.grant_access(ptr, size) {
+        if let Err(err) = self.grant_access(ptr, size, peers) {
             // SAFETY: mapped above and never handed out.
             unsafe {
                 sys::cuMemUnmap(ptr.0, size as usize);
@@ -260,18 +269,69 @@ impl PageMap {
         Ok(handle)
     }
 
-    /// Makes the mapped range `[ptr, ptr + size)` readable and writable by this device.
-    fn grant_access(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
-        let access = sys::CUmemAccessDesc {
-            location: location(self.ordinal),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
+    /// Makes the mapped range `[ptr, ptr + size)` readable and writable by this device and
+    /// its `peers`.
+    fn grant_access(&self, ptr: DevicePtr, size: u64, peers: &[i32]) -> BackendResult<()> {
+        let access: Vec<sys::CUmemAccessDesc> = std::iter::once(self.ordinal)
+            .chain(peers.iter().copied())
+            .map(access_for)
+            .collect();
         driver::check(
             // SAFETY: the whole range is mapped (the callers mapped every allocation in it);
-            // one valid descriptor.
-            unsafe { sys::cuMemSetAccess(ptr.0, size as usize, &access, 1) },
+            // `access` holds `access.len()` valid descriptors.
+            unsafe { sys::cuMemSetAccess(ptr.0, size as usize, access.as_ptr(), access.len()) },
             "cuMemSetAccess",
         )
+    }
+
+    /// Grants device `peer` access to every mapping, present and future (see
+    /// `super::peers`). Nothing changes if a grant fails: the peer is recorded only once
+    /// every present mapping admits it, so later mappings cannot fail for its sake.
+    pub(super) fn add_peer(&self, peer: i32) -> BackendResult<()> {
+        let mut peers = self.peers.write();
+        if peer == self.ordinal || peers.contains(&peer) {
+            return Ok(());
+        }
+        let access = access_for(peer);
+        for (start, len) in self.mapped_ranges() {
+            driver::check(
+                // SAFETY: `[start, start + len)` is one live mapping: unmapping and
+                // recording mappings wait for the peers' write lock held here; one valid
+                // descriptor.
+                unsafe { sys::cuMemSetAccess(start, len as usize, &access, 1) },
+                "cuMemSetAccess",
+            )?;
+        }
+        peers.push(peer);
+        Ok(())
+    }
+
+    /// The device's handle, for `cuDeviceCanAccessPeer`.
+    pub(super) fn device(&self) -> sys::CUdevice {
+        self.device
+    }
+
+    /// The device's ordinal.
+    pub(super) fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Every mapping, first and second: `(address, bytes)`, one each (adjacent ones may
+    /// lie in different reservations, which one `cuMemSetAccess` may not span).
+    fn mapped_ranges(&self) -> Vec<(u64, u64)> {
+        let mut ranges: Vec<(u64, u64)> = self
+            .mappings
+            .lock()
+            .iter()
+            .map(|(&start, mapping)| (start, mapping.size))
+            .collect();
+        ranges.extend(
+            self.aliases
+                .lock()
+                .iter()
+                .map(|(&start, &len)| (start, len)),
+        );
+        ranges
     }
 
     /// Maps the pages mapped at `[src, src + size)` again at `[dst, dst + size)`: one
@@ -281,6 +341,7 @@ impl PageMap {
     pub(super) fn alias(&self, dst: DevicePtr, src: DevicePtr, size: u64) -> BackendResult<()> {
         self.check_range(dst, size, "cuMemMap")?;
         self.check_range(src, size, "cuMemMap")?;
+        let peers = self.peers.read();
         let mappings = self.mappings.lock();
         let end = src.0 + size;
         // (target address, bytes, its handle)
@@ -330,20 +391,13 @@ impl PageMap {
             }
             done.push((at, len));
         }
-        let access = sys::CUmemAccessDesc {
-            location: location(self.ordinal),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
-        if let Err(err) = driver::check(
-            // SAFETY: the whole range was just mapped; one valid descriptor.
-            unsafe { sys::cuMemSetAccess(dst.0, size as usize, &access, 1) },
-            "cuMemSetAccess",
-        ) {
+        if let Err(err) = self.grant_access(dst, size, &peers) {
             undo(&done);
             return Err(err);
         }
         drop(mappings);
         self.aliases.lock().extend(done);
+        drop(peers);
         Ok(())
     }
 
@@ -353,6 +407,8 @@ impl PageMap {
     /// own mapping.
     pub(super) fn unmap(&self, ptr: DevicePtr, size: u64) -> BackendResult<()> {
         self.check_range(ptr, size, "cuMemUnmap")?;
+        // Not while a peer is being granted every mapping (`add_peer`).
+        let _peers = self.peers.read();
         if self.unmap_aliases(ptr, size)? {
             return Ok(());
         }
@@ -516,6 +572,14 @@ pub(super) fn location(ordinal: i32) -> sys::CUmemLocation {
     sys::CUmemLocation {
         type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
         id: ordinal,
+    }
+}
+
+/// Read and write access for device `ordinal`.
+fn access_for(ordinal: i32) -> sys::CUmemAccessDesc {
+    sys::CUmemAccessDesc {
+        location: location(ordinal),
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     }
 }
 
