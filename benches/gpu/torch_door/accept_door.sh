@@ -12,7 +12,9 @@
 #   - CUDA IPC of a 1 KiB, an expandable and a stitched tensor to spawned and forkserver
 #     children (benches/gpu/ipc/ipc_check.py);
 #   - memory_stats() after one workload against PyTorch's (stats_compare.py);
-#   - the door checks memory_stats, mempool and door of checks.py.
+#   - the door checks memory_stats, mempool and door of checks.py;
+#   - two_devices.py on GPUs 0 and 1: one process, two GPUs, PyTorch's allocator and both
+#     doors (skipped on one GPU).
 # streamalloc comes from the installed package, or from this checkout's python/ when
 # STREAMALLOC_LIB names a libstreamalloc.so. The table is printed last.
 #   benches/gpu/torch_door/accept_door.sh [OUT]
@@ -94,4 +96,11 @@ for name in sorted(os.listdir(d)):
         with open(path, "w") as f:
             json.dump(res, f)
 PY
+# One process on two GPUs (a model split over them, a device other than the current one):
+# PyTorch's allocator and both doors, each check PASS or FAIL; skipped on one GPU.
+if [ "$gpus" -ge 2 ]; then
+  CUDA_VISIBLE_DEVICES=0,1 timeout 600 python3 "$HERE/two_devices.py" --compare \
+    >"$OUT/logs/two_devices.log" 2>&1
+  echo "two_devices.py (exit $?): $(tail -1 "$OUT/logs/two_devices.log")"
+fi
 python3 "$HERE/accept_door.py" table "$OUT/results" | tee "$OUT/table.md"
