@@ -13,6 +13,7 @@
 #     children (benches/gpu/ipc/ipc_check.py);
 #   - memory_stats() after one workload against PyTorch's (stats_compare.py);
 #   - the door checks memory_stats, mempool and door of checks.py;
+#   - oom_recovery.py: a batch size finder's out-of-memory recovery under each allocator;
 #   - two_devices.py on GPUs 0 and 1: one process, two GPUs, PyTorch's allocator and both
 #     doors (skipped on one GPU).
 # streamalloc comes from the installed package, or from this checkout's python/ when
@@ -96,6 +97,11 @@ for name in sorted(os.listdir(d)):
         with open(path, "w") as f:
             json.dump(res, f)
 PY
+# A batch size finder's out-of-memory recovery (the error recognised by its text, cache
+# emptied, batch halved, training continued), each allocator in turn.
+CUDA_VISIBLE_DEVICES=0 timeout 600 python3 "$HERE/oom_recovery.py" --compare \
+  >"$OUT/logs/oom_recovery.log" 2>&1
+echo "oom_recovery.py (exit $?): $(tail -1 "$OUT/logs/oom_recovery.log")"
 # One process on two GPUs (a model split over them, a device other than the current one):
 # PyTorch's allocator and both doors, each check PASS or FAIL; skipped on one GPU.
 if [ "$gpus" -ge 2 ]; then

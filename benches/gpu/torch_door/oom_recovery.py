@@ -1,0 +1,124 @@
+# What a batch size finder does (accelerate's find_executable_batch_size, Lightning's
+# scaler): train, and on an out-of-memory collect garbage, empty the cache, halve the batch
+# and try again, then keep training. Run once per allocator, each in its own process, under
+# a memory fraction so that the search is short:
+#   python3 benches/gpu/torch_door/oom_recovery.py ALLOC    (native | sa_native | sa_pluggable)
+#   python3 benches/gpu/torch_door/oom_recovery.py --compare
+# The out-of-memory is recognised as those libraries do (a RuntimeError of one argument
+# containing "CUDA out of memory."), whether it comes in the forward pass or in the
+# backward pass (raised on autograd's device thread). After the search, 10 steps at the
+# batch found must train, and with the model deleted and the cache emptied the allocated
+# bytes must come back to what they were before it. Prints a line per allocator and a
+# summary; exits 1 if an allocator fails or finds a batch smaller than PyTorch's.
+import gc
+import json
+import os
+import subprocess
+import sys
+
+MiB = 1 << 20
+ALLOCATORS = ("native", "sa_native", "sa_pluggable")
+LIMIT_GIB = 6.0  # the memory fraction, in GiB of the device
+START_BATCH = 1 << 16
+
+
+def is_cuda_out_of_memory(err):
+    """accelerate's test (accelerate.utils.memory.should_reduce_batch_size)."""
+    return isinstance(err, RuntimeError) and len(err.args) == 1 and \
+        "CUDA out of memory." in str(err.args[0])
+
+
+def install(alloc):
+    if alloc == "native":
+        return
+    import streamalloc.torch as st
+    door = "pluggable" if alloc == "sa_pluggable" else "native"
+    st.install(door=door)
+
+
+def run_one(alloc):
+    install(alloc)
+    import torch
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(LIMIT_GIB * (1 << 30) / total)
+    torch.manual_seed(0)
+    baseline = torch.cuda.memory_allocated()
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.GELU())
+                                  for _ in range(8)], torch.nn.Linear(2048, 16)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(batch):
+        x = torch.randn(batch, 2048, device="cuda")
+        y = torch.randint(0, 16, (batch,), device="cuda")
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return float(loss.item())
+
+    batch, tries = START_BATCH, []
+    while batch >= 1:
+        try:
+            step(batch)
+            tries.append((batch, "ok"))
+            break
+        except Exception as err:  # only an out-of-memory may be retried
+            if not is_cuda_out_of_memory(err):
+                raise
+            del err  # its traceback holds the failed step's tensors
+            tries.append((batch, "oom"))
+            gc.collect()
+            torch.cuda.empty_cache()
+            batch //= 2
+    losses = [step(batch) for _ in range(10)]
+    peak = torch.cuda.max_memory_reserved()
+    del model, opt
+    gc.collect()
+    # cuBLAS keeps a workspace per handle and stream through the allocator: not ours to
+    # count as left behind.
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory_allocated()
+    ok = batch >= 1 and all(l == l for l in losses) and after <= baseline
+    out = {"alloc": alloc, "ok": ok, "batch": batch, "tries": tries,
+           "peak_reserved_mib": peak // MiB, "allocated_after_mib": (after - baseline) / MiB,
+           "last_loss": losses[-1]}
+    print(json.dumps(out))
+    return 0 if ok else 1
+
+
+def compare():
+    found, failed = {}, []
+    for alloc in ALLOCATORS:
+        run = subprocess.run([sys.executable, os.path.abspath(__file__), alloc],
+                             capture_output=True, text=True, timeout=600)
+        last = run.stdout.strip().splitlines()[-1:] or [""]
+        if not last[0].startswith("{"):
+            failed.append(alloc)
+            print(f"{alloc:13} FAIL  exit {run.returncode}: {run.stderr.strip()[-1500:]}")
+            continue
+        r = json.loads(last[0])
+        found[alloc] = r["batch"]
+        if not r["ok"]:
+            failed.append(alloc)
+        ooms = sum(1 for _, what in r["tries"] if what == "oom")
+        print(f"{alloc:13} {'PASS' if r['ok'] else 'FAIL'}  batch {r['batch']} after {ooms} "
+              f"out-of-memory errors caught and retried; 10 steps trained (last loss "
+              f"{r['last_loss']:.4f}); peak reserved {r['peak_reserved_mib']} MiB under "
+              f"{LIMIT_GIB:.0f} GiB; allocated after the model's deletion "
+              f"{r['allocated_after_mib']:+.1f} MiB")
+    if "native" in found:
+        for alloc in ALLOCATORS[1:]:
+            if alloc in found and found[alloc] < found["native"]:
+                failed.append(alloc)
+                print(f"{alloc:13} FAIL  found a smaller batch than PyTorch's allocator")
+    print("oom_recovery: " + ("all passed" if not failed else f"failed: {', '.join(failed)}"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: oom_recovery.py native|sa_native|sa_pluggable|--compare")
+    sys.exit(compare() if sys.argv[1] == "--compare" else run_one(sys.argv[1]))
