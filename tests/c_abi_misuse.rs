@@ -251,6 +251,15 @@ fn record_stream_of_a_pointer_nobody_handed_out_is_reported_and_counted() {
 }
 
 #[test]
+fn marking_a_stream_volatile_needs_a_usable_device() {
+    let registry = registry();
+    assert_eq!(ffi::stream_volatile(&registry, 0, ptr(0x5000)), 0);
+    assert_eq!(last_error(), "");
+    assert_eq!(ffi::stream_volatile(&registry, -3, ptr(0x5000)), -1);
+    assert!(!last_error().is_empty(), "a bad device is refused with a reason");
+}
+
+#[test]
 fn null_out_pointers_are_refused_or_skipped_as_documented() {
     let registry = registry();
     let block = ffi::malloc(&registry, MIB, 0, null());

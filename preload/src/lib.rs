@@ -294,6 +294,10 @@ unsafe fn allocate(
     }
 }
 
+/// The largest of the runtime's stream handles that name no stream of the program:
+/// `0` (the legacy default stream), `cudaStreamLegacy` (1), `cudaStreamPerThread` (2).
+const CUDA_STREAM_PER_THREAD: u64 = 2;
+
 /// A block of `size` bytes for `stream` (see [`allocate`]).
 fn serve(
     allocator: &CudaAllocator,
@@ -301,6 +305,11 @@ fn serve(
     stream: Option<*mut c_void>,
 ) -> Result<u64, String> {
     let tag = StreamId(stream.map_or(0, |s| s as usize as u64));
+    if tag.0 > CUDA_STREAM_PER_THREAD {
+        // A stream the program made: it may destroy it while blocks freed on it are
+        // cached, so the engine must not name it later (each free fences itself).
+        allocator.mark_stream_volatile(tag);
+    }
     let waits_before = stream
         .is_none()
         .then(|| allocator.stats().cross_stream_waits);

@@ -163,6 +163,7 @@ def load(path: str | os.PathLike | None = None) -> ctypes.CDLL:
         "streamalloc_malloc": ([sz, i, vp], vp),
         "streamalloc_free": ([vp, sz, i, vp], None),
         "streamalloc_record_stream": ([vp, vp], None),
+        "streamalloc_stream_volatile": ([i, vp], i),
         "streamalloc_empty_cache": ([], None),
         "streamalloc_set_memory_fraction": ([d, i], None),
         "streamalloc_reset_peak_stats": ([i], i),

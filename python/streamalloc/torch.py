@@ -187,7 +187,29 @@ def _install_pluggable(torch):
         torch.cuda.memory.change_current_allocator(pluggable)
     except RuntimeError as err:
         raise InstallError(f"{_ALREADY}. PyTorch said: {err}") from err
+    _mark_external_streams(torch, lib)
     return pluggable
+
+
+def _mark_external_streams(torch, lib) -> None:
+    """Marks every ``torch.cuda.ExternalStream`` made from now on volatile in the library.
+
+    The pluggable hook gets a bare stream handle, and an external stream's owner (CuPy,
+    TensorRT, DALI, an extension) may destroy it while blocks freed on it are cached: the
+    library must then never name it again (the native door tells the two kinds apart by
+    PyTorch's stream id)."""
+    cls = getattr(torch.cuda, "ExternalStream", None)
+    original = getattr(cls, "__new__", None)
+    if original is None or getattr(original, "_streamalloc_marks", False):
+        return
+
+    def __new__(klass, stream_ptr, device=None, **kwargs):
+        stream = original(klass, stream_ptr, device=device, **kwargs)
+        lib.streamalloc_stream_volatile(stream.device_index, stream_ptr)
+        return stream
+
+    __new__._streamalloc_marks = True
+    cls.__new__ = staticmethod(__new__)
 
 
 # c10::detail::torchCheckFail(const char* func, const char* file, uint32_t line, const char* msg):

@@ -17,6 +17,7 @@
 //! void  streamalloc_set_error_thrower(void (*thrower)(const char*, const char*, uint32_t, const char*));
 //! void  streamalloc_free(void* ptr, size_t size, int device, cudaStream_t stream);
 //! void  streamalloc_record_stream(void* ptr, cudaStream_t stream);
+//! int   streamalloc_stream_volatile(int device, cudaStream_t stream);
 //! void  streamalloc_empty_cache(void);
 //! void  streamalloc_set_memory_fraction(double fraction, int device);
 //! int   streamalloc_get_stats(int device, streamalloc_stats_t* out);
@@ -431,6 +432,28 @@ pub extern "C" fn streamalloc_reset_peak_stats(device: c_int) -> c_int {
 pub fn reset_peak_stats<B: Backend>(registry: &Registry<B>, device: c_int) -> c_int {
     device_call(registry, device, -1, |allocator| {
         allocator.reset_peak_stats();
+        Ok(0)
+    })
+}
+
+/// Marks `stream` of `device` as one its owner may destroy while blocks freed on it are
+/// cached (a library's stream under PyTorch's `ExternalStream`, a stream a CUDA program
+/// creates): each free on it records its fence at once and no later call names it.
+/// PyTorch's pooled streams need no mark. Returns 0, or -1 with the reason in
+/// `streamalloc_last_error`.
+#[no_mangle]
+pub extern "C" fn streamalloc_stream_volatile(device: c_int, stream: *mut c_void) -> c_int {
+    stream_volatile(registry::global(), device, stream)
+}
+
+/// [`streamalloc_stream_volatile`] on `registry`.
+pub fn stream_volatile<B: Backend>(
+    registry: &Registry<B>,
+    device: c_int,
+    stream: *mut c_void,
+) -> c_int {
+    device_call(registry, device, -1, |allocator| {
+        allocator.mark_stream_volatile(stream_id(stream));
         Ok(0)
     })
 }

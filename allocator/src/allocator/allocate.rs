@@ -179,7 +179,11 @@ impl State {
             return Ok(None);
         };
         self.unlist(key);
-        self.wait_for_block(backend, key, need.slot)?;
+        if let Err(err) = self.wait_for_block(backend, key, need.slot) {
+            // Not taken: back in its list, or it would be free and in none.
+            self.list(key);
+            return Err(err.into());
+        }
         Ok(Some(key))
     }
 
@@ -280,9 +284,16 @@ impl State {
             // seen complete; else that fence; else a fence recorded now, which covers every
             // block the owner freed so far (`lifetime::fences`).
             let freed = self.arena.block(key).freed_epoch();
-            let fence = match self.streams.get(owner).fences.work_for(freed) {
+            let fences = &self.streams.get(owner).fences;
+            let fence = match fences.work_for(freed) {
                 OwnerWork::Done => None,
                 OwnerWork::Fence(event) => Some(event),
+                // The owner may be gone: no call may name it. Its free's own fence failed
+                // (or came during a capture); a synchronisation covers its work instead.
+                OwnerWork::Unfenced if fences.is_volatile() => {
+                    self.synchronize(backend)?;
+                    None
+                }
                 OwnerWork::Unfenced => Some(self.record_fence(backend, owner)?),
             };
             if let Some(event) = fence {

@@ -90,7 +90,10 @@ impl State {
         epoch: u32,
     ) -> Result<(), AllocError> {
         self.unlist(key);
-        self.wait_for_block(backend, key, slot)?;
+        if let Err(err) = self.wait_for_block(backend, key, slot) {
+            self.list(key); // not taken over: back in its list
+            return Err(err.into());
+        }
         for event in self.arena.take_pending(key) {
             self.events.release(event, &mut self.stats);
         }

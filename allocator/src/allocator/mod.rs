@@ -385,6 +385,17 @@ impl<B: Backend> Allocator<B> {
         self.state.lock().record_use(ptr, stream)
     }
 
+    /// Marks `stream` as one its owner may destroy while blocks freed on it are cached (a
+    /// library's own stream: PyTorch's `ExternalStream`, a CUDA program's `cudaStreamCreate`).
+    /// From then on every free on it records its fence at once and nothing is recorded on it
+    /// later, when it may be gone (see `lifetime::fences`). PyTorch's pooled streams live as
+    /// long as the process and need no mark.
+    pub fn mark_stream_volatile(&self, stream: StreamId) {
+        let mut state = self.state.lock();
+        let slot = state.streams.slot(stream);
+        state.streams.get_mut(slot).fences.set_volatile();
+    }
+
     /// Synchronises the device and returns every wholly free segment to it. Idle event
     /// objects are destroyed too. Returns the bytes released.
     pub fn empty_cache(&self) -> Result<u64, AllocError> {

@@ -561,7 +561,10 @@ impl State {
             let rest = self.split_keeping_events(middle, len);
             self.list(rest);
         }
-        self.wait_for_block(backend, middle, slot)?;
+        if let Err(err) = self.wait_for_block(backend, middle, slot) {
+            self.list(middle); // not lent: back in its list
+            return Err(err.into());
+        }
         for event in self.arena.take_pending(middle) {
             self.events.release(event, &mut self.stats);
         }

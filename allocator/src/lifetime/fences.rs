@@ -47,6 +47,10 @@ pub(crate) struct Fences {
     in_flight: VecDeque<(EventKey, u32)>,
     /// Blocks freed in an epoch before this one are idle.
     idle_before: u32,
+    /// The stream may be destroyed by its owner while blocks freed on it are cached (a
+    /// library's own stream, not one of PyTorch's pool): every free records its fence at
+    /// once, while the stream surely lives, and nothing records on it later.
+    volatile: bool,
 }
 
 impl Default for Fences {
@@ -56,6 +60,7 @@ impl Default for Fences {
             frees_since: 0,
             in_flight: VecDeque::new(),
             idle_before: 1,
+            volatile: false,
         }
     }
 }
@@ -90,13 +95,26 @@ impl Fences {
     #[inline]
     pub(crate) fn note_free(&mut self) -> bool {
         self.frees_since = self.frees_since.saturating_add(1);
-        self.in_flight.is_empty()
+        self.in_flight.is_empty() || self.volatile
+    }
+
+    /// Makes the stream [volatile](Fences::is_volatile).
+    pub(crate) fn set_volatile(&mut self) {
+        self.volatile = true;
+    }
+
+    /// True if the stream may be destroyed while blocks freed on it are cached: each free
+    /// fences itself, no slow path records on the stream, and a take its fences do not
+    /// cover synchronises the device instead.
+    #[inline]
+    pub(crate) fn is_volatile(&self) -> bool {
+        self.volatile
     }
 
     /// True if a slow path should record a fence: frees since the newest, and fewer than
     /// [`MAX_IN_FLIGHT`] in flight.
     pub(crate) fn wants_fence(&self) -> bool {
-        self.frees_since > 0 && self.in_flight.len() < MAX_IN_FLIGHT
+        self.frees_since > 0 && self.in_flight.len() < MAX_IN_FLIGHT && !self.volatile
     }
 
     /// Registers `event`, just recorded on the stream: it covers the current epoch, and
@@ -192,6 +210,22 @@ mod tests {
         assert!(!fences.wants_fence(), "no free since the newest");
         assert!(!fences.note_free());
         assert!(fences.wants_fence());
+    }
+
+    #[test]
+    fn a_volatile_stream_fences_every_free_and_never_a_slow_path() {
+        let mut fences = Fences::default();
+        fences.set_volatile();
+        for event in 1..5 {
+            assert!(fences.note_free(), "free {event} fences itself");
+            fences.push(event);
+            assert!(
+                !fences.wants_fence(),
+                "nothing left for a slow path to record"
+            );
+        }
+        assert!(fences.note_free());
+        assert!(!fences.wants_fence(), "not even when a free's fence failed");
     }
 
     #[test]

@@ -14,6 +14,7 @@
 #   - memory_stats() after one workload against PyTorch's (stats_compare.py);
 #   - the door checks memory_stats, mempool and door of checks.py;
 #   - oom_recovery.py: a batch size finder's out-of-memory recovery under each allocator;
+#   - foreign_streams.py: ExternalStreams made, used and destroyed with blocks cached;
 #   - two_devices.py on GPUs 0 and 1: one process, two GPUs, PyTorch's allocator and both
 #     doors (skipped on one GPU).
 # streamalloc comes from the installed package, or from this checkout's python/ when
@@ -102,6 +103,10 @@ PY
 CUDA_VISIBLE_DEVICES=0 timeout 600 python3 "$HERE/oom_recovery.py" --compare \
   >"$OUT/logs/oom_recovery.log" 2>&1
 echo "oom_recovery.py (exit $?): $(tail -1 "$OUT/logs/oom_recovery.log")"
+# Streams a library makes, uses and destroys while blocks freed on them are cached.
+CUDA_VISIBLE_DEVICES=0 timeout 300 python3 "$HERE/foreign_streams.py" --compare \
+  >"$OUT/logs/foreign_streams.log" 2>&1
+echo "foreign_streams.py (exit $?): $(tail -1 "$OUT/logs/foreign_streams.log")"
 # One process on two GPUs (a model split over them, a device other than the current one):
 # PyTorch's allocator and both doors, each check PASS or FAIL; skipped on one GPU.
 if [ "$gpus" -ge 2 ]; then

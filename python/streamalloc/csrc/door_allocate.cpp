@@ -17,7 +17,15 @@ c10::DataPtr StreamallocAllocator::allocate(size_t size) {
   C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
   void* p = nullptr;
   if (size != 0) {
-    p = malloc_on(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device);
+    // An external stream (ExternalStream, getStreamFromExternal) has its handle as its id,
+    // whose low bit is 0; PyTorch's own streams have it set. Its owner may destroy it
+    // while blocks freed on it are cached, so the library must not name it later.
+    const c10::StreamId id = stream.id();
+    if (C10_UNLIKELY(id != 0 && (id & 1) == 0)) {
+      streamalloc_stream_volatile(device, stream.stream());
+    }
+    p = malloc_on(size, device, stream.stream());
   }
   return {p, p, &raw_free, c10::Device(c10::DeviceType::CUDA, device)};
 }

@@ -118,6 +118,9 @@ void* streamalloc_malloc_in_pool(size_t size, int device, void* stream, uint64_t
 void streamalloc_free(void* ptr, size_t size, int device, void* stream);
 /* Notes that stream uses ptr (record_stream). */
 void streamalloc_record_stream(void* ptr, void* stream);
+/* Marks stream of device as one its owner may destroy while blocks freed on it are cached
+ * (an external stream): each free on it fences itself, no later call names it. 0, or -1. */
+int streamalloc_stream_volatile(int device, void* stream);
 
 /* ---- pools --------------------------------------------------------------------- */
 

@@ -109,6 +109,7 @@ impl backend::Events for SimBackend {
     fn record_event(&self, event: EventHandle, stream: StreamId) -> BackendResult<()> {
         let mut state = self.call("record_event");
         let index = state.stream_of(stream);
+        state.alive(index, "cuEventRecord")?;
         let time = state.streams[index].tail_time.max(state.host_time);
         let mut clock = state.streams[index].clock.clone();
         clock.merge(&state.host_clock.clone());
@@ -163,6 +164,7 @@ impl backend::Streams for SimBackend {
     fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> BackendResult<()> {
         let mut state = self.call("stream_wait_event");
         let index = state.stream_of(stream);
+        state.alive(index, "cuStreamWaitEvent")?;
         let record = state
             .events
             .get(&event.0)
@@ -201,6 +203,7 @@ impl backend::Streams for SimBackend {
     fn is_capturing(&self, stream: StreamId) -> BackendResult<bool> {
         let mut state = self.state.lock();
         let index = state.stream_of(stream);
+        state.alive(index, "cuStreamIsCapturing")?;
         Ok(state.capturing.contains(&index))
     }
 }

@@ -141,6 +141,9 @@ struct SimState {
     log: Vec<String>,
     races: Vec<Race>,
     capturing: HashSet<usize>,
+    /// Streams the program destroyed: naming one in a call is a misuse (on a GPU, a
+    /// dangling handle).
+    destroyed: HashSet<usize>,
     /// Streams recording a graph (a subset of `capturing`) and what they recorded.
     recording: HashMap<usize, Vec<CapturedOp>>,
     graphs: BTreeMap<u64, SimGraph>,
@@ -205,6 +208,14 @@ impl SimBackend {
         let id = StreamId(0x5000 + state.streams.len() as u64);
         state.stream_of(id);
         id
+    }
+
+    /// Destroys `stream`, as `cudaStreamDestroy` would: its queued work still runs, and any
+    /// later call naming it is reported ([`RaceKind::DeadStream`]) and fails.
+    pub fn destroy_stream(&self, stream: StreamId) {
+        let mut state = self.state.lock();
+        let index = state.stream_of(stream);
+        state.destroyed.insert(index);
     }
 
     /// Enqueues an operation of `duration_ns` on `stream` that performs `accesses`, checking
@@ -460,6 +471,20 @@ impl SimState {
             self.host_time = self.host_time.max(sim_stream.tail_time);
             self.host_clock.merge(&sim_stream.clock);
         }
+    }
+
+    /// `Err` (and a reported misuse) if the stream at `index` was destroyed.
+    fn alive(&mut self, index: usize, call: &'static str) -> BackendResult<()> {
+        if !self.destroyed.contains(&index) {
+            return Ok(());
+        }
+        self.races.push(Race {
+            earlier: "-".into(),
+            later: format!("{call} on destroyed stream {index}"),
+            range: (0, 0),
+            kind: RaceKind::DeadStream,
+        });
+        Err(BackendError::new(call, "the stream was destroyed"))
     }
 
     fn capture_violation(&mut self, what: String) {

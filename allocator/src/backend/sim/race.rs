@@ -57,6 +57,9 @@ pub enum RaceKind {
     OutOfBounds,
     /// A call forbidden while a stream is capturing a graph.
     Capture,
+    /// A call naming a stream the program destroyed (on a GPU, a dangling handle: undefined
+    /// behaviour, a crash in the driver at best).
+    DeadStream,
 }
 
 impl fmt::Display for Race {
@@ -73,6 +76,7 @@ impl fmt::Display for Race {
                 self.later, self.range.0, self.range.1
             ),
             RaceKind::Capture => write!(f, "during graph capture: {}", self.later),
+            RaceKind::DeadStream => write!(f, "{}", self.later),
         }
     }
 }
