@@ -256,7 +256,10 @@ fn marking_a_stream_volatile_needs_a_usable_device() {
     assert_eq!(ffi::stream_volatile(&registry, 0, ptr(0x5000)), 0);
     assert_eq!(last_error(), "");
     assert_eq!(ffi::stream_volatile(&registry, -3, ptr(0x5000)), -1);
-    assert!(!last_error().is_empty(), "a bad device is refused with a reason");
+    assert!(
+        !last_error().is_empty(),
+        "a bad device is refused with a reason"
+    );
 }
 
 #[test]
