@@ -8,6 +8,9 @@
 //! - `two_threads_two_streams`: the cached pair from two threads at once, one stream each
 //!   (reported per pair per thread).
 //! - `mixed_sizes_64_live`: PyTorch's micro-benchmark pattern, per operation.
+//! - `stream_per_request`: a request on a stream of its own (volatile, destroyed after),
+//!   then one on a long-lived stream, after 20,000 such requests: what a server that makes
+//!   a stream per request pays per request.
 //! - `crowded_size_class`: pairs whose best fit is the lowest-addressed of 20,000 free
 //!   blocks of one size (the free list's worst case for shifting).
 //! - `c_abi_pair`: the cached pair through the C ABI's code (`streamalloc_malloc` /
@@ -79,6 +82,27 @@ fn cached_same_stream(c: &mut Criterion) {
             allocator.record_use(block.ptr, comm).unwrap();
             allocator.free(block.ptr).unwrap();
         })
+    });
+
+    // A program that makes a stream per request (its own streams, volatile), 20,000 of them
+    // before timing: a malloc on a new stream is a slow path, which must not walk every
+    // stream ever seen.
+    let (device, allocator) = sim_allocator(Config::default());
+    let main = device.create_stream();
+    let request = |device: &SimBackend, allocator: &Allocator<SimBackend>| {
+        let stream = device.create_stream();
+        allocator.mark_stream_volatile(stream);
+        let block = allocator.malloc(black_box(4 << 20), stream).unwrap();
+        allocator.free(block.ptr).unwrap();
+        device.destroy_stream(stream);
+        let block = allocator.malloc(black_box(4 << 20), main).unwrap();
+        allocator.free(block.ptr).unwrap();
+    };
+    for _ in 0..20_000 {
+        request(&device, &allocator);
+    }
+    group.bench_function("stream_per_request", |b| {
+        b.iter(|| request(&device, &allocator))
     });
 
     let (device, allocator) = sim_allocator(Config::default());

@@ -199,8 +199,10 @@ def _mark_external_streams(torch, lib) -> None:
     library must then never name it again (the native door tells the two kinds apart by
     PyTorch's stream id)."""
     cls = getattr(torch.cuda, "ExternalStream", None)
-    original = getattr(cls, "__new__", None)
-    if original is None or getattr(original, "_streamalloc_marks", False):
+    if not isinstance(cls, type):
+        return  # a PyTorch without it (or a stand-in): nothing to mark
+    original = cls.__new__
+    if getattr(original, "_streamalloc_marks", False):
         return
 
     def __new__(klass, stream_ptr, device=None, **kwargs):

@@ -153,14 +153,16 @@ impl State {
     /// Fences for the streams that freed blocks since their newest one, so that another
     /// stream taking those blocks later waits for little or nothing (`lifetime::fences`).
     fn record_due_fences<B: Backend>(&mut self, backend: &B) {
-        for index in 0..self.streams.len() as StreamSlot {
+        let slots = self.streams.take_event_slots();
+        for &index in &slots {
             if self.streams.get(index).fences.wants_fence() {
                 if let Err(err) = self.record_fence(backend, index) {
                     tracing::debug!(%err, "fence not recorded");
-                    return;
+                    break;
                 }
             }
         }
+        self.streams.return_event_slots(slots);
     }
 
     /// Step 3 of the policy: under the `stream_wait` policy, the best-fitting block of the

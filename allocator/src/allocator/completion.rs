@@ -12,20 +12,10 @@ impl State {
         backend: &B,
     ) -> Result<bool, BackendError> {
         let mut completed_any = false;
-        for index in 0..self.streams.len() {
-            while let Some(&event) = self.streams.states[index].in_flight.front() {
-                if !self.events.is_complete(event) {
-                    self.stats.event_queries += 1;
-                    if !backend.query_event(self.events.handle(event))? {
-                        break;
-                    }
-                    self.events.mark_complete(event);
-                    completed_any = true;
-                }
-                self.streams.states[index].in_flight.pop_front();
-                self.events.release(event, &mut self.stats);
-            }
-        }
+        let slots = self.streams.take_event_slots();
+        let queried = self.query_in_flight(backend, &slots, &mut completed_any);
+        self.streams.return_event_slots(slots);
+        queried?;
         self.complete_fences(backend)?;
         if completed_any {
             Ok(self.promote_completed(backend) > 0)
@@ -34,10 +24,49 @@ impl State {
         }
     }
 
+    /// On each stream of `slots`, queries in-flight events oldest first up to the first
+    /// incomplete one, releasing the completed; sets `completed_any` if one completed.
+    fn query_in_flight<B: Backend>(
+        &mut self,
+        backend: &B,
+        slots: &[StreamSlot],
+        completed_any: &mut bool,
+    ) -> Result<(), BackendError> {
+        for &slot in slots {
+            let index = slot as usize;
+            while let Some(&event) = self.streams.states[index].in_flight.front() {
+                if !self.events.is_complete(event) {
+                    self.stats.event_queries += 1;
+                    if !backend.query_event(self.events.handle(event))? {
+                        break;
+                    }
+                    self.events.mark_complete(event);
+                    *completed_any = true;
+                }
+                self.streams.states[index].in_flight.pop_front();
+                self.events.release(event, &mut self.stats);
+            }
+        }
+        Ok(())
+    }
+
     /// On each stream, queries fences oldest first up to the first incomplete one: the
     /// blocks a completed fence covers are idle for every stream (`lifetime::fences`).
     pub(super) fn complete_fences<B: Backend>(&mut self, backend: &B) -> Result<(), BackendError> {
-        for index in 0..self.streams.len() {
+        let slots = self.streams.take_event_slots();
+        let completed = self.complete_fences_of(backend, &slots);
+        self.streams.return_event_slots(slots);
+        completed
+    }
+
+    /// [`State::complete_fences`] on the streams of `slots`.
+    fn complete_fences_of<B: Backend>(
+        &mut self,
+        backend: &B,
+        slots: &[StreamSlot],
+    ) -> Result<(), BackendError> {
+        for &slot in slots {
+            let index = slot as usize;
             while let Some(event) = self.streams.states[index].fences.oldest() {
                 if !self.events.is_complete(event) {
                     self.stats.event_queries += 1;
@@ -56,7 +85,9 @@ impl State {
     /// Moves pending blocks whose events are all complete to the ready lists.
     pub(super) fn promote_completed<B: Backend>(&mut self, backend: &B) -> usize {
         let mut ready = Vec::new();
-        for state in &self.streams.states {
+        // Pending blocks are listed: only slots that may hold listed blocks can have any.
+        for &slot in self.streams.free_slots() {
+            let state = self.streams.get(slot);
             for list in &state.pending {
                 ready.extend(list.keys().filter(|key| {
                     self.arena

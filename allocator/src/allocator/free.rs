@@ -68,6 +68,7 @@ impl State {
         let uses = self.arena.free(key, stream.fences.epoch());
         let fence = stream.fences.note_free();
         let park = uses.is_empty() && stream.hot.admit();
+        self.streams.note_events(owner);
         if !park {
             entry.remove();
         }
@@ -178,6 +179,7 @@ impl State {
             .events
             .record(backend, slot, self.streams.id(slot), &mut self.stats)?;
         self.streams.get_mut(slot).fences.push(event);
+        self.streams.note_events(slot);
         Ok(event)
     }
 
@@ -215,6 +217,7 @@ impl State {
             )?;
             self.events.retain(event);
             self.streams.get_mut(use_slot).in_flight.push_back(event);
+            self.streams.note_events(use_slot);
             self.arena.add_pending(key, event);
         }
         Ok(())

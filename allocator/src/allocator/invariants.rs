@@ -202,7 +202,14 @@ impl State {
     /// Every outstanding event is held by a free block or a stream's in-flight list, and
     /// nothing holds an event that is not outstanding.
     fn check_events(&self, mut event_refs: HashMap<EventKey, u32>) -> Result<(), String> {
-        for state in &self.streams.states {
+        for (slot, state) in self.streams.states.iter().enumerate() {
+            let busy = !state.in_flight.is_empty() || state.fences.busy();
+            if busy && !self.streams.in_event_slots(slot as StreamSlot) {
+                return Err(format!(
+                    "stream slot {slot} has events, fences or unfenced frees but is not among \
+                     the event slots: completion passes would never visit it"
+                ));
+            }
             for event in state.in_flight.iter().copied().chain(state.fences.events()) {
                 *event_refs.entry(event).or_default() += 1;
             }

@@ -88,7 +88,11 @@ impl State {
     pub(super) fn settle_after_sync<B: Backend>(&mut self, backend: &B) {
         self.flush_hot();
         self.events.mark_all_complete();
-        for index in 0..self.streams.len() {
+        // Streams outside the event slots have nothing in flight and every free fenced by a
+        // completed fence: already idle.
+        let slots = self.streams.take_event_slots();
+        for &slot in &slots {
+            let index = slot as usize;
             while let Some(event) = self.streams.states[index].in_flight.pop_front() {
                 self.events.release(event, &mut self.stats);
             }
@@ -97,6 +101,7 @@ impl State {
                 self.events.release(event, &mut self.stats);
             }
         }
+        self.streams.return_event_slots(slots);
         self.promote_completed(backend);
         self.release_quarantined();
     }

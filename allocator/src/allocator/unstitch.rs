@@ -67,6 +67,7 @@ impl State {
                 Ok(event) => {
                     self.events.retain(event);
                     self.streams.get_mut(slot).in_flight.push_back(event);
+                    self.streams.note_events(slot);
                     last_use.push(event);
                 }
                 Err(err) => {
@@ -86,6 +87,7 @@ impl State {
         let fence = last_use[0];
         self.events.retain(fence);
         self.streams.get_mut(owner).fences.push(fence);
+        self.streams.note_events(owner);
         self.park_stitch(key, last_use, epoch);
         self.evict_idle_stitches(backend)
     }

@@ -143,6 +143,12 @@ impl Fences {
             .map_or(OwnerWork::Unfenced, |&(event, _)| OwnerWork::Fence(event))
     }
 
+    /// True if a completion or fence pass has anything to do here: fences in flight, or
+    /// frees no fence covers yet.
+    pub(crate) fn busy(&self) -> bool {
+        !self.in_flight.is_empty() || self.frees_since > 0
+    }
+
     /// The oldest fence in flight.
     pub(crate) fn oldest(&self) -> Option<EventKey> {
         self.in_flight.front().map(|&(event, _)| event)

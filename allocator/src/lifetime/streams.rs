@@ -52,6 +52,8 @@ pub(crate) struct StreamState {
     in_hot_slots: bool,
     /// The slot is in [`StreamTable::free_slots`].
     in_free_slots: bool,
+    /// The slot is in [`StreamTable::event_slots`].
+    in_event_slots: bool,
 }
 
 impl StreamState {
@@ -185,6 +187,11 @@ pub(crate) struct StreamTable {
     free_slots: Vec<StreamSlot>,
     /// `free_slots.len()` after the last pruning.
     free_slots_pruned: usize,
+    /// Slots that may have events or fences in flight, or frees no fence covers yet, each
+    /// once (idle ones are dropped by the completion pass): what the completion and fence
+    /// passes visit. A program that makes a stream per request (its own streams, marked
+    /// volatile) would otherwise make every slow path walk every stream it ever used.
+    event_slots: Vec<StreamSlot>,
 }
 
 impl StreamTable {
@@ -232,6 +239,7 @@ impl StreamTable {
             fences: Fences::default(),
             in_hot_slots: false,
             in_free_slots: false,
+            in_event_slots: false,
         });
         slot
     }
@@ -284,6 +292,42 @@ impl StreamTable {
             keep
         });
         self.free_slots_pruned = self.free_slots.len();
+    }
+
+    /// Notes that `slot` may have events or fences in flight, or frees no fence covers.
+    #[inline]
+    pub(crate) fn note_events(&mut self, slot: StreamSlot) {
+        let state = &mut self.states[slot as usize];
+        if !state.in_event_slots {
+            state.in_event_slots = true;
+            self.event_slots.push(slot);
+        }
+    }
+
+    /// True if `slot` is among the slots the completion and fence passes visit.
+    pub(crate) fn in_event_slots(&self, slot: StreamSlot) -> bool {
+        self.states[slot as usize].in_event_slots
+    }
+
+    /// Takes the slots that may have events, fences or unfenced frees, for a pass over
+    /// them; [`StreamTable::return_event_slots`] puts them back.
+    pub(crate) fn take_event_slots(&mut self) -> Vec<StreamSlot> {
+        std::mem::take(&mut self.event_slots)
+    }
+
+    /// Puts back the slots [`StreamTable::take_event_slots`] took, dropping those with
+    /// nothing left in flight and no unfenced free (the pass may have noted others since).
+    pub(crate) fn return_event_slots(&mut self, mut slots: Vec<StreamSlot>) {
+        let states = &mut self.states;
+        slots.retain(|&slot| {
+            let state = &mut states[slot as usize];
+            let keep = !state.in_flight.is_empty() || state.fences.busy();
+            state.in_event_slots = keep;
+            keep
+        });
+        // Slots noted during the pass were not in `slots` (theirs were marked in).
+        let noted = std::mem::replace(&mut self.event_slots, slots);
+        self.event_slots.extend(noted);
     }
 
     /// The pool `slot` allocates for.
