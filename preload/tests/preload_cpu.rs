@@ -217,6 +217,7 @@ CUresult cuInit(unsigned f) { (void)f; return 0; }
 CUresult cuDeviceGetCount(int* n) { *n = 1; return 0; }
 CUresult cuDeviceGet(int* d, int ordinal) { *d = ordinal; return 0; }
 CUresult cuDeviceTotalMem_v2(size_t* bytes, int d) { (void)d; *bytes = (size_t)80 << 30; return 0; }
+CUresult cuDeviceCanAccessPeer(int* can, int d, int peer) { (void)d; (void)peer; *can = 0; return 0; }
 CUresult cuDeviceGetAttribute(int* v, int attr, int d) { (void)attr; (void)d; *v = 0; return 0; }
 CUresult cuDevicePrimaryCtxRetain(void** ctx, int d) { (void)d; *ctx = &ctx_token; return 0; }
 CUresult cuCtxGetCurrent(void** ctx) { *ctx = current; return 0; }
