@@ -27,6 +27,7 @@ int cudaFreeAsync(void* p, void* s) { (void)p; (void)s; return 0; }
 const FAKE_CUDA: &str = r#"
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 typedef int CUresult;
 typedef struct { int type; int id; } CUmemLocation;
 typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
@@ -37,7 +38,9 @@ CUresult cuInit(unsigned f) { (void)f; return 0; }
 CUresult cuDeviceGetCount(int* n) { *n = 2; return 0; }
 CUresult cuDeviceGet(int* d, int ordinal) { *d = ordinal; return 0; }
 CUresult cuDeviceTotalMem_v2(size_t* bytes, int d) { (void)d; *bytes = (size_t)80 << 30; return 0; }
-CUresult cuDeviceCanAccessPeer(int* can, int d, int peer) { *can = d != peer; return 0; }
+/* FAKE_PEERS=0: devices the hardware does not link; a grant naming another device fails. */
+static int linked(void) { const char* e = getenv("FAKE_PEERS"); return !e || e[0] != '0'; }
+CUresult cuDeviceCanAccessPeer(int* can, int d, int peer) { *can = d != peer && linked(); return 0; }
 /* 102: CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED; no descriptor export. */
 CUresult cuDeviceGetAttribute(int* v, int attr, int d) { (void)d; *v = attr == 102; return 0; }
 CUresult cuDevicePrimaryCtxRetain(void** ctx, int d) { *ctx = &ctx_token[d & 1]; return 0; }
@@ -67,7 +70,7 @@ CUresult cuMemSetAccess(uint64_t p, size_t size, const CUmemAccessDesc* desc, si
     for (size_t i = 0; i < count; i++) printf(i ? ",%d" : "%d", desc[i].location.id);
     printf("\n");
     fflush(stdout);
-    return 0;
+    return count > 1 && !linked() ? 1 : 0;
 }
 CUresult cuGetErrorName(CUresult c, const char** s) { (void)c; *s = "FAKE_ERROR"; return 0; }
 CUresult cuGetErrorString(CUresult c, const char** s) { (void)c; *s = "fake driver error"; return 0; }
@@ -129,9 +132,10 @@ fn preload_library() -> PathBuf {
     .expect("libstreamalloc_preload.so is built beside the test")
 }
 
-#[test]
-fn devices_of_one_process_reach_each_others_mappings() {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("preload_peers");
+/// Builds the stand-ins and the program in `name` and runs it under the interposer with
+/// `FAKE_PEERS` set to `peers`; `None` without a C compiler. Returns its stdout.
+fn run(name: &str, peers: &str) -> Option<String> {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let s = |p: &Path| p.to_str().unwrap().to_owned();
@@ -151,8 +155,7 @@ fn devices_of_one_process_reach_each_others_mappings() {
         &s(&dir.join("fake_cudart.c")),
         &format!("-Wl,--version-script={}", s(&dir.join("fake_cudart.map"))),
     ]) {
-        eprintln!("skipped: no C compiler (cc)");
-        return;
+        return None;
     }
     assert!(cc(&[
         "-shared",
@@ -174,14 +177,24 @@ fn devices_of_one_process_reach_each_others_mappings() {
         .env("LD_PRELOAD", preload_library())
         .env("LD_LIBRARY_PATH", &dir)
         .env("STREAMALLOC_CONF", "expandable_segments:true")
+        .env("FAKE_PEERS", peers)
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success() && stdout.contains("failures=0"),
         "stdout: {stdout}\nstderr: {stderr}"
     );
+    Some(stdout)
+}
+
+#[test]
+fn devices_of_one_process_reach_each_others_mappings() {
+    let Some(stdout) = run("preload_peers", "1") else {
+        eprintln!("skipped: no C compiler (cc)");
+        return;
+    };
     // The log cut where the program switches devices.
     let phases: Vec<Vec<&str>> = stdout
         .split("device ")
@@ -209,5 +222,22 @@ fn devices_of_one_process_reach_each_others_mappings() {
     assert!(
         !again.is_empty() && again.iter().all(|l| *l == "access 0,1"),
         "device 0's new mappings name both: {again:?}"
+    );
+}
+
+#[test]
+fn devices_the_hardware_does_not_link_are_granted_nothing() {
+    // A grant naming the other device would fail there, and with it every mapping.
+    let Some(stdout) = run("preload_no_peers", "0") else {
+        eprintln!("skipped: no C compiler (cc)");
+        return;
+    };
+    let grants: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("access "))
+        .collect();
+    assert!(
+        !grants.is_empty() && grants.iter().all(|l| *l == "access 0" || *l == "access 1"),
+        "{grants:?}"
     );
 }
