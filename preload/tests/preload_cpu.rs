@@ -16,8 +16,10 @@
 //!
 //! Skipped (with a message) when `cc` is not available.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
+
+mod support;
+use support::{build, preload_library, StandIns, DRIVER_COMMON};
 
 const FAKE_CUDART: &str = r#"
 #include <stdio.h>
@@ -34,8 +36,6 @@ int cudaFree(void* p) { if (!p) { null_frees++; return 0; } frees++; free(p); re
 int cudaMallocAsync(void** p, size_t n, void* s) { (void)s; async_mallocs++; *p = malloc(n); return 0; }
 int cudaFreeAsync(void* p, void* s) { (void)s; async_frees++; free(p); return 0; }
 "#;
-
-const VERSION_SCRIPT: &str = "libcudart.so.13 { global: cuda*; local: *; };\n";
 
 const PROGRAM: &str = r#"
 #define _GNU_SOURCE
@@ -67,69 +67,20 @@ int main(void) {
 }
 "#;
 
-fn cc(args: &[&str]) -> bool {
-    let out = Command::new("cc").args(args).output();
-    match out {
-        Ok(out) if out.status.success() => true,
-        Ok(out) => panic!(
-            "cc {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ),
-        Err(_) => false,
-    }
-}
-
-fn preload_library() -> PathBuf {
-    // The test runs as target/<profile>/deps/preload_cpu-<hash>.
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    // `cargo build` copies the library up a level; `cargo test` alone leaves it in deps/
-    // (and an earlier build's copy up there may be stale): the newer of the two.
-    let candidates = [
-        deps.parent().unwrap().join("libstreamalloc_preload.so"),
-        deps.join("libstreamalloc_preload.so"),
-    ];
-    candidates
-        .into_iter()
-        .filter_map(|path| Some((path.metadata().ok()?.modified().ok()?, path)))
-        .max()
-        .map(|(_, path)| path)
-        .expect("libstreamalloc_preload.so is built beside the test")
-}
-
 #[test]
 fn calls_reach_the_real_runtime_when_no_gpu_is_there() {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("preload_cpu");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let s = |p: &Path| p.to_str().unwrap().to_owned();
-    std::fs::write(dir.join("fake.c"), FAKE_CUDART).unwrap();
-    std::fs::write(dir.join("fake.map"), VERSION_SCRIPT).unwrap();
-    std::fs::write(dir.join("main.c"), PROGRAM).unwrap();
-    let lib = dir.join("libcudart.so");
-    if !cc(&[
-        "-shared",
-        "-fPIC",
-        "-o",
-        &s(&lib),
-        &s(&dir.join("fake.c")),
-        &format!("-Wl,--version-script={}", s(&dir.join("fake.map"))),
-    ]) {
+    let stand_ins = StandIns {
+        runtime: FAKE_CUDART,
+        runtime_extra_exports: "",
+        driver: &[],
+        program: PROGRAM,
+        program_libs: &["-ldl"],
+    };
+    let Some((_, program)) = build("preload_cpu", &stand_ins) else {
         eprintln!("skipped: no C compiler (cc)");
         return;
-    }
-    let program = dir.join("main");
-    assert!(cc(&[
-        "-o",
-        &s(&program),
-        &s(&dir.join("main.c")),
-        &format!("-L{}", s(&dir)),
-        "-lcudart",
-        "-ldl",
-        &format!("-Wl,-rpath,{}", s(&dir)),
-    ]));
+    };
     let preload = preload_library();
-    assert!(preload.is_file(), "{preload:?} missing");
 
     // Without the preload: the stand-in runtime alone.
     let out = Command::new(&program).output().unwrap();
@@ -204,27 +155,13 @@ int cudaMallocAsync(void** p, size_t n, void* s) { (void)s; async_mallocs++; *p 
 int cudaFreeAsync(void* p, void* s) { (void)s; async_frees++; return fake_runtime_owns(p) ? 0 : 1; }
 "#;
 
-/// The stand-in driver: one device without virtual memory management, host memory as
-/// device memory, events that are always complete, and the same capturing stream as the
-/// runtime's.
+/// The stand-in driver, after `DRIVER_COMMON`: one device without virtual memory
+/// management, host memory as device memory, events that are always complete, and the same
+/// capturing stream as the runtime's.
 const FAKE_CUDA: &str = r#"
-#include <stdint.h>
-#include <stdlib.h>
-typedef int CUresult;
-static __thread void* current;
-static int ctx_token, event_token;
-CUresult cuInit(unsigned f) { (void)f; return 0; }
 CUresult cuDeviceGetCount(int* n) { *n = 1; return 0; }
-CUresult cuDeviceGet(int* d, int ordinal) { *d = ordinal; return 0; }
-CUresult cuDeviceTotalMem_v2(size_t* bytes, int d) { (void)d; *bytes = (size_t)80 << 30; return 0; }
 CUresult cuDeviceCanAccessPeer(int* can, int d, int peer) { (void)d; (void)peer; *can = 0; return 0; }
 CUresult cuDeviceGetAttribute(int* v, int attr, int d) { (void)attr; (void)d; *v = 0; return 0; }
-CUresult cuDevicePrimaryCtxRetain(void** ctx, int d) { (void)d; *ctx = &ctx_token; return 0; }
-CUresult cuCtxGetCurrent(void** ctx) { *ctx = current; return 0; }
-CUresult cuCtxSetCurrent(void* ctx) { current = ctx; return 0; }
-CUresult cuCtxPushCurrent_v2(void* ctx) { current = ctx; return 0; }
-CUresult cuCtxPopCurrent_v2(void** ctx) { if (ctx) *ctx = current; current = NULL; return 0; }
-CUresult cuCtxSynchronize(void) { return 0; }
 CUresult cuMemAlloc_v2(uint64_t* p, size_t n) {
     void* m = NULL;
     if (posix_memalign(&m, 2 << 20, n)) return 2;
@@ -232,23 +169,12 @@ CUresult cuMemAlloc_v2(uint64_t* p, size_t n) {
     return 0;
 }
 CUresult cuMemFree_v2(uint64_t p) { free((void*)(uintptr_t)p); return 0; }
-CUresult cuMemGetInfo_v2(size_t* f, size_t* t) { *f = *t = (size_t)80 << 30; return 0; }
-CUresult cuEventCreate(void** e, unsigned f) { (void)f; *e = &event_token; return 0; }
 CUresult cuStreamIsCapturing(void* s, int* status) {
     if (s == (void*)0x906) return 906;
     *status = s == (void*)0xCA97 ? 1 : 0;
     return 0;
 }
-CUresult cuThreadExchangeStreamCaptureMode(int* mode) { (void)mode; return 0; }
-CUresult cuGetErrorName(CUresult c, const char** s) { (void)c; *s = "FAKE_ERROR"; return 0; }
-CUresult cuGetErrorString(CUresult c, const char** s) { (void)c; *s = "fake driver error"; return 0; }
-#define OK(name) CUresult name() { return 0; }
-OK(cuEventDestroy_v2) OK(cuEventRecord) OK(cuEventQuery) OK(cuEventSynchronize)
-OK(cuStreamWaitEvent) OK(cuStreamCreate) OK(cuStreamDestroy_v2) OK(cuStreamSynchronize)
-OK(cuMemsetD8Async) OK(cuMemcpyDtoDAsync_v2) OK(cuMemcpyDtoH_v2) OK(cuMemcpyHtoD_v2)
-OK(cuStreamBeginCapture_v2) OK(cuStreamEndCapture) OK(cuGraphDestroy)
-OK(cuMemExportToShareableHandle) OK(cuMemImportFromShareableHandle)
-OK(cuMemHostAlloc) OK(cuMemFreeHost) OK(cuMemcpyDtoHAsync_v2) OK(cuMemcpyHtoDAsync_v2)
+OK(cuEventRecord) OK(cuEventQuery) OK(cuStreamWaitEvent)
 "#;
 
 const CAPTURE_PROGRAM: &str = r#"
@@ -285,49 +211,19 @@ int main(void) {
 
 #[test]
 fn stream_ordered_calls_under_capture_reach_the_runtime() {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("preload_capture");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let s = |p: &Path| p.to_str().unwrap().to_owned();
-    std::fs::write(dir.join("fake_cudart.c"), FAKE_CUDART_CAPTURE).unwrap();
     // NVIDIA's versioning, plus the program's probe of the arena.
-    std::fs::write(
-        dir.join("fake_cudart.map"),
-        "libcudart.so.13 { global: cuda*; fake_*; local: *; };\n",
-    )
-    .unwrap();
-    std::fs::write(dir.join("fake_cuda.c"), FAKE_CUDA).unwrap();
-    std::fs::write(dir.join("main.c"), CAPTURE_PROGRAM).unwrap();
-    if !cc(&[
-        "-shared",
-        "-fPIC",
-        "-o",
-        &s(&dir.join("libcudart.so")),
-        &s(&dir.join("fake_cudart.c")),
-        &format!("-Wl,--version-script={}", s(&dir.join("fake_cudart.map"))),
-    ]) {
+    let stand_ins = StandIns {
+        runtime: FAKE_CUDART_CAPTURE,
+        runtime_extra_exports: "fake_*;",
+        driver: &[DRIVER_COMMON, FAKE_CUDA],
+        program: CAPTURE_PROGRAM,
+        program_libs: &[],
+    };
+    let Some((dir, program)) = build("preload_capture", &stand_ins) else {
         eprintln!("skipped: no C compiler (cc)");
         return;
-    }
-    // `libcuda.so` is the first name cudarc's loader tries.
-    assert!(cc(&[
-        "-shared",
-        "-fPIC",
-        "-o",
-        &s(&dir.join("libcuda.so")),
-        &s(&dir.join("fake_cuda.c")),
-    ]));
-    let program = dir.join("main");
-    assert!(cc(&[
-        "-o",
-        &s(&program),
-        &s(&dir.join("main.c")),
-        &format!("-L{}", s(&dir)),
-        "-lcudart",
-        &format!("-Wl,-rpath,{}", s(&dir)),
-    ]));
+    };
     let preload = preload_library();
-    assert!(preload.is_file(), "{preload:?} missing");
 
     let out = Command::new(&program)
         .env("LD_PRELOAD", &preload)
