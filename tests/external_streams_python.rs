@@ -10,23 +10,9 @@ use std::process::Command;
 
 mod cli;
 
-/// What `streamalloc.torch.install(door="pluggable")` touches, and an `ExternalStream`.
-const FAKE_TORCH: &str = r#"
-import types
-__version__ = "0.0-fake"
-cuda = types.ModuleType("torch.cuda")
-cuda.is_initialized = lambda: False
-memory = types.ModuleType("torch.cuda.memory")
-class _Raw:
-    def set_record_stream_fn(self, p): pass
-    def set_reset_fn(self, p): pass
-    def set_memory_fraction_fn(self, p): pass
-class CUDAPluggableAllocator:
-    def __init__(self, path, malloc, free): self._raw = _Raw()
-    def allocator(self): return self._raw
-memory.CUDAPluggableAllocator = CUDAPluggableAllocator
-memory.change_current_allocator = lambda a: None
-cuda.memory = memory
+/// An `ExternalStream`, defining `__new__` as PyTorch's does, added to
+/// `cli::PLUGGABLE_TORCH`.
+const EXTERNAL_STREAM: &str = r#"
 class Stream:
     pass
 class ExternalStream(Stream):
@@ -50,20 +36,18 @@ print("marked" if "device 0" in after and after != before else "not marked: " + 
 
 #[test]
 fn the_pluggable_door_marks_each_external_stream_volatile() {
-    if !Command::new("python3")
-        .arg("-c")
-        .arg("pass")
-        .output()
-        .is_ok_and(|out| out.status.success())
-    {
-        eprintln!("skipped: python3 is not available");
+    if !cli::python3_available() {
         return;
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("external_streams");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("torch")).unwrap();
-    std::fs::write(dir.join("torch/__init__.py"), FAKE_TORCH).unwrap();
+    std::fs::write(
+        dir.join("torch/__init__.py"),
+        format!("{}{EXTERNAL_STREAM}", cli::PLUGGABLE_TORCH),
+    )
+    .unwrap();
     let path = std::env::join_paths([root.join("python"), dir.clone()]).unwrap();
     let out = Command::new("python3")
         .arg("-c")

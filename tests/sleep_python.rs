@@ -12,9 +12,7 @@ mod cli;
 #[test]
 fn the_python_api_refuses_misuse_with_one_line() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let python = Command::new("python3").arg("-c").arg("pass").output();
-    if !python.is_ok_and(|out| out.status.success()) {
-        eprintln!("skipped: python3 is not available");
+    if !cli::python3_available() {
         return;
     }
     let out = Command::new("python3")
@@ -32,25 +30,6 @@ fn the_python_api_refuses_misuse_with_one_line() {
     );
 }
 
-/// A stand-in `torch` with what `streamalloc.torch.install()` touches (the pluggable door).
-const FAKE_TORCH: &str = r#"
-import types
-__version__ = "0.0-fake"
-cuda = types.ModuleType("torch.cuda")
-cuda.is_initialized = lambda: False
-memory = types.ModuleType("torch.cuda.memory")
-class _Raw:
-    def set_record_stream_fn(self, p): pass
-    def set_reset_fn(self, p): pass
-    def set_memory_fraction_fn(self, p): pass
-class CUDAPluggableAllocator:
-    def __init__(self, path, malloc, free): self._raw = _Raw()
-    def allocator(self): return self._raw
-memory.CUDAPluggableAllocator = CUDAPluggableAllocator
-memory.change_current_allocator = lambda a: None
-cuda.memory = memory
-"#;
-
 /// Signals itself as an orchestrator would, then says which handler SIGUSR1 has.
 const SIGNALLED: &str = r#"
 import os, signal, time
@@ -63,19 +42,13 @@ print(signal.getsignal(signal.SIGUSR1).__name__, signal.getsignal(signal.SIGUSR2
 
 #[test]
 fn run_with_sleep_signals_makes_sigusr1_and_sigusr2_sleep_and_wake_the_programs_tags() {
-    if !Command::new("python3")
-        .arg("-c")
-        .arg("pass")
-        .output()
-        .is_ok_and(|out| out.status.success())
-    {
-        eprintln!("skipped: python3 is not available");
+    if !cli::python3_available() {
         return;
     }
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("sleep_signals");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("torch")).unwrap();
-    std::fs::write(dir.join("torch/__init__.py"), FAKE_TORCH).unwrap();
+    std::fs::write(dir.join("torch/__init__.py"), cli::PLUGGABLE_TORCH).unwrap();
     let out = cli::streamalloc()
         .env("PYTHONPATH", &dir)
         .env("STREAMALLOC_DOOR", "pluggable")

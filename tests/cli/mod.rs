@@ -75,3 +75,33 @@ pub fn scratch_dir(name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// A stand-in `torch` package with what `streamalloc.torch.install(door="pluggable")`
+/// touches, for Python tests without PyTorch; a test appends what else it needs.
+pub const PLUGGABLE_TORCH: &str = r#"
+import types
+__version__ = "0.0-fake"
+cuda = types.ModuleType("torch.cuda")
+cuda.is_initialized = lambda: False
+memory = types.ModuleType("torch.cuda.memory")
+class _Raw:
+    def set_record_stream_fn(self, p): pass
+    def set_reset_fn(self, p): pass
+    def set_memory_fraction_fn(self, p): pass
+class CUDAPluggableAllocator:
+    def __init__(self, path, malloc, free): self._raw = _Raw()
+    def allocator(self): return self._raw
+memory.CUDAPluggableAllocator = CUDAPluggableAllocator
+memory.change_current_allocator = lambda a: None
+cuda.memory = memory
+"#;
+
+/// True if `python3` runs; the Python tests pass, saying why, without it.
+pub fn python3_available() -> bool {
+    let ran = Command::new("python3").arg("-c").arg("pass").output();
+    let available = ran.is_ok_and(|out| out.status.success());
+    if !available {
+        eprintln!("skipped: python3 is not available");
+    }
+    available
+}
