@@ -9,13 +9,15 @@ use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-fn dir() -> PathBuf {
-    cli::scratch_dir("files")
+/// Each test's own directory: the tests run at once, and one test's files written beside
+/// and renamed must not be counted as another's leftovers.
+fn dir(test: &str) -> PathBuf {
+    cli::scratch_dir(&format!("files-{test}"))
 }
 
-/// A small valid snapshot of ours.
-fn snapshot(name: &str) -> PathBuf {
-    let path = dir().join(name);
+/// A small valid snapshot of ours in `dir`.
+fn snapshot(dir: &Path, name: &str) -> PathBuf {
+    let path = dir.join(name);
     let value = serde_json::json!({
         "format": "streamalloc-snapshot", "version": 1, "source": "streamalloc",
         "devices": [{"device": 0, "segments": [], "trace": [
@@ -75,8 +77,8 @@ fn kind(path: &Path) -> String {
 
 #[test]
 fn outputs_that_are_not_regular_files_are_refused_and_left_as_they_were() {
-    let input = snapshot("in.json");
-    let d = dir();
+    let d = dir("refused");
+    let input = snapshot(&d, "in.json");
     let fifo = d.join("fifo");
     assert!(std::process::Command::new("mkfifo")
         .arg(&fifo)
@@ -124,8 +126,8 @@ fn outputs_that_are_not_regular_files_are_refused_and_left_as_they_were() {
 /// stays; a file replaced keeps its permissions.
 #[test]
 fn a_link_to_a_regular_file_is_written_through_and_permissions_are_kept() {
-    let input = snapshot("in2.json");
-    let d = dir();
+    let d = dir("through");
+    let input = snapshot(&d, "in2.json");
     let real = d.join("real.json");
     std::fs::write(&real, b"old").unwrap();
     std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o600)).unwrap();
@@ -147,12 +149,13 @@ fn a_link_to_a_regular_file_is_written_through_and_permissions_are_kept() {
 /// `plot IN -o IN`, under any name, is refused before anything is read; the input stays.
 #[test]
 fn plotting_a_file_onto_itself_is_refused() {
-    let input = snapshot("s.svg");
+    let d = dir("itself");
+    let input = snapshot(&d, "s.svg");
     let original = std::fs::read(&input).unwrap();
-    let hard = dir().join("hard.svg");
+    let hard = d.join("hard.svg");
     let _ = std::fs::remove_file(&hard);
     std::fs::hard_link(&input, &hard).unwrap();
-    for output in [input.clone(), hard.clone(), dir().join(".").join("s.svg")] {
+    for output in [input.clone(), hard.clone(), d.join(".").join("s.svg")] {
         let out = plot(&input, &output);
         let err = refused(&out, "is the input file");
         assert!(err.contains("choose another output name"), "{err}");
