@@ -100,9 +100,7 @@ impl State {
         }
         for &key in &ready {
             self.unlist(key);
-            for event in self.arena.take_pending(key) {
-                self.events.release(event, &mut self.stats);
-            }
+            self.release_pending(key);
             let block = self.arena.block(key);
             let (addr, size, owner) = (block.addr(), block.size(), block.owner());
             self.note(backend, TraceAction::FreeCompleted, addr, size, owner);

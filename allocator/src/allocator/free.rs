@@ -68,7 +68,11 @@ impl State {
         let uses = self.arena.free(key, stream.fences.epoch());
         let fence = stream.fences.note_free();
         let park = uses.is_empty() && stream.hot.admit();
-        self.streams.note_events(owner);
+        // The free leaves the stream with an unfenced free: the passes must visit it. Most
+        // frees find it listed already, and need not index the table again.
+        if !stream.in_event_slots() {
+            self.streams.note_events(owner);
+        }
         if !park {
             entry.remove();
         }

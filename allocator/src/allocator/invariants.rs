@@ -203,8 +203,7 @@ impl State {
     /// nothing holds an event that is not outstanding.
     fn check_events(&self, mut event_refs: HashMap<EventKey, u32>) -> Result<(), String> {
         for (slot, state) in self.streams.states.iter().enumerate() {
-            let busy = !state.in_flight.is_empty() || state.fences.busy();
-            if busy && !self.streams.in_event_slots(slot as StreamSlot) {
+            if state.has_events() && !state.in_event_slots() {
                 return Err(format!(
                     "stream slot {slot} has events, fences or unfenced frees but is not among \
                      the event slots: completion passes would never visit it"

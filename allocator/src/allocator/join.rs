@@ -90,13 +90,8 @@ impl State {
         epoch: u32,
     ) -> Result<(), AllocError> {
         self.unlist(key);
-        if let Err(err) = self.wait_for_block(backend, key, slot) {
-            self.list(key); // not taken over: back in its list
-            return Err(err.into());
-        }
-        for event in self.arena.take_pending(key) {
-            self.events.release(event, &mut self.stats);
-        }
+        self.wait_or_relist(backend, key, slot)?;
+        self.release_pending(key);
         self.arena.adopt(key, slot, epoch);
         Ok(())
     }

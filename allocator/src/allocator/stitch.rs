@@ -561,13 +561,8 @@ impl State {
             let rest = self.split_keeping_events(middle, len);
             self.list(rest);
         }
-        if let Err(err) = self.wait_for_block(backend, middle, slot) {
-            self.list(middle); // not lent: back in its list
-            return Err(err.into());
-        }
-        for event in self.arena.take_pending(middle) {
-            self.events.release(event, &mut self.stats);
-        }
+        self.wait_or_relist(backend, middle, slot)?;
+        self.release_pending(middle);
         self.arena.lend(middle);
         Ok(middle)
     }

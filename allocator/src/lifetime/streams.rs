@@ -57,6 +57,21 @@ pub(crate) struct StreamState {
 }
 
 impl StreamState {
+    /// True if a completion or fence pass has something to do on the stream: events in
+    /// flight, fences in flight or frees no fence covers yet. Such a slot must be among
+    /// [`StreamTable::event_slots`], or the passes would never visit it.
+    #[inline]
+    pub(crate) fn has_events(&self) -> bool {
+        !self.in_flight.is_empty() || self.fences.busy()
+    }
+
+    /// True if the slot is among [`StreamTable::event_slots`]: a free on a stream already
+    /// there need not note it again (the hot free path reads this flag, not the table).
+    #[inline]
+    pub(crate) fn in_event_slots(&self) -> bool {
+        self.in_event_slots
+    }
+
     /// True if no free list of the slot holds a block.
     fn lists_empty(&self) -> bool {
         self.ready
@@ -304,11 +319,6 @@ impl StreamTable {
         }
     }
 
-    /// True if `slot` is among the slots the completion and fence passes visit.
-    pub(crate) fn in_event_slots(&self, slot: StreamSlot) -> bool {
-        self.states[slot as usize].in_event_slots
-    }
-
     /// Takes the slots that may have events, fences or unfenced frees, for a pass over
     /// them; [`StreamTable::return_event_slots`] puts them back.
     pub(crate) fn take_event_slots(&mut self) -> Vec<StreamSlot> {
@@ -321,7 +331,7 @@ impl StreamTable {
         let states = &mut self.states;
         slots.retain(|&slot| {
             let state = &mut states[slot as usize];
-            let keep = !state.in_flight.is_empty() || state.fences.busy();
+            let keep = state.has_events();
             state.in_event_slots = keep;
             keep
         });
