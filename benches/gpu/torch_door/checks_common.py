@@ -1,8 +1,15 @@
-# What every check of checks.py and checks_compile.py shares: installing the allocator
-# under test, its allocation count, settling the device, and the result record.
+# What the checks share: installing the allocator under test, its allocation count,
+# settling the device, the result record, and running a script once per allocator, each in
+# a process of its own, reading back the JSON line it prints last.
 import gc
+import json
+import os
+import subprocess
+import sys
 
 MiB = 1 << 20
+# PyTorch's allocator, then streamalloc through each door.
+ALLOCATORS = ("native", "sa_native", "sa_pluggable")
 
 
 def door_of(alloc):
@@ -50,3 +57,31 @@ def settle(torch):
 
 def result(ok, figure, **detail):
     return {"status": "PASS" if ok else "FAIL", "figure": figure, "detail": detail}
+
+
+class Run:
+    """One allocator's process: the lines it printed before the last, the last line's
+    JSON (None if it did not end with one), and what went wrong (None if nothing did)."""
+
+    def __init__(self, alloc, completed):
+        self.alloc = alloc
+        lines = completed.stdout.strip().splitlines()
+        self.last = lines[-1] if lines else ""
+        self.lines = lines[:-1]
+        self.summary = json.loads(self.last) if self.last.startswith("{") else None
+        self.failure = None
+        if completed.returncode != 0 or self.summary is None:
+            self.failure = f"exit {completed.returncode}: {completed.stderr.strip()[-1500:]}"
+
+    @property
+    def skipped(self):
+        return self.summary is None and self.last.startswith("SKIP")
+
+
+def run_each(script, timeout):
+    """Runs SCRIPT with each of ALLOCATORS as its argument, each in a process of its own,
+    and yields a Run for each."""
+    for alloc in ALLOCATORS:
+        completed = subprocess.run([sys.executable, os.path.abspath(script), alloc],
+                                   capture_output=True, text=True, timeout=timeout)
+        yield Run(alloc, completed)

@@ -12,20 +12,11 @@
 # Exits 1 if a value is wrong or an error is raised.
 import ctypes
 import json
-import os
-import subprocess
 import sys
 
-MiB = 1 << 20
-ALLOCATORS = ("native", "sa_native", "sa_pluggable")
+from checks_common import MiB, install, run_each
+
 ROUNDS = 30
-
-
-def install(alloc):
-    if alloc == "native":
-        return
-    import streamalloc.torch as st
-    st.install(door="pluggable" if alloc == "sa_pluggable" else "native")
 
 
 def run_one(alloc):
@@ -80,17 +71,13 @@ def run_one(alloc):
 
 def compare():
     failed = []
-    for alloc in ALLOCATORS:
-        run = subprocess.run([sys.executable, os.path.abspath(__file__), alloc],
-                             capture_output=True, text=True, timeout=600)
-        last = run.stdout.strip().splitlines()[-1:] or [""]
-        if not last[0].startswith("{"):
+    for run in run_each(__file__, timeout=600):
+        alloc, r = run.alloc, run.summary
+        if run.failure:
             failed.append(alloc)
-            print(f"{alloc:13} FAIL  exit {run.returncode}: {run.stderr.strip()[-1500:]}")
+            print(f"{alloc:13} FAIL  {run.failure}")
+        if r is None:
             continue
-        r = json.loads(last[0])
-        if not r["ok"]:
-            failed.append(alloc)
         print(f"{alloc:13} {'PASS' if r['ok'] else 'FAIL'}  {ROUNDS} foreign streams made, used "
               f"and destroyed: {r['bad']} wrong values, {r['errors']} errors"
               + (f" (first: {r['first_error']})" if r["first_error"] else ""))

@@ -12,12 +12,10 @@
 # summary; exits 1 if an allocator fails or finds a batch smaller than PyTorch's.
 import gc
 import json
-import os
-import subprocess
 import sys
 
-MiB = 1 << 20
-ALLOCATORS = ("native", "sa_native", "sa_pluggable")
+from checks_common import ALLOCATORS, MiB, install, run_each
+
 LIMIT_GIB = 6.0  # the memory fraction, in GiB of the device
 START_BATCH = 1 << 16
 
@@ -26,14 +24,6 @@ def is_cuda_out_of_memory(err):
     """accelerate's test (accelerate.utils.memory.should_reduce_batch_size)."""
     return isinstance(err, RuntimeError) and len(err.args) == 1 and \
         "CUDA out of memory." in str(err.args[0])
-
-
-def install(alloc):
-    if alloc == "native":
-        return
-    import streamalloc.torch as st
-    door = "pluggable" if alloc == "sa_pluggable" else "native"
-    st.install(door=door)
 
 
 def run_one(alloc):
@@ -91,18 +81,14 @@ def run_one(alloc):
 
 def compare():
     found, failed = {}, []
-    for alloc in ALLOCATORS:
-        run = subprocess.run([sys.executable, os.path.abspath(__file__), alloc],
-                             capture_output=True, text=True, timeout=600)
-        last = run.stdout.strip().splitlines()[-1:] or [""]
-        if not last[0].startswith("{"):
+    for run in run_each(__file__, timeout=600):
+        alloc, r = run.alloc, run.summary
+        if run.failure:
             failed.append(alloc)
-            print(f"{alloc:13} FAIL  exit {run.returncode}: {run.stderr.strip()[-1500:]}")
+            print(f"{alloc:13} FAIL  {run.failure}")
+        if r is None:
             continue
-        r = json.loads(last[0])
         found[alloc] = r["batch"]
-        if not r["ok"]:
-            failed.append(alloc)
         ooms = sum(1 for _, what in r["tries"] if what == "oom")
         print(f"{alloc:13} {'PASS' if r['ok'] else 'FAIL'}  batch {r['batch']} after {ooms} "
               f"out-of-memory errors caught and retried; 10 steps trained (last loss "

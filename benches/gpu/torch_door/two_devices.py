@@ -20,26 +20,14 @@
 #   threads    one thread per device allocating and freeing at once.
 # Exits 1 if a check fails. Needs two GPUs; prints SKIP and exits 0 with fewer.
 import json
-import os
-import subprocess
 import sys
 import threading
 
-MiB = 1 << 20
-ALLOCATORS = ("native", "sa_native", "sa_pluggable")
+from checks_common import ALLOCATORS, MiB, install, run_each
+
 # cuBLAS may pick other kernels for other addresses (alignment): losses agree to float32's
 # last digits, not bit for bit.
 LOSS_TOLERANCE = 1e-5
-
-
-def install(alloc):
-    if alloc == "native":
-        return
-    import streamalloc.torch as st
-    door = "pluggable" if alloc == "sa_pluggable" else "native"
-    st.install(door=door)
-    if st.door() != door:
-        raise RuntimeError(f"asked for door {door!r}, got {st.door()!r}")
 
 
 def pipeline(torch):
@@ -229,20 +217,18 @@ def run_one(alloc):
 
 def compare():
     losses, failed = {}, []
-    for alloc in ALLOCATORS:
-        run = subprocess.run([sys.executable, os.path.abspath(__file__), alloc],
-                             capture_output=True, text=True, timeout=300)
-        lines = run.stdout.strip().splitlines()
-        for line in lines[:-1]:
+    for run in run_each(__file__, timeout=300):
+        alloc, summary = run.alloc, run.summary
+        if run.skipped:
+            print(run.last)
+            return 0
+        for line in run.lines:
             print(line)
-        if run.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        if run.failure:
             failed.append(alloc)
-            print(f"{alloc}: exit {run.returncode}\n{run.stderr[-2000:]}")
-            if lines and lines[-1].startswith("SKIP"):
-                print(lines[-1])
-                return 0
+            print(f"{alloc:13} FAIL  {run.failure}")
+        if summary is None:
             continue
-        summary = json.loads(lines[-1])
         losses[alloc] = summary["pipeline"]["losses"]
         if alloc != "native":
             print(f"{alloc:13} served      {summary['served']} allocations")
