@@ -5,18 +5,20 @@ use super::*;
 
 impl State {
     /// One batched pass: on each stream, queries in-flight events oldest first up to the
-    /// first incomplete one, then returns every pending block whose events all completed to
+    /// first incomplete one, then its fences the same way, then returns every pending block whose events all completed to
     /// its owner's ready list. Returns true if any block became ready.
     pub(super) fn collect_completed<B: Backend>(
         &mut self,
         backend: &B,
     ) -> Result<bool, BackendError> {
         let mut completed_any = false;
+        // One walk of the busy streams for both passes: the events, then the fences.
         let slots = self.streams.take_event_slots();
-        let queried = self.query_in_flight(backend, &slots, &mut completed_any);
+        let queried = self
+            .query_in_flight(backend, &slots, &mut completed_any)
+            .and_then(|()| self.complete_fences_of(backend, &slots));
         self.streams.return_event_slots(slots);
         queried?;
-        self.complete_fences(backend)?;
         if completed_any {
             Ok(self.promote_completed(backend) > 0)
         } else {

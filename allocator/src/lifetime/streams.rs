@@ -184,6 +184,16 @@ impl StreamState {
     }
 }
 
+/// Adds `slot` to one of [`StreamTable`]'s slot lists unless `listed` (its flag for that
+/// list) says it is there already: each slot at most once, found without a search.
+#[inline]
+fn add_once(slots: &mut Vec<StreamSlot>, listed: &mut bool, slot: StreamSlot) {
+    if !*listed {
+        *listed = true;
+        slots.push(slot);
+    }
+}
+
 /// Every (stream, pool) the allocator has seen, in first-seen order.
 #[derive(Debug, Default)]
 pub(crate) struct StreamTable {
@@ -262,11 +272,11 @@ impl StreamTable {
     /// Notes that `slot` holds a hot block.
     #[inline]
     pub(crate) fn note_hot(&mut self, slot: StreamSlot) {
-        let state = &mut self.states[slot as usize];
-        if !state.in_hot_slots {
-            state.in_hot_slots = true;
-            self.hot_slots.push(slot);
-        }
+        add_once(
+            &mut self.hot_slots,
+            &mut self.states[slot as usize].in_hot_slots,
+            slot,
+        );
     }
 
     /// Takes the slots that may hold hot blocks (the caller drains their hot lists).
@@ -281,11 +291,11 @@ impl StreamTable {
     /// Notes that `slot` holds a listed free block.
     #[inline]
     pub(crate) fn note_free(&mut self, slot: StreamSlot) {
-        let state = &mut self.states[slot as usize];
-        if !state.in_free_slots {
-            state.in_free_slots = true;
-            self.free_slots.push(slot);
-        }
+        add_once(
+            &mut self.free_slots,
+            &mut self.states[slot as usize].in_free_slots,
+            slot,
+        );
     }
 
     /// The slots that may hold listed free blocks (a superset of those that do).
@@ -312,11 +322,11 @@ impl StreamTable {
     /// Notes that `slot` may have events or fences in flight, or frees no fence covers.
     #[inline]
     pub(crate) fn note_events(&mut self, slot: StreamSlot) {
-        let state = &mut self.states[slot as usize];
-        if !state.in_event_slots {
-            state.in_event_slots = true;
-            self.event_slots.push(slot);
-        }
+        add_once(
+            &mut self.event_slots,
+            &mut self.states[slot as usize].in_event_slots,
+            slot,
+        );
     }
 
     /// Takes the slots that may have events, fences or unfenced frees, for a pass over
