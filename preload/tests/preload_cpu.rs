@@ -70,7 +70,7 @@ int main(void) {
 #[test]
 fn calls_reach_the_real_runtime_when_no_gpu_is_there() {
     let stand_ins = StandIns {
-        runtime: FAKE_CUDART,
+        runtime: &[FAKE_CUDART],
         runtime_extra_exports: "",
         driver: &[],
         program: PROGRAM,
@@ -213,7 +213,7 @@ int main(void) {
 fn stream_ordered_calls_under_capture_reach_the_runtime() {
     // NVIDIA's versioning, plus the program's probe of the arena.
     let stand_ins = StandIns {
-        runtime: FAKE_CUDART_CAPTURE,
+        runtime: &[FAKE_CUDART_CAPTURE],
         runtime_extra_exports: "fake_*;",
         driver: &[DRIVER_COMMON, FAKE_CUDA],
         program: CAPTURE_PROGRAM,

@@ -9,19 +9,15 @@
 use std::process::Command;
 
 mod support;
-use support::{build, preload_library, StandIns, DRIVER_COMMON, DRIVER_VMM};
+use support::{
+    build, preload_library, StandIns, DRIVER_COMMON, DRIVER_VMM, RUNTIME_SERVED_BY_INTERPOSER,
+};
 
-/// The stand-in runtime: the current device, and allocation calls that are never reached
-/// (the interposer serves them).
+/// The stand-in runtime, after `RUNTIME_SERVED_BY_INTERPOSER`: the current device.
 const FAKE_CUDART: &str = r#"
 static int device;
 int cudaGetDevice(int* d) { *d = device; return 0; }
 int cudaSetDevice(int d) { device = d; return 0; }
-int cudaStreamIsCapturing(void* s, int* status) { (void)s; *status = 0; return 0; }
-int cudaMalloc(void** p, unsigned long n) { (void)p; (void)n; return 2; }
-int cudaFree(void* p) { (void)p; return 0; }
-int cudaMallocAsync(void** p, unsigned long n, void* s) { (void)p; (void)n; (void)s; return 2; }
-int cudaFreeAsync(void* p, void* s) { (void)p; (void)s; return 0; }
 "#;
 
 /// The stand-in driver, after `DRIVER_COMMON` and `DRIVER_VMM`: two devices, and a log line
@@ -70,7 +66,7 @@ int main(void) {
 /// `FAKE_PEERS` set to `peers`; `None` without a C compiler. Returns its stdout.
 fn run(name: &str, peers: &str) -> Option<String> {
     let stand_ins = StandIns {
-        runtime: FAKE_CUDART,
+        runtime: &[RUNTIME_SERVED_BY_INTERPOSER, FAKE_CUDART],
         runtime_extra_exports: "",
         driver: &[DRIVER_COMMON, DRIVER_VMM, FAKE_CUDA],
         program: PROGRAM,

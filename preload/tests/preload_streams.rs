@@ -9,15 +9,13 @@
 use std::process::Command;
 
 mod support;
-use support::{build, preload_library, StandIns, DRIVER_COMMON, DRIVER_VMM};
+use support::{
+    build, preload_library, StandIns, DRIVER_COMMON, DRIVER_VMM, RUNTIME_SERVED_BY_INTERPOSER,
+};
 
+/// The stand-in runtime, after `RUNTIME_SERVED_BY_INTERPOSER`: device 0 is current.
 const FAKE_CUDART: &str = r#"
 int cudaGetDevice(int* d) { *d = 0; return 0; }
-int cudaStreamIsCapturing(void* s, int* status) { (void)s; *status = 0; return 0; }
-int cudaMalloc(void** p, unsigned long n) { (void)p; (void)n; return 2; }
-int cudaFree(void* p) { (void)p; return 0; }
-int cudaMallocAsync(void** p, unsigned long n, void* s) { (void)p; (void)n; (void)s; return 2; }
-int cudaFreeAsync(void* p, void* s) { (void)p; (void)s; return 0; }
 "#;
 
 /// The stand-in driver, after `DRIVER_COMMON` and `DRIVER_VMM`: one device; streams are
@@ -74,7 +72,7 @@ int main(void) {
 #[test]
 fn no_driver_call_names_a_stream_the_program_destroyed() {
     let stand_ins = StandIns {
-        runtime: FAKE_CUDART,
+        runtime: &[RUNTIME_SERVED_BY_INTERPOSER, FAKE_CUDART],
         runtime_extra_exports: "",
         driver: &[DRIVER_COMMON, DRIVER_VMM, FAKE_CUDA],
         program: PROGRAM,

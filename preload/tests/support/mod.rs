@@ -44,8 +44,9 @@ pub fn preload_library() -> PathBuf {
 
 /// The sources of one test's stand-ins.
 pub struct StandIns<'a> {
-    /// The stand-in `libcudart.so`, its `cuda*` symbols versioned like NVIDIA's.
-    pub runtime: &'a str,
+    /// The stand-in `libcudart.so`, in parts joined in order, its `cuda*` symbols
+    /// versioned like NVIDIA's.
+    pub runtime: &'a [&'a str],
     /// Symbols the runtime exports besides `cuda*` (for the program's probes), e.g. `fake_*;`.
     pub runtime_extra_exports: &'a str,
     /// The stand-in `libcuda.so` (the first name cudarc's loader tries), in parts joined
@@ -65,7 +66,7 @@ pub fn build(name: &str, stand_ins: &StandIns) -> Option<(PathBuf, PathBuf)> {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let s = |p: &Path| p.to_str().unwrap().to_owned();
-    std::fs::write(dir.join("fake_cudart.c"), stand_ins.runtime).unwrap();
+    std::fs::write(dir.join("fake_cudart.c"), stand_ins.runtime.concat()).unwrap();
     std::fs::write(
         dir.join("fake_cudart.map"),
         format!(
@@ -108,6 +109,17 @@ pub fn build(name: &str, stand_ins: &StandIns) -> Option<(PathBuf, PathBuf)> {
     assert!(cc(&args));
     Some((dir, program))
 }
+
+/// A stand-in runtime's part for tests whose allocations the interposer serves on the
+/// stand-in driver: no stream is capturing, and the runtime's own allocation calls, never
+/// reached, fail if they are.
+pub const RUNTIME_SERVED_BY_INTERPOSER: &str = r#"
+int cudaStreamIsCapturing(void* s, int* status) { (void)s; *status = 0; return 0; }
+int cudaMalloc(void** p, unsigned long n) { (void)p; (void)n; return 2; }
+int cudaFree(void* p) { (void)p; return 0; }
+int cudaMallocAsync(void** p, unsigned long n, void* s) { (void)p; (void)n; (void)s; return 2; }
+int cudaFreeAsync(void* p, void* s) { (void)p; (void)s; return 0; }
+"#;
 
 /// The stand-in driver's common part: one primary context per device, contexts made
 /// current as the driver would, 80 GiB devices, events created from one token, error
