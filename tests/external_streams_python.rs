@@ -6,7 +6,6 @@
 //! builds it. Passes, saying why, without `python3`.
 
 use std::path::Path;
-use std::process::Command;
 
 mod cli;
 
@@ -49,12 +48,9 @@ fn the_pluggable_door_marks_each_external_stream_volatile() {
     )
     .unwrap();
     let path = std::env::join_paths([root.join("python"), dir.clone()]).unwrap();
-    let out = Command::new("python3")
+    let out = cli::python3(path)
         .arg("-c")
         .arg(PROGRAM)
-        .env("PYTHONPATH", path)
-        .env("STREAMALLOC_LIB", cli::built_library())
-        .env_remove("STREAMALLOC_CONF")
         .output()
         .expect("spawn python3");
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -5,7 +5,6 @@
 //! --sleep-signals` report failures without raising. Passes, saying why, without `python3`.
 
 use std::path::Path;
-use std::process::Command;
 
 mod cli;
 
@@ -15,11 +14,8 @@ fn the_python_api_refuses_misuse_with_one_line() {
     if !cli::python3_available() {
         return;
     }
-    let out = Command::new("python3")
+    let out = cli::python3(root.join("python"))
         .arg(root.join("benches/gpu/sleep/api_check.py"))
-        .env("PYTHONPATH", root.join("python"))
-        .env("STREAMALLOC_LIB", cli::built_library())
-        .env_remove("STREAMALLOC_CONF")
         .output()
         .expect("spawn python3");
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -96,6 +96,17 @@ memory.change_current_allocator = lambda a: None
 cuda.memory = memory
 "#;
 
+/// `python3` importing from `pythonpath` (the checkout's `python/` first), loading the
+/// built library, with no configuration from the environment.
+pub fn python3(pythonpath: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut command = Command::new("python3");
+    command
+        .env("PYTHONPATH", pythonpath)
+        .env("STREAMALLOC_LIB", built_library())
+        .env_remove("STREAMALLOC_CONF");
+    command
+}
+
 /// True if `python3` runs; the Python tests pass, saying why, without it.
 pub fn python3_available() -> bool {
     let ran = Command::new("python3").arg("-c").arg("pass").output();
