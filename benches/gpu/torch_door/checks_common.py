@@ -85,3 +85,17 @@ def run_each(script, timeout):
         completed = subprocess.run([sys.executable, os.path.abspath(script), alloc],
                                    capture_output=True, text=True, timeout=timeout)
         yield Run(alloc, completed)
+
+
+def verdict(name, failed):
+    """Prints NAME's last line (all passed, or the allocators that failed); the exit status."""
+    print(f"{name}: " + ("all passed" if not failed else f"failed: {', '.join(failed)}"))
+    return 1 if failed else 0
+
+
+def main(script, run_one, compare):
+    """The command line of a script with one process per allocator: ALLOC runs it under one
+    allocator, --compare under each in turn (run_each). Exits with what they return."""
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: {os.path.basename(script)} {'|'.join(ALLOCATORS)}|--compare")
+    sys.exit(compare() if sys.argv[1] == "--compare" else run_one(sys.argv[1]))

@@ -12,9 +12,8 @@
 # Exits 1 if a value is wrong or an error is raised.
 import ctypes
 import json
-import sys
 
-from checks_common import MiB, install, run_each
+from checks_common import MiB, install, main, run_each, verdict
 
 ROUNDS = 30
 
@@ -81,11 +80,8 @@ def compare():
         print(f"{alloc:13} {'PASS' if r['ok'] else 'FAIL'}  {ROUNDS} foreign streams made, used "
               f"and destroyed: {r['bad']} wrong values, {r['errors']} errors"
               + (f" (first: {r['first_error']})" if r["first_error"] else ""))
-    print("foreign_streams: " + ("all passed" if not failed else f"failed: {', '.join(failed)}"))
-    return 1 if failed else 0
+    return verdict("foreign_streams", failed)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: foreign_streams.py native|sa_native|sa_pluggable|--compare")
-    sys.exit(compare() if sys.argv[1] == "--compare" else run_one(sys.argv[1]))
+    main(__file__, run_one, compare)

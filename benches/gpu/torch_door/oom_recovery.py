@@ -12,9 +12,8 @@
 # summary; exits 1 if an allocator fails or finds a batch smaller than PyTorch's.
 import gc
 import json
-import sys
 
-from checks_common import ALLOCATORS, MiB, install, run_each
+from checks_common import ALLOCATORS, MiB, install, main, run_each, verdict
 
 LIMIT_GIB = 6.0  # the memory fraction, in GiB of the device
 START_BATCH = 1 << 16
@@ -100,11 +99,8 @@ def compare():
             if alloc in found and found[alloc] < found["native"]:
                 failed.append(alloc)
                 print(f"{alloc:13} FAIL  found a smaller batch than PyTorch's allocator")
-    print("oom_recovery: " + ("all passed" if not failed else f"failed: {', '.join(failed)}"))
-    return 1 if failed else 0
+    return verdict("oom_recovery", failed)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: oom_recovery.py native|sa_native|sa_pluggable|--compare")
-    sys.exit(compare() if sys.argv[1] == "--compare" else run_one(sys.argv[1]))
+    main(__file__, run_one, compare)

@@ -20,10 +20,9 @@
 #   threads    one thread per device allocating and freeing at once.
 # Exits 1 if a check fails. Needs two GPUs; prints SKIP and exits 0 with fewer.
 import json
-import sys
 import threading
 
-from checks_common import ALLOCATORS, MiB, install, run_each
+from checks_common import ALLOCATORS, MiB, install, main, run_each, verdict
 
 # cuBLAS may pick other kernels for other addresses (alignment): losses agree to float32's
 # last digits, not bit for bit.
@@ -241,11 +240,8 @@ def compare():
                       f"from PyTorch's allocator {diff:.2e}")
                 if not same:
                     failed.append(alloc)
-    print("two_devices: " + ("all passed" if not failed else f"failed: {', '.join(failed)}"))
-    return 1 if failed else 0
+    return verdict("two_devices", failed)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: two_devices.py native|sa_native|sa_pluggable|--compare")
-    sys.exit(compare() if sys.argv[1] == "--compare" else run_one(sys.argv[1]))
+    main(__file__, run_one, compare)
