@@ -73,6 +73,12 @@ class Run:
         if completed.returncode != 0 or self.summary is None:
             self.failure = f"exit {completed.returncode}: {completed.stderr.strip()[-1500:]}"
 
+    def count_failure(self, failed):
+        """Adds the allocator to FAILED, saying why, if its process went wrong."""
+        if self.failure:
+            failed.append(self.alloc)
+            print(f"{self.alloc:13} FAIL  {self.failure}")
+
     @property
     def skipped(self):
         return self.summary is None and self.last.startswith("SKIP")

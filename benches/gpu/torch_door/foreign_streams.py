@@ -72,9 +72,7 @@ def compare():
     failed = []
     for run in run_each(__file__, timeout=600):
         alloc, r = run.alloc, run.summary
-        if run.failure:
-            failed.append(alloc)
-            print(f"{alloc:13} FAIL  {run.failure}")
+        run.count_failure(failed)
         if r is None:
             continue
         print(f"{alloc:13} {'PASS' if r['ok'] else 'FAIL'}  {ROUNDS} foreign streams made, used "

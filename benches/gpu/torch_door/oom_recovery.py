@@ -82,9 +82,7 @@ def compare():
     found, failed = {}, []
     for run in run_each(__file__, timeout=600):
         alloc, r = run.alloc, run.summary
-        if run.failure:
-            failed.append(alloc)
-            print(f"{alloc:13} FAIL  {run.failure}")
+        run.count_failure(failed)
         if r is None:
             continue
         found[alloc] = r["batch"]

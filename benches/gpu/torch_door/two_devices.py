@@ -223,9 +223,7 @@ def compare():
             return 0
         for line in run.lines:
             print(line)
-        if run.failure:
-            failed.append(alloc)
-            print(f"{alloc:13} FAIL  {run.failure}")
+        run.count_failure(failed)
         if summary is None:
             continue
         losses[alloc] = summary["pipeline"]["losses"]
